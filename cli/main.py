@@ -1,0 +1,11 @@
+"""The `offline-paged` command: a click group; each subcommand lives in its own module."""
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="offline-paged")
+def cli() -> None:
+    """Offline batch LLM inference on PagedAttention: JSONL prompts in, JSONL completions out."""
+
+
+# Subcommands register here, one line each (imports kept below the group on purpose).

@@ -1,0 +1,110 @@
+"""Paged attention: the metadata a forward needs and the NumPy reference every CUDA kernel is tested against.
+
+Legend for shape comments:
+    T  tokens in the batch (all sequences' query tokens, concatenated)
+    S  sequences in the batch
+    H  query heads, Hkv key/value heads (H % Hkv == 0), D head dim
+    N  physical KV blocks in the pool, B block size (tokens per block), M max blocks per sequence
+
+KV cache layout (one contiguous array per model, so a block copy or swap is one gather):
+    kv_cache[layer, 0] is K, kv_cache[layer, 1] is V, each [N, B, Hkv, D].
+    Token position p of a sequence lives in physical block block_table[p // B], offset p % B;
+    its *slot* is block_table[p // B] * B + p % B.
+
+Query layout: the queries of sequence i are rows query_start_loc[i]:query_start_loc[i + 1] of q.
+Sequence i has context_lens[i] tokens in its cache after this step's K/V are written; its q_len
+queries sit at positions context_lens[i] - q_len ... context_lens[i] - 1 and attend causally,
+so a decode step is q_len == 1 and a prefill chunk attends to the cached prefix plus causally
+within the chunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one forward, passed explicitly (no global context).
+
+    Arrays live on the backend's device (numpy or cupy) and are int32.
+    """
+
+    slot_mapping: Any  # [T] cache slot each new token's K/V goes to; negative = skip (padding)
+    block_tables: Any  # [S, M] physical block ids; entries past a sequence's blocks are padding (0)
+    context_lens: Any  # [S] tokens in each sequence's cache after this step
+    query_start_loc: Any  # [S + 1] prefix sums of query lengths
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+
+def write_kv_reference(xp, k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Scatter new K/V rows into the cache by slot; rows whose slot is negative are skipped.
+
+    k, v: [T, Hkv, D]; k_cache, v_cache: [N, B, Hkv, D] (written in place).
+    """
+    num_blocks, block_size = k_cache.shape[:2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.reshape(num_blocks * block_size, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.reshape(num_blocks * block_size, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def paged_attention_reference(xp, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """Causal grouped-query attention reading K/V through block tables. Returns [T, H, D].
+
+    Plain per-sequence loop on purpose: this is the readable definition the kernels must match.
+    Softmax is computed in float32 at least (float64 inputs stay float64).
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
+    acc_dtype = xp.promote_types(q.dtype, xp.float32)
+    out = xp.zeros(q.shape, dtype=q.dtype)  # [T, H, D]
+    starts = [int(s) for s in meta.query_start_loc.tolist()]
+    context_lens = [int(c) for c in meta.context_lens.tolist()]
+    for i, context_len in enumerate(context_lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = -(-context_len // block_size)
+        blocks = meta.block_tables[i, :num_blocks]
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len]  # [C, Hkv, D]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len]  # [C, Hkv, D]
+        k = xp.repeat(k.astype(acc_dtype), group, axis=1)  # [C, H, D]
+        v = xp.repeat(v.astype(acc_dtype), group, axis=1)  # [C, H, D]
+        qs = q[q_start:q_end].astype(acc_dtype)  # [q_len, H, D]
+        scores = xp.einsum("qhd,khd->hqk", qs, k) * scale  # [H, q_len, C]
+        query_pos = xp.arange(context_len - q_len, context_len)[:, None]  # [q_len, 1]
+        key_pos = xp.arange(context_len)[None, :]  # [1, C]
+        scores = xp.where(key_pos <= query_pos, scores, -xp.inf)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        probs = xp.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[q_start:q_end] = xp.einsum("hqk,khd->qhd", probs, v).astype(q.dtype)
+    return out
+
+
+def dense_causal_attention(xp, q, k, v, scale: float):
+    """Plain causal GQA attention for one sequence held contiguously (the "paged == dense" check).
+
+    q: [L, H, D]; k, v: [L, Hkv, D]. Returns [L, H, D].
+    """
+    group = q.shape[1] // k.shape[1]
+    acc_dtype = xp.promote_types(q.dtype, xp.float32)
+    k = xp.repeat(k.astype(acc_dtype), group, axis=1)  # [L, H, D]
+    v = xp.repeat(v.astype(acc_dtype), group, axis=1)  # [L, H, D]
+    scores = xp.einsum("qhd,khd->hqk", q.astype(acc_dtype), k) * scale  # [H, L, L]
+    length = q.shape[0]
+    mask = xp.tril(xp.ones((length, length), dtype=bool))
+    scores = xp.where(mask, scores, -xp.inf)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    probs = xp.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return xp.einsum("hqk,khd->qhd", probs, v).astype(q.dtype)
