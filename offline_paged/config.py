@@ -1,0 +1,84 @@
+"""EngineConfig: every knob of one engine instance, validated once at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+GiB = 1 << 30
+
+
+class PreemptionMode(Enum):
+    """What happens to a sequence's KV cache when it is preempted."""
+
+    RECOMPUTE = "recompute"  # drop the blocks; re-prefill prompt + generated tokens on readmission
+    SWAP = "swap"  # copy the blocks to the CPU pool; copy them back on readmission
+
+
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = (None, "float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Configuration of one LLMEngine. Names follow vLLM where the concept is the same.
+
+    KV pool size: `num_kv_blocks` wins when given; otherwise `kv_cache_memory` bytes (CPU default
+    1 GiB, capped at what max_num_seqs sequences of max_model_len tokens could ever use); on CUDA
+    without either, free device memory after the weights x `gpu_memory_utilization`.
+    CPU swap pool: `num_cpu_blocks` wins when given; otherwise `swap_space` bytes.
+    `max_model_len=None` means the model's own context length (capped by the KV pool).
+    """
+
+    model: str | None = None  # HF dir / GGUF path / name; None = the default model
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    dtype: str | None = None  # None = backend default (float32 on CPU, float16 on CUDA)
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the device KV pool
+    num_kv_blocks: int | None = None
+    swap_space: int = 1 * GiB  # bytes for the CPU swap pool (used by preemption_mode="swap")
+    num_cpu_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
+    gpu_memory_utilization: float = 0.9
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
+
+    def __post_init__(self) -> None:
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES[1:]} or None, got {self.dtype!r}")
+        _require_positive("block_size", self.block_size)
+        _require_positive("max_num_seqs", self.max_num_seqs)
+        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_positive(name, value)
+        for name in ("swap_space", "num_cpu_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        modes = [m.value for m in PreemptionMode]
+        if self.preemption_mode not in modes:
+            raise ValueError(f"preemption_mode must be one of {modes}, got {self.preemption_mode!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+
+    @property
+    def preemption(self) -> PreemptionMode:
+        return PreemptionMode(self.preemption_mode)
+
+
+def _require_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
