@@ -1,0 +1,110 @@
+"""Llama: the decoder forward over a paged KV cache, written once against `ops` / `ops.xp`.
+
+Legend for shape comments:
+    T  tokens in the batch (all sequences' new tokens, concatenated)   K  rows that need logits
+    E  hidden size   I  intermediate size   V  vocab size
+    H  query heads   Hkv  key/value heads   D  head dim
+    L  layers   N  physical KV blocks   B  block size
+
+Weights are kept [in, out] so every projection is `x @ W`; q/k/v are fused into one [E, (H+2Hkv)D]
+matrix and gate/up into one [E, 2I] matrix, so a layer is four matmuls.
+KV cache: [L, 2, N, B, Hkv, D] (kv[l, 0] = K, kv[l, 1] = V); see models/attention.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .attention import AttentionMetadata
+from .config import LlamaConfig
+from .rope import cos_sin_cache
+from .weight_spec import check_weights
+
+
+@dataclass(slots=True)
+class LlamaLayer:
+    input_norm: Any  # [E]
+    qkv: Any  # [E, (H + 2 Hkv) D]
+    o_proj: Any  # [H D, E]
+    post_norm: Any  # [E]
+    gate_up: Any  # [E, 2 I]
+    down: Any  # [I, E]
+
+
+class Llama:
+    """A Llama-layout decoder. `weights` maps HF tensor names to host arrays ([out, in] for linears);
+    they are checked against the config, rearranged to [in, out], fused and uploaded through `ops.xp`."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], ops, dtype=np.float32):
+        check_weights(config, {name: np.shape(w) for name, w in weights.items()})
+        self.config = config
+        self.ops = ops
+        xp = ops.xp
+        self.dtype = xp.dtype(dtype)
+
+        def upload(host) -> Any:
+            return xp.asarray(np.ascontiguousarray(host, dtype=self.dtype))
+
+        self.embed = upload(weights["model.embed_tokens.weight"])  # [V, E]
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed.T  # [E, V] (a transposed view; BLAS reads it without a copy)
+        else:
+            self.lm_head = upload(np.asarray(weights["lm_head.weight"]).T)  # [E, V]
+        self.final_norm = upload(weights["model.norm.weight"])  # [E]
+        self.layers = [self._layer(weights, i, upload) for i in range(config.num_hidden_layers)]
+        self.cos_sin_cache = upload(cos_sin_cache(config, self.dtype))  # [P, D]
+        self.scale = config.head_dim ** -0.5
+
+    @staticmethod
+    def _layer(weights, i: int, upload) -> LlamaLayer:
+        p = f"model.layers.{i}."
+
+        def linear(*names: str):
+            return upload(np.concatenate([np.asarray(weights[p + n]) for n in names], axis=0).T)
+
+        return LlamaLayer(
+            input_norm=upload(weights[p + "input_layernorm.weight"]),
+            qkv=linear("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+            o_proj=linear("self_attn.o_proj.weight"),
+            post_norm=upload(weights[p + "post_attention_layernorm.weight"]),
+            gate_up=linear("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            down=linear("mlp.down_proj.weight"),
+        )
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int):
+        """A zeroed pool [L, 2, N, B, Hkv, D] in the model dtype on the ops device."""
+        c = self.config
+        shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        return self.ops.xp.zeros(shape, dtype=self.dtype)
+
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices):
+        """Run the batch's new tokens through the model, writing their K/V into `kv_cache` by
+        `meta.slot_mapping`. input_ids, positions: [T]; logits_indices: [K] rows of T.
+        Returns float32 logits [K, V]."""
+        ops, eps = self.ops, self.config.rms_norm_eps
+        hidden = self.embed[input_ids]  # [T, E]
+        residual = None
+        for layer, layer_cache in zip(self.layers, kv_cache):
+            hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
+            hidden = self._attention(layer, hidden, positions, layer_cache, meta)
+            hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
+            hidden = ops.silu_mul(hidden @ layer.gate_up) @ layer.down  # [T, E]
+        # The final norm is per row, so only the rows that need logits go through it.
+        hidden, _ = ops.rms_norm(hidden[logits_indices], self.final_norm, eps, residual[logits_indices])
+        return (hidden @ self.lm_head).astype(ops.xp.float32)  # [K, V]
+
+    def _attention(self, layer: LlamaLayer, hidden, positions, layer_cache, meta: AttentionMetadata):
+        c = self.config
+        num_tokens = hidden.shape[0]
+        q_dim = c.num_attention_heads * c.head_dim
+        kv_dim = c.num_key_value_heads * c.head_dim
+        qkv = hidden @ layer.qkv  # [T, (H + 2 Hkv) D]
+        q = qkv[:, :q_dim].reshape(num_tokens, c.num_attention_heads, c.head_dim)  # [T, H, D]
+        k = qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
+        v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
+        q, k = self.ops.rope(q, k, positions, self.cos_sin_cache)
+        self.ops.write_kv(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
+        out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale)  # [T, H, D]
+        return out.reshape(num_tokens, q_dim) @ layer.o_proj  # [T, E]

@@ -1,0 +1,45 @@
+"""Test helper: a tiny random Llama saved as a real HF directory, and transformers' logits for it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+TINY = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+            num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+            rms_norm_eps=1e-5, rope_theta=500.0, tie_word_embeddings=False)
+
+
+def make_tiny_hf_model(path: Path, seed: int = 0, **overrides):
+    """Build LlamaForCausalLM from `seed`, widen its weights so activations are O(1) (the default
+    0.02-std init would make every logit nearly equal and hide bugs), save it as safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**(TINY | overrides), attn_implementation="eager")
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            else:
+                param.copy_(torch.randn_like(param) * (0.5 / param.shape[-1] ** 0.5 if param.ndim == 2 else 1))
+            if "embed_tokens" in name:
+                param.mul_(param.shape[-1] ** 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def hf_logits(model, token_ids: list[int]) -> np.ndarray:
+    """transformers' logits for one unpadded sequence: [L, V] in the model's dtype, as numpy."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), use_cache=False).logits[0]
+    return out.numpy()
+
+
+def random_prompts(seed: int, lengths: list[int], vocab_size: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, size=n).tolist() for n in lengths]
