@@ -1,0 +1,196 @@
+"""SamplingParams: how one request is decoded. Names and defaults follow vLLM.
+
+Choices that vLLM leaves open or that differ between its versions:
+- `top_k`: 0 means "off" (the default); -1 is accepted as vLLM's older spelling of "off" and is
+  stored as 0, so the engine only ever sees 0 or a positive k.
+- Beam search: `use_beam_search=True` keeps `beam_width = best_of` beams (best_of defaults to n)
+  and returns the n best. As in vLLM's beam search it is deterministic, so it requires
+  temperature == 0 and leaves top_k / top_p / min_p off.
+- Without beam search, `best_of > n` draws best_of samples and returns the n with the highest
+  cumulative log-probability.
+- `seed=None` leaves the seed to the engine (derived from the engine seed and the request);
+  a seeded request yields the same tokens whatever else is in the batch.
+- `logprobs=k` returns the top-k log-probabilities per generated token plus the sampled token's;
+  `logprobs=0` returns the sampled token's only. `prompt_logprobs` works the same for prompt tokens.
+  Log-probabilities are those of the raw model distribution (log-softmax of the logits, before
+  penalties, temperature and filters), as in vLLM v1's default.
+"""
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+_MAX_SEED = 2**64
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Immutable, validated decoding settings of one request (see the module docstring)."""
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._normalise()
+        self._check_counts()
+        self._check_sampling()
+        self._check_penalties()
+        self._check_stops()
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
+        """Build from a JSON object (one job line's sampling fields); unknown keys are an error."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sampling parameters must be an object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(FIELD_NAMES))
+        if unknown:
+            raise ValueError(
+                f"unknown sampling field(s): {', '.join(unknown)} "
+                f"(known: {', '.join(FIELD_NAMES)})"
+            )
+        return cls(**dict(d))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict of every field (tuples become lists)."""
+        return {
+            name: list(v) if isinstance(v, tuple) else v
+            for name in FIELD_NAMES
+            for v in [getattr(self, name)]
+        }
+
+    @property
+    def beam_width(self) -> int:
+        """Number of beams kept by beam search (best_of, or n when best_of is unset)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine runs for this request (best_of when set, else n)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _normalise(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            _set(self, name, _float(name, getattr(self, name)))
+        for name in ("ignore_eos", "use_beam_search", "skip_special_tokens"):
+            _bool(name, getattr(self, name))
+        _set(self, "top_k", 0 if _int("top_k", self.top_k) == -1 else self.top_k)
+        _set(self, "stop", _stop_tuple(self.stop))
+        _set(self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids))
+
+    def _check_counts(self) -> None:
+        _at_least("n", self.n, 1)
+        if self.best_of is not None and _at_least("best_of", self.best_of, 1) < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        _at_least("max_tokens", self.max_tokens, 1)
+        if _at_least("min_tokens", self.min_tokens, 0) > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 0)
+        if self.seed is not None and not 0 <= _int("seed", self.seed) < _MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+
+    def _check_sampling(self) -> None:
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 1, or 0 / -1 to disable, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    def _check_penalties(self) -> None:
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    def _check_stops(self) -> None:
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+
+    def _check_beam_search(self) -> None:
+        if self.temperature != 0.0:
+            raise ValueError("temperature must be 0 when use_beam_search is true")
+        for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+            if getattr(self, name) != off:
+                raise ValueError(f"{name} must be left off ({off}) when use_beam_search is true")
+
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+
+
+def _set(obj: SamplingParams, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)  # normalising a frozen instance inside __post_init__
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _at_least(name: str, value: Any, lowest: int) -> int:
+    if _int(name, value) < lowest:
+        raise ValueError(f"{name} must be >= {lowest}, got {value}")
+    return value
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _stop_tuple(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+
+
+def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of integers, got {value!r}")
+    return tuple(_int(name, v) for v in value)
