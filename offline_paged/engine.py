@@ -1,38 +1,120 @@
 """LLMEngine: add requests, then step() until done. One step = schedule -> execute -> postprocess.
 
-SKELETON: the public signatures are fixed here so the job/CLI layer can code against them; the
-bodies land in the following commits.
+The engine owns the layers below it: a Backend (numpy/cupy + ops), the Llama model, a BlockManager,
+the Scheduler and the ModelRunner. It turns prompts into SequenceGroups, decides each sample's
+random-stream seed, checks stop conditions (with a StopChecker) and builds RequestOutputs.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from typing import TYPE_CHECKING
 
+from offline_paged.backend import select_backend
+from offline_paged.block_manager import BlockManager
 from offline_paged.config import EngineConfig
-from offline_paged.outputs import EngineStats, RequestOutput
+from offline_paged.engine_stats import StatsTracker
+from offline_paged.outputs import CompletionOutput, EngineStats, RequestOutput
+from offline_paged.random_stream import random_bits, stream_seed
+from offline_paged.runner import DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner, kv_block_bytes
+from offline_paged.sampler import Sampler
+from offline_paged.sampling_params import SamplingParams
+from offline_paged.scheduler import Scheduler
+from offline_paged.sequence import Sequence, SequenceGroup
+from offline_paged.stop_checker import StopChecker
 
 if TYPE_CHECKING:
     from offline_paged.models.loader import LoadedModel
-    from offline_paged.sampling_params import SamplingParams
+
+_UNSEEDED_INDEX = 0x5EED  # stream index used to derive an unseeded request's seed
 
 
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     `LLMEngine(config, loaded_model=None)`: loads `config.model` unless an already-loaded model
-    (tests build tiny random ones) is given.
+    (anything with .config, .weights, .tokenizer, e.g. a tiny random one in tests) is given.
+    Requests are identified by caller-chosen string ids; `step()` returns each request once, in the
+    step it finishes.
     """
 
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
-        raise NotImplementedError("engine body lands in the next commits")
+        from offline_paged.models.llama import Llama
+
+        if loaded_model is None:
+            from offline_paged.models.loader import load_model
+
+            loaded_model = load_model(config.model)
+        self.config = config
+        self.backend = select_backend(config.device, config.dtype)
+        self.model_config = loaded_model.config
+        self._tokenizer = loaded_model.tokenizer
+        model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype)
+        self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools()
+        self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
+                                          config.watermark, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.preemption)
+        self.eos_token_ids = self._eos_token_ids(loaded_model)
+        self.runner = ModelRunner(model, self.backend, num_gpu_blocks, num_cpu_blocks,
+                                  config.block_size, Sampler(self.eos_token_ids))
+        self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)
+        self._stats = StatsTracker(num_gpu_blocks, num_cpu_blocks, config.block_size)
+        self._groups: dict[str, SequenceGroup] = {}
+        self._arrivals = itertools.count()
+
+    # ----------------------------------------------------------------- set-up
+    def _size_kv_pools(self) -> tuple[int, int, int]:
+        """(max_model_len, device blocks, CPU blocks); see EngineConfig for the rules."""
+        config = self.config
+        block_bytes = kv_block_bytes(self.model_config, config.block_size, self.backend.dtype)
+        model_len = config.max_model_len or self.model_config.max_position_embeddings
+        blocks_per_seq = math.ceil(model_len / config.block_size)
+        num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, blocks_per_seq)
+        if config.num_cpu_blocks is not None:
+            num_cpu = config.num_cpu_blocks
+        else:
+            num_cpu = min(config.swap_space // block_bytes, num_gpu)
+        usable = num_gpu - int(config.watermark * num_gpu)  # what one sequence can ever hold
+        if usable * config.block_size < model_len:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len={model_len} does not fit the KV cache ({usable * config.block_size} "
+                    f"tokens in {num_gpu} blocks); raise kv_cache_memory / num_kv_blocks or lower max_model_len")
+            model_len = usable * config.block_size
+        if model_len < 2:
+            raise ValueError(f"the KV cache ({num_gpu} blocks of {config.block_size}) is too small to run")
+        return model_len, num_gpu, num_cpu
+
+    def _blocks_from_memory(self, block_bytes: int, blocks_per_seq: int) -> int:
+        config = self.config
+        if config.kv_cache_memory is not None:
+            memory = config.kv_cache_memory
+        elif self.backend.name == "cuda":
+            memory = int(self.backend.free_memory_bytes() * config.gpu_memory_utilization)
+        else:
+            memory = DEFAULT_CPU_KV_CACHE_MEMORY
+        needed = config.max_num_seqs * blocks_per_seq + 1  # more can never be used at once
+        num_blocks = min(memory // block_bytes, needed)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={memory} bytes is less than one KV block ({block_bytes} bytes)")
+        return int(num_blocks)
+
+    @staticmethod
+    def _eos_token_ids(loaded_model) -> tuple[int, ...]:
+        ids = set(getattr(loaded_model.tokenizer, "eos_token_ids", ()) or ())
+        ids |= set(loaded_model.config.eos_token_ids or ())
+        return tuple(sorted(ids))
 
     @property
     def tokenizer(self):
-        raise NotImplementedError
+        return self._tokenizer
 
     @property
-    def max_model_len(self) -> int:
-        raise NotImplementedError
+    def num_gpu_blocks(self) -> int:
+        return self.runner.kv_cache.shape[2]
 
+    # ----------------------------------------------------------------- requests
     def add_request(
         self,
         request_id: str,
@@ -40,21 +122,102 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
     ) -> None:
-        """Queue one request. Raises ValueError for a duplicate id, an empty prompt, a prompt
-        longer than max_model_len, or parameters the engine cannot honour."""
-        raise NotImplementedError
+        """Queue one request. Give `prompt` text (tokenized here) or `prompt_token_ids`.
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the requests that finished in it."""
-        raise NotImplementedError
+        Raises ValueError for a duplicate id, an empty prompt, a prompt that leaves no room to
+        generate within max_model_len, token ids outside the vocabulary, or beam search.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.use_beam_search:
+            raise ValueError("use_beam_search is not supported by this engine yet; "
+                             "use n / best_of sampling instead")
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        arrival = next(self._arrivals)
+        group = SequenceGroup(
+            request_id=request_id, arrival_index=arrival, prompt=prompt,
+            prompt_token_ids=token_ids, params=params, sample_seeds=self._sample_seeds(params, arrival),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        self._groups[request_id] = group
+        self.scheduler.add_group(group)
 
-    def has_unfinished_requests(self) -> bool:
-        raise NotImplementedError
+    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            token_ids = self._tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt_token_ids)
+        vocab_size = self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("the prompt is empty (it must have at least one token)")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, which leaves no room to generate")
+        return token_ids
+
+    def _sample_seeds(self, params: SamplingParams, arrival: int) -> list[int]:
+        """Seed of each sample's random stream: the request's seed, or one derived from the engine
+        seed and the request's arrival index; sample i > 0 gets stream_seed(seed, i)."""
+        if params.seed is not None:
+            base = params.seed
+        else:
+            base = int(random_bits(self.config.seed, arrival, _UNSEEDED_INDEX))
+        return [stream_seed(base, i) for i in range(params.num_samples)]
 
     def abort_request(self, request_id: str) -> bool:
-        """Drop a queued or running request; True if it was known and unfinished."""
-        raise NotImplementedError
+        """Drop a queued or running request and free its blocks; True if it was unfinished."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        self.scheduler.abort_group(group)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the requests that finished in it (in finishing order)."""
+        output = self.scheduler.schedule()
+        if output.is_empty and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler could not schedule anything although requests are "
+                               "waiting; the KV cache is too small for them")
+        self._stats.record_schedule(output, self.scheduler)
+        results = self.runner.execute(output)
+        finished = self.scheduler.postprocess(output, results, self.stop_checker)
+        self._stats.record_postprocess(output, results)
+        return [self._finish(group) for group in finished]
+
+    def _finish(self, group: SequenceGroup) -> RequestOutput:
+        del self._groups[group.request_id]
+        seqs = group.seqs
+        if len(seqs) > group.params.n:  # best_of > n: keep the n most likely
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:group.params.n]
+        outputs = [self._completion(index, seq) for index, seq in enumerate(seqs)]
+        self._stats.record_finished(group)
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt,
+            prompt_token_ids=list(group.prompt_token_ids), prompt_logprobs=group.prompt_logprobs,
+            outputs=outputs, finished=True, num_cached_tokens=group.num_cached_tokens,
+        )
+
+    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
+        return CompletionOutput(
+            index=index, text=self.stop_checker.final_text(seq), token_ids=seq.output_token_ids,
+            cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
+            finish_reason=seq.finish_reason.value, stop_reason=seq.stop_reason,
+            finished_by_eos=seq.finished_by_eos,
+        )
 
     @property
     def stats(self) -> EngineStats:
-        raise NotImplementedError
+        return self._stats.snapshot(self.scheduler)
