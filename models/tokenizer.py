@@ -1,0 +1,126 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the special ids and chat template of one model.
+
+Chat prompts: `apply_chat_template` returns text that already contains the template's special
+tokens (e.g. `<|im_start|>`, or a BOS the template writes), so encode it with
+`add_special_tokens=False` — `encode_chat` does exactly that.
+Streaming: see `models/detokenizer.py` (IncrementalDetokenizer) for text that grows token by token
+without ever emitting half a multi-byte character.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as BackendTokenizer
+
+from .chat_template import ChatTemplate
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """Encode/decode text, know which ids end a sequence, render chat prompts."""
+
+    def __init__(self, backend: BackendTokenizer, eos_token_ids: frozenset[int], bos_token_id: int | None,
+                 chat_template: ChatTemplate | None = None, special_tokens: dict[str, str] | None = None,
+                 add_bos_token: bool = False):
+        self.backend = backend
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})  # e.g. {"bos_token": "<s>", "eos_token": "</s>"}
+        self.add_bos_token = add_bos_token
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. BOS)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` ([{"role", "content"}...]) with the model's template (jinja2 sandbox)."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template (none in tokenizer_config.json, "
+                             "chat_template.jinja or GGUF metadata); send plain prompts instead")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Ids of the rendered chat prompt; the template supplies its own special tokens."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def save(self, directory: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json (with the chat template) into `directory`."""
+        directory = Path(directory)
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos_token,
+                  "model_max_length": 1 << 30, **self.special_tokens}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template.source
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, extra_eos_ids: tuple[int, ...] = (),
+                 bos_token_id: int | None = None) -> Tokenizer:
+        """Load tokenizer.json plus tokenizer_config.json / chat_template.jinja / generation_config.json.
+        EOS ids are the union of generation_config's, `extra_eos_ids` (config.json's) and the eos_token."""
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: tokenizer.json not found (only 'fast' tokenizer.json "
+                                    "tokenizers are supported)")
+        try:
+            backend = BackendTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise ValueError(f"{path}: cannot load tokenizer ({exc})") from None
+        tok_config = _read_json(directory / "tokenizer_config.json")
+        gen_config = _read_json(directory / "generation_config.json")
+        special = {name: _token_text(tok_config[name]) for name in _SPECIAL_NAMES if tok_config.get(name)}
+        eos_ids = set(extra_eos_ids) | set(_ids(gen_config.get("eos_token_id")))
+        if "eos_token" in special and backend.token_to_id(special["eos_token"]) is not None:
+            eos_ids.add(backend.token_to_id(special["eos_token"]))
+        if "bos_token" in special and backend.token_to_id(special["bos_token"]) is not None:
+            bos_token_id = backend.token_to_id(special["bos_token"])
+        bos_token_id = gen_config.get("bos_token_id", bos_token_id)
+        return cls(backend, frozenset(eos_ids), bos_token_id, _chat_template(directory, tok_config), special,
+                   bool(tok_config.get("add_bos_token", False)))
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _token_text(value) -> str:
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _chat_template(directory: Path, tok_config: dict) -> ChatTemplate | None:
+    jinja_path = directory / "chat_template.jinja"
+    if jinja_path.is_file():
+        return ChatTemplate(jinja_path.read_text(encoding="utf-8"), origin=str(jinja_path))
+    source = tok_config.get("chat_template")
+    if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in source}
+        source = named.get("default") or next(iter(named.values()), None)
+    if not source:
+        return None
+    return ChatTemplate(source, origin=str(directory / "tokenizer_config.json"))
