@@ -122,7 +122,8 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
     ) -> None:
-        """Queue one request. Give `prompt` text (tokenized here) or `prompt_token_ids`.
+        """Queue one request. Give `prompt` text (tokenized here) or `prompt_token_ids` (then a
+        `prompt` given too is only echoed back in the output).
 
         Raises ValueError for a duplicate id, an empty prompt, a prompt that leaves no room to
         generate within max_model_len, token ids outside the vocabulary, or beam search.
@@ -146,14 +147,14 @@ class LLMEngine:
         self.scheduler.add_group(group)
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids) -> list[int]:
-        if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if prompt_token_ids is not None:
+            token_ids = list(prompt_token_ids)
+        elif prompt is not None:
             token_ids = self._tokenizer.encode(prompt)
         else:
-            token_ids = list(prompt_token_ids)
+            raise ValueError("give a prompt (text) or prompt_token_ids")
         vocab_size = self.model_config.vocab_size
         if not token_ids:
             raise ValueError("the prompt is empty (it must have at least one token)")
