@@ -1,0 +1,257 @@
+"""Job input: one JSONL line -> a JobRequest to run, or a LineError to record.
+
+Formats are detected per line:
+- native: {"id"?, "prompt" | "messages" | "prompt_token_ids", <SamplingParams fields>...};
+  a line without "id" gets "line-<N>" (N = 1-based line number).
+- OpenAI Batch API: {"custom_id", "method": "POST", "url", "body"} with url "/v1/completions"
+  or "/v1/chat/completions"; the custom_id is the request id.
+Blank lines are ignored. Sampling fields missing from a line come from the job's defaults.
+"""
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from offline_paged.sampling_params import SamplingParams
+
+NATIVE = "native"
+COMPLETIONS = "completions"
+CHAT = "chat"
+URLS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
+_PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+_OPENAI_KEYS = ("custom_id", "method", "url", "body")
+# vLLM's extra body fields, accepted in OpenAI bodies under their SamplingParams names
+_VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                "stop_token_ids", "skip_special_tokens", "use_beam_search", "prompt_logprobs")
+_COMMON_BODY = ("max_tokens", "temperature", "top_p", "n", "stop", "seed",
+                "presence_penalty", "frequency_penalty") + _VLLM_EXTRAS
+_IGNORED_BODY = ("model", "user")
+
+
+@dataclass(slots=True, frozen=True)
+class JobRequest:
+    """One runnable request. Exactly one of prompt / messages / prompt_token_ids is set.
+
+    api: "native", or "completions" / "chat" for OpenAI batch lines (decides the output shape).
+    """
+
+    line_number: int
+    request_id: str
+    api: str
+    params: SamplingParams
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+
+    @property
+    def key(self) -> str:
+        """What marks this line done in the output file (see LineError.key)."""
+        return self.request_id
+
+
+@dataclass(slots=True, frozen=True)
+class LineError:
+    """A line that cannot run. `openai` picks the output shape; `status_code` is for that shape."""
+
+    line_number: int
+    request_id: str
+    error_type: str  # invalid_json | invalid_request | unsupported_url | duplicate_id | rejected
+    message: str
+    openai: bool = False
+    status_code: int = 400
+
+    @property
+    def key(self) -> str:
+        """A duplicate shares its id with an earlier line, so it is keyed by its line instead."""
+        if self.error_type == "duplicate_id":
+            return duplicate_key(self.line_number)
+        return self.request_id
+
+
+class _BadLine(ValueError):
+    def __init__(self, error_type: str, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.status_code = status_code
+
+
+def default_id(line_number: int) -> str:
+    return f"line-{line_number}"
+
+
+def duplicate_key(line_number: int) -> str:
+    return f"duplicate@line-{line_number}"
+
+
+def parse_line(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobRequest | LineError:
+    """Parse one non-blank line; never raises for bad input (returns a LineError instead)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return LineError(line_number, default_id(line_number), "invalid_json",
+                         f"line {line_number}: invalid JSON ({exc.msg} at column {exc.colno})")
+    if not isinstance(obj, dict):
+        return LineError(line_number, default_id(line_number), "invalid_request",
+                         f"line {line_number}: expected a JSON object, got {type(obj).__name__}")
+    is_openai = any(k in obj for k in _OPENAI_KEYS)
+    request_id = _openai_id(obj, line_number) if is_openai else _native_id(obj, line_number)
+    try:
+        if is_openai:
+            return _parse_openai(line_number, obj, defaults)
+        return _parse_native(line_number, request_id, obj, defaults)
+    except _BadLine as exc:
+        return LineError(line_number, request_id, exc.error_type, f"line {line_number}: {exc}",
+                         is_openai, exc.status_code)
+    except ValueError as exc:
+        return LineError(line_number, request_id, "invalid_request", f"line {line_number}: {exc}",
+                         is_openai)
+
+
+def _native_id(obj: dict, line_number: int) -> str:
+    value = obj.get("id")
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return default_id(line_number)
+
+
+def _openai_id(obj: dict, line_number: int) -> str:
+    value = obj.get("custom_id")
+    return value if isinstance(value, str) and value else default_id(line_number)
+
+
+def _parse_native(line_number: int, request_id: str, obj: dict,
+                  defaults: Mapping[str, Any]) -> JobRequest:
+    if "id" in obj and not (
+        (isinstance(obj["id"], str) and obj["id"]) or
+        (isinstance(obj["id"], int) and not isinstance(obj["id"], bool))
+    ):
+        raise ValueError(f"id must be a non-empty string or an integer, got {obj['id']!r}")
+    given = [k for k in _PROMPT_KEYS if k in obj]
+    if len(given) != 1:
+        raise ValueError(f"a line needs exactly one of {', '.join(_PROMPT_KEYS)} "
+                         f"(got {', '.join(given) or 'none'})")
+    fields = {k: v for k, v in obj.items() if k not in ("id", given[0])}
+    params = SamplingParams.from_dict({**defaults, **fields})
+    return JobRequest(line_number, request_id, NATIVE, params, **_prompt(given[0], obj[given[0]]))
+
+
+def _prompt(kind: str, value: Any) -> dict[str, Any]:
+    if kind == "prompt":
+        return {"prompt": _check_prompt(value)}
+    if kind == "messages":
+        return {"messages": _check_messages(value)}
+    return {"prompt_token_ids": _check_token_ids(value)}
+
+
+def _check_prompt(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"prompt must be a non-empty string, got {value!r:.60}")
+    return value
+
+
+def _check_token_ids(value: Any) -> list[int]:
+    if (not isinstance(value, list) or not value or
+            not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+        raise ValueError("prompt_token_ids must be a non-empty list of non-negative integers")
+    return value
+
+
+def _check_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    return [_check_message(i, m) for i, m in enumerate(value)]
+
+
+def _check_message(index: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"messages[{index}] must be an object with a string role")
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI content parts: only text parts can be rendered
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ValueError(f"messages[{index}].content: only text parts are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{index}].content must be a string")
+    return {**message, "content": content}
+
+
+def _parse_openai(line_number: int, obj: dict, defaults: Mapping[str, Any]) -> JobRequest:
+    unknown = sorted(set(obj) - set(_OPENAI_KEYS))
+    if unknown:
+        raise ValueError(f"unknown field(s) in a batch line: {', '.join(unknown)}")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise ValueError("custom_id must be a non-empty string")
+    if obj.get("method") != "POST":
+        raise _BadLine("invalid_request", f"method must be \"POST\", got {obj.get('method')!r}", 405)
+    api = URLS.get(obj.get("url"))
+    if api is None:
+        raise _BadLine("unsupported_url", f"unsupported url {obj.get('url')!r} "
+                       f"(supported: {', '.join(URLS)})", 404)
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    if api == CHAT:
+        return _chat_request(line_number, custom_id, body, defaults)
+    return _completion_request(line_number, custom_id, body, defaults)
+
+
+def _completion_request(line_number: int, custom_id: str, body: dict,
+                        defaults: Mapping[str, Any]) -> JobRequest:
+    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY +
+                    ("prompt", "logprobs", "best_of", "echo", "stream", "suffix", "logit_bias"))
+    _reject_unsupported(body, echo=False, suffix=None)
+    fields = _common_fields(body)
+    if body.get("logprobs") is not None:
+        fields["logprobs"] = body["logprobs"]
+    if "best_of" in body:
+        fields["best_of"] = body["best_of"]
+    params = SamplingParams.from_dict({**defaults, **fields})
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        return JobRequest(line_number, custom_id, COMPLETIONS, params,
+                          prompt_token_ids=_check_token_ids(prompt))
+    return JobRequest(line_number, custom_id, COMPLETIONS, params, prompt=_check_prompt(prompt))
+
+
+def _chat_request(line_number: int, custom_id: str, body: dict,
+                  defaults: Mapping[str, Any]) -> JobRequest:
+    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + ("messages", "max_completion_tokens",
+                    "logprobs", "top_logprobs", "stream", "logit_bias"))
+    _reject_unsupported(body)
+    fields = _common_fields(body)
+    if body.get("max_completion_tokens") is not None:
+        fields["max_tokens"] = body["max_completion_tokens"]
+    if body.get("logprobs") not in (None, False, True):
+        raise ValueError(f"logprobs must be true or false for chat, got {body['logprobs']!r}")
+    if body.get("logprobs"):
+        fields["logprobs"] = body.get("top_logprobs") or 0
+    params = SamplingParams.from_dict({**defaults, **fields})
+    return JobRequest(line_number, custom_id, CHAT, params,
+                      messages=_check_messages(body.get("messages")))
+
+
+def _common_fields(body: dict) -> dict[str, Any]:
+    # OpenAI sends null for "not set"; null then means "job default"
+    return {k: body[k] for k in _COMMON_BODY if body.get(k) is not None}
+
+
+def _reject_unknown(body: dict, known: tuple[str, ...]) -> None:
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise ValueError(f"unknown body field(s): {', '.join(unknown)}")
+
+
+def _reject_unsupported(body: dict, **harmless: Any) -> None:
+    if body.get("stream"):
+        raise ValueError("stream is not supported in a batch job")
+    if body.get("logit_bias"):
+        raise ValueError("logit_bias is not supported")
+    for name, value in harmless.items():
+        if body.get(name, value) != value:
+            raise ValueError(f"{name} is not supported")

@@ -1,0 +1,177 @@
+"""Job output records: the native format, the OpenAI batch output shape, and error records.
+
+Native success: {"id", "line", "text" (first sample's), "outputs": [{"index", "text", "token_ids",
+"finish_reason" ("stop" | "length" | "eos" | "abort"), "stop_reason", "cumulative_logprob",
+"logprobs"?}], "usage": {"prompt_tokens", "completion_tokens", "total_tokens",
+"cached_prompt_tokens"}, "prompt_logprobs"?, "error": null}.
+Native error: {"id", "line", "error": {"type", "message"}}.
+OpenAI lines get {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}
+where body is a completion / chat.completion object, or {"error": {...}} with a 4xx status.
+Log-probabilities are the raw model's (see sampling_params); -inf is written as -9999.0.
+"""
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from offline_paged.job_input import CHAT, NATIVE, JobRequest, LineError, duplicate_key
+from offline_paged.outputs import CompletionOutput, RequestOutput
+
+DecodeToken = Callable[[int], str]
+_FLOOR_LOGPROB = -9999.0  # OpenAI's stand-in for a log-probability of -inf
+
+
+def success_record(request: JobRequest, output: RequestOutput, model_name: str,
+                   decode_token: DecodeToken) -> dict[str, Any]:
+    """The output line of a request that ran."""
+    if request.api == NATIVE:
+        return native_record(request, output)
+    return openai_record(request, output, model_name, decode_token)
+
+
+def error_record(error: LineError) -> dict[str, Any]:
+    """The output line of a line that could not run."""
+    if not error.openai:
+        return {"id": error.request_id, "line": error.line_number,
+                "error": {"type": error.error_type, "message": error.message}}
+    body = {"error": {"message": error.message, "type": "invalid_request_error", "param": None,
+                      "code": error.error_type}}
+    return _openai_envelope(error.line_number, error.request_id, error.status_code, body)
+
+
+def native_record(request: JobRequest, output: RequestOutput) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "id": request.request_id,
+        "line": request.line_number,
+        "text": output.outputs[0].text if output.outputs else "",
+        "outputs": [_native_completion(c) for c in output.outputs],
+        "usage": usage(output),
+    }
+    if output.prompt_logprobs is not None:
+        record["prompt_logprobs"] = _native_prompt_logprobs(output)
+    record["error"] = None
+    return record
+
+
+def usage(output: RequestOutput) -> dict[str, int]:
+    prompt_tokens = len(output.prompt_token_ids)
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "cached_prompt_tokens": output.num_cached_tokens}
+
+
+def finish_reason(completion: CompletionOutput) -> str | None:
+    return "eos" if completion.finished_by_eos else completion.finish_reason
+
+
+def _native_completion(c: CompletionOutput) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+        "finish_reason": finish_reason(c), "stop_reason": c.stop_reason,
+        "cumulative_logprob": _finite(c.cumulative_logprob),
+    }
+    if c.logprobs is not None:
+        record["logprobs"] = [_native_logprob(t, d) for t, d in zip(c.token_ids, c.logprobs)]
+    return record
+
+
+def _native_logprob(token_id: int, top: dict[int, float]) -> dict[str, Any]:
+    return {"token_id": token_id, "logprob": _finite(top.get(token_id)),
+            "top_logprobs": [[t, _finite(lp)] for t, lp in _ranked(top)]}
+
+
+def _native_prompt_logprobs(output: RequestOutput) -> list[dict[str, Any] | None]:
+    return [None if top is None else _native_logprob(t, top)
+            for t, top in zip(output.prompt_token_ids, output.prompt_logprobs)]
+
+
+def openai_record(request: JobRequest, output: RequestOutput, model_name: str,
+                  decode_token: DecodeToken) -> dict[str, Any]:
+    chat = request.api == CHAT
+    choices = [(_chat_choice if chat else _completion_choice)(c, decode_token)
+               for c in output.outputs]
+    counts = usage(output)
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{_suffix(request.line_number)}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": {k: counts[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    }
+    return _openai_envelope(request.line_number, request.request_id, 200, body)
+
+
+def _openai_envelope(line_number: int, custom_id: str, status: int, body: dict) -> dict[str, Any]:
+    return {"id": f"batch_req_{_suffix(line_number)}", "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": f"req_{_suffix(line_number)}",
+                         "body": body},
+            "error": None}
+
+
+def _suffix(line_number: int) -> str:
+    return f"line{line_number}"
+
+
+def _openai_finish(c: CompletionOutput) -> str | None:
+    return "stop" if c.finish_reason == "stop" or c.finished_by_eos else c.finish_reason
+
+
+def _completion_choice(c: CompletionOutput, decode_token: DecodeToken) -> dict[str, Any]:
+    logprobs = None
+    if c.logprobs is not None:
+        tokens = [decode_token(t) for t in c.token_ids]
+        offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+        logprobs = {"tokens": tokens,
+                    "token_logprobs": [_finite(d.get(t)) for t, d in zip(c.token_ids, c.logprobs)],
+                    "top_logprobs": [{decode_token(t): _finite(lp) for t, lp in _ranked(d)}
+                                     for d in c.logprobs],
+                    "text_offset": offsets}
+    return {"index": c.index, "text": c.text, "logprobs": logprobs,
+            "finish_reason": _openai_finish(c)}
+
+
+def _chat_choice(c: CompletionOutput, decode_token: DecodeToken) -> dict[str, Any]:
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = {"content": [
+            {**_chat_token(t, d.get(t), decode_token),
+             "top_logprobs": [_chat_token(k, lp, decode_token) for k, lp in _ranked(d)]}
+            for t, d in zip(c.token_ids, c.logprobs)]}
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": logprobs, "finish_reason": _openai_finish(c)}
+
+
+def _chat_token(token_id: int, logprob: float | None, decode_token: DecodeToken) -> dict[str, Any]:
+    text = decode_token(token_id)
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _ranked(top: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(top.items(), key=lambda item: -item[1])
+
+
+def _finite(value: float | None) -> float | None:
+    if value is None:
+        return None
+    return value if math.isfinite(value) else _FLOOR_LOGPROB
+
+
+def record_key(record: dict[str, Any]) -> str:
+    """The key that marks a line done (JobRequest.key / LineError.key of the line it came from)."""
+    if "custom_id" in record:
+        body = (record.get("response") or {}).get("body") or {}
+        if (body.get("error") or {}).get("code") == "duplicate_id":
+            return duplicate_key(int(record["id"].rsplit("line", 1)[1]))
+        return record["custom_id"]
+    if (record.get("error") or {}).get("type") == "duplicate_id":
+        return duplicate_key(record["line"])
+    return record["id"]
+
+
+def is_error(record: dict[str, Any]) -> bool:
+    if "custom_id" in record:
+        response = record.get("response") or {}
+        return record.get("error") is not None or response.get("status_code") != 200
+    return record.get("error") is not None

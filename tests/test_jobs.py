@@ -1,0 +1,223 @@
+"""The JSONL job loop with a fake engine: formats, per-line errors, resume, stop, streaming."""
+import io
+import json
+
+import pytest
+
+from fake_engine import FakeEngine
+from offline_paged.job_file import JsonlWriter, scan_and_repair
+from offline_paged.job_output import is_error, record_key
+from offline_paged.jobs import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, JobRunner
+
+
+class RecordingWriter(JsonlWriter):
+    """A JsonlWriter on memory that also remembers the engine step at each write."""
+
+    def __init__(self, engine=None):
+        super().__init__(io.BytesIO())
+        self.engine = engine
+        self.steps_at_write: list[int] = []
+
+    def write(self, record):
+        super().write(record)
+        self.steps_at_write.append(self.engine.num_steps if self.engine else 0)
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self._stream.getvalue().decode().splitlines()]
+
+
+def _run(lines, engine=None, **kwargs):
+    engine = engine or FakeEngine()
+    writer = RecordingWriter(engine)
+    summary = JobRunner(engine, writer, **kwargs).run([json.dumps(x) if not isinstance(x, str)
+                                                        else x for x in lines])
+    return summary, writer.records(), engine, writer
+
+
+def test_native_prompt_lines_get_line_ids_text_and_usage():
+    summary, records, _, _ = _run([{"prompt": "abc", "max_tokens": 2}, {"id": 7, "prompt": "xy"}])
+    by_id = {r["id"]: r for r in records}
+    assert set(by_id) == {"line-1", "7"}
+    first = by_id["line-1"]
+    assert first["line"] == 1 and first["text"] == "cb" and first["error"] is None
+    assert first["outputs"][0]["token_ids"] == [ord("c"), ord("b")]
+    assert first["outputs"][0]["finish_reason"] == "length"
+    assert by_id["7"]["outputs"][0]["finish_reason"] == "eos"
+    assert first["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                              "cached_prompt_tokens": 0}
+    assert (summary.num_succeeded, summary.num_failed, summary.exit_code) == (2, 0, EXIT_OK)
+    assert (summary.num_prompt_tokens, summary.num_generated_tokens) == (5, 4)
+
+
+def test_all_n_samples_and_logprobs_are_in_one_record():
+    _, records, _, _ = _run([{"prompt": "ab", "n": 3, "logprobs": 1, "prompt_logprobs": 0}])
+    (record,) = records
+    assert [o["index"] for o in record["outputs"]] == [0, 1, 2]
+    assert record["outputs"][1]["token_ids"] == [ord("b") + 1, ord("a") + 1]
+    lp = record["outputs"][0]["logprobs"][0]
+    assert lp == {"token_id": ord("b"), "logprob": -0.5,
+                  "top_logprobs": [[ord("b"), -0.5], [ord("c"), -1.5]]}
+    assert record["prompt_logprobs"][0] is None
+    assert record["prompt_logprobs"][1]["token_id"] == ord("b")
+
+
+def test_messages_use_the_chat_template_and_defaults_merge_under_line_fields():
+    _, records, engine, _ = _run([{"messages": [{"role": "user", "content": "hi"}]},
+                                  {"prompt": "abcdef", "max_tokens": 5}],
+                                 defaults={"max_tokens": 3})
+    by_id = {r["id"]: r for r in records}
+    assert by_id["line-1"]["usage"]["prompt_tokens"] == len("<user>hi<assistant>")
+    assert by_id["line-1"]["usage"]["completion_tokens"] == 3
+    assert by_id["line-2"]["usage"]["completion_tokens"] == 5
+
+
+def test_records_are_written_as_requests_finish_not_at_the_end():
+    # prompt lengths 3, 1, 2 finish at steps 1, 2, 3 (1 + len % 3)
+    _, records, engine, writer = _run([{"prompt": "abc"}, {"prompt": "a"}, {"prompt": "ab"}])
+    assert [r["id"] for r in records] == ["line-1", "line-2", "line-3"]
+    assert writer.steps_at_write == [1, 2, 3] and engine.num_steps == 3
+
+
+def test_finishing_order_need_not_be_input_order():
+    _, records, _, _ = _run([{"prompt": "ab"}, {"prompt": "abc"}])
+    assert [r["id"] for r in records] == ["line-2", "line-1"]
+
+
+BAD_LINES = [
+    '{"prompt": "fine"}',
+    '{"prompt": "unterminated',
+    '[1, 2, 3]',
+    '{"prompt": "x", "max_new_tokens": 5}',
+    '{"id": "b", "max_tokens": 3}',
+    '{"prompt": "x", "temperature": -1}',
+    '{"id": "a", "prompt": "first"}',
+    '{"id": "a", "prompt": "second"}',
+    '{"prompt": "' + "z" * 60 + '"}',
+    '{"prompt": "x", "prompt_token_ids": [1]}',
+    '{"prompt": ""}',
+    '{"custom_id": "c1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}',
+    '{"custom_id": "c2", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}',
+    '{"custom_id": "c3", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "echo": true}}',
+    '{"prompt": "x", "use_beam_search": true, "temperature": 0}',
+    '{"prompt": "x", "stop": [1]}',
+]
+
+
+def test_every_bad_line_gets_exactly_one_error_record_and_the_job_goes_on():
+    summary, records, _, _ = _run(BAD_LINES + ["   ", '{"prompt": "last"}'])
+    assert len(records) == len(BAD_LINES) + 1  # the blank line is ignored
+    keys = [record_key(r) for r in records]
+    assert len(set(keys)) == len(keys)
+    errors = [r for r in records if is_error(r)]
+    good = [r for r in records if not is_error(r)]
+    assert {r["id"] for r in good} == {"line-1", "a", "line-18"}
+    assert summary.num_failed == len(errors) == len(BAD_LINES) - 2
+    assert summary.exit_code == EXIT_SOME_FAILED
+    by_line = {r["line"]: r["error"] for r in errors if "line" in r}
+    assert by_line[2]["type"] == "invalid_json"
+    assert "max_new_tokens" in by_line[4]["message"]
+    assert "temperature" in by_line[6]["message"]
+    assert by_line[8]["type"] == "duplicate_id" and "'a'" in by_line[8]["message"]
+    assert by_line[9]["type"] == "rejected" and "max_model_len" in by_line[9]["message"]
+    assert all(e["message"].startswith(f"line {n}:") for n, e in by_line.items())
+    openai = {r["custom_id"]: r["response"] for r in errors if "custom_id" in r}
+    assert openai["c1"]["status_code"] == 404
+    assert openai["c1"]["body"]["error"]["code"] == "unsupported_url"
+    assert openai["c2"]["status_code"] == 405 and openai["c3"]["status_code"] == 400
+
+
+def test_openai_completion_lines_get_batch_output_shape():
+    line = {"custom_id": "q1", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "abc", "max_tokens": 2, "logprobs": 1, "n": 2}}
+    _, (record,), _, _ = _run([line], model_name="tiny")
+    assert record["custom_id"] == "q1" and record["error"] is None
+    response = record["response"]
+    assert response["status_code"] == 200 and response["request_id"]
+    body = response["body"]
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    assert [c["text"] for c in body["choices"]] == ["cb", "dc"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["logprobs"]["tokens"] == ["c", "b"]
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -0.5]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def test_openai_chat_lines_get_chat_completion_objects():
+    line = {"custom_id": "q2", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}],
+                "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 1}}
+    _, (record,), _, _ = _run([line])
+    body = record["response"]["body"]
+    assert body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and len(choice["message"]["content"]) == 4
+    assert choice["finish_reason"] == "length"
+    token = choice["logprobs"]["content"][0]
+    assert token["token"] == ">" and token["bytes"] == [ord(">")]
+    assert [t["token"] for t in token["top_logprobs"]] == [">", "?"]
+
+
+def test_resume_skips_done_keys_including_duplicate_errors():
+    lines = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"}]
+    _, first, _, _ = _run(lines)
+    done = {record_key(r) for r in first}
+    summary, second, engine, _ = _run(lines, done_keys=done)
+    assert second == [] and engine.added == [] and summary.num_skipped == 3
+    partial = {record_key(r) for r in first if r["id"] == "a" and not is_error(r)}
+    _, third, engine, _ = _run(lines, done_keys=partial)
+    assert engine.added == ["b"] and len(third) == 2
+
+
+def test_should_stop_ends_cleanly_with_finished_records_kept():
+    engine = FakeEngine()
+    lines = [{"prompt": "abc"}, {"prompt": "a"}, {"prompt": "ab"}]  # finish at steps 1, 2, 3
+    summary, records, _, _ = _run(lines, engine=engine, should_stop=lambda: engine.num_steps >= 2)
+    assert [r["id"] for r in records] == ["line-1", "line-2"]
+    assert summary.interrupted and summary.exit_code == EXIT_INTERRUPTED
+
+
+def test_at_most_max_pending_requests_are_inside_the_engine():
+    _, records, engine, _ = _run([{"prompt": "ab" * (i % 5 + 1)} for i in range(30)], max_pending=4)
+    assert len(records) == 30 and engine.max_in_flight == 4
+
+
+def test_summary_dict_has_the_reported_fields():
+    summary, _, _, _ = _run([{"prompt": "abc"}])
+    d = summary.to_dict()
+    assert d["requests"] == 1 and d["generated_tokens"] == 3 and d["exit_code"] == 0
+    assert d["engine"]["num_steps"] == 1 and d["generation_tokens_per_s"] > 0
+
+
+def test_writer_puts_each_record_in_one_write_call():
+    calls = []
+
+    class Spy(io.BytesIO):
+        def write(self, data):
+            calls.append(bytes(data))
+            return super().write(data)
+
+    writer = JsonlWriter(Spy())
+    writer.write({"id": "x", "text": "é\nline"})
+    writer.write({"id": "y"})
+    assert len(calls) == 2 and all(c.endswith(b"\n") and c.count(b"\n") == 1 for c in calls)
+    assert json.loads(calls[0]) == {"id": "x", "text": "é\nline"}
+
+
+def test_scan_and_repair_truncates_a_torn_last_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    good = [{"id": "a", "line": 1, "text": "", "error": None},
+            {"id": "b", "line": 2, "error": {"type": "rejected", "message": "no"}}]
+    whole = "".join(json.dumps(r) + "\n" for r in good)
+    out.write_text(whole + '{"id": "c", "line": 3, "te')
+    state = scan_and_repair(out)
+    assert state.done_keys == {"a", "b"} and state.num_errors == 1 and state.num_torn_bytes > 0
+    assert out.read_text() == whole
+    assert scan_and_repair(out).num_torn_bytes == 0  # idempotent
+
+
+def test_scan_refuses_a_complete_line_that_is_not_a_record(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "line": 1, "error": null}\nnot json\n')
+    with pytest.raises(ValueError, match="out.jsonl:2"):
+        scan_and_repair(out)
