@@ -9,3 +9,5 @@ def cli() -> None:
 
 
 # Subcommands register here, one line each (imports kept below the group on purpose).
+from offline_paged.cli.generate import generate  # noqa: E402
+cli.add_command(generate)

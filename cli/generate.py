@@ -1,0 +1,249 @@
+"""`offline-paged generate PROMPTS.jsonl [-o OUT.jsonl]`: run a JSONL job through the engine.
+
+Exit codes: 0 every line succeeded; 1 some lines have error records (in this run or, when
+resuming, earlier ones); 2 the job could not start (bad option, model, unreadable files, an output
+file that is not ours); 130 interrupted (Ctrl-C / SIGTERM) — everything finished is on disk and
+running the same command again resumes.
+"""
+import json
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from offline_paged.job_file import JsonlWriter, ResumeState, scan_and_repair
+from offline_paged.jobs import JobRunner, JobSummary
+from offline_paged.sampling_params import SamplingParams
+
+EXIT_FATAL = 2
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30}
+# CLI flag -> SamplingParams field; only flags given on the command line become job defaults
+_SAMPLING_FLAGS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
+                   "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "logprobs")
+
+
+def parse_size(text: str) -> int:
+    """"4GiB", "512MiB", "1000000" -> bytes."""
+    cleaned = text.strip().lower().replace(" ", "")
+    number = cleaned.rstrip("kmgib")
+    unit = cleaned[len(number):]
+    try:
+        if unit not in _SIZE_UNITS:
+            raise ValueError
+        return int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size like 2GiB, 512MiB or 1000000") from None
+
+
+@click.command("generate")
+@click.argument("prompts", metavar="PROMPTS.jsonl", type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("-o", "--output", default="-", show_default=True, metavar="OUT.jsonl",
+              type=click.Path(allow_dash=True, dir_okay=False), help="Output JSONL ('-' = stdout).")
+@click.option("--model", default=None, help="HF model dir, .gguf file, or 'default' (SmolLM2-135M-Instruct).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "float64"]), default=None)
+@click.option("--max-num-seqs", type=int, default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (wins over memory).")
+@click.option("--kv-cache-memory", default=None, help="KV pool size in bytes, e.g. 2GiB.")
+@click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True)
+@click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Engine seed (for unseeded requests).")
+@click.option("--resume/--no-resume", default=True, show_default=True,
+              help="Append to an existing OUT, skipping ids already done (--no-resume overwrites it).")
+@click.option("--fsync", is_flag=True, help="fsync after every record (survives power loss; slower).")
+@click.option("--stats-json", type=click.Path(dir_okay=False), default=None, help="Write the summary as JSON.")
+@click.option("--max-pending", type=int, default=1024, show_default=True,
+              help="Requests read ahead into the engine at most.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when a terminal).")
+@click.option("--max-tokens", type=int, default=None, help="Default max_tokens (a line's own value wins).")
+@click.option("--min-tokens", type=int, default=None)
+@click.option("--temperature", type=float, default=None)
+@click.option("--top-p", type=float, default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--min-p", type=float, default=None)
+@click.option("--repetition-penalty", type=float, default=None)
+@click.option("--presence-penalty", type=float, default=None)
+@click.option("--frequency-penalty", type=float, default=None)
+@click.option("--n", "n", type=int, default=None)
+@click.option("--logprobs", type=int, default=None)
+@click.option("--stop", multiple=True, help="Default stop string (repeatable).")
+@click.option("--ignore-eos", is_flag=True, default=None)
+def generate(prompts: str, output: str, **options: Any) -> None:
+    """Generate completions for every line of PROMPTS.jsonl; one JSON line per request in OUT."""
+    defaults = _sampling_defaults(options)
+    _check_paths(prompts, output)
+    resume = _prepare_output(output, options["resume"])
+    engine = _build_engine(options)
+    writer = JsonlWriter(sys.stdout.buffer, options["fsync"]) if output == "-" else \
+        JsonlWriter.open(output, append=options["resume"], fsync=options["fsync"])
+    progress = _progress(options["progress"], _count_lines(prompts))
+    stop = _StopFlag()
+    try:
+        with _input_lines(prompts) as lines, stop.installed():
+            runner = JobRunner(engine, writer, defaults=defaults, model_name=options["model"] or "default",
+                               done_keys=resume.done_keys, num_failed_before=resume.num_errors,
+                               max_pending=options["max_pending"], progress=progress,
+                               should_stop=stop.is_set)
+            summary = runner.run(lines)
+    finally:
+        writer.close()
+        if progress is not None:
+            progress.close()
+    _report(summary, resume, options["stats_json"])
+    sys.exit(summary.exit_code)
+
+
+def _sampling_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    defaults = {k: options[k] for k in _SAMPLING_FLAGS if options[k] is not None}
+    if options["stop"]:
+        defaults["stop"] = list(options["stop"])
+    if options["ignore_eos"]:
+        defaults["ignore_eos"] = True
+    try:
+        SamplingParams.from_dict(defaults)
+    except ValueError as exc:
+        raise click.UsageError(f"invalid default sampling flag: {exc}") from None
+    return defaults
+
+
+def _check_paths(prompts: str, output: str) -> None:
+    if prompts != "-" and not Path(prompts).is_file():
+        _fatal(f"{prompts}: no such file")
+    if output != "-" and prompts != "-" and Path(output).resolve() == Path(prompts).resolve():
+        _fatal("the output file must not be the input file")
+
+
+def _prepare_output(output: str, resume: bool) -> ResumeState:
+    if output == "-" or not resume or not Path(output).exists():
+        return ResumeState()
+    try:
+        state = scan_and_repair(output)
+    except (ValueError, OSError) as exc:
+        _fatal(str(exc))
+    if state.num_records or state.num_torn_bytes:
+        click.echo(f"resuming {output}: {state.num_records} records already done"
+                   + (f", cut a torn last line ({state.num_torn_bytes} bytes)"
+                      if state.num_torn_bytes else ""), err=True)
+    return state
+
+
+def _build_engine(options: dict[str, Any]):
+    from offline_paged.config import EngineConfig
+    from offline_paged.engine import LLMEngine
+
+    memory = options["kv_cache_memory"]
+    try:
+        config = EngineConfig(
+            model=options["model"], device=options["device"], dtype=options["dtype"],
+            block_size=options["block_size"], num_kv_blocks=options["num_kv_blocks"],
+            kv_cache_memory=parse_size(memory) if memory else None,
+            max_num_seqs=options["max_num_seqs"], max_model_len=options["max_model_len"],
+            max_num_batched_tokens=options["max_num_batched_tokens"], seed=options["seed"],
+            enable_prefix_caching=not options["no_prefix_caching"],
+            preemption_mode=options["preemption"])
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        return LLMEngine(config)
+    except (ValueError, OSError, RuntimeError) as exc:
+        _fatal(f"cannot start the engine: {exc}")
+
+
+@contextmanager
+def _input_lines(prompts: str):
+    if prompts == "-":
+        yield sys.stdin
+        return
+    with open(prompts, encoding="utf-8", errors="replace") as f:
+        yield f
+
+
+def _count_lines(prompts: str) -> int | None:
+    if prompts == "-":
+        return None
+    with open(prompts, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+class _StopFlag:
+    """First Ctrl-C / SIGTERM asks the job to stop after the current step; a second one kills."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def _handle(self, signum, frame) -> None:
+        if self._set:
+            raise KeyboardInterrupt
+        self._set = True
+        click.echo("\nstopping after the current step (again to abort now)...", err=True)
+
+    @contextmanager
+    def installed(self):
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+class _TqdmProgress:
+    def __init__(self, total: int | None) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, summary: JobSummary, engine_stats: Any) -> None:
+        done = summary.num_succeeded + summary.num_failed + summary.num_skipped
+        self._bar.update(done - self._bar.n)
+        rate = summary.num_generated_tokens / max(summary.elapsed_s, 1e-9)
+        kv = getattr(engine_stats, "kv_block_usage_current", 0.0)
+        self._bar.set_postfix_str(f"{rate:.1f} tok/s, KV {kv:.0%}, failed {summary.num_failed}",
+                                  refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _progress(wanted: bool | None, total: int | None) -> _TqdmProgress | None:
+    if wanted is False or (wanted is None and not sys.stderr.isatty()):
+        return None
+    return _TqdmProgress(total)
+
+
+def _report(summary: JobSummary, resume: ResumeState, stats_json: str | None) -> None:
+    d = summary.to_dict()
+    e = d["engine"]
+    lines = [
+        f"requests: {d['requests']} ({d['succeeded']} ok, {d['failed']} failed, "
+        f"{d['skipped_already_done']} already done)",
+        f"tokens: {d['prompt_tokens']} prompt, {d['generated_tokens']} generated in {d['elapsed_s']:.1f} s "
+        f"({d['generation_tokens_per_s']:.1f} gen tok/s, {d['total_tokens_per_s']:.1f} total tok/s)",
+        f"KV cache: utilization {e.get('kv_utilization_average', 0):.1%} avg, "
+        f"block usage peak {e.get('kv_block_usage_peak', 0):.1%}; "
+        f"prefix-cache hit rate {e.get('prefix_cache_hit_rate', 0):.1%}; "
+        f"preemptions {e.get('num_preemptions_recompute', 0) + e.get('num_preemptions_swap', 0)}",
+    ]
+    failed = d["failed"] + d["failed_in_earlier_runs"]
+    if failed:
+        lines.append(f"{failed} line(s) have error records in the output")
+    if summary.interrupted:
+        lines.append("interrupted: finished records are on disk; run the same command to resume")
+    click.echo("\n".join(lines), err=True)
+    if stats_json:
+        Path(stats_json).write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
+
+
+def _fatal(message: str):
+    click.echo(f"error: {message}", err=True)
+    sys.exit(EXIT_FATAL)
