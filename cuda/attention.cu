@@ -1,0 +1,332 @@
+// Paged causal grouped-query attention (decode, prefill, chunked prefill, mixed batches) on tensor cores.
+//
+// Buffers (all contiguous, fp16 unless said):
+//   q            [T, H, D]        query rows; sequence s owns rows query_start_loc[s] .. query_start_loc[s+1]-1
+//   k_cache      [N, B, Hkv, D]   key pool of one layer; token p of sequence s is at
+//   v_cache      [N, B, Hkv, D]   block block_tables[s, p / B], offset p % B
+//   out          [T, H, D]        written for every row that belongs to a sequence
+//   block_tables [S, M] int32, context_lens [S] int32 (tokens cached, this step's included),
+//   query_start_loc [S + 1] int32
+//   partial_o    [num_splits, T, H, D] fp32   un-normalised partial outputs (only when num_splits > 1)
+//   partial_ml   [num_splits, T, H, 2] fp32   (running max in log2 units, softmax denominator)
+//
+// Work decomposition. For one (sequence, kv head) the G = H / Hkv query heads and the q_len query tokens
+// form q_len * G "rows" (row f = query token f / G, head kvh * G + f % G): every row of a KV head reads the
+// same keys, so the rows are the M dimension of mma.m16n8k16 and K/V are loaded once for all of them.
+// A warp owns a tile of 16 rows and walks keys 16 at a time: S = Q K^T (two n8 tiles), an online softmax
+// in registers, O += P V. K/V go straight from global memory into mma B fragments; the head-dim
+// permutations that make every lane load 16 contiguous bytes are explained at load_k / load_v.
+//
+// Grid: x = row tile (KEY_SPLIT) or group of 4 row tiles (ROW_SPLIT), y = kv_head * num_splits + split,
+//       z = sequence. Block: 128 threads = 4 warps.
+//   KEY_SPLIT (decode and short queries): the 4 warps share one row tile and take interleaved 16-key
+//     chunks of the split's key range; the CTA merges their (max, sum, O) through shared memory.
+//   ROW_SPLIT (long prefill chunks): each warp owns its own row tile and walks all keys of the split.
+// A split is a range of partition_size keys (a multiple of 64). With num_splits > 1 every CTA writes its
+// un-normalised partial O with its (max, sum) and merge_partials combines them (flash-decoding), so one
+// long sequence still spreads over the whole GPU.
+#include <cuda_fp16.h>
+
+namespace {
+
+constexpr int WARPS = 4;
+constexpr int ROWS = 16;   // rows in a warp tile (mma M)
+constexpr int CHUNK = 16;  // keys a warp consumes per step (mma K of the P.V product)
+constexpr int PAD = 4;     // floats of padding per shared-memory row of O (fewer bank conflicts)
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ void mma16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Halves number `h` (0..7) of two 16-byte vectors, packed as (lo from a, hi from b).
+__device__ __forceinline__ unsigned pair_halves(const uint4& a, const uint4& b, int h) {
+  return __byte_perm(word_of(a, h >> 1), word_of(b, h >> 1), (h & 1) ? 0x7632 : 0x5410);
+}
+
+__device__ __forceinline__ unsigned pack_float2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+__device__ __forceinline__ uint4 load16(const __half* p) { return *reinterpret_cast<const uint4*>(p); }
+
+struct Params {
+  const __half* q;
+  const __half* k_cache;
+  const __half* v_cache;
+  __half* out;
+  float* partial_o;
+  float* partial_ml;
+  const int* block_tables;
+  const int* context_lens;
+  const int* query_start_loc;
+  int num_tokens;
+  int num_kv_heads;
+  int group;
+  int block_size;
+  int max_blocks_per_seq;
+  int partition_size;
+  int num_splits;
+  float scale_log2;  // softmax scale * log2(e): scores live in log2 units so exp2 does the exponent
+};
+
+// Element offset of (token p of sequence seq, kv head kvh, dim 0) in the cache.
+__device__ __forceinline__ size_t cache_offset(const Params& P, const int* table, int p, int kvh, int D) {
+  const int block = table[p / P.block_size];
+  const size_t slot = (size_t)block * P.block_size + p % P.block_size;
+  return (slot * P.num_kv_heads + kvh) * D;
+}
+
+// Combine `num_parts` (max, sum, O) partial results per row held in shared memory and write them out:
+// normalised fp16 when there is one split, else un-normalised fp32 partials for merge_partials.
+template <int D>
+__device__ void finish_rows(const Params& P, const float* so, const float* sm, const float* sl, int num_parts,
+                            int tid, int num_threads, int row0, int num_rows, int q_start, int kvh, int split) {
+  const int H = P.num_kv_heads * P.group;
+  for (int idx = tid; idx < ROWS * D; idx += num_threads) {
+    const int r = idx / D, d = idx % D;
+    const int row = row0 + r;
+    if (row >= num_rows) continue;
+    float m = neg_inf();
+    for (int w = 0; w < num_parts; ++w) m = fmaxf(m, sm[w * ROWS + r]);
+    float o = 0.f, l = 0.f;
+    if (m != neg_inf()) {
+      for (int w = 0; w < num_parts; ++w) {
+        const float weight = exp2f(sm[w * ROWS + r] - m);
+        o += weight * so[(w * ROWS + r) * (D + PAD) + d];
+        l += weight * sl[w * ROWS + r];
+      }
+    }
+    const int token = q_start + row / P.group;
+    const int head = kvh * P.group + row % P.group;
+    const size_t th = (size_t)token * H + head;
+    if (P.num_splits == 1) {
+      P.out[th * D + d] = __float2half(l > 0.f ? o / l : 0.f);
+    } else {
+      const size_t base = (size_t)split * P.num_tokens * H;
+      P.partial_o[(base + th) * D + d] = o;
+      if (d == 0) {
+        P.partial_ml[(base + th) * 2] = m;
+        P.partial_ml[(base + th) * 2 + 1] = l;
+      }
+    }
+  }
+}
+
+template <int D, bool ROW_SPLIT>
+__device__ void attention_impl(const Params& P) {
+  static_assert(D == 64 || D == 128, "head dim must be 64 or 128");
+  __shared__ float s_o[WARPS * ROWS * (D + PAD)];
+  __shared__ float s_m[WARPS * ROWS];
+  __shared__ float s_l[WARPS * ROWS];
+
+  const int seq = blockIdx.z;
+  const int kvh = blockIdx.y / P.num_splits;
+  const int split = blockIdx.y % P.num_splits;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, t = lane & 3;  // mma "group" (row / column) and "thread in group"
+
+  const int q_start = P.query_start_loc[seq];
+  const int q_len = P.query_start_loc[seq + 1] - q_start;
+  const int context_len = P.context_lens[seq];
+  const int num_rows = q_len * P.group;
+  const int tile = ROW_SPLIT ? blockIdx.x * WARPS + warp : blockIdx.x;
+  const int row0 = tile * ROWS;
+  if (row0 >= num_rows) return;  // uniform per CTA (KEY_SPLIT) or per warp (ROW_SPLIT: no CTA barrier)
+
+  const int H = P.num_kv_heads * P.group;
+  const int first_pos = context_len - q_len;  // position of the sequence's first query token
+  const int row_lo = row0 + g, row_hi = row0 + g + 8;
+  const int pos_lo = first_pos + row_lo / P.group, pos_hi = first_pos + row_hi / P.group;
+  const int last_row = min(row0 + ROWS, num_rows) - 1;
+  const int key_begin = split * P.partition_size;
+  const int key_end = min(min(key_begin + P.partition_size, context_len), first_pos + last_row / P.group + 1);
+  const int* table = P.block_tables + (size_t)seq * P.max_blocks_per_seq;
+
+  // Q as mma A fragments. Head dim d is permuted within each 32-wide slice c so that lane (g, t) holds
+  // d = 32c + 8t .. 32c + 8t + 7 (one 16-byte load): k-step 2c takes halves 0-3, k-step 2c+1 halves 4-7.
+  // K's B fragments use the same permutation, and a dot product does not care about the order of d.
+  unsigned qa[D / 16][4];
+  {
+    const __half* q_lo = P.q + ((size_t)(q_start + row_lo / P.group) * H + kvh * P.group + row_lo % P.group) * D;
+    const __half* q_hi = P.q + ((size_t)(q_start + row_hi / P.group) * H + kvh * P.group + row_hi % P.group) * D;
+    const bool valid_lo = row_lo < num_rows, valid_hi = row_hi < num_rows;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      const uint4 lo = valid_lo ? load16(q_lo + 32 * c + 8 * t) : zero;
+      const uint4 hi = valid_hi ? load16(q_hi + 32 * c + 8 * t) : zero;
+      qa[2 * c][0] = lo.x; qa[2 * c][1] = hi.x; qa[2 * c][2] = lo.y; qa[2 * c][3] = hi.y;
+      qa[2 * c + 1][0] = lo.z; qa[2 * c + 1][1] = hi.z; qa[2 * c + 1][2] = lo.w; qa[2 * c + 1][3] = hi.w;
+    }
+  }
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.f, l_hi = 0.f;
+
+  const int stride = ROW_SPLIT ? CHUNK : CHUNK * WARPS;
+  for (int k0 = key_begin + (ROW_SPLIT ? 0 : warp * CHUNK); k0 < key_end; k0 += stride) {
+    // load_k: n8 tile n holds keys k0 + 8n + g (mma column g); lane (g, t) loads 16 bytes per 32-d slice.
+    uint4 kf[2][D / 32];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int p = k0 + 8 * n + g;
+      const bool ok = p < key_end;
+      const __half* src = P.k_cache + (ok ? cache_offset(P, table, p, kvh, D) : 0);
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load16(src + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
+    }
+    // load_v: the P.V product's k index is the key (lane t holds keys 2t, 2t+1, 8+2t, 9+2t of the chunk,
+    // the order S's accumulators come in) and its n index is d, permuted so that in n8 tile j lane g
+    // holds d = 64 (j / 8) + 8 g + j % 8: per key, lane g loads D / 64 contiguous 16-byte pieces.
+    // Keys past key_end load zeros: their probability is 0, and 0 * (garbage NaN) would poison O.
+    uint4 vf[4][D / 64];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int p = k0 + 2 * t + (e & 1) + 8 * (e >> 1);
+      const bool ok = p < key_end;
+      const __half* src = P.v_cache + (ok ? cache_offset(P, table, p, kvh, D) : 0);
+#pragma unroll
+      for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load16(src + 64 * c + 8 * g) : make_uint4(0, 0, 0, 0);
+    }
+
+    float s[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) {
+        mma16816(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], kf[n][c].x, kf[n][c].y);
+        mma16816(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], kf[n][c].z,
+                 kf[n][c].w);
+      }
+    }
+    // Scale, causal mask (key position <= the row's query position) and range mask.
+    float mx_lo = neg_inf(), mx_hi = neg_inf();
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int p = k0 + 8 * n + 2 * t + (e & 1);
+        const int pos = e < 2 ? pos_lo : pos_hi;
+        s[n][e] = (p < key_end && p <= pos) ? s[n][e] * P.scale_log2 : neg_inf();
+      }
+      mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
+    }
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+    // A row that has seen only masked keys keeps max -inf; subtract 0 then so no (-inf) - (-inf) = NaN.
+    const float base_lo = new_lo == neg_inf() ? 0.f : new_lo;
+    const float base_hi = new_hi == neg_inf() ? 0.f : new_hi;
+    const float alpha_lo = exp2f(m_lo - base_lo), alpha_hi = exp2f(m_hi - base_hi);
+    m_lo = new_lo;
+    m_hi = new_hi;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      s[n][0] = exp2f(s[n][0] - base_lo);
+      s[n][1] = exp2f(s[n][1] - base_lo);
+      s[n][2] = exp2f(s[n][2] - base_hi);
+      s[n][3] = exp2f(s[n][3] - base_hi);
+    }
+    l_lo = l_lo * alpha_lo + s[0][0] + s[0][1] + s[1][0] + s[1][1];  // per-lane partial; quad-summed later
+    l_hi = l_hi * alpha_hi + s[0][2] + s[0][3] + s[1][2] + s[1][3];
+    // S accumulators of the two n8 tiles are exactly the A fragment of P for a k16 step.
+    const unsigned pa0 = pack_float2(s[0][0], s[0][1]), pa1 = pack_float2(s[0][2], s[0][3]);
+    const unsigned pa2 = pack_float2(s[1][0], s[1][1]), pa3 = pack_float2(s[1][2], s[1][3]);
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      o[j][0] *= alpha_lo; o[j][1] *= alpha_lo; o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
+      const unsigned b0 = pair_halves(vf[0][j / 8], vf[1][j / 8], j % 8);
+      const unsigned b1 = pair_halves(vf[2][j / 8], vf[3][j / 8], j % 8);
+      mma16816(o[j], pa0, pa1, pa2, pa3, b0, b1);
+    }
+  }
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+
+  // Stash this warp's (max, sum, O) in shared memory in natural d order: accumulator e of n8 tile j is
+  // row g (+8 for e >= 2), d = 64 (j / 8) + 8 (2t + e % 2) + j % 8.
+  float* my_o = s_o + warp * ROWS * (D + PAD);
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = g + 8 * (e >> 1);
+      const int d = 64 * (j / 8) + 8 * (2 * t + (e & 1)) + j % 8;
+      my_o[r * (D + PAD) + d] = o[j][e];
+    }
+  }
+  if (t == 0) {
+    s_m[warp * ROWS + g] = m_lo;
+    s_m[warp * ROWS + g + 8] = m_hi;
+    s_l[warp * ROWS + g] = l_lo;
+    s_l[warp * ROWS + g + 8] = l_hi;
+  }
+  if (ROW_SPLIT) {
+    __syncwarp();
+    finish_rows<D>(P, my_o, s_m + warp * ROWS, s_l + warp * ROWS, 1, lane, 32, row0, num_rows, q_start, kvh,
+                   split);
+  } else {
+    __syncthreads();
+    finish_rows<D>(P, s_o, s_m, s_l, WARPS, threadIdx.x, blockDim.x, row0, num_rows, q_start, kvh, split);
+  }
+}
+
+}  // namespace
+
+// One CTA of 128 threads per (row tile or 4 row tiles, kv head x split, sequence); see the top comment.
+#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT)                                                                  \
+  extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D##_##MODE(                          \
+      const __half* q, const __half* k_cache, const __half* v_cache, __half* out, float* partial_o,         \
+      float* partial_ml, const int* block_tables, const int* context_lens, const int* query_start_loc,      \
+      int num_tokens, int num_kv_heads, int group, int block_size, int max_blocks_per_seq,                  \
+      int partition_size, int num_splits, float scale_log2) {                                               \
+    const Params p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,             \
+                   query_start_loc, num_tokens, num_kv_heads, group, block_size, max_blocks_per_seq,        \
+                   partition_size, num_splits, scale_log2};                                                 \
+    attention_impl<D, ROW_SPLIT>(p);                                                                        \
+  }
+DEFINE_ATTENTION(64, keysplit, false)
+DEFINE_ATTENTION(64, rowsplit, true)
+DEFINE_ATTENTION(128, keysplit, false)
+DEFINE_ATTENTION(128, rowsplit, true)
+
+// merge_partials: out[t, h, :] = sum_s w_s O_s / sum_s w_s l_s with w_s = 2^(m_s - max_s m_s).
+// Grid: one CTA of D threads per (token, head) row; thread = d. Rows of no sequence (padding tokens past
+// query_start_loc[S]) were never written: the launcher zeroes partial_ml, so their sums are 0 and out = 0.
+extern "C" __global__ void merge_partials(const float* partial_o, const float* partial_ml, __half* out,
+                                          int num_splits, int num_rows, int D) {
+  const int row = blockIdx.x;  // token * H + head
+  const int d = threadIdx.x;
+  float m = neg_inf();
+  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, partial_ml[((size_t)s * num_rows + row) * 2]);
+  float o = 0.f, l = 0.f;
+  if (m != neg_inf()) {
+    for (int s = 0; s < num_splits; ++s) {
+      const size_t i = (size_t)s * num_rows + row;
+      const float w = exp2f(partial_ml[i * 2] - m);
+      o += w * partial_o[i * D + d];
+      l += w * partial_ml[i * 2 + 1];
+    }
+  }
+  out[(size_t)row * D + d] = __float2half(l > 0.f ? o / l : 0.f);
+}
