@@ -8,12 +8,18 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import AttentionMetadata, paged_attention_reference, write_kv_reference
+from .attention_fast import paged_attention_fast
 
 
 class NumpyOps:
     """Backend ops on numpy arrays. `xp` is the array module the model uses for uploads."""
 
     xp = np
+
+    def __init__(self, reference_attention: bool = False):
+        # The reference loops over sequences in Python; the fast path is equal to it (tested) and
+        # batches decode rows. reference_attention=True selects the reference, e.g. for debugging.
+        self._attention = paged_attention_reference if reference_attention else paged_attention_fast
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """RMSNorm with vLLM's residual convention: with a residual, x + residual is normalised and
@@ -38,7 +44,7 @@ class NumpyOps:
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """Paged causal GQA attention; [T, H, D] -> [T, H, D]."""
-        return paged_attention_reference(np, q, k_cache, v_cache, meta, scale)
+        return self._attention(np, q, k_cache, v_cache, meta, scale)
 
     def silu_mul(self, gate_up):
         """SwiGLU activation: silu(gate) * up for gate_up = concat(gate, up); [T, 2I] -> [T, I]."""
