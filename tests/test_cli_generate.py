@@ -1,0 +1,138 @@
+"""`offline-paged generate` end to end on a tiny random HF model dir (real engine, CPU)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fixtures_tiny_model import write_tiny_model
+from offline_paged.cli.generate import parse_size
+from offline_paged.cli.main import cli
+from offline_paged.job_output import is_error, record_key
+
+REPO = Path(__file__).resolve().parents[1]
+CLI_MAIN = "from offline_paged.cli.main import cli; cli()"
+ENGINE_FLAGS = ["--device", "cpu", "--block-size", "4", "--num-kv-blocks", "64",
+                "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", max_position_embeddings=64)
+
+
+def _job(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _generate(model_dir, *args) -> "click.testing.Result":
+    return CliRunner().invoke(cli, ["generate", *map(str, args), "--model", str(model_dir),
+                                    *ENGINE_FLAGS])
+
+
+JOB = [
+    {"id": "plain", "prompt": "The sky is", "max_tokens": 5, "temperature": 0},
+    {"id": "chat", "messages": [{"role": "system", "content": "Short."},
+                                {"role": "user", "content": "Hi"}], "n": 2, "seed": 1},
+    {"id": "eval", "prompt": "Paris is in France", "max_tokens": 1, "prompt_logprobs": 1},
+    {"custom_id": "oa", "method": "POST", "url": "/v1/completions",
+     "body": {"model": "x", "prompt": "Once", "max_tokens": 3, "logprobs": 1}},
+]
+
+
+def test_job_writes_one_record_per_line_and_stats(model_dir, tmp_path):
+    out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    result = _generate(model_dir, _job(tmp_path / "in.jsonl", JOB), "-o", out,
+                       "--stats-json", stats, "--max-tokens", "4")
+    assert result.exit_code == 0, result.output
+    records = {record_key(r): r for r in _records(out)}
+    assert set(records) == {"plain", "chat", "eval", "oa"}
+    assert len(records["plain"]["outputs"][0]["token_ids"]) == 5  # line value beats --max-tokens
+    assert [len(o["token_ids"]) for o in records["chat"]["outputs"]] == [4, 4]
+    assert len(records["eval"]["prompt_logprobs"]) == len("Paris is in France")
+    assert records["oa"]["response"]["body"]["choices"][0]["logprobs"]["tokens"]
+    summary = json.loads(stats.read_text())
+    assert summary["succeeded"] == 4 and summary["failed"] == 0
+    assert summary["engine"]["num_requests_finished"] == 4
+
+
+def test_greedy_job_is_reproducible_and_matches_the_engine_directly(model_dir, tmp_path):
+    from offline_paged.config import EngineConfig
+    from offline_paged.engine import LLMEngine
+    from offline_paged.sampling_params import SamplingParams
+
+    job = _job(tmp_path / "in.jsonl", [{"prompt_token_ids": [5, 6, 7], "max_tokens": 6,
+                                        "temperature": 0, "ignore_eos": True}])
+    _generate(model_dir, job, "-o", tmp_path / "a.jsonl")
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", block_size=4,
+                                    num_kv_blocks=64))
+    engine.add_request("x", prompt_token_ids=[5, 6, 7],
+                       params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    (direct,) = engine.step() + [o for _ in range(10) for o in engine.step()]
+    got = _records(tmp_path / "a.jsonl")[0]["outputs"][0]["token_ids"]
+    assert got == direct.outputs[0].token_ids and len(got) == 6
+
+
+def test_bad_prompts_file_gives_one_record_per_line_and_exit_1(model_dir, tmp_path):
+    bad = REPO / "data" / "bad_prompts.jsonl"
+    lines = [line for line in bad.read_text().splitlines() if line.strip()]
+    out = tmp_path / "out.jsonl"
+    result = _generate(model_dir, bad, "-o", out, "--max-model-len", "48")
+    assert result.exit_code == 1, result.output
+    records = _records(out)
+    assert len(records) == len(lines)
+    assert len({record_key(r) for r in records}) == len(records)
+    failed = sum(is_error(r) for r in records)
+    assert failed >= len(lines) - 2 and f"{failed} line(s) have error records" in result.output
+
+
+def test_resume_skips_done_ids_and_no_resume_overwrites(model_dir, tmp_path):
+    job = _job(tmp_path / "in.jsonl", [{"id": i, "prompt": "ab", "max_tokens": 2} for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    first = _records(out) if _generate(model_dir, job, "-o", out).exit_code == 0 else None
+    assert first is not None and len(first) == 4
+    kept = out.read_text().splitlines(keepends=True)[:2]
+    out.write_text("".join(kept) + kept[0][:7])  # two done records and a torn third
+    result = _generate(model_dir, job, "-o", out)
+    assert result.exit_code == 0 and "cut a torn last line" in result.output
+    assert sorted(r["id"] for r in _records(out)) == ["0", "1", "2", "3"]
+    assert _generate(model_dir, job, "-o", out, "--no-resume").exit_code == 0
+    assert len(_records(out)) == 4
+
+
+def test_output_that_is_not_ours_is_refused_with_exit_2(model_dir, tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text("hello\n")
+    result = _generate(model_dir, _job(tmp_path / "in.jsonl", JOB[:1]), "-o", out)
+    assert result.exit_code == 2 and "refusing to resume" in result.output
+    assert out.read_text() == "hello\n"
+
+
+def test_bad_default_flag_is_a_usage_error(model_dir, tmp_path):
+    result = _generate(model_dir, _job(tmp_path / "in.jsonl", JOB[:1]), "--top-p", "0")
+    assert result.exit_code == 2 and "top_p" in result.output
+
+
+def test_stdin_to_stdout_in_a_real_process(model_dir):
+    line = json.dumps({"id": "s", "prompt": "hey", "max_tokens": 2}) + "\n"
+    proc = subprocess.run([sys.executable, "-c", CLI_MAIN, "generate", "-",
+                           "--model", str(model_dir), *ENGINE_FLAGS],
+                          input=line, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    (record,) = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert record["id"] == "s" and record["usage"]["completion_tokens"] == 2
+    assert "requests: 1 (1 ok" in proc.stderr
+
+
+def test_parse_size():
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("512 MiB") == 512 * 2**20
+    assert parse_size("1000") == 1000 and parse_size("1.5kb") == 1500
