@@ -11,3 +11,7 @@ def cli() -> None:
 # Subcommands register here, one line each (imports kept below the group on purpose).
 from offline_paged.cli.generate import generate  # noqa: E402
 cli.add_command(generate)
+from offline_paged.cli.model_commands import pull  # noqa: E402
+cli.add_command(pull)
+from offline_paged.cli.model_commands import convert  # noqa: E402
+cli.add_command(convert)
