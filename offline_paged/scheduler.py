@@ -113,7 +113,11 @@ class Scheduler:
 
     # ----------------------------------------------------------------- requests
     def add_group(self, group: SequenceGroup) -> None:
-        """Queue a new request as one WAITING sequence (sample 0)."""
+        """Queue a new request as one WAITING sequence (sample 0). Raises ValueError when its
+        samples could never run side by side (more than max_num_seqs)."""
+        if group.num_samples > self.max_num_seqs:
+            raise ValueError(f"the request needs {group.num_samples} parallel samples (n / best_of) "
+                             f"but max_num_seqs is {self.max_num_seqs}")
         seq = Sequence(
             seq_id=next(self._next_seq_id), group=group, sample_index=0,
             sampling_seed=group.sample_seeds[0], token_ids=list(group.prompt_token_ids),
@@ -177,9 +181,9 @@ class Scheduler:
         return True
 
     def _schedule_swapped(self, plan: _StepPlan) -> None:
-        while self.swapped and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and plan.budget > 0:
             seq = self.swapped[0]
-            if not self.block_manager.can_swap_in(seq.seq_id):
+            if not self._has_room_for(seq) or not self.block_manager.can_swap_in(seq.seq_id):
                 return
             self.swapped.pop(0)
             plan.swap_in += self.block_manager.swap_in(seq.seq_id)
@@ -200,13 +204,16 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + seq.group.num_pending_seqs > self.max_num_seqs:
-                return
-            if not self.block_manager.can_allocate(seq.token_ids):
+            if not self._has_room_for(seq) or not self.block_manager.can_allocate(seq.token_ids):
                 return
             self.waiting.pop(0)
             self._admit(seq)
             self._schedule(seq, plan)
+
+    def _has_room_for(self, seq: Sequence) -> bool:
+        """Whether seq (and the samples it will fork into) fit within max_num_seqs."""
+        occupied = sum(s.group.num_pending_seqs for s in self.running)
+        return occupied + seq.group.num_pending_seqs <= self.max_num_seqs
 
     def _admit(self, seq: Sequence) -> None:
         num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids)

@@ -1,0 +1,209 @@
+"""Scheduler + real BlockManager driven by Hypothesis against a plain-Python model of generation.
+
+The fake runner keeps a simulated KV pool (one token id per slot, device and CPU) and executes the
+step's swaps and copies exactly like ModelRunner. Before "computing" a chunk it checks that every
+earlier position of the sequence reads back the right token through the block table, so a lost
+copy-on-write, a wrong swap, a bad prefix-cache hit or a preemption that forgets what was computed
+shows up as wrong context. The next token is a pure function of (context, sample seed), so the
+finished outputs must equal the model's whatever the scheduling, pool size or preemption mode.
+"""
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from offline_paged.block_manager import BlockManager
+from offline_paged.config import PreemptionMode
+from offline_paged.sampling_params import SamplingParams
+from offline_paged.scheduler import Scheduler
+from offline_paged.sequence import (
+    FinishReason,
+    SequenceGroup,
+    SequenceResult,
+    SequenceStatus,
+    TokenSample,
+)
+
+EOS = 1
+VOCAB = 12  # small, so prompts share prefixes and EOS comes up
+
+
+def next_token(context: list[int], seed: int) -> int:
+    h = seed * 1_000_003
+    for t in context:
+        h = (h * 31 + t) % 1_000_000_007
+    return h % VOCAB
+
+
+def reference_output(prompt: list[int], seed: int, params: SamplingParams) -> list[int]:
+    tokens = list(prompt)
+    out: list[int] = []
+    while True:
+        t = next_token(tokens, seed)
+        tokens.append(t)
+        out.append(t)
+        if (t == EOS and len(out) >= params.min_tokens) or len(out) >= params.max_tokens:
+            return out
+
+
+def stop_checker(seq):
+    if seq.token_ids[-1] == EOS and seq.num_output_tokens >= seq.group.params.min_tokens:
+        return FinishReason.STOP, EOS
+    if seq.num_output_tokens >= seq.group.params.max_tokens:
+        return FinishReason.LENGTH, None
+    return None
+
+
+class FakeRunner:
+    """Simulated KV pools: slot -> token id (None = never written)."""
+
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.gpu = [None] * (num_gpu_blocks * block_size)
+        self.cpu = [None] * (num_cpu_blocks * block_size)
+
+    def _move(self, src_pool, dst_pool, pairs) -> None:
+        b = self.block_size
+        blocks = [src_pool[s * b:(s + 1) * b] for s, _ in pairs]  # all reads before writes
+        for (_, dst), data in zip(pairs, blocks):
+            dst_pool[dst * b:(dst + 1) * b] = data
+
+    def execute(self, output) -> list[SequenceResult]:
+        self._move(self.gpu, self.cpu, output.blocks_to_swap_out)
+        self._move(self.cpu, self.gpu, output.blocks_to_swap_in)
+        self._move(self.gpu, self.gpu, output.blocks_to_copy)
+        return [self._run(item) for item in output.scheduled]
+
+    def _slot(self, table, pos: int) -> int:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _run(self, item) -> SequenceResult:
+        seq, table = item.seq, item.block_table
+        end = item.start + item.num_new_tokens
+        for pos in range(item.start, end):
+            if pos >= item.num_skip_write:
+                self.gpu[self._slot(table, pos)] = seq.token_ids[pos]
+        context = [self.gpu[self._slot(table, p)] for p in range(end)]
+        assert context == seq.token_ids[:end], f"seq {seq.seq_id}: KV cache lost its context"
+        seeds = seq.group.sample_seeds if item.num_samples > 1 else [seq.sampling_seed]
+        samples = [TokenSample(next_token(context, s), -1.0) for s in seeds[:item.num_samples]]
+        return SequenceResult(samples)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduler = None
+
+    @precondition(lambda self: self.scheduler is None)
+    @rule(num_gpu_blocks=st.integers(8, 40), block_size=st.sampled_from([2, 4]),
+          max_num_seqs=st.integers(1, 6), max_tokens_budget=st.integers(4, 24),
+          swap=st.booleans(), prefix_caching=st.booleans())
+    def setup(self, num_gpu_blocks, block_size, max_num_seqs, max_tokens_budget, swap, prefix_caching):
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        manager = BlockManager(num_gpu_blocks, num_gpu_blocks, block_size, watermark=0.05,
+                               enable_prefix_caching=prefix_caching)
+        mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
+        self.scheduler = Scheduler(manager, max_num_seqs, max_tokens_budget, mode)
+        self.runner = FakeRunner(num_gpu_blocks, num_gpu_blocks, block_size)
+        self.groups: dict[str, SequenceGroup] = {}
+        self.expected: dict[str, list[list[int]]] = {}
+        self.finished: set[str] = set()
+        self.aborted: set[str] = set()
+        self.num_preempted = 0
+
+    @precondition(lambda self: self.scheduler is not None)
+    @rule(prompt=st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=14),
+          shared_prefix=st.booleans(), n=st.integers(1, 3), max_tokens=st.integers(1, 10),
+          min_tokens=st.integers(0, 2), seed=st.integers(0, 3))
+    def add_request(self, prompt, shared_prefix, n, max_tokens, min_tokens, seed):
+        if shared_prefix:
+            prompt = [3, 4, 5, 6, 7, 8, 9, 2][:2 * self.block_size] + prompt
+        capacity = (self.num_gpu_blocks - int(0.05 * self.num_gpu_blocks)) * self.block_size
+        max_tokens = min(max_tokens, capacity - len(prompt))
+        if max_tokens < 1:
+            return
+        n = min(n, self.scheduler.max_num_seqs)
+        params = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens))
+        request_id = f"r{len(self.groups)}"
+        seeds = [seed * 10 + i for i in range(n)]
+        group = SequenceGroup(request_id, len(self.groups), None, prompt, params, seeds)
+        self.groups[request_id] = group
+        self.expected[request_id] = [reference_output(prompt, s, params) for s in seeds]
+        self.scheduler.add_group(group)
+
+    @precondition(lambda self: self.scheduler is not None and self.scheduler.has_unfinished())
+    @rule()
+    def step(self):
+        s = self.scheduler
+        output = s.schedule()
+        assert not output.is_empty, "nothing scheduled while requests wait: the scheduler stalled"
+        assert output.num_batched_tokens <= s.max_num_batched_tokens
+        assert all(item.seq.status is SequenceStatus.RUNNING for item in output.scheduled), \
+            "a sequence scheduled in this step was preempted in it"
+        assert len({item.seq.seq_id for item in output.scheduled}) == len(output.scheduled)
+        self.num_preempted += output.num_preempted_recompute + output.num_preempted_swap
+        results = self.runner.execute(output)
+        for group in s.postprocess(output, results, stop_checker):
+            self.finished.add(group.request_id)
+            got = sorted(seq.output_token_ids for seq in group.seqs)
+            assert got == sorted(self.expected[group.request_id]), f"{group.request_id}: wrong tokens"
+
+    @precondition(lambda self: self.scheduler is not None and self.groups)
+    @rule(data=st.data())
+    def abort(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.groups)))
+        group = self.groups[request_id]
+        if request_id in self.finished or request_id in self.aborted:
+            return
+        self.scheduler.abort_group(group)
+        self.aborted.add(request_id)
+
+    @invariant()
+    def queues_match_statuses(self):
+        if self.scheduler is None:
+            return
+        s = self.scheduler
+        for queue, status in ((s.waiting, SequenceStatus.WAITING), (s.running, SequenceStatus.RUNNING),
+                              (s.swapped, SequenceStatus.SWAPPED)):
+            assert all(seq.status is status for seq in queue)
+            keys = [seq.priority for seq in queue]
+            assert keys == sorted(keys), "queue not in FCFS order"
+        ids = [seq.seq_id for seq in s.waiting + s.running + s.swapped]
+        assert len(ids) == len(set(ids)), "a sequence sits in two queues"
+
+    @invariant()
+    def block_holders_are_exactly_running_and_swapped(self):
+        if self.scheduler is None:
+            return
+        s = self.scheduler
+        holders = {seq.seq_id for seq in s.running + s.swapped}
+        assert s.block_manager.num_seqs == len(holders)
+        assert all(seq.seq_id in s.block_manager for seq in s.running + s.swapped)
+
+    @invariant()
+    def running_within_limits(self):
+        if self.scheduler is None:
+            return
+        s = self.scheduler
+        assert len(s.running) <= s.max_num_seqs
+        for seq in s.running:
+            assert seq.num_computed_tokens <= seq.num_slots <= seq.num_tokens
+            assert s.block_manager.num_slots(seq.seq_id) == seq.num_slots
+
+    def teardown(self):
+        if self.scheduler is None:
+            return
+        for _ in range(10_000):  # drain: every request must finish with the model's tokens
+            if not self.scheduler.has_unfinished():
+                break
+            self.step()
+        assert not self.scheduler.has_unfinished()
+        assert self.finished | self.aborted == set(self.groups)
+        assert self.scheduler.block_manager.num_seqs == 0
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestSchedulerMachine = SchedulerMachine.TestCase
