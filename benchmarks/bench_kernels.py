@@ -1,7 +1,7 @@
 """Kernel benchmark (GPU): paged decode attention and prefill attention, with peers measured in the same run.
 
 Decode: batch x context x block size x head dim x GQA. For each point: the median of CUDA-event-timed
-repeats of our kernel on a shuffled block table, the achieved bandwidth (bytes of K/V read / time)
+CUDA-graph replays (kernel time without Python launch overhead; the eager per-call time is reported too) of our kernel on a shuffled block table, the achieved bandwidth (bytes of K/V read / time)
 against the device-to-device copy bandwidth measured here ((read + written) / time), the same kernel
 on an identity block table (paging overhead = shuffled / identity - 1), and torch's
 scaled_dot_product_attention on contiguous K/V (ratio = ours / torch; < 1 means we are faster).
@@ -55,10 +55,53 @@ def random_f16(n: int):
     return out
 
 
-def torch_ms_or_nan(fn, repeats: int) -> float:
-    """The peer may run out of memory (a math fallback expands GQA heads): report nan, keep going."""
+def graph_ms(fn, repeats: int) -> float:
+    """GPU time of fn without Python launch overhead: fn is captured into a CUDA graph once (after a
+    warm-up on the capture stream, so the memory pool serves its allocations) and replays are timed."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        fn()
+        graph = stream.end_capture()
+        for _ in range(2):
+            graph.launch(stream)
+        times = []
+        for _ in range(repeats):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def torch_graph_ms(fn, repeats: int) -> float:
+    """The same for torch: capture into torch.cuda.CUDAGraph, time replays; nan if the peer fails
+    (a math fallback that expands GQA heads can run out of memory)."""
     try:
-        return median_ms(fn, repeats)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        for _ in range(2):
+            graph.replay()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del graph
+        return statistics.median(times)
     except RuntimeError as exc:
         print(f"  torch peer failed: {str(exc).splitlines()[0][:120]}", flush=True)
         torch.cuda.empty_cache()
@@ -112,7 +155,7 @@ def decode_point(k_pool, v_pool, k_torch, v_torch, batch, context, head_dim, num
     qt = torch.randn(batch, NUM_HEADS, 1, head_dim, device="cuda", dtype=torch.float16)
     kt = k_torch[:batch * num_kv_heads * context * head_dim].view(batch, num_kv_heads, context, head_dim)
     vt = v_torch[:batch * num_kv_heads * context * head_dim].view(batch, num_kv_heads, context, head_dim)
-    torch_ms = torch_ms_or_nan(
+    torch_ms = torch_graph_ms(
         lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), repeats)
     rows = []
     for block_size in BLOCK_SIZES:
@@ -128,14 +171,15 @@ def decode_point(k_pool, v_pool, k_torch, v_torch, batch, context, head_dim, num
             return lambda: launchers.paged_attention(q, k_cache, v_cache, table, context_lens, query_start_loc,
                                                      1, context, scale)
 
-        paged_ms = median_ms(ours(shuffled), repeats)
-        identity_ms = median_ms(ours(identity), repeats)
+        paged_ms = graph_ms(ours(shuffled), repeats)
+        identity_ms = graph_ms(ours(identity), repeats)
+        call_ms = median_ms(ours(shuffled), repeats)  # eager, Python launch overhead included
         splits, _ = launchers.plan_splits(batch * num_kv_heads, context, batch * NUM_HEADS * head_dim * 4)
         achieved = kv_bytes / paged_ms / 1e6
         rows.append(dict(batch=batch, context=context, block_size=block_size, head_dim=head_dim,
                          gqa=NUM_HEADS // num_kv_heads, splits=splits, ms=paged_ms, gbs=achieved,
                          pct_copy=100 * achieved / copy_gbs, identity_ms=identity_ms,
-                         paging_overhead_pct=100 * (paged_ms / identity_ms - 1), torch_ms=torch_ms,
+                         paging_overhead_pct=100 * (paged_ms / identity_ms - 1), torch_ms=torch_ms, call_ms=call_ms,
                          ratio_vs_torch=paged_ms / torch_ms))
     return rows
 
@@ -143,7 +187,7 @@ def decode_point(k_pool, v_pool, k_torch, v_torch, batch, context, head_dim, num
 def _decode_line(r: dict) -> str:
     return (f"{r['head_dim']:>4} {r['gqa']:>3} {r['block_size']:>3} {r['batch']:>5} {r['context']:>6} {r['splits']:>4} "
             f"{r['ms']:>9.4f} {r['gbs']:>8.0f} {r['pct_copy']:>6.1f}% {r['paging_overhead_pct']:>+7.1f}% "
-            f"{r['torch_ms']:>9.4f} {r['ratio_vs_torch']:>6.2f}")
+            f"{r['torch_ms']:>9.4f} {r['ratio_vs_torch']:>6.2f} {r['call_ms']:>9.4f}")
 
 
 def prefill_rows(quick: bool) -> list[dict]:
@@ -159,12 +203,12 @@ def prefill_rows(quick: bool) -> list[dict]:
             table = cupy.asarray(np.random.default_rng(length).permutation(num_blocks).astype(np.int32)[None])
             ctx = cupy.asarray([length], dtype=cupy.int32)
             qsl = cupy.asarray([0, length], dtype=cupy.int32)
-            ms = median_ms(lambda: launchers.paged_attention(q, k_cache, v_cache, table, ctx, qsl, length, length,
+            ms = graph_ms(lambda: launchers.paged_attention(q, k_cache, v_cache, table, ctx, qsl, length, length,
                                                              head_dim ** -0.5), 5)
             qt = torch.randn(1, NUM_HEADS, length, head_dim, device="cuda", dtype=torch.float16)
             kt = torch.randn(1, num_kv_heads, length, head_dim, device="cuda", dtype=torch.float16)
             vt = torch.randn(1, num_kv_heads, length, head_dim, device="cuda", dtype=torch.float16)
-            torch_ms = torch_ms_or_nan(lambda: torch.nn.functional.scaled_dot_product_attention(
+            torch_ms = torch_graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
                 qt, kt, vt, is_causal=True, enable_gqa=True), 5)
             flops = 4 * length * length * NUM_HEADS * head_dim / 2  # QK^T and PV, causal half
             rows.append(dict(length=length, head_dim=head_dim, gqa=NUM_HEADS // num_kv_heads, ms=ms,
@@ -178,7 +222,7 @@ def prefill_rows(quick: bool) -> list[dict]:
 def summary(decode: list[dict], copy_gbs: float) -> None:
     big = [r for r in decode if r["batch"] * r["context"] >= 64 * 4096]
     print(f"\n== decode summary (copy bandwidth {copy_gbs:.0f} GB/s, read+write) ==")
-    print(" D   GQA  B  batch context splits    ms     GB/s   %copy  paging   torch_ms  ours/torch")
+    print("   D GQA   B batch context splits  ms(graph)  GB/s   %copy   paging  torch_ms ours/torch call_ms(eager)")
     for r in decode:
         print(_decode_line(r))
     if big:

@@ -88,6 +88,38 @@ __device__ __forceinline__ size_t cache_offset(const Params& P, const int* table
   return (slot * P.num_kv_heads + kvh) * D;
 }
 
+// load_keys: n8 tile n of a chunk holds keys k0 + 8n + g (mma column g); lane (g, t) loads 16 bytes of
+// each 32-d slice (d = 32c + 8t ..), matching the Q permutation. Keys >= key_end load zeros.
+template <int D>
+__device__ __forceinline__ void load_keys(const Params& P, const int* table, int kvh, int k0, int key_end, int g,
+                                          int t, uint4 (&kf)[2][D / 32]) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int p = k0 + 8 * n + g;
+    const bool ok = p < key_end;
+    const __half* src = P.k_cache + (ok ? cache_offset(P, table, p, kvh, D) : 0);
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load16(src + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// load_values: the P.V product's k index is the key (lane t holds keys 2t, 2t+1, 8+2t, 9+2t of the chunk,
+// the order S's accumulators come in) and its n index is d, permuted so that in n8 tile j lane g holds
+// d = 64 (j / 8) + 8 g + j % 8: per key, lane g loads D / 64 contiguous 16-byte pieces.
+// Keys >= key_end load zeros: their probability is 0, and 0 * (garbage NaN) would poison O.
+template <int D>
+__device__ __forceinline__ void load_values(const Params& P, const int* table, int kvh, int k0, int key_end, int g,
+                                            int t, uint4 (&vf)[4][D / 64]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int p = k0 + 2 * t + (e & 1) + 8 * (e >> 1);
+    const bool ok = p < key_end;
+    const __half* src = P.v_cache + (ok ? cache_offset(P, table, p, kvh, D) : 0);
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load16(src + 64 * c + 8 * g) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 // Combine `num_parts` (max, sum, O) partial results per row held in shared memory and write them out:
 // normalised fp16 when there is one split, else un-normalised fp32 partials for merge_partials.
 template <int D>
@@ -177,31 +209,19 @@ __device__ void attention_impl(const Params& P) {
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.f, l_hi = 0.f;
 
+  // Software pipeline: the next chunk's keys (and, for D = 64 where registers allow, its values) are
+  // requested before this chunk's arithmetic, so a warp always has loads in flight.
+  constexpr bool PREFETCH_V = D == 64;
   const int stride = ROW_SPLIT ? CHUNK : CHUNK * WARPS;
-  for (int k0 = key_begin + (ROW_SPLIT ? 0 : warp * CHUNK); k0 < key_end; k0 += stride) {
-    // load_k: n8 tile n holds keys k0 + 8n + g (mma column g); lane (g, t) loads 16 bytes per 32-d slice.
-    uint4 kf[2][D / 32];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int p = k0 + 8 * n + g;
-      const bool ok = p < key_end;
-      const __half* src = P.k_cache + (ok ? cache_offset(P, table, p, kvh, D) : 0);
-#pragma unroll
-      for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load16(src + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
-    }
-    // load_v: the P.V product's k index is the key (lane t holds keys 2t, 2t+1, 8+2t, 9+2t of the chunk,
-    // the order S's accumulators come in) and its n index is d, permuted so that in n8 tile j lane g
-    // holds d = 64 (j / 8) + 8 g + j % 8: per key, lane g loads D / 64 contiguous 16-byte pieces.
-    // Keys past key_end load zeros: their probability is 0, and 0 * (garbage NaN) would poison O.
-    uint4 vf[4][D / 64];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int p = k0 + 2 * t + (e & 1) + 8 * (e >> 1);
-      const bool ok = p < key_end;
-      const __half* src = P.v_cache + (ok ? cache_offset(P, table, p, kvh, D) : 0);
-#pragma unroll
-      for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load16(src + 64 * c + 8 * g) : make_uint4(0, 0, 0, 0);
-    }
+  const int first_key = key_begin + (ROW_SPLIT ? 0 : warp * CHUNK);
+  uint4 kf[2][D / 32], vf[4][D / 64];
+  load_keys<D>(P, table, kvh, first_key, key_end, g, t, kf);
+  if (PREFETCH_V) load_values<D>(P, table, kvh, first_key, key_end, g, t, vf);
+  for (int k0 = first_key; k0 < key_end; k0 += stride) {
+    uint4 kn[2][D / 32], vn[4][D / 64];
+    if (!PREFETCH_V) load_values<D>(P, table, kvh, k0, key_end, g, t, vf);
+    load_keys<D>(P, table, kvh, k0 + stride, key_end, g, t, kn);
+    if (PREFETCH_V) load_values<D>(P, table, kvh, k0 + stride, key_end, g, t, vn);
 
     float s[2][4];
 #pragma unroll
@@ -256,6 +276,16 @@ __device__ void attention_impl(const Params& P) {
       const unsigned b0 = pair_halves(vf[0][j / 8], vf[1][j / 8], j % 8);
       const unsigned b1 = pair_halves(vf[2][j / 8], vf[3][j / 8], j % 8);
       mma16816(o[j], pa0, pa1, pa2, pa3, b0, b1);
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) kf[n][c] = kn[n][c];
+    if (PREFETCH_V) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) vf[e][c] = vn[e][c];
     }
   }
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);

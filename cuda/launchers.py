@@ -89,9 +89,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     _require(query_start_loc.shape[0] == num_seqs + 1,
              f"query_start_loc must have {num_seqs + 1} entries, got {query_start_loc.shape[0]}")
     _require(max_query_len >= 0 and max_context_len >= 0, "max_query_len / max_context_len must be >= 0")
-    out = cupy.zeros(q.shape, dtype=cupy.float16)  # [T, H, D]
     if num_seqs == 0 or num_tokens == 0 or max_query_len == 0:
-        return out
+        return cupy.zeros(q.shape, dtype=cupy.float16)
     group = num_heads // num_kv_heads
     tiles = math.ceil(max_query_len * group / ROWS_PER_TILE)
     row_split = tiles >= WARPS
@@ -101,6 +100,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         num_splits, partition = plan_splits(num_seqs * num_kv_heads * grid_x, max_context_len, row_bytes)
     else:
         partition = math.ceil(max(max_context_len, 1) / num_splits / KEYS_PER_ROUND) * KEYS_PER_ROUND
+    # One split writes rows in place (rows of no sequence must read 0); with several, the merge writes all.
+    out = cupy.zeros(q.shape, dtype=cupy.float16) if num_splits == 1 else cupy.empty(q.shape, dtype=cupy.float16)
     if num_splits > 1:
         partial_o = cupy.empty((num_splits, num_tokens, num_heads, head_dim), dtype=cupy.float32)
         partial_ml = cupy.zeros((num_splits, num_tokens, num_heads, 2), dtype=cupy.float32)
