@@ -143,8 +143,8 @@ class LLMEngine:
             prompt_token_ids=token_ids, params=params, sample_seeds=self._sample_seeds(params, arrival),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        self.scheduler.add_group(group)  # raises before anything is recorded
         self._groups[request_id] = group
-        self.scheduler.add_group(group)
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids) -> list[int]:
         if prompt is not None and not isinstance(prompt, str):
