@@ -79,25 +79,41 @@ struct Params {
   int partition_size;
   int num_splits;
   float scale_log2;  // softmax scale * log2(e): scores live in log2 units so exp2 does the exponent
+  int block_shift;   // log2(block_size) when it is a power of two, else -1
 };
 
-// Element offset of (token p of sequence seq, kv head kvh, dim 0) in the cache.
-__device__ __forceinline__ size_t cache_offset(const Params& P, const int* table, int p, int kvh, int D) {
-  const int block = table[p / P.block_size];
-  const size_t slot = (size_t)block * P.block_size + p % P.block_size;
+// Slot of key k0 when its whole 16-key chunk lies in one block (block size a power of two >= 16: chunks
+// start at multiples of 16), else -1. Keys at or past key_end have no table entry to read.
+__device__ __forceinline__ long long chunk_slot(const Params& P, const int* table, int k0, int key_end) {
+  if (P.block_shift < 4 || k0 >= key_end) return -1;
+  return ((long long)table[k0 >> P.block_shift] << P.block_shift) + (k0 & ((1 << P.block_shift) - 1));
+}
+
+// Element offset of (key p, kv head kvh, dim 0) in the cache; `base` is chunk_slot of the chunk's first
+// key k0 (then no table read per key), or -1 for a table lookup.
+__device__ __forceinline__ size_t cache_offset(const Params& P, const int* table, long long base, int k0, int p,
+                                               int kvh, int D) {
+  size_t slot;
+  if (base >= 0) {
+    slot = base + (p - k0);
+  } else if (P.block_shift >= 0) {
+    slot = ((size_t)table[p >> P.block_shift] << P.block_shift) + (p & ((1 << P.block_shift) - 1));
+  } else {
+    slot = (size_t)table[p / P.block_size] * P.block_size + p % P.block_size;
+  }
   return (slot * P.num_kv_heads + kvh) * D;
 }
 
 // load_keys: n8 tile n of a chunk holds keys k0 + 8n + g (mma column g); lane (g, t) loads 16 bytes of
 // each 32-d slice (d = 32c + 8t ..), matching the Q permutation. Keys >= key_end load zeros.
 template <int D>
-__device__ __forceinline__ void load_keys(const Params& P, const int* table, int kvh, int k0, int key_end, int g,
-                                          int t, uint4 (&kf)[2][D / 32]) {
+__device__ __forceinline__ void load_keys(const Params& P, const int* table, long long base, int kvh, int k0,
+                                          int key_end, int g, int t, uint4 (&kf)[2][D / 32]) {
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int p = k0 + 8 * n + g;
     const bool ok = p < key_end;
-    const __half* src = P.k_cache + (ok ? cache_offset(P, table, p, kvh, D) : 0);
+    const __half* src = P.k_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load16(src + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
   }
@@ -108,13 +124,13 @@ __device__ __forceinline__ void load_keys(const Params& P, const int* table, int
 // d = 64 (j / 8) + 8 g + j % 8: per key, lane g loads D / 64 contiguous 16-byte pieces.
 // Keys >= key_end load zeros: their probability is 0, and 0 * (garbage NaN) would poison O.
 template <int D>
-__device__ __forceinline__ void load_values(const Params& P, const int* table, int kvh, int k0, int key_end, int g,
-                                            int t, uint4 (&vf)[4][D / 64]) {
+__device__ __forceinline__ void load_values(const Params& P, const int* table, long long base, int kvh, int k0,
+                                            int key_end, int g, int t, uint4 (&vf)[4][D / 64]) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int p = k0 + 2 * t + (e & 1) + 8 * (e >> 1);
     const bool ok = p < key_end;
-    const __half* src = P.v_cache + (ok ? cache_offset(P, table, p, kvh, D) : 0);
+    const __half* src = P.v_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
 #pragma unroll
     for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load16(src + 64 * c + 8 * g) : make_uint4(0, 0, 0, 0);
   }
@@ -215,13 +231,15 @@ __device__ void attention_impl(const Params& P) {
   const int stride = ROW_SPLIT ? CHUNK : CHUNK * WARPS;
   const int first_key = key_begin + (ROW_SPLIT ? 0 : warp * CHUNK);
   uint4 kf[2][D / 32], vf[4][D / 64];
-  load_keys<D>(P, table, kvh, first_key, key_end, g, t, kf);
-  if (PREFETCH_V) load_values<D>(P, table, kvh, first_key, key_end, g, t, vf);
+  long long base = chunk_slot(P, table, first_key, key_end);
+  load_keys<D>(P, table, base, kvh, first_key, key_end, g, t, kf);
+  if (PREFETCH_V) load_values<D>(P, table, base, kvh, first_key, key_end, g, t, vf);
   for (int k0 = first_key; k0 < key_end; k0 += stride) {
     uint4 kn[2][D / 32], vn[4][D / 64];
-    if (!PREFETCH_V) load_values<D>(P, table, kvh, k0, key_end, g, t, vf);
-    load_keys<D>(P, table, kvh, k0 + stride, key_end, g, t, kn);
-    if (PREFETCH_V) load_values<D>(P, table, kvh, k0 + stride, key_end, g, t, vn);
+    const long long next_base = chunk_slot(P, table, k0 + stride, key_end);
+    if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_end, g, t, vf);
+    load_keys<D>(P, table, next_base, kvh, k0 + stride, key_end, g, t, kn);
+    if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, k0 + stride, key_end, g, t, vn);
 
     float s[2][4];
 #pragma unroll
@@ -287,6 +305,7 @@ __device__ void attention_impl(const Params& P) {
 #pragma unroll
         for (int c = 0; c < D / 64; ++c) vf[e][c] = vn[e][c];
     }
+    base = next_base;
   }
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -329,10 +348,10 @@ __device__ void attention_impl(const Params& P) {
       const __half* q, const __half* k_cache, const __half* v_cache, __half* out, float* partial_o,         \
       float* partial_ml, const int* block_tables, const int* context_lens, const int* query_start_loc,      \
       int num_tokens, int num_kv_heads, int group, int block_size, int max_blocks_per_seq,                  \
-      int partition_size, int num_splits, float scale_log2) {                                               \
+      int partition_size, int num_splits, float scale_log2, int block_shift) {                              \
     const Params p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,             \
                    query_start_loc, num_tokens, num_kv_heads, group, block_size, max_blocks_per_seq,        \
-                   partition_size, num_splits, scale_log2};                                                 \
+                   partition_size, num_splits, scale_log2, block_shift};                                    \
     attention_impl<D, ROW_SPLIT>(p);                                                                        \
   }
 DEFINE_ATTENTION(64, keysplit, false)

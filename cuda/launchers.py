@@ -113,7 +113,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
          np.int32(num_tokens), np.int32(num_kv_heads), np.int32(group), np.int32(block_size),
          np.int32(block_tables.shape[1]), np.int32(partition), np.int32(num_splits),
-         np.float32(scale * math.log2(math.e))))
+         np.float32(scale * math.log2(math.e)),
+         np.int32(block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1)))
     if num_splits > 1:
         kernel("attention.cu", "merge_partials")(
             (num_tokens * num_heads,), (head_dim,),

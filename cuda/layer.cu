@@ -1,9 +1,9 @@
 // The elementwise parts of a decoder layer: fused RMSNorm (+ residual add), RoPE, SiLU * mul.
-// fp16 in and out, fp32 arithmetic inside; each output is rounded to fp16 where NumpyOps rounds.
+// fp16 in and out, fp32 arithmetic inside, each output rounded to fp16 once.
 //
 // rms_norm
 //   x, residual  [T, E] fp16 contiguous (residual may be null); weight [E] fp16
-//   out          [T, E] fp16: (h * rsqrt(mean(h^2) + eps)) rounded, times weight, with h = x (+ residual)
+//   out          [T, E] fp16: h * rsqrt(mean(h^2) + eps) * weight, rounded once, with h = x (+ residual)
 //   residual_out [T, E] fp16: h rounded to fp16 (the next layer's residual; vLLM convention)
 //   Grid: x = token; block: 256 threads striding over E, a shared-memory tree sums the squares.
 //
@@ -38,8 +38,7 @@ extern "C" __global__ void rms_norm(const __half* x, const __half* residual, con
   }
   const float inv_rms = rsqrtf(partial[0] / hidden + eps);
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    const __half normed = __float2half(__half2float(residual_out[row + i]) * inv_rms);
-    out[row + i] = __hmul(normed, weight[i]);
+    out[row + i] = __float2half(__half2float(residual_out[row + i]) * inv_rms * __half2float(weight[i]));
   }
 }
 

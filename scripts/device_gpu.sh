@@ -42,7 +42,8 @@ import pytest
 import offline_paged.cuda.modules as modules
 original = modules.read_source
 bugs = {"causal mask p <= pos -> p < pos": ("p <= pos", "p < pos"),
-        "block offset p % B -> (p + 1) % B": ("p % P.block_size", "(p + 1) % P.block_size")}
+        "chunk slot base + (p - k0) -> base + (p - k0 + 1)": ("slot = base + (p - k0);", "slot = base + (p - k0 + 1);"),
+        "table lookup p % B -> (p + 1) % B": ("p % P.block_size", "(p + 1) % P.block_size")}
 for label, (old, new) in bugs.items():
     assert original("attention.cu").count(old) >= 1, old
     modules.read_source = lambda f, old=old, new=new: original(f).replace(old, new) if f == "attention.cu" else original(f)
@@ -53,7 +54,7 @@ for label, (old, new) in bugs.items():
 modules.read_source = original
 modules.clear_cache()
 PY
-      note plant "$(grep -c CAUGHT\ \(tests "$OUT/plant.log") of 2 planted bugs caught" ;;
+      note plant "$(grep -c CAUGHT\ \(tests "$OUT/plant.log") of 3 planted bugs caught" ;;
     ops)
       python3 -P -m pytest -q -s -m gpu -p no:cacheprovider tests/test_cuda_ops.py 2>&1 | tee "$OUT/ops.log" | tail -25
       note ops "$(tail -1 "$OUT/ops.log")" ;;

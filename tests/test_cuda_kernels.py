@@ -74,6 +74,8 @@ DECODE_CASES = [  # (block size, context lengths)
     (16, [1, 15, 16, 17, 31, 33, 100]),
     (8, [7, 8, 9, 64, 250]),
     (32, [1, 31, 32, 33, 500, 1000]),
+    (5, [1, 4, 5, 6, 77]),  # not a power of two: the per-key table lookup path
+    (1, [1, 2, 50]),
 ]
 
 

@@ -110,9 +110,16 @@ def test_llama_gpu_fp16_matches_cpu_fp32_teacher_forced(shape):
     gpu = run(CudaOps(), np.float16)
     agreement = float(np.mean(cpu.argmax(-1) == gpu.argmax(-1)))
     error = rel_error(gpu, cpu)
+    # fp16 logits carry ~1e-3 relative error, so a position whose top-2 margin is below that is a coin toss
+    # for any correct fp16 implementation; a broken kernel disagrees on decisive positions too.
+    top2 = np.sort(cpu, axis=-1)[:, -2:]
+    decisive = (top2[:, 1] - top2[:, 0]) > 3e-3 * np.abs(cpu).max()
+    decisive_agreement = float(np.mean((cpu.argmax(-1) == gpu.argmax(-1))[decisive]))
     print(f"\n{config.num_hidden_layers} layers, D={config.head_dim}, GQA {config.num_attention_heads // config.num_key_value_heads}: "
-          f"{len(cpu)} positions, next-token agreement {agreement:.4f}, max |logit err| / max |logit| {error:.2e}, "
-          f"mean |err| {np.abs(gpu - cpu).mean():.2e}")
+          f"{len(cpu)} positions, next-token agreement {agreement:.4f} (on {decisive.sum()} decisive positions "
+          f"{decisive_agreement:.4f}), max |logit err| / max |logit| {error:.2e}, mean |err| {np.abs(gpu - cpu).mean():.2e}")
     assert np.isfinite(gpu).all()
-    assert agreement >= 0.99
+    assert decisive.mean() > 0.85
+    assert decisive_agreement >= 0.99
+    assert agreement >= 0.98
     assert error < 2e-2
