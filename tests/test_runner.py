@@ -1,0 +1,69 @@
+"""ModelRunner: block copies and swaps move whole blocks, slot mapping skips cached prefixes, logits rows
+and sampling follow the scheduled sequences."""
+from __future__ import annotations
+
+import numpy as np
+from tiny_engine import tiny_model
+
+from offline_paged.backend import select_backend
+from offline_paged.models.llama import Llama
+from offline_paged.runner import ModelRunner
+from offline_paged.sampling_params import SamplingParams
+from offline_paged.scheduler import ScheduledSequence, SchedulerOutput
+from offline_paged.sequence import Sequence, SequenceGroup
+
+
+def make_runner(num_blocks: int = 16, num_cpu_blocks: int = 8) -> ModelRunner:
+    model = tiny_model()
+    backend = select_backend("cpu", "float64")
+    llama = Llama(model.config, model.weights, backend.ops, backend.dtype)
+    return ModelRunner(llama, backend, num_blocks, num_cpu_blocks, block_size=4)
+
+
+def fill_blocks(runner: ModelRunner) -> None:
+    kv = runner.kv_cache  # [L, 2, N, B, Hkv, D]
+    kv[...] = np.arange(kv.shape[2])[None, None, :, None, None, None]
+
+
+def test_copies_and_swaps_move_whole_blocks():
+    runner = make_runner()
+    fill_blocks(runner)
+    runner.execute(SchedulerOutput([], blocks_to_copy=[(3, 5), (5, 6)]))
+    assert (runner.kv_cache[:, :, 5] == 3).all() and (runner.kv_cache[:, :, 6] == 5).all()
+    runner.execute(SchedulerOutput([], blocks_to_swap_out=[(7, 1), (2, 0)]))
+    runner.kv_cache[:, :, [7, 2]] = -1
+    runner.execute(SchedulerOutput([], blocks_to_swap_in=[(0, 9), (1, 10)]))
+    assert (runner.kv_cache[:, :, 9] == 2).all() and (runner.kv_cache[:, :, 10] == 7).all()
+
+
+def scheduled(prompt, start, num_new, table, num_samples=1, skip=0, prompt_logprobs=None, n=1):
+    params = SamplingParams(n=n, temperature=0.0, prompt_logprobs=prompt_logprobs)
+    group = SequenceGroup("r", 0, None, list(prompt), params, list(range(n)),
+                          prompt_logprobs=[None] if prompt_logprobs is not None else None)
+    seq = Sequence(0, group, 0, 0, list(prompt), len(prompt), num_skip_write=skip)
+    return ScheduledSequence(seq, start, num_new, table, num_samples, prompt_logprobs)
+
+
+def test_slot_mapping_skips_cached_positions_and_only_needed_rows_get_logits():
+    runner = make_runner()
+    items = [scheduled(range(10, 20), 0, 10, [4, 9, 2], skip=8, prompt_logprobs=1),
+             scheduled(range(30, 36), 2, 3, [6, 1], num_samples=0)]
+    batch = runner._prepare(items)
+    slots = batch.meta.slot_mapping.tolist()
+    assert slots[:8] == [-1] * 8 and slots[8:10] == [2 * 4 + 0, 2 * 4 + 1]
+    assert slots[10:] == [6 * 4 + 2, 6 * 4 + 3, 1 * 4 + 0]
+    assert batch.logits_indices.tolist() == list(range(10))  # all prompt rows; none for the mid-prefill
+    assert batch.meta.context_lens.tolist() == [10, 5]
+    assert batch.meta.query_start_loc.tolist() == [0, 10, 13]
+
+
+def test_fork_row_is_sampled_n_times_and_prompt_logprobs_cover_the_chunk():
+    runner = make_runner()
+    prompt = [10, 20, 30, 40, 50]
+    results = runner.execute(SchedulerOutput([
+        scheduled(prompt, 0, 5, [3, 8], num_samples=3, prompt_logprobs=0, n=3)]))
+    assert len(results) == 1
+    assert len(results[0].samples) == 3
+    assert len({s.token_id for s in results[0].samples}) == 1  # greedy: same row, same token
+    entries = results[0].prompt_logprobs
+    assert [list(e) for e in entries] == [[20], [30], [40], [50]]
