@@ -1,0 +1,344 @@
+"""BlockManager: a Hypothesis state machine with shadow KV memory, plus ordinary unit tests.
+
+Shadow memory: one Python list per pool with an entry per physical slot. Whenever the test
+"computes" position p of a sequence it writes, into the slot the block table names, the sequence's
+full token prefix up to p (KV depends on the whole prefix, not only the token). Copy-on-write pairs
+and swaps returned by the manager copy whole blocks of shadow. The central invariant: every live
+sequence reads back, through its block table, exactly its own history at every computed position.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import event, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from offline_paged.block_manager import BlockManager
+
+PICK = st.integers(0, 2**16)
+MAX_SEQS = 12  # enough for heavy sharing; more only slows the invariants down
+
+
+def _token_lists(min_size: int, max_size: int) -> st.SearchStrategy[list[int]]:
+    """Lists over the alphabet {0, 1, 2}, drawn as two integers instead of one choice per token:
+    Hypothesis caps the choices of one run, and fewer choices per step means longer runs."""
+
+    def decode(size_and_code: tuple[int, int]) -> list[int]:
+        size, code = size_and_code
+        return [code // 3**i % 3 for i in range(size)]
+
+    return st.tuples(st.integers(min_size, max_size), st.integers(0, 3**max_size - 1)).map(decode)
+
+
+NEW_TOKENS = _token_lists(1, 6)
+
+
+class _Seq:
+    """Model of one sequence: its token history (one entry per reserved slot) and progress."""
+
+    __slots__ = ("tokens", "num_computed", "swapped")
+
+    def __init__(self, tokens: list[int], num_computed: int) -> None:
+        self.tokens = tokens
+        self.num_computed = num_computed
+        self.swapped = False
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    num_steps = 0
+
+    @initialize(
+        num_gpu_blocks=st.integers(2, 24),
+        num_cpu_blocks=st.integers(0, 12),
+        block_size=st.sampled_from([1, 2, 3, 4]),
+        watermark=st.sampled_from([0.0, 0.0, 0.1, 0.25]),
+        prefix_caching=st.sampled_from([True, True, True, False]),
+    )
+    def make_manager(self, num_gpu_blocks, num_cpu_blocks, block_size, watermark, prefix_caching):
+        self.bm = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size, watermark, prefix_caching)
+        self.bs = block_size
+        self.gpu_mem: list = [None] * (num_gpu_blocks * block_size)
+        self.cpu_mem: list = [None] * (num_cpu_blocks * block_size)
+        self.seqs: dict[int, _Seq] = {}
+        self.prompts: list[list[int]] = [[0, 1, 2, 0, 1, 2, 0, 1]]  # sources of shared prefixes
+        self.next_id = 0
+
+    def _count_step(self) -> None:
+        type(self).num_steps += 1
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _pick(self, pick: int, resident: bool | None = None, computed: bool = False) -> int | None:
+        ids = [
+            s for s, seq in sorted(self.seqs.items())
+            if (resident is None or seq.swapped != resident)
+            and (not computed or seq.num_computed == len(seq.tokens))
+        ]
+        return ids[pick % len(ids)] if ids else None
+
+    def _compute(self, seq_id: int, upto: int) -> None:
+        """Write KV for positions num_computed..upto-1 into shadow memory, then mark them computed."""
+        seq = self.seqs[seq_id]
+        table = self.bm.block_table(seq_id)
+        for p in range(seq.num_computed, upto):
+            self.gpu_mem[table[p // self.bs] * self.bs + p % self.bs] = tuple(seq.tokens[: p + 1])
+        seq.num_computed = upto
+        self.bm.mark_computed(seq_id, seq.tokens, upto)
+
+    def _copy_block(self, src_mem: list, src: int, dst_mem: list, dst: int) -> None:
+        bs = self.bs
+        dst_mem[dst * bs : (dst + 1) * bs] = src_mem[src * bs : (src + 1) * bs]
+
+    def _snapshot(self) -> tuple:
+        return (
+            self.bm.num_free_blocks,
+            self.bm.num_free_cpu_blocks,
+            {s: list(self._table(s)) for s in self.seqs},
+            {s: self.bm.num_slots(s) for s in self.seqs},
+        )
+
+    def _table(self, seq_id: int) -> list[int]:
+        if self.seqs[seq_id].swapped:
+            return self.bm.cpu_block_table(seq_id)
+        return self.bm.block_table(seq_id)
+
+    def _gpu_holders(self, block: int) -> int:
+        return sum(
+            self.bm.block_table(s).count(block) for s, seq in self.seqs.items() if not seq.swapped
+        )
+
+    # ---- rules ------------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.seqs) < MAX_SEQS)
+    @rule(source=PICK, keep=st.integers(0, 12), tail=_token_lists(0, 7), chunk=st.integers(0, 20))
+    def allocate(self, source: int, keep: int, tail: list[int], chunk: int) -> None:
+        """Admit a prompt (often sharing a prefix with an earlier one) and compute part of it."""
+        self._count_step()
+        tokens = self.prompts[source % len(self.prompts)][:keep] + tail
+        if not tokens:
+            return
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        admissible = self.bm.can_allocate(tokens)
+        evictable_before = set(self.bm.gpu_allocator.evictable_blocks())
+        before = None if admissible else self._snapshot()
+        try:
+            num_cached = self.bm.allocate(seq_id, tokens)
+        except ValueError as error:
+            event("allocate refused: pool too full")
+            assert not admissible, f"can_allocate said yes, allocate raised {error}"
+            assert "check can_allocate first" in str(error)
+            assert self._snapshot() == before, "a refused allocate must change nothing"
+            return
+        # can_allocate is exact: yes <=> allocating leaves at least the watermark free.
+        assert admissible == (self.bm.num_free_blocks >= self.bm.watermark_blocks)
+        assert 0 <= num_cached <= len(tokens) - 1 and num_cached % self.bs == 0
+        if not self.bm.enable_prefix_caching:
+            assert num_cached == 0
+        hit_blocks = self.bm.block_table(seq_id)[: num_cached // self.bs]
+        if num_cached:
+            event("prefix-cache hit")
+        if evictable_before.intersection(hit_blocks):
+            event("revival of a freed cached block")
+        if evictable_before - set(hit_blocks) - set(self.bm.gpu_allocator.evictable_blocks()):
+            event("eviction of a freed cached block")
+        self.seqs[seq_id] = _Seq(list(tokens), num_cached)
+        self.prompts.append(list(tokens))
+        self._compute(seq_id, min(len(tokens), num_cached + chunk))
+
+    @precondition(lambda self: any(s.num_computed < len(s.tokens) and not s.swapped
+                                   for s in self.seqs.values()))
+    @rule(pick=PICK, chunk=st.integers(1, 9))
+    def compute_chunk(self, pick: int, chunk: int) -> None:
+        """Chunked prefill / decode: compute the next positions whose slots are reserved."""
+        self._count_step()
+        pending = [s for s, seq in sorted(self.seqs.items())
+                   if not seq.swapped and seq.num_computed < len(seq.tokens)]
+        seq_id = pending[pick % len(pending)]
+        seq = self.seqs[seq_id]
+        self._compute(seq_id, min(len(seq.tokens), seq.num_computed + chunk))
+
+    @precondition(lambda self: any(not s.swapped for s in self.seqs.values()))
+    @rule(pick=PICK, new_tokens=NEW_TOKENS, compute=st.booleans())
+    def append_tokens(self, pick: int, new_tokens: list[int], compute: bool) -> None:
+        """Reserve slots for one or several new tokens, execute the copy-on-write pairs."""
+        self._count_step()
+        seq_id = self._pick(pick, resident=True, computed=True)
+        if seq_id is None:
+            return
+        seq = self.seqs[seq_id]
+        tail = self.bm.block_table(seq_id)[-1]
+        tail_shared = len(seq.tokens) % self.bs != 0 and self._gpu_holders(tail) > 1
+        possible = self.bm.can_append_slots(seq_id, len(new_tokens))
+        before = None if possible else self._snapshot()
+        try:
+            copies = self.bm.append_slots(seq_id, len(new_tokens))
+        except ValueError as error:
+            event("append refused: pool dry")
+            assert not possible, f"can_append_slots said yes, append_slots raised {error}"
+            assert self._snapshot() == before, "a refused append must change nothing"
+            return
+        assert possible, "can_append_slots said no, but append_slots succeeded"
+        assert len(copies) == tail_shared, f"shared tail={tail_shared}, copies={copies}"
+        if copies:
+            event("copy-on-write")
+        for src, dst in copies:
+            assert src == tail and self.bm.block_table(seq_id)[len(seq.tokens) // self.bs] == dst
+            self._copy_block(self.gpu_mem, src, self.gpu_mem, dst)
+        seq.tokens.extend(new_tokens)
+        if compute:
+            self._compute(seq_id, len(seq.tokens))
+
+    @precondition(lambda self: len(self.seqs) < MAX_SEQS
+                  and any(not s.swapped for s in self.seqs.values()))
+    @rule(pick=PICK)
+    def fork(self, pick: int) -> None:
+        """The child shares every block, partial tail included; no copy happens at fork time."""
+        self._count_step()
+        parent_id = self._pick(pick, resident=True, computed=True)
+        if parent_id is None:
+            return
+        free_before = self.bm.num_free_blocks
+        child_id, self.next_id = self.next_id, self.next_id + 1
+        self.bm.fork(parent_id, child_id)
+        assert self.bm.block_table(child_id) == self.bm.block_table(parent_id)
+        assert self.bm.num_free_blocks == free_before
+        parent = self.seqs[parent_id]
+        self.seqs[child_id] = _Seq(list(parent.tokens), parent.num_computed)
+
+    @precondition(lambda self: bool(self.seqs))
+    @rule(pick=PICK)
+    def free(self, pick: int) -> None:
+        self._count_step()
+        seq_id = self._pick(pick)
+        self.bm.free(seq_id)
+        del self.seqs[seq_id]
+        assert seq_id not in self.bm
+
+    @precondition(lambda self: any(not s.swapped for s in self.seqs.values()))
+    @rule(pick=PICK)
+    def swap_out(self, pick: int) -> None:
+        self._count_step()
+        seq_id = self._pick(pick, resident=True)
+        gpu_table = list(self.bm.block_table(seq_id))
+        if not self.bm.can_swap_out(seq_id):
+            assert self.bm.num_free_cpu_blocks < len(gpu_table)
+            before = self._snapshot()
+            with pytest.raises(ValueError, match="check can_swap_out first"):
+                self.bm.swap_out(seq_id)
+            assert self._snapshot() == before
+            return
+        pairs = self.bm.swap_out(seq_id)
+        event("swap out")
+        assert [g for g, _ in pairs] == gpu_table
+        assert [c for _, c in pairs] == self.bm.cpu_block_table(seq_id)
+        for gpu, cpu in pairs:
+            self._copy_block(self.gpu_mem, gpu, self.cpu_mem, cpu)
+        self.seqs[seq_id].swapped = True
+
+    @precondition(lambda self: any(s.swapped for s in self.seqs.values()))
+    @rule(pick=PICK)
+    def swap_in(self, pick: int) -> None:
+        self._count_step()
+        seq_id = self._pick(pick, resident=False)
+        cpu_table = list(self.bm.cpu_block_table(seq_id))
+        if self.bm.num_free_blocks < len(cpu_table):
+            assert not self.bm.can_swap_in(seq_id)
+            before = self._snapshot()
+            with pytest.raises(ValueError, match="check can_swap_in first"):
+                self.bm.swap_in(seq_id)
+            assert self._snapshot() == before
+            return
+        pairs = self.bm.swap_in(seq_id)
+        event("swap in")
+        assert [c for c, _ in pairs] == cpu_table
+        assert [g for _, g in pairs] == self.bm.block_table(seq_id)
+        for cpu, gpu in pairs:
+            self._copy_block(self.cpu_mem, cpu, self.gpu_mem, gpu)
+        seq = self.seqs[seq_id]
+        seq.swapped = False
+        self.bm.mark_computed(seq_id, seq.tokens, seq.num_computed)  # re-enter the prefix cache
+
+    @precondition(lambda self: self.bm.num_free_blocks == 0 and bool(self.seqs))
+    @rule()
+    def pool_dry_refuses_growth_then_free_everything(self) -> None:
+        """With the pool dry no admission fits; freeing every sequence returns every block."""
+        self._count_step()
+        event("pool ran dry")
+        assert not self.bm.can_allocate([0] * (self.bs + 1))
+        self._free_everything()
+
+    def teardown(self) -> None:
+        if hasattr(self, "bm"):
+            self._free_everything()
+
+    def _free_everything(self) -> None:
+        for seq_id in list(self.seqs):
+            self.bm.free(seq_id)
+            del self.seqs[seq_id]
+        gpu, cpu = self.bm.gpu_allocator, self.bm.cpu_allocator
+        assert gpu.num_free_blocks == gpu.num_blocks and cpu.num_free_blocks == cpu.num_blocks
+        assert all(gpu.ref_count(b) == 0 for b in range(gpu.num_blocks))
+        assert self.bm.utilization == 0.0
+
+    # ---- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def every_sequence_reads_back_its_own_history(self) -> None:
+        for seq_id, seq in self.seqs.items():
+            mem = self.cpu_mem if seq.swapped else self.gpu_mem
+            table = self._table(seq_id)
+            for p in range(seq.num_computed):
+                got = mem[table[p // self.bs] * self.bs + p % self.bs]
+                assert got == tuple(seq.tokens[: p + 1]), (
+                    f"seq {seq_id} position {p}: memory holds {got}, expected its own prefix"
+                )
+
+    @invariant()
+    def tables_cover_exactly_the_reserved_slots(self) -> None:
+        for seq_id, seq in self.seqs.items():
+            assert self.bm.num_slots(seq_id) == len(seq.tokens)
+            assert len(self._table(seq_id)) == -(-len(seq.tokens) // self.bs)
+            assert self.bm.is_swapped(seq_id) == seq.swapped
+
+    @invariant()
+    def ref_count_equals_table_occurrences(self) -> None:
+        for allocator, swapped in ((self.bm.gpu_allocator, False), (self.bm.cpu_allocator, True)):
+            counts = [0] * allocator.num_blocks
+            for seq_id, seq in self.seqs.items():
+                if seq.swapped == swapped:
+                    for block in self._table(seq_id):
+                        counts[block] += 1
+            assert [allocator.ref_count(b) for b in range(allocator.num_blocks)] == counts
+
+    @invariant()
+    def free_and_used_partition_the_pools(self) -> None:
+        for allocator in (self.bm.gpu_allocator, self.bm.cpu_allocator):
+            free = allocator.free_block_ids()
+            assert len(free) == len(set(free)), f"a block is twice on a free list: {free}"
+            used = {b for b in range(allocator.num_blocks) if allocator.ref_count(b) > 0}
+            assert used.isdisjoint(free) and len(used) + len(free) == allocator.num_blocks
+
+    @invariant()
+    def cached_blocks_are_full_computed_and_hold_their_tokens(self) -> None:
+        bs = self.bs
+        for block, _, tokens in self.bm.gpu_allocator.cached_blocks():
+            assert len(tokens) == bs
+            stored = self.gpu_mem[block * bs : (block + 1) * bs]
+            assert all(s is not None for s in stored), f"cached block {block} was never computed"
+            assert tuple(s[-1] for s in stored) == tokens, f"cached block {block} lost its tokens"
+
+    @invariant()
+    def utilization_matches_a_direct_count(self) -> None:
+        fill: dict[int, int] = {}
+        for seq_id, seq in self.seqs.items():
+            if seq.swapped:
+                continue
+            for i, block in enumerate(self.bm.block_table(seq_id)):
+                fill[block] = max(fill.get(block, 0), min(self.bs, len(seq.tokens) - i * self.bs))
+        expected = sum(fill.values()) / (len(fill) * self.bs) if fill else 0.0
+        assert self.bm.utilization == pytest.approx(expected, rel=1e-12)
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+# Hypothesis caps the choices one run may make, which ends runs after roughly 250-500 steps; twice
+# the profile's examples keeps the CI total above 100k rule steps (the summary line prints it).
+TestBlockManagerMachine.settings = settings(max_examples=2 * settings.default.max_examples)
