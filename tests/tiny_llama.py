@@ -43,3 +43,23 @@ def hf_logits(model, token_ids: list[int]) -> np.ndarray:
 def random_prompts(seed: int, lengths: list[int], vocab_size: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab_size, size=n).tolist() for n in lengths]
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with `vocab_size` entries (ids 0-2 special) and a ChatML template."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(vocab_size - len(specials))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(specials)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}))

@@ -1,0 +1,169 @@
+"""load_model on HF directories: what loads, and every bad input failing with the file and the problem."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from offline_paged.models.loader import load_model
+from tiny_llama import make_tiny_hf_model, write_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_hf_model(path, seed=3)
+    write_tiny_tokenizer(path, 97)
+    return path
+
+
+@pytest.fixture
+def copy_dir(tiny_dir, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_dir, dst)
+    return dst
+
+
+def test_loads_config_weights_tokenizer(tiny_dir):
+    loaded = load_model(tiny_dir)
+    assert loaded.config.num_hidden_layers == 3 and loaded.config.head_dim == 8
+    reference = load_file(tiny_dir / "model.safetensors")
+    assert set(loaded.weights) == set(reference)
+    for name, array in reference.items():
+        np.testing.assert_array_equal(loaded.weights[name], array)
+    assert loaded.tokenizer.eos_token_ids >= {2}
+    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": "w5 w6"}])
+    assert ids == [1, 0, 8, 9, 2, 1, 0]  # <|im_start|> user(unk) w5 w6 <|im_end|> <|im_start|> assistant(unk)
+
+
+def test_sharded_checkpoint_equals_single_file(copy_dir, tiny_dir):
+    weights = load_file(copy_dir / "model.safetensors")
+    (copy_dir / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, part in shards.items():
+        save_file({n: weights[n] for n in part}, str(copy_dir / file))
+        weight_map |= {n: file for n in part}
+    (copy_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    sharded = load_model(copy_dir).weights
+    for name, array in load_model(tiny_dir).weights.items():
+        np.testing.assert_array_equal(sharded[name], array)
+
+
+def test_bfloat16_and_float16_are_widened(copy_dir):
+    weights = load_file(copy_dir / "model.safetensors")
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    save_torch({n: torch.from_numpy(w).to(torch.bfloat16) for n, w in weights.items()},
+               str(copy_dir / "model.safetensors"))
+    loaded = load_model(copy_dir).weights
+    name = "model.layers.0.mlp.up_proj.weight"
+    expected = torch.from_numpy(weights[name]).to(torch.bfloat16).float().numpy()
+    assert loaded[name].dtype == np.float32
+    np.testing.assert_array_equal(loaded[name], expected)
+
+
+def test_missing_path():
+    with pytest.raises(FileNotFoundError, match="no-such-model: no such model"):
+        load_model("/nonexistent/no-such-model")
+
+
+def test_missing_config(copy_dir):
+    (copy_dir / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"config\.json: config\.json not found"):
+        load_model(copy_dir)
+
+
+def test_unknown_architecture(copy_dir):
+    config = json.loads((copy_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (copy_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: unsupported architecture \['GPT2LMHeadModel'\]"):
+        load_model(copy_dir)
+
+
+def test_unsupported_rope_scaling(copy_dir):
+    config = json.loads((copy_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0}
+    (copy_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: unsupported rope scaling type 'yarn'"):
+        load_model(copy_dir)
+
+
+def test_truncated_safetensors(copy_dir):
+    path = copy_dir / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"model\.safetensors: truncated safetensors file"):
+        load_model(copy_dir)
+
+
+def test_wrong_shape_names_file_and_tensor(copy_dir):
+    weights = load_file(copy_dir / "model.safetensors")
+    weights["model.layers.2.self_attn.k_proj.weight"] = np.zeros((4, 48), np.float32)
+    save_file(weights, str(copy_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.layers\.2\.self_attn\.k_proj\.weight "
+                                         r"has shape \(4, 48\), expected \(16, 48\)"):
+        load_model(copy_dir)
+
+
+def test_unsupported_dtype(copy_dir):
+    weights = load_file(copy_dir / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"].astype(np.int8)
+    save_file(weights, str(copy_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.norm\.weight has unsupported dtype I8"):
+        load_model(copy_dir)
+
+
+def test_missing_tensor(copy_dir):
+    weights = load_file(copy_dir / "model.safetensors")
+    del weights["model.layers.0.mlp.down_proj.weight"]
+    save_file(weights, str(copy_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensors \['model\.layers\.0\.mlp\.down_proj\.weight'\]"):
+        load_model(copy_dir)
+
+
+def test_pickle_checkpoints_are_refused(copy_dir):
+    (copy_dir / "model.safetensors").rename(copy_dir / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"only pickle checkpoints found \(pytorch_model\.bin\)"):
+        load_model(copy_dir)
+
+
+def test_garbage_header(copy_dir):
+    (copy_dir / "model.safetensors").write_bytes(struct.pack("<Q", 10) + b"not json!!")
+    with pytest.raises(ValueError, match=r"model\.safetensors: corrupt safetensors header"):
+        load_model(copy_dir)
+
+
+def test_missing_tokenizer(copy_dir):
+    (copy_dir / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json: tokenizer\.json not found"):
+        load_model(copy_dir)
+
+
+def test_old_rope_spelling_reads_like_new():
+    from offline_paged.models.config import LlamaConfig
+
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=2)
+    old = LlamaConfig.from_dict(base | {"rope_theta": 5e5, "rope_scaling": {
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}})
+    new = LlamaConfig.from_dict(base | {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
+    assert old == new and old.rope_theta == 5e5 and old.rope_scaling.factor == 8.0
+
+
+def test_mistral_sliding_window_is_refused():
+    from offline_paged.models.config import LlamaConfig
+
+    with pytest.raises(ValueError, match="sliding_window"):
+        LlamaConfig.from_dict(dict(architectures=["MistralForCausalLM"], vocab_size=10, hidden_size=8,
+                                   intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   sliding_window=4096))
