@@ -342,3 +342,150 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 # Hypothesis caps the choices one run may make, which ends runs after roughly 250-500 steps; twice
 # the profile's examples keeps the CI total above 100k rule steps (the summary line prints it).
 TestBlockManagerMachine.settings = settings(max_examples=2 * settings.default.max_examples)
+
+
+# ---- ordinary unit tests ------------------------------------------------------------------------
+
+
+def _admitted(bm: BlockManager, seq_id: int, tokens: list[int]) -> int:
+    """Allocate and compute a whole prompt, as the scheduler and runner would."""
+    num_cached = bm.allocate(seq_id, tokens)
+    bm.mark_computed(seq_id, tokens, len(tokens))
+    return num_cached
+
+
+def test_prefix_hits_stop_before_the_block_of_the_last_token() -> None:
+    bm = BlockManager(16, 0, block_size=4)
+    prompt = list(range(12))  # exactly three full blocks
+    assert _admitted(bm, 1, prompt) == 0
+    assert bm.allocate(2, prompt) == 8  # the third block holds the last token: computed again
+    assert bm.block_table(2)[:2] == bm.block_table(1)[:2]
+    assert bm.block_table(2)[2] != bm.block_table(1)[2]
+    assert bm.allocate(3, prompt + [99]) == 12
+    assert bm.allocate(4, [5] + prompt[1:]) == 0  # differs in the first block: nothing shared
+    assert bm.prefix_cache_hit_rate == pytest.approx(20 / 49)
+
+
+def test_half_computed_prefill_is_not_a_cache_hit() -> None:
+    bm = BlockManager(16, 0, block_size=4)
+    prompt = list(range(10))
+    bm.allocate(1, prompt)
+    bm.mark_computed(1, prompt, 5)  # chunked prefill: only the first block is full and computed
+    assert bm.allocate(2, prompt) == 4
+
+
+def test_freed_prompt_is_revived_until_its_blocks_are_reused() -> None:
+    bm = BlockManager(4, 0, block_size=2, watermark=0.0)
+    _admitted(bm, 1, [1, 2, 3, 4, 5])
+    bm.free(1)
+    assert bm.num_free_blocks == 4
+    assert bm.allocate(2, [1, 2, 3, 4, 9]) == 4  # revived from the free list
+    bm.free(2)
+    _admitted(bm, 3, [7, 7, 7, 7, 7, 7, 7, 7])  # needs the whole pool: evicts every cached block
+    bm.free(3)
+    assert bm.allocate(4, [1, 2, 3, 4, 5]) == 0
+
+
+def test_can_allocate_keeps_the_watermark_and_counts_hits() -> None:
+    bm = BlockManager(10, 0, block_size=2, watermark=0.2)  # 2 blocks held back for growth
+    assert bm.watermark_blocks == 2
+    assert bm.can_allocate([0] * 16) and not bm.can_allocate([0] * 17)
+    _admitted(bm, 1, list(range(13)))  # 7 blocks, 3 left
+    shared = list(range(12)) + [50, 51, 52]  # 6 cached blocks in use + 2 new blocks
+    assert bm.can_allocate(shared) is False  # 3 free - 2 new = 1 < watermark 2
+    assert bm.can_allocate(list(range(12)) + [50])  # 1 new block: 2 left, watermark kept
+    assert not bm.can_ever_allocate(17) and bm.can_ever_allocate(16)
+
+
+def test_fork_then_append_copies_only_the_written_tail_block() -> None:
+    bm = BlockManager(8, 0, block_size=4)
+    _admitted(bm, 1, [1, 2, 3, 4, 5, 6])
+    bm.fork(1, 2)
+    parent_table = list(bm.block_table(1))
+    assert bm.block_table(2) == parent_table and bm.num_free_blocks == 6
+    copies = bm.append_slots(2, 1)
+    assert copies == [(parent_table[1], bm.block_table(2)[1])]
+    assert bm.block_table(2)[0] == parent_table[0]  # the full block stays shared
+    assert bm.append_slots(1, 1) == []  # the parent is now the tail's only holder
+    assert bm.num_cow_copies == 1
+
+
+def test_append_across_several_blocks_at_once() -> None:
+    bm = BlockManager(8, 0, block_size=4)
+    bm.allocate(1, [1, 2, 3])
+    assert bm.append_slots(1, 10) == [] and bm.num_slots(1) == 13
+    assert len(bm.block_table(1)) == 4
+    assert bm.append_slots(1, 0) == [] and len(bm.block_table(1)) == 4
+
+
+def test_swap_out_and_in_round_trip() -> None:
+    bm = BlockManager(4, 4, block_size=2)
+    _admitted(bm, 1, [1, 2, 3])
+    gpu_table = list(bm.block_table(1))
+    out = bm.swap_out(1)
+    assert [g for g, _ in out] == gpu_table and bm.is_swapped(1)
+    assert bm.num_free_blocks == 4 and bm.num_free_cpu_blocks == 2
+    with pytest.raises(ValueError, match="swapped out; swap it in first"):
+        bm.append_slots(1, 1)
+    back = bm.swap_in(1)
+    assert [c for c, _ in back] == [c for _, c in out]
+    assert bm.block_table(1) == [g for _, g in back] and bm.num_free_cpu_blocks == 4
+
+
+def test_swap_in_waives_the_watermark_only_when_nothing_else_is_resident() -> None:
+    bm = BlockManager(10, 10, block_size=1, watermark=0.2)
+    bm.allocate(1, list(range(9)))
+    bm.allocate(2, [0])
+    bm.swap_out(1)
+    assert not bm.can_swap_in(1)  # 9 free, needs 9 + watermark 2 while seq 2 is resident
+    bm.free(2)
+    assert bm.can_swap_in(1)
+
+
+def test_utilization_counts_shared_blocks_once() -> None:
+    bm = BlockManager(8, 0, block_size=4)
+    assert bm.utilization == 0.0
+    _admitted(bm, 1, [1, 2, 3, 4, 5])  # blocks: 4/4 and 1/4
+    assert bm.utilization == pytest.approx(5 / 8)
+    bm.fork(1, 2)
+    assert bm.utilization == pytest.approx(5 / 8)
+    bm.append_slots(2, 2)  # seq 2 gets its own tail: 4 + 1 + 3 slots over 3 blocks
+    assert bm.utilization == pytest.approx(8 / 12)
+
+
+def test_prefix_caching_off_never_hits() -> None:
+    bm = BlockManager(8, 0, block_size=2, enable_prefix_caching=False)
+    _admitted(bm, 1, [1, 2, 3, 4, 5])
+    assert bm.allocate(2, [1, 2, 3, 4, 5]) == 0
+    assert bm.gpu_allocator.num_cached_blocks == 0
+
+
+def test_misuse_messages() -> None:
+    bm = BlockManager(4, 1, block_size=2)
+    for call in (lambda: bm.block_table(7), lambda: bm.free(7), lambda: bm.append_slots(7, 1),
+                 lambda: bm.fork(7, 8), lambda: bm.swap_out(7), lambda: bm.swap_in(7)):
+        with pytest.raises(ValueError, match="unknown sequence 7"):
+            call()
+    with pytest.raises(ValueError, match="empty prompt"):
+        bm.allocate(1, [])
+    bm.allocate(1, [1, 2, 3])
+    with pytest.raises(ValueError, match="already has blocks"):
+        bm.allocate(1, [1])
+    with pytest.raises(ValueError, match="it already exists"):
+        bm.fork(1, 1)
+    with pytest.raises(ValueError, match="non-negative int"):
+        bm.append_slots(1, -1)
+    with pytest.raises(ValueError, match="num_computed_tokens=4"):
+        bm.mark_computed(1, [1, 2, 3], 4)
+    with pytest.raises(ValueError, match="is not swapped out"):
+        bm.swap_in(1)
+    with pytest.raises(ValueError, match="check can_swap_out first"):
+        bm.swap_out(1)  # 2 blocks, 1 CPU block
+    with pytest.raises(ValueError, match="check can_allocate first"):
+        bm.allocate(2, [0] * 5)
+    bm.append_slots(1, 5)  # fills the pool: 8 slots
+    with pytest.raises(ValueError, match="check can_append_slots first"):
+        bm.append_slots(1, 1)
+    for bad in ({"block_size": 0}, {"watermark": 1.0}, {"watermark": -0.1}):
+        with pytest.raises(ValueError, match="block_size must|watermark must"):
+            BlockManager(4, 4, **bad)

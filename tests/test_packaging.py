@@ -1,0 +1,104 @@
+"""A non-editable install works: models/, cli/ and cuda/ land inside the offline_paged namespace.
+
+The editable install the test suite runs under maps the source tree directly, so it would hide
+packaging mistakes (a missing package-dir entry, .cu files left out of package data, a stray
+top-level `models`). Here pip builds and installs a copy of the repository into an empty target
+directory, offline (--no-index, --no-build-isolation), and a fresh interpreter started with -S (no
+site-packages .pth files, so the editable finder is not loaded) imports from that directory only,
+plus the venv's site-packages for third-party dependencies.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+
+
+def _copy_sources(dest: Path) -> None:
+    """Copy what the build reads (pyproject, readme, licence, package dirs), not .venv or build/."""
+    dest.mkdir()
+    for name in ("pyproject.toml", PYPROJECT["project"].get("readme", "README.md")):
+        shutil.copy2(REPO_ROOT / name, dest / name)
+    for licence in REPO_ROOT.glob("LICEN[CS]E*"):
+        shutil.copy2(licence, dest / licence.name)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for source_dir in set(PYPROJECT["tool"]["setuptools"]["package-dir"].values()):
+        shutil.copytree(REPO_ROOT / source_dir, dest / source_dir, ignore=skip)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """pip-install a copy of the repo (not editable, offline) into an empty target directory."""
+    root = tmp_path_factory.mktemp("packaging")
+    source, target = root / "src", root / "target"
+    _copy_sources(source)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+         "--disable-pip-version-check", "--target", str(target), str(source)],
+        capture_output=True, text=True, cwd=root,
+    )
+    assert result.returncode == 0, f"pip install failed:\n{result.stdout}\n{result.stderr}"
+    return target
+
+
+def _run_isolated(target: Path, code: str) -> subprocess.CompletedProcess:
+    """Run `code` in `python -S` with sys.path = [target, the venv's site-packages]."""
+    site_packages = sysconfig.get_paths()["purelib"]
+    prelude = f"import sys; sys.path[:] = [{str(target)!r}, {site_packages!r}] + sys.path[1:]\n"
+    return subprocess.run(
+        [sys.executable, "-S", "-c", prelude + code],
+        capture_output=True, text=True, cwd=target.parent,
+    )
+
+
+def test_only_the_offline_paged_namespace_is_installed(installed: Path) -> None:
+    top_level = {path.name for path in installed.iterdir()}
+    assert "offline_paged" in top_level
+    for stray in ("models", "cli", "cuda"):
+        assert stray not in top_level, f"a top-level `{stray}` package was installed"
+    unexpected = {
+        name for name in top_level
+        if name not in {"offline_paged", "bin"} and not name.endswith(".dist-info")
+    }
+    assert not unexpected, f"unexpected top-level entries in the install: {sorted(unexpected)}"
+
+
+def test_subpackages_import_from_the_installed_copy(installed: Path) -> None:
+    result = _run_isolated(installed, (
+        "import offline_paged, offline_paged.models.attention as attention, offline_paged.cli.main as main\n"
+        "print(offline_paged.__file__); print(attention.__file__); print(main.__file__)\n"
+        "import importlib.util\n"
+        "print(importlib.util.find_spec('models'), importlib.util.find_spec('cli'))\n"
+    ))
+    assert result.returncode == 0, result.stderr
+    *files, stray_specs = result.stdout.splitlines()
+    for file in files:
+        assert Path(file).is_relative_to(installed), f"imported {file} from outside the install"
+    assert stray_specs == "None None", f"top-level models/cli importable: {stray_specs}"
+
+
+def test_console_entry_point_runs_from_the_installed_copy(installed: Path) -> None:
+    result = _run_isolated(installed, (
+        "from offline_paged.cli.main import cli\n"
+        "cli(['--version'])\n"
+    ))
+    assert result.returncode == 0, result.stderr
+    assert PYPROJECT["project"]["version"] in result.stdout
+    assert (installed / "bin" / "offline-paged").exists(), "console script `offline-paged` missing"
+
+
+def test_cuda_sources_ship_as_package_data(installed: Path) -> None:
+    cuda_dir = PYPROJECT["tool"]["setuptools"]["package-dir"]["offline_paged.cuda"]
+    sources = sorted(p.name for p in (REPO_ROOT / cuda_dir).glob("*.cu"))
+    if not sources:
+        pytest.skip("no .cu sources in the repository yet")
+    installed_sources = sorted(p.name for p in (installed / "offline_paged" / "cuda").glob("*.cu"))
+    assert installed_sources == sources
