@@ -25,7 +25,8 @@ TARGET_MS = 1.0
 def _summary(samples_s: list[float]) -> str:
     ms = sorted(s * 1e3 for s in samples_s)
     p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
-    return f"median {statistics.median(ms):.3f} ms  p99 {p99:.3f} ms  max {ms[-1]:.3f} ms"
+    return (f"median {statistics.median(ms):.3f} ms  mean {statistics.fmean(ms):.3f} ms  "
+            f"p99 {p99:.3f} ms  max {ms[-1]:.3f} ms")
 
 
 def _running_batch(num_seqs: int, num_forks: int, rng: random.Random):

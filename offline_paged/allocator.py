@@ -91,6 +91,11 @@ class BlockAllocator:
         self._check_id(block_id)
         return self._ref_counts[block_id]
 
+    def is_shared(self, block_id: BlockId) -> bool:
+        """Whether more than one holder references the block. Hot path: the id is not checked,
+        so pass only ids this allocator handed out."""
+        return self._ref_counts[block_id] > 1
+
     # ---- allocate / share / free ----------------------------------------------------------
 
     def allocate(self) -> BlockId:

@@ -95,7 +95,10 @@ class BlockManager:
         Returns the manager's own list (no copy, so a whole batch exports in microseconds).
         Callers must not mutate it and must re-fetch it after any call that changes the sequence.
         """
-        return self._resident(seq_id).block_table
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.swapped:
+            self._resident(seq_id)  # raises the right ValueError
+        return seq.block_table
 
     def cpu_block_table(self, seq_id: int) -> list[BlockId]:
         """The CPU block table of a swapped-out sequence (same no-copy rule as ``block_table``)."""
@@ -199,7 +202,19 @@ class BlockManager:
         ``(src, dst)`` pair is returned for the runner to copy. Raises ``ValueError`` when the pool
         cannot supply the blocks (check ``can_append_slots``); nothing changes in that case.
         """
-        seq = self._resident(seq_id)
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.swapped:
+            self._resident(seq_id)  # raises the right ValueError
+        if num_tokens == 1 and seq.num_slots % self.block_size:
+            # Decode fast path: the next slot is in the tail block; fine unless it is shared.
+            if not self.gpu_allocator.is_shared(seq.block_table[-1]):
+                seq.num_slots += 1
+                return []
+        return self._append_slots(seq_id, seq, num_tokens)
+
+    def _append_slots(
+        self, seq_id: int, seq: _SeqBlocks, num_tokens: int
+    ) -> list[tuple[BlockId, BlockId]]:
         gpu = self.gpu_allocator
         needed = self._append_cost(seq, num_tokens)
         if gpu.num_free_blocks < needed:
@@ -209,7 +224,7 @@ class BlockManager:
             )
         table = seq.block_table
         copies: list[tuple[BlockId, BlockId]] = []
-        if seq.num_slots % self.block_size and num_tokens and gpu.ref_count(table[-1]) > 1:
+        if seq.num_slots % self.block_size and num_tokens and gpu.is_shared(table[-1]):
             src = table[-1]
             dst = gpu.allocate()
             gpu.free(src)
@@ -228,8 +243,10 @@ class BlockManager:
         Full blocks among the computed positions enter the prefix cache, in order, once each; a
         block whose content is already cached elsewhere stays a private duplicate.
         """
-        seq = self._resident(seq_id)
-        if not 0 <= num_computed_tokens <= min(seq.num_slots, len(token_ids)):
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.swapped:
+            self._resident(seq_id)  # raises the right ValueError
+        if not 0 <= num_computed_tokens <= seq.num_slots or num_computed_tokens > len(token_ids):
             raise ValueError(
                 f"sequence {seq_id!r}: num_computed_tokens={num_computed_tokens} must be within "
                 f"0..min(reserved slots {seq.num_slots}, len(token_ids) {len(token_ids)})"
