@@ -2,10 +2,12 @@
 
 The manager never touches KV memory. It hands out slots and returns the block copies the runner
 must perform. Executing the returned pairs *in the order the calls were made* is always correct.
-The runner instead executes one step's operations grouped as swap-out copies, then copy-on-write
-copies, then swap-in copies, then the forward pass; that grouping is equivalent provided the
-scheduler, within one step, (a) never calls ``swap_out`` after a ``swap_in``, (b) never swaps out a
-sequence it already called ``append_slots`` for, and (c) never forks a sequence it swapped in.
+The runner instead groups one step's copies as swap-outs, then swap-ins, then copy-on-write copies,
+then runs the forward pass. That grouping gives the same result provided that, within one step,
+(a) no ``swap_out`` follows a ``swap_in`` (it could reuse a CPU block not yet read), (b) no
+``swap_in`` follows a ``free`` or ``swap_out`` (it could overwrite a freed block that an earlier
+copy-on-write still reads), and (c) a sequence is not swapped out after ``append_slots`` was called
+for it (its fresh copy-on-write block would be saved before it is filled).
 """
 from __future__ import annotations
 
