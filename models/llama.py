@@ -44,25 +44,26 @@ class Llama:
         xp = ops.xp
         self.dtype = xp.dtype(dtype)
 
-        def upload(host) -> Any:
-            return xp.asarray(np.ascontiguousarray(host, dtype=self.dtype))
+        def upload(array) -> Any:  # host numpy or already on the device (e.g. dummy weights)
+            return xp.ascontiguousarray(xp.asarray(array, dtype=self.dtype))
 
         self.embed = upload(weights["model.embed_tokens.weight"])  # [V, E]
         if config.tie_word_embeddings:
             self.lm_head = self.embed.T  # [E, V] (a transposed view; BLAS reads it without a copy)
         else:
-            self.lm_head = upload(np.asarray(weights["lm_head.weight"]).T)  # [E, V]
+            self.lm_head = upload(xp.asarray(weights["lm_head.weight"], dtype=self.dtype).T)  # [E, V]
         self.final_norm = upload(weights["model.norm.weight"])  # [E]
         self.layers = [self._layer(weights, i, upload) for i in range(config.num_hidden_layers)]
         self.cos_sin_cache = upload(cos_sin_cache(config, self.dtype))  # [P, D]
         self.scale = config.head_dim ** -0.5
 
-    @staticmethod
-    def _layer(weights, i: int, upload) -> LlamaLayer:
+    def _layer(self, weights, i: int, upload) -> LlamaLayer:
         p = f"model.layers.{i}."
+        xp = self.ops.xp
 
         def linear(*names: str):
-            return upload(np.concatenate([np.asarray(weights[p + n]) for n in names], axis=0).T)
+            parts = [xp.asarray(weights[p + n], dtype=self.dtype) for n in names]
+            return upload(xp.concatenate(parts, axis=0).T)
 
         return LlamaLayer(
             input_norm=upload(weights[p + "input_layernorm.weight"]),
