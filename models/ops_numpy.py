@@ -57,6 +57,30 @@ class NumpyOps:
         """kv_cache[:, :, dst] = kv_cache[:, :, src] for all layers, K and V (all reads before writes)."""
         kv_cache[:, :, dst_ids] = kv_cache[:, :, src_ids]
 
+    def make_swapper(self, kv_cache, num_cpu_blocks: int) -> "HostSwapper":
+        """A CPU pool of `num_cpu_blocks` blocks for `kv_cache`, with swap_out / swap_in (as CudaOps)."""
+        return HostSwapper(kv_cache, num_cpu_blocks)
+
+
+class HostSwapper:
+    """The CPU counterpart of cuda.swap.BlockSwapper: a second numpy pool [L, 2, C, B, Hkv, D] and
+    whole-block gathers on axis 2 between it and the device pool (here also numpy)."""
+
+    def __init__(self, kv_cache, num_cpu_blocks: int):
+        shape = (*kv_cache.shape[:2], num_cpu_blocks, *kv_cache.shape[3:])
+        self.gpu_cache = kv_cache
+        self.cpu_cache = np.zeros(shape, dtype=kv_cache.dtype)  # [L, 2, C, B, Hkv, D]
+
+    def swap_out(self, gpu_ids, cpu_ids) -> None:
+        """cpu_cache[:, :, cpu_ids] <- gpu_cache[:, :, gpu_ids]."""
+        self.cpu_cache[:, :, np.asarray(cpu_ids, dtype=np.int64)] = \
+            self.gpu_cache[:, :, np.asarray(gpu_ids, dtype=np.int64)]
+
+    def swap_in(self, cpu_ids, gpu_ids) -> None:
+        """gpu_cache[:, :, gpu_ids] <- cpu_cache[:, :, cpu_ids]."""
+        self.gpu_cache[:, :, np.asarray(gpu_ids, dtype=np.int64)] = \
+            self.cpu_cache[:, :, np.asarray(cpu_ids, dtype=np.int64)]
+
 
 def _rotate(x, cos, sin):
     half = x.shape[-1] // 2

@@ -29,11 +29,12 @@ class Backend:
         return self.xp.asarray(np.asarray(values, dtype=np.int32))
 
     def free_memory_bytes(self) -> int | None:
-        """Free device memory (CUDA only; None on the CPU, where the caller picks a budget)."""
+        """Free device memory (CUDA only; None on the CPU, where the caller picks a budget): what the
+        driver reports free plus what CuPy's pool holds but no array uses (freed activations)."""
         if self.name != "cuda":
             return None
         free, _total = self.xp.cuda.runtime.memGetInfo()
-        return int(free)
+        return int(free) + int(self.xp.get_default_memory_pool().free_bytes())
 
 
 def cuda_available() -> bool:

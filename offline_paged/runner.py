@@ -30,18 +30,49 @@ class _Batch:
     logits_offsets: list[int]  # per scheduled sequence: its first row in the [K, V] logits
 
 
+class _StepUpload:
+    """One preallocated device int32 buffer that a step's index arrays are packed into, so a step's
+    inputs cross host->device in one copy and live at stable addresses (what CUDA graphs need next).
+    On the CPU the packed host array is used as is."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self._buffer = None  # [capacity] int32 (device), grown by doubling
+
+    def __call__(self, host: np.ndarray):
+        if self.backend.name == "cpu":
+            return host
+        if self._buffer is None or self._buffer.size < host.size:
+            capacity = max(host.size, 2 * (0 if self._buffer is None else self._buffer.size), 4096)
+            self._buffer = self.backend.xp.empty(capacity, dtype=np.int32)
+        view = self._buffer[:host.size]  # [n] int32 (device)
+        # Stream-ordered after the previous step's kernels (same stream), so reuse is safe.
+        view.set(host)
+        return view
+
+
 class ModelRunner:
-    """Owns the device KV pool [L, 2, N, B, Hkv, D] and the host swap pool [L, 2, C, B, Hkv, D]."""
+    """Owns the device KV pool [L, 2, N, B, Hkv, D] and, through the backend's swapper, the host swap
+    pool [L, 2, C, B, Hkv, D] (pinned on CUDA; created on the first swap, so recompute-only runs
+    never pin it)."""
 
     def __init__(self, model, backend, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  sampler: Sampler | None = None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
+        self.num_cpu_blocks = num_cpu_blocks
         self.sampler = sampler or Sampler()
         self.kv_cache = model.allocate_kv_cache(num_gpu_blocks, block_size)  # [L, 2, N, B, Hkv, D]
-        shape = (*self.kv_cache.shape[:2], num_cpu_blocks, *self.kv_cache.shape[3:])
-        self.cpu_kv_cache = np.zeros(shape, dtype=backend.dtype)  # [L, 2, C, B, Hkv, D]
+        self._swapper = None
+        self._upload = _StepUpload(backend)
+
+    @property
+    def swapper(self):
+        """The backend's block swapper (swap_out(device_ids, cpu_ids), swap_in(cpu_ids, device_ids))."""
+        if self._swapper is None:
+            self._swapper = self.backend.ops.make_swapper(self.kv_cache, self.num_cpu_blocks)
+        return self._swapper
 
     # ----------------------------------------------------------------- one step
     def execute(self, output) -> list[SequenceResult]:
@@ -54,65 +85,67 @@ class ModelRunner:
             return []
         batch = self._prepare(output.scheduled)
         logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
-                                    batch.logits_indices)  # [K, V]
-        logits = self.backend.to_host(logits)  # [K, V] float32, host
+                                    batch.logits_indices)  # [K, V] float32 (device)
+        logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
         return self._results(output.scheduled, logits, batch.logits_offsets)
 
     # ----------------------------------------------------------------- block moves
+    # Block ids stay on the host: the swapper and copy_blocks take host ids, so no move syncs the device.
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             device_ids, cpu_ids = _split_pairs(pairs)
-            moved = self.kv_cache[:, :, self.backend.int32(device_ids)]  # [L, 2, n, B, Hkv, D]
-            self.cpu_kv_cache[:, :, cpu_ids] = self.backend.to_host(moved)
+            self.swapper.swap_out(device_ids, cpu_ids)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             cpu_ids, device_ids = _split_pairs(pairs)
-            moved = self.backend.xp.asarray(self.cpu_kv_cache[:, :, cpu_ids])  # [L, 2, n, B, Hkv, D]
-            self.kv_cache[:, :, self.backend.int32(device_ids)] = moved
+            self.swapper.swap_in(cpu_ids, device_ids)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             src_ids, dst_ids = _split_pairs(pairs)
-            self.backend.ops.copy_blocks(self.kv_cache, self.backend.int32(src_ids),
-                                         self.backend.int32(dst_ids))
+            self.backend.ops.copy_blocks(self.kv_cache, np.asarray(src_ids, dtype=np.int64),
+                                         np.asarray(dst_ids, dtype=np.int64))
 
     # ----------------------------------------------------------------- inputs
     def _prepare(self, scheduled) -> _Batch:
-        block_size = self.block_size
-        input_ids, positions, slots, logits_rows, offsets = [], [], [], [], []
-        query_lens, context_lens = [], []
+        """Pack the step's index arrays into one int32 host array, upload it once, slice views."""
+        block_size, num_seqs = self.block_size, len(scheduled)
+        starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
+        query_lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, num_seqs)  # [S]
+        skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
+        context_lens = starts + query_lens  # [S]
+        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])  # [S + 1]
         width = max(len(item.block_table) for item in scheduled)
-        block_tables = np.zeros((len(scheduled), width), dtype=np.int32)  # [S, M]
+        block_tables = np.zeros((num_seqs, width), dtype=np.int64)  # [S, M]
+        input_ids, logits_rows, offsets = [], [], []
         for i, item in enumerate(scheduled):
-            start, end = item.start, item.start + item.num_new_tokens
-            table = np.asarray(item.block_table, dtype=np.int64)
-            block_tables[i, :len(table)] = table
-            pos = np.arange(start, end)  # [q_len]
-            slot = table[pos // block_size] * block_size + pos % block_size  # [q_len]
-            slot[pos < item.num_skip_write] = -1  # cached K/V recomputed for scores only
-            first_row = len(input_ids)
-            input_ids += item.seq.token_ids[start:end]
-            positions.append(pos)
-            slots.append(slot)
+            block_tables[i, :len(item.block_table)] = item.block_table
+            input_ids += item.seq.token_ids[item.start:item.start + item.num_new_tokens]
+            first_row, last_row = int(query_start_loc[i]), int(query_start_loc[i + 1])
             offsets.append(len(logits_rows))
             if item.prompt_logprobs is not None:
-                logits_rows += range(first_row, first_row + item.num_new_tokens)
+                logits_rows += range(first_row, last_row)
             elif item.num_samples:
-                logits_rows.append(first_row + item.num_new_tokens - 1)
-            query_lens.append(item.num_new_tokens)
-            context_lens.append(end)
-        b = self.backend
+                logits_rows.append(last_row - 1)
+        owner = np.repeat(np.arange(num_seqs), query_lens)  # [T] sequence of each token
+        positions = np.arange(len(owner)) - query_start_loc[owner] + starts[owner]  # [T]
+        slots = block_tables[owner, positions // block_size] * block_size + positions % block_size  # [T]
+        slots[positions < skips[owner]] = -1  # cached K/V recomputed for scores only: don't rewrite
+        parts = [np.asarray(input_ids), positions, slots, context_lens, query_start_loc,
+                 np.asarray(logits_rows, dtype=np.int64), block_tables.ravel()]
+        packed = self._upload(np.concatenate(parts).astype(np.int32))  # [sum of part sizes] int32
+        views, at = [], 0
+        for part in parts:
+            views.append(packed[at:at + part.size])
+            at += part.size
+        ids, pos, slot_mapping, ctx, qsl, rows, tables = views
         meta = AttentionMetadata(
-            slot_mapping=b.int32(np.concatenate(slots)),
-            block_tables=b.xp.asarray(block_tables),
-            context_lens=b.int32(context_lens),
-            query_start_loc=b.int32(np.concatenate([[0], np.cumsum(query_lens)])),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
+            slot_mapping=slot_mapping, block_tables=tables.reshape(num_seqs, width),
+            context_lens=ctx, query_start_loc=qsl,
+            max_query_len=int(query_lens.max()), max_context_len=int(context_lens.max()),
         )
-        return _Batch(b.int32(input_ids), b.int32(np.concatenate(positions)), meta,
-                      b.int32(logits_rows), offsets)
+        return _Batch(ids, pos, meta, rows, offsets)
 
     # ----------------------------------------------------------------- outputs
     def _results(self, scheduled, logits: np.ndarray, offsets: list[int]) -> list[SequenceResult]:

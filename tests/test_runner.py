@@ -67,3 +67,27 @@ def test_fork_row_is_sampled_n_times_and_prompt_logprobs_cover_the_chunk():
     assert len({s.token_id for s in results[0].samples}) == 1  # greedy: same row, same token
     entries = results[0].prompt_logprobs
     assert [list(e) for e in entries] == [[20], [30], [40], [50]]
+
+
+def test_step_arrays_are_int32_with_positions_and_bounds_of_a_mixed_batch():
+    runner = make_runner()
+    items = [scheduled(range(10, 20), 4, 6, [4, 9, 2]),  # a chunk on top of 4 cached tokens
+             scheduled(range(30, 36), 5, 1, [6, 1])]  # a decode step
+    batch = runner._prepare(items)
+    assert batch.positions.tolist() == [4, 5, 6, 7, 8, 9, 5]
+    assert batch.input_ids.tolist() == [14, 15, 16, 17, 18, 19, 35]
+    assert batch.meta.block_tables.tolist() == [[4, 9, 2], [6, 1, 0]]
+    assert (batch.meta.max_query_len, batch.meta.max_context_len) == (6, 10)  # CUDA plans splits from these
+    for array in (batch.input_ids, batch.positions, batch.meta.slot_mapping, batch.meta.block_tables,
+                  batch.meta.context_lens, batch.meta.query_start_loc, batch.logits_indices):
+        assert array.dtype == np.int32
+    assert batch.logits_indices.tolist() == [5, 6]
+
+
+def test_swaps_go_through_the_backend_swapper_created_on_first_use():
+    runner = make_runner()
+    assert runner._swapper is None  # recompute-only runs never allocate the swap pool
+    fill_blocks(runner)
+    runner.swap_out([(3, 7), (5, 0)])
+    assert (runner.swapper.cpu_cache[:, :, 7] == 3).all() and (runner.swapper.cpu_cache[:, :, 0] == 5).all()
+    assert runner.swapper.cpu_cache.shape[2] == 8
