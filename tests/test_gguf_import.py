@@ -1,0 +1,200 @@
+"""GGUF import vs transformers' own GGUF loading (weights and tokenizer), dequantization per type,
+convert round-trip, and bad GGUF input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from offline_paged.models.gguf_import import SUPPORTED_QUANT_TYPES, import_gguf, open_gguf
+from offline_paged.models.loader import load_model
+
+TEXTS = [
+    "Hello, world!", "  leading spaces and\ttabs\n\nnewlines", "naïve café, Straße, 東京, Ελληνικά, русский",
+    "emoji: 😀👍🏽 🇫🇷 👨‍👩‍👧", "def f(x):\n    return x ** 2  # square\n", "for (int i = 0; i < 10; ++i) {}",
+    "numbers 12345 and 3.14159, year 2024", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|> between <repo_name> specials", "",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_gguf(tmp_path_factory):
+    from offline_paged.models.default_model import extract_gguf
+
+    return extract_gguf(tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.fixture(scope="module")
+def ours(smol_gguf):
+    return import_gguf(smol_gguf)
+
+
+@pytest.fixture(scope="module")
+def hf_from_gguf(smol_gguf):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = dict(gguf_file=smol_gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(smol_gguf.parent, dtype=torch.float32, **kwargs)
+    return model, AutoTokenizer.from_pretrained(smol_gguf.parent, **kwargs)
+
+
+def test_weights_equal_transformers_gguf_loading(ours, hf_from_gguf):
+    config, weights, _ = ours
+    state = {k: v.numpy() for k, v in hf_from_gguf[0].state_dict().items()}
+    assert config.tie_word_embeddings and "lm_head.weight" not in weights
+    assert set(weights) == set(state) - {"lm_head.weight"}
+    for name, array in weights.items():
+        np.testing.assert_array_equal(array, state[name], err_msg=name)
+
+
+def test_config_matches_published_smollm2(ours):
+    config = ours[0]
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.vocab_size) == (30, 576, 9, 3, 64, 49152)
+    assert config.rope_theta == 1e5 and config.rms_norm_eps == 1e-5
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_ids_equal_transformers(ours, hf_from_gguf, text):
+    tokenizer = ours[2]
+    hf_tok = hf_from_gguf[1]
+    assert tokenizer.encode(text) == hf_tok(text)["input_ids"]
+    assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False) == text
+
+
+def test_special_tokens_and_chat_template(ours):
+    tokenizer = ours[2]
+    assert tokenizer.eos_token_ids == frozenset({2})
+    assert tokenizer.encode("<|im_start|><|im_end|>") == [1, 2]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.decode([1, 28120, 2]) == "hello"  # specials skipped by default
+
+
+def test_digits_are_split_one_by_one(ours):
+    """tokenizer.ggml.pre = 'smollm': every digit is its own pre-token (as llama.cpp and the HF original)."""
+    tokenizer = ours[2]
+    pieces = [tokenizer.decode([i]) for i in tokenizer.encode("x=2024")]
+    assert pieces[-4:] == ["2", "0", "2", "4"]
+
+
+def test_convert_round_trip_loads_back_identically(ours, smol_gguf, tmp_path):
+    from offline_paged.models.convert import convert_gguf
+
+    config, weights, tokenizer = ours
+    loaded = load_model(convert_gguf(smol_gguf, tmp_path / "hf"))
+    assert loaded.config == config
+    assert set(loaded.weights) == set(weights)
+    for name, array in weights.items():
+        np.testing.assert_array_equal(loaded.weights[name], array, err_msg=name)
+    for text in TEXTS:
+        assert loaded.tokenizer.encode(text) == tokenizer.encode(text)
+    assert loaded.tokenizer.eos_token_ids == tokenizer.eos_token_ids
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert loaded.tokenizer.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                  "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequantize_matches_transformers(tmp_path, kind):
+    """Random raw blocks of each type, written to a GGUF, read back by us and by transformers' dequant."""
+    import torch
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    from offline_paged.models.gguf_import import dequantize_tensor
+
+    qtype = GGMLQuantizationType[kind]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows, cols = 4, 512
+    raw = _random_blocks(np.random.default_rng(qtype.value), kind, rows * cols // block, type_size)
+    path = tmp_path / "q.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", raw.reshape(rows, -1), raw_shape=(rows, cols), raw_dtype=qtype)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    tensor = open_gguf(path).tensors[0]
+    ours = dequantize_tensor(tensor, path)  # [rows, cols]
+    assert ours.shape == (rows, cols) and ours.dtype == np.float32
+    theirs = hf_dequantize(torch.from_numpy(raw.copy()), qtype.value).reshape(rows, cols).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def _random_blocks(rng, kind, num_blocks, type_size):
+    """Random block bytes whose fp16 scale fields are finite, small numbers (0.01-1)."""
+    raw = rng.integers(0, 256, size=(num_blocks, type_size), dtype=np.uint8)
+    halves = (rng.uniform(0.01, 1.0, size=(num_blocks, type_size // 2))).astype(np.float16).view(np.uint8)
+    scale_bytes = {"Q8_0": [0, 2], "Q4_0": [0, 2], "Q5_0": [0, 2], "Q4_1": [0, 4], "Q5_1": [0, 4],
+                   "Q2_K": [type_size - 4, type_size], "Q3_K": [type_size - 2, type_size],
+                   "Q4_K": [0, 4], "Q5_K": [0, 4], "Q6_K": [type_size - 2, type_size]}
+    lo, hi = scale_bytes[kind]
+    raw[:, lo:hi] = halves[:, lo:hi]
+    return raw
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_float_tensors_read_exactly(tmp_path, dtype):
+    from gguf import GGUFWriter
+
+    from offline_paged.models.gguf_import import dequantize_tensor
+
+    values = np.random.default_rng(0).standard_normal((6, 40)).astype(dtype)  # [rows, cols]
+    path = tmp_path / "f.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", values)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    ours = dequantize_tensor(open_gguf(path).tensors[0], path)
+    assert ours.dtype == np.float32
+    np.testing.assert_array_equal(ours, values.astype(np.float32))
+
+
+def test_unsupported_quant_type_is_named(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    path = tmp_path / "iq.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    raw = np.zeros((1, 66), np.uint8)  # one IQ2_XXS block of 256 values
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_shape=(1, 256), raw_dtype=GGMLQuantizationType.IQ2_XXS)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    from offline_paged.models.gguf_import import dequantize_tensor
+
+    with pytest.raises(ValueError, match=r"iq\.gguf: tensor blk\.0\.ffn_up\.weight has unsupported type IQ2_XXS"):
+        dequantize_tensor(open_gguf(path).tensors[0], path)
+    assert "IQ2_XXS" not in SUPPORTED_QUANT_TYPES
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "phi.gguf"
+    writer = GGUFWriter(str(path), "phi2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"phi\.gguf: GGUF architecture 'phi2' is not supported"):
+        import_gguf(path)
+
+
+def test_truncated_gguf_is_named(smol_gguf, tmp_path):
+    path = tmp_path / "cut.gguf"
+    with smol_gguf.open("rb") as f:
+        path.write_bytes(f.read(1_000_000))
+    with pytest.raises(ValueError, match=r"cut\.gguf: not a readable GGUF file"):
+        import_gguf(path)
+
+
+def test_missing_gguf_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf: GGUF file not found"):
+        import_gguf(tmp_path / "nope.gguf")
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    """llama.cpp's convert permutes with reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2)."""
+    from offline_paged.models.gguf_import import unpermute_rows
+
+    w = np.arange(24 * 5, dtype=np.float32).reshape(24, 5)  # [rows, cols], 3 heads of 8 rows
+    permuted = w.reshape(3, 2, 4, 5).swapaxes(1, 2).reshape(24, 5)
+    np.testing.assert_array_equal(unpermute_rows(permuted, 3), w)
+    assert not np.array_equal(permuted, w)
