@@ -6,11 +6,13 @@ random-stream seed, checks stop conditions (with a StopChecker) and builds Reque
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import TYPE_CHECKING
 
 from offline_paged.backend import select_backend
+from offline_paged.beam_search import BeamState, runner_top_k
 from offline_paged.block_manager import BlockManager
 from offline_paged.config import EngineConfig
 from offline_paged.engine_stats import StatsTracker
@@ -126,22 +128,22 @@ class LLMEngine:
         `prompt` given too is only echoed back in the output).
 
         Raises ValueError for a duplicate id, an empty prompt, a prompt that leaves no room to
-        generate within max_model_len, token ids outside the vocabulary, or beam search.
+        generate within max_model_len, token ids outside the vocabulary, or beam search with
+        penalties (its scores are raw log-probabilities; see beam_search.py).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.use_beam_search:
-            raise ValueError("use_beam_search is not supported by this engine yet; "
-                             "use n / best_of sampling instead")
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        beam = self._beam_state(params, len(token_ids)) if params.use_beam_search else None
         arrival = next(self._arrivals)
         group = SequenceGroup(
-            request_id=request_id, arrival_index=arrival, prompt=prompt,
-            prompt_token_ids=token_ids, params=params, sample_seeds=self._sample_seeds(params, arrival),
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            request_id=request_id, arrival_index=arrival, prompt=prompt, prompt_token_ids=token_ids,
+            params=params if beam is None else self._beam_runner_params(params, beam),
+            sample_seeds=self._sample_seeds(params, arrival),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None, beam=beam,
         )
         self.scheduler.add_group(group)  # raises before anything is recorded
         self._groups[request_id] = group
@@ -164,6 +166,26 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
                              f"{self.max_model_len}, which leaves no room to generate")
         return token_ids
+
+    def _beam_state(self, params: SamplingParams, num_prompt_tokens: int) -> BeamState:
+        for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0)):
+            if getattr(params, name) != neutral:
+                raise ValueError(f"{name} must be left at {neutral} when use_beam_search is true "
+                                 "(beams are ranked by raw log-probabilities)")
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        return BeamState(
+            beam_width=params.beam_width,
+            max_len=min(num_prompt_tokens + params.max_tokens, self.max_model_len),
+            banned_before_min_tokens=frozenset(banned) if params.min_tokens else frozenset(),
+            num_logprobs=params.logprobs,
+        )
+
+    @staticmethod
+    def _beam_runner_params(params: SamplingParams, beam: BeamState) -> SamplingParams:
+        """The user's params, asking the runner for enough top logprobs to rank the candidates."""
+        top_k = runner_top_k(beam.beam_width, len(beam.banned_before_min_tokens), params.logprobs)
+        return dataclasses.replace(params, logprobs=top_k)
 
     def _sample_seeds(self, params: SamplingParams, arrival: int) -> list[int]:
         """Seed of each sample's random stream: the request's seed, or one derived from the engine
@@ -200,7 +222,7 @@ class LLMEngine:
 
     def _finish(self, group: SequenceGroup) -> RequestOutput:
         del self._groups[group.request_id]
-        seqs = group.seqs
+        seqs = group.seqs if group.beam is None else group.beam.best(group.params.n)
         if len(seqs) > group.params.n:  # best_of > n: keep the n most likely
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:group.params.n]
         outputs = [self._completion(index, seq) for index, seq in enumerate(seqs)]

@@ -14,7 +14,17 @@ One schedule() builds, in this order, within `max_num_seqs` and `max_num_batched
 2. running sequences in the middle of a (chunked) prefill, oldest first, filling the token budget;
 3. if nothing was preempted: swapped sequences, brought back in FCFS order;
 4. if nothing was preempted or is still swapped: waiting sequences admitted FCFS while the block
-   manager can allocate their tokens (its watermark keeps room for the running ones to grow).
+   manager can allocate their tokens (its watermark keeps room for the running ones to grow);
+5. if the step is still empty, idle beams (see below) are parked one by one, youngest first, until
+   a swapped or waiting sequence fits.
+
+Beam search: a beam whose row is computed is *idle* until its sibling beams have theirs (they may
+be scheduled in later steps, or preempted); it stays RUNNING but is never scheduled. Preempting an
+idle beam *parks* it: its blocks are freed, its result is kept, it sits in no queue. When the last
+beam's result arrives, the beam step (beam_search.BeamState.step) picks the next beams: each is a
+fork of its parent, sharing its blocks if the parent is resident, or WAITING to be recomputed if
+the parent was parked; the parents are then released. A beam-search request counts as beam_width
+sequences against max_num_seqs while any of its beams runs.
 """
 from __future__ import annotations
 
@@ -23,6 +33,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from offline_paged.beam_search import BeamStep
 from offline_paged.config import PreemptionMode
 from offline_paged.sequence import (
     FinishReason,
@@ -82,6 +93,7 @@ class _StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_recompute: int = 0
     num_swap: int = 0
+    num_parked: int = 0  # idle beams parked to let a queued sequence in (not pressure preemptions)
 
     @property
     def preempted(self) -> bool:
@@ -122,7 +134,7 @@ class Scheduler:
             seq_id=next(self._next_seq_id), group=group, sample_index=0,
             sampling_seed=group.sample_seeds[0], token_ids=list(group.prompt_token_ids),
             num_prompt_tokens=len(group.prompt_token_ids),
-            logprobs=[] if group.params.logprobs is not None else None,
+            logprobs=[] if group.num_logprobs is not None else None,
         )
         group.seqs.append(seq)
         _insert(self.waiting, seq)
@@ -130,6 +142,8 @@ class Scheduler:
     def abort_group(self, group: SequenceGroup) -> None:
         """Finish every unfinished sequence of `group` with ABORT and release its blocks."""
         group.forked = True  # an aborted request never forks
+        if group.beam is not None:
+            group.beam.pending.clear()
         for seq in group.seqs:
             if not seq.is_finished:
                 self._release(seq)
@@ -147,14 +161,20 @@ class Scheduler:
         plan = _StepPlan(budget=self.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
-            self._schedule_swapped(plan)
-        if not plan.preempted and not self.swapped:
-            self._schedule_waiting(plan)
+            self._schedule_queued(plan)
+        while not plan.scheduled and self._park_youngest_idle_beam():
+            plan.num_parked += 1
+            self._schedule_queued(plan)
         return SchedulerOutput(
             scheduled=plan.scheduled, blocks_to_swap_out=plan.swap_out,
             blocks_to_swap_in=plan.swap_in, blocks_to_copy=plan.copies,
-            num_preempted_recompute=plan.num_recompute, num_preempted_swap=plan.num_swap,
+            num_preempted_recompute=plan.num_recompute + plan.num_parked, num_preempted_swap=plan.num_swap,
         )
+
+    def _schedule_queued(self, plan: _StepPlan) -> None:
+        self._schedule_swapped(plan)
+        if not self.swapped:
+            self._schedule_waiting(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
@@ -212,8 +232,7 @@ class Scheduler:
 
     def _has_room_for(self, seq: Sequence) -> bool:
         """Whether seq (and the samples it will fork into) fit within max_num_seqs."""
-        occupied = sum(s.group.num_pending_seqs for s in self.running)
-        return occupied + seq.group.num_pending_seqs <= self.max_num_seqs
+        return _num_reserved_seqs([*self.running, seq]) <= self.max_num_seqs
 
     def _admit(self, seq: Sequence) -> None:
         num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids)
@@ -243,6 +262,10 @@ class Scheduler:
 
     # ----------------------------------------------------------------- preemption
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
+        if _is_idle_beam(seq):
+            self._park(seq)
+            plan.num_recompute += 1
+            return
         self.running.remove(seq)
         if self.preemption_mode is PreemptionMode.SWAP and self.block_manager.can_swap_out(seq.seq_id):
             plan.swap_out += self.block_manager.swap_out(seq.seq_id)
@@ -254,6 +277,22 @@ class Scheduler:
             seq.forget_cache()
             _insert(self.waiting, seq)
             plan.num_recompute += 1
+
+    def _park(self, seq: Sequence) -> None:
+        """Drop an idle beam's blocks; its result is kept until its beam step."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.forget_cache()
+        seq.status = SequenceStatus.PARKED
+
+    def _park_youngest_idle_beam(self) -> bool:
+        if not (self.waiting or self.swapped):
+            return False
+        for seq in reversed(self.running):
+            if _is_idle_beam(seq):
+                self._park(seq)
+                return True
+        return False
 
     # ----------------------------------------------------------------- postprocess
     def postprocess(
@@ -274,9 +313,13 @@ class Scheduler:
             if len(result.samples) != item.num_samples:
                 raise RuntimeError(f"sequence {seq.seq_id}: expected {item.num_samples} samples, "
                                    f"got {len(result.samples)}")
-            targets = self._fork(seq, len(result.samples)) if len(result.samples) > 1 else [seq]
-            for target, sample in zip(targets, result.samples):
-                self._append(target, sample, stop_checker)
+            if seq.group.beam is not None:
+                if result.samples:
+                    self._beam_result(seq, result.samples[0], stop_checker)
+            else:
+                targets = self._fork(seq, len(result.samples)) if len(result.samples) > 1 else [seq]
+                for target, sample in zip(targets, result.samples):
+                    self._append(target, sample, stop_checker)
             if seq.group.is_finished and seq.group not in finished:
                 finished.append(seq.group)
         return finished
@@ -292,6 +335,31 @@ class Scheduler:
             children.append(child)
         group.forked = True
         return [parent, *children]
+
+    def _beam_result(self, seq: Sequence, sample, stop_checker: StopChecker) -> None:
+        """Record one beam's row; once every live beam has one, run the beam step."""
+        group = seq.group
+        group.beam.add_result(seq, sample)
+        if group.beam.is_ready(group.seqs):
+            self._apply_beam_step(group, group.beam.step(group.seqs, stop_checker, self._new_seq_id))
+
+    def _apply_beam_step(self, group: SequenceGroup, step: BeamStep) -> None:
+        """Fork the chosen children off their parents, then retire every parent."""
+        for child, parent in step.children:
+            if parent.status is SequenceStatus.RUNNING:
+                self.block_manager.fork(parent.seq_id, child.seq_id)
+                _insert(self.running, child)
+            else:  # a parked parent has no blocks to share: the child is recomputed
+                child.forget_cache()
+                _insert(self.waiting, child)
+        for parent in group.seqs:
+            self._release(parent)
+            parent.status = SequenceStatus.FINISHED
+        group.seqs = [child for child, _ in step.children]
+        group.forked = True
+
+    def _new_seq_id(self) -> int:
+        return next(self._next_seq_id)
 
     def _append(self, seq: Sequence, sample, stop_checker: StopChecker) -> None:
         seq.append_token(sample)
@@ -319,6 +387,17 @@ def _extend_prompt_logprobs(group: SequenceGroup, start: int, entries: list) -> 
     if skip < 0:
         raise RuntimeError(f"prompt logprobs of {group.request_id!r} would skip positions")
     group.prompt_logprobs.extend(entries[skip:])
+
+
+def _is_idle_beam(seq: Sequence) -> bool:
+    return seq.group.beam is not None and seq.group.beam.is_idle(seq)
+
+
+def _num_reserved_seqs(seqs: list[Sequence]) -> int:
+    """Sequences these may occupy: n for a request still to fork, beam_width per beam request."""
+    beam_groups = {id(s.group): s.group for s in seqs if s.group.beam is not None}
+    others = sum(s.group.num_pending_seqs for s in seqs if s.group.beam is None)
+    return others + sum(g.params.beam_width for g in beam_groups.values())
 
 
 def _insert(queue: list[Sequence], seq: Sequence) -> None:

@@ -7,6 +7,8 @@ the cache; `num_slots` have a KV slot reserved by the block manager. Invariant w
 and a sequence is ready to sample when num_computed_tokens == num_tokens.
 A request with n > 1 starts with one sequence; when its prompt is computed, the sampled row is drawn
 n times and the sequence is forked (blocks shared copy-on-write) into n sequences.
+A beam-search request (`group.beam` is a beam_search.BeamState) also starts with one sequence; its
+`seqs` are the live beams, replaced by forked children at every beam step (see beam_search.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ class SequenceStatus(Enum):
     RUNNING = "running"  # holds device KV blocks
     SWAPPED = "swapped"  # its KV blocks live in the CPU pool
     FINISHED = "finished"  # done; blocks released
+    PARKED = "parked"  # a beam whose next-token result is known, waiting for its sibling beams;
+    #                    preempted while idle: it holds no blocks and sits in no queue
 
 
 class FinishReason(Enum):
@@ -146,6 +150,13 @@ class SequenceGroup:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prefix-cache hit on first admission
     forked: bool = False
+    beam: Any = None  # beam_search.BeamState of a beam-search request, else None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top-k logprobs to report per generated token (None: not asked). Beam search asks the
+        runner for more than the user did, so its params.logprobs is not the user's."""
+        return self.beam.num_logprobs if self.beam is not None else self.params.logprobs
 
     @property
     def num_samples(self) -> int:
@@ -153,7 +164,7 @@ class SequenceGroup:
 
     @property
     def needs_fork(self) -> bool:
-        return not self.forked and self.num_samples > 1
+        return not self.forked and self.num_samples > 1 and self.beam is None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

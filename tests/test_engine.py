@@ -166,7 +166,8 @@ def test_best_of_returns_the_n_most_likely():
     (dict(prompt_token_ids=[]), "empty"),
     (dict(prompt_token_ids=[5] * 600), "max_model_len"),
     (dict(prompt_token_ids=[999]), r"\[0, 260\)"),
-    (dict(prompt_token_ids=[5], params=SamplingParams(use_beam_search=True, temperature=0.0)), "beam"),
+    (dict(prompt_token_ids=[5], params=SamplingParams(use_beam_search=True, temperature=0.0,
+                                                      repetition_penalty=1.1)), "repetition_penalty"),
     (dict(prompt_token_ids=[5], params=SamplingParams(n=17)), "max_num_seqs"),
     (dict(), "prompt"),
 ])
