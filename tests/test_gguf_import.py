@@ -94,7 +94,8 @@ def test_convert_round_trip_loads_back_identically(ours, smol_gguf, tmp_path):
     assert loaded.tokenizer.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+# Q5_0 / Q5_1 are read by gguf too, but transformers has no dequantizer for them to compare with.
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1",
                                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_dequantize_matches_transformers(tmp_path, kind):
     """Random raw blocks of each type, written to a GGUF, read back by us and by transformers' dequant."""
@@ -110,7 +111,7 @@ def test_dequantize_matches_transformers(tmp_path, kind):
     raw = _random_blocks(np.random.default_rng(qtype.value), kind, rows * cols // block, type_size)
     path = tmp_path / "q.gguf"
     writer = GGUFWriter(str(path), "llama")
-    writer.add_tensor("blk.0.ffn_up.weight", raw.reshape(rows, -1), raw_shape=(rows, cols), raw_dtype=qtype)
+    writer.add_tensor("blk.0.ffn_up.weight", raw.reshape(rows, -1), raw_dtype=qtype)  # [rows, row bytes]
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
     tensor = open_gguf(path).tensors[0]
@@ -155,7 +156,7 @@ def test_unsupported_quant_type_is_named(tmp_path):
     path = tmp_path / "iq.gguf"
     writer = GGUFWriter(str(path), "llama")
     raw = np.zeros((1, 66), np.uint8)  # one IQ2_XXS block of 256 values
-    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_shape=(1, 256), raw_dtype=GGMLQuantizationType.IQ2_XXS)
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=GGMLQuantizationType.IQ2_XXS)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
     from offline_paged.models.gguf_import import dequantize_tensor
