@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_engine import EOS_ID, run_to_completion, tiny_engine, tiny_model
+from tiny_engine import EOS_ID, ByteTokenizer, run_to_completion, tiny_engine, tiny_model
 
 from offline_paged.models.llama import Llama
 from offline_paged.models.ops_numpy import NumpyOps
@@ -227,3 +227,21 @@ def test_outputs_are_sorted_by_length_penalised_score_and_eos_ends_a_beam():
     assert scores == sorted(scores, reverse=True)
     assert len(out.outputs) == 4
     assert {c.finish_reason for c in out.outputs} <= {"stop", "length"}
+
+
+def test_stop_strings_end_beams_like_the_equivalent_stop_tokens():
+    # Byte tokenizer: an ASCII token is one whole character, so stop strings of those characters
+    # must end exactly the hypotheses that the token ids end, with the character cut from the text.
+    tokens = [45, 99, 66, 52]  # ")", "_", ">", "0": among the likeliest first tokens of this prompt
+    prompt = prompts(10, [6])[0]
+    common = dict(max_tokens=6, ignore_eos=True)
+    by_ids = run_to_completion(tiny_engine(), {"b": (prompt, beam(3, stop_token_ids=tokens, **common))})["b"]
+    by_text = run_to_completion(tiny_engine(), {"b": (prompt, beam(3, stop=[chr(t - 4) for t in tokens],
+                                                                   **common))})["b"]
+    assert completions(by_text) == completions(by_ids)
+    stopped = [c for c in by_text.outputs if c.finish_reason == "stop"]
+    assert stopped, "no hypothesis ended on a stop string"
+    tokenizer = ByteTokenizer()
+    for c in stopped:
+        assert c.stop_reason == chr(c.token_ids[-1] - 4)
+        assert c.text == tokenizer.decode(c.token_ids[:-1])
