@@ -4,9 +4,9 @@ The manager never touches KV memory. It hands out slots and returns the block co
 must perform. Executing the returned pairs *in the order the calls were made* is always correct.
 The runner instead groups one step's copies as swap-outs, then swap-ins, then copy-on-write copies,
 then runs the forward pass. That grouping gives the same result provided that, within one step,
-(a) no ``swap_out`` follows a ``swap_in`` (it could reuse a CPU block not yet read), (b) no
-``swap_in`` follows a ``free`` or ``swap_out`` (it could overwrite a freed block that an earlier
-copy-on-write still reads), and (c) a sequence is not swapped out after ``append_slots`` was called
+(a) no ``swap_out`` follows a ``swap_in`` (it could reuse a CPU block not yet read); (b) no
+``swap_in`` follows a copy-on-write *and* a later ``free``/``swap_out`` (it could overwrite a freed
+block that the copy still reads); (c) no sequence is swapped out after ``append_slots`` was called
 for it (its fresh copy-on-write block would be saved before it is filled).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ class _SeqBlocks:
     """One sequence's blocks. ``block_table`` holds GPU ids, or CPU ids while ``swapped``."""
 
     block_table: list[BlockId]
-    num_slots: int  # token positions with a reserved slot; len(block_table) == ceil(num_slots / B)
+    num_slots: int  # token positions with a reserved slot; see BlockManager for len(block_table)
     swapped: bool = False
     num_registered: int = 0  # leading full blocks already offered to the prefix cache
     last_content_id: ContentId | None = None  # content id of block num_registered - 1
@@ -33,8 +33,15 @@ class BlockManager:
     Data structures: a dict ``seq_id -> _SeqBlocks`` whose ``block_table`` is a plain list
     (logical block i -> physical block id); the allocators own ref counts and the prefix cache.
 
+    Contiguous layout (``reserve_tokens`` set): the baseline paging is measured against. ``allocate``
+    gives a sequence blocks for ``max(len(prompt), reserve_tokens)`` positions at once (what a
+    max-length reservation costs), ``can_allocate`` counts all of them, and growth finds its blocks
+    already there. A fork shares the whole reservation; a write into a shared block first takes a
+    private one (copied only when the block already holds positions of the sequence).
+
     Invariants (checked by tests/test_block_manager.py): every GPU block's ref count equals the
-    number of table entries pointing at it; ``len(table) == ceil(num_slots / block_size)``; the
+    number of table entries pointing at it; ``len(table) == ceil(max(num_slots, reserve_tokens) / B)``
+    (reserve_tokens = 0 for the paged layout); the
     slot of position p is ``table[p // B] * B + p % B``; a block that is shared (ref > 1) is only
     ever written after a copy-on-write; only full, computed blocks are in the prefix cache.
     """
@@ -46,6 +53,7 @@ class BlockManager:
         block_size: int = 16,
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
+        reserve_tokens: int | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -57,6 +65,10 @@ class BlockManager:
         self.watermark = watermark
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        if reserve_tokens is not None and (isinstance(reserve_tokens, bool)
+                                           or not isinstance(reserve_tokens, int) or reserve_tokens < 1):
+            raise ValueError(f"reserve_tokens must be a positive int or None, got {reserve_tokens!r}")
+        self.reserve_tokens = reserve_tokens or 0  # 0: paged (blocks on demand)
         self._seqs: dict[int, _SeqBlocks] = {}
         self.num_cow_copies = 0
         self.num_swapped_out_blocks = 0
@@ -116,6 +128,10 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def num_reserved_blocks_for(self, num_tokens: int) -> int:
+        """Blocks a new sequence of ``num_tokens`` takes at admission (its reservation)."""
+        return self.num_blocks_for(max(num_tokens, self.reserve_tokens))
+
     @property
     def utilization(self) -> float:
         """Token slots in use / token slots allocated, over the GPU pool (0.0 when nothing is allocated).
@@ -131,8 +147,8 @@ class BlockManager:
             if seq.swapped:
                 continue
             for i, block_id in enumerate(seq.block_table):
-                used = min(bs, seq.num_slots - i * bs)
-                if used > fill.get(block_id, 0):
+                used = min(bs, max(seq.num_slots - i * bs, 0))  # 0 for a reserved, empty block
+                if used >= fill.get(block_id, 0):
                     fill[block_id] = used
         return sum(fill.values()) / (len(fill) * bs) if fill else 0.0
 
@@ -145,7 +161,7 @@ class BlockManager:
 
     def can_ever_allocate(self, num_tokens: int) -> bool:
         """False when a prompt of this length can't be admitted even into an empty pool."""
-        return self.num_blocks_for(num_tokens) <= self.num_gpu_blocks - self.watermark_blocks
+        return self.num_reserved_blocks_for(num_tokens) <= self.num_gpu_blocks - self.watermark_blocks
 
     def can_allocate(self, token_ids: list[int]) -> bool:
         """Whether ``allocate`` would succeed and still leave ``watermark_blocks`` free.
@@ -154,9 +170,11 @@ class BlockManager:
         revives a free cached block costs one free block like a fresh allocation.
         """
         free = self.gpu_allocator.num_free_blocks
-        if free - self.num_blocks_for(len(token_ids)) >= self.watermark_blocks:
+        reserved = self.num_reserved_blocks_for(len(token_ids))
+        if free - reserved >= self.watermark_blocks:
             return True  # fits even with no cache hit: skip the hashing
-        return free - self._blocks_needed(token_ids) >= self.watermark_blocks
+        extra = reserved - self.num_blocks_for(len(token_ids))  # reservation beyond the prompt
+        return free - self._blocks_needed(token_ids) - extra >= self.watermark_blocks
 
     def allocate(self, seq_id: int, token_ids: list[int]) -> int:
         """Give a new sequence slots for all of ``token_ids``, reusing cached full prefix blocks.
@@ -171,8 +189,9 @@ class BlockManager:
         if not token_ids:
             raise ValueError(f"sequence {seq_id!r}: cannot allocate an empty prompt")
         gpu = self.gpu_allocator
-        num_blocks = self.num_blocks_for(len(token_ids))
-        if gpu.num_free_blocks < num_blocks and gpu.num_free_blocks < self._blocks_needed(token_ids):
+        num_blocks = self.num_reserved_blocks_for(len(token_ids))
+        extra = num_blocks - self.num_blocks_for(len(token_ids))
+        if gpu.num_free_blocks < num_blocks and gpu.num_free_blocks < self._blocks_needed(token_ids) + extra:
             raise ValueError(
                 f"sequence {seq_id!r}: {len(token_ids)} tokens need more than the "
                 f"{gpu.num_free_blocks} free blocks (check can_allocate first)"
@@ -207,9 +226,11 @@ class BlockManager:
         seq = self._seqs.get(seq_id)
         if seq is None or seq.swapped:
             self._resident(seq_id)  # raises the right ValueError
-        if num_tokens == 1 and seq.num_slots % self.block_size:
-            # Decode fast path: the next slot is in the tail block; fine unless it is shared.
-            if not self.gpu_allocator.is_shared(seq.block_table[-1]):
+        index = seq.num_slots // self.block_size  # the block the next position lands in
+        if num_tokens == 1 and index < len(seq.block_table):
+            # Decode fast path: the next slot's block is held (the paged tail, or a reserved
+            # block); fine unless it is shared.
+            if not self.gpu_allocator.is_shared(seq.block_table[index]):
                 seq.num_slots += 1
                 return []
         return self._append_slots(seq_id, seq, num_tokens)
@@ -226,13 +247,15 @@ class BlockManager:
             )
         table = seq.block_table
         copies: list[tuple[BlockId, BlockId]] = []
-        if seq.num_slots % self.block_size and num_tokens and gpu.is_shared(table[-1]):
-            src = table[-1]
-            dst = gpu.allocate()
-            gpu.free(src)
-            table[-1] = dst
-            copies.append((src, dst))
-            self.num_cow_copies += 1
+        for i in self._held_blocks_written(seq, num_tokens):
+            if gpu.is_shared(table[i]):
+                src = table[i]
+                dst = gpu.allocate()
+                gpu.free(src)
+                table[i] = dst
+                if i * self.block_size < seq.num_slots:  # it holds earlier positions: copy them
+                    copies.append((src, dst))
+                    self.num_cow_copies += 1
         seq.num_slots += num_tokens
         for _ in range(self.num_blocks_for(seq.num_slots) - len(table)):
             table.append(gpu.allocate())
@@ -376,10 +399,17 @@ class BlockManager:
         """Free blocks ``append_slots(seq, num_tokens)`` would take (new blocks + a copy-on-write)."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-        num_new = self.num_blocks_for(seq.num_slots + num_tokens) - len(seq.block_table)
-        if seq.num_slots % self.block_size and num_tokens:
-            return num_new + (self.gpu_allocator.ref_count(seq.block_table[-1]) > 1)
-        return num_new
+        num_new = max(self.num_blocks_for(seq.num_slots + num_tokens) - len(seq.block_table), 0)
+        is_shared = self.gpu_allocator.is_shared
+        return num_new + sum(is_shared(seq.block_table[i]) for i in self._held_blocks_written(seq, num_tokens))
+
+    def _held_blocks_written(self, seq: _SeqBlocks, num_tokens: int) -> range:
+        """Indices of blocks already in the table that positions num_slots .. + num_tokens - 1 land
+        in (paged: at most the part-filled tail; contiguous: reserved blocks too)."""
+        if not num_tokens:
+            return range(0)
+        end = min(self.num_blocks_for(seq.num_slots + num_tokens), len(seq.block_table))
+        return range(seq.num_slots // self.block_size, end)
 
     def _prefix_blocks(self, token_ids: list[int]):
         """Yield the token tuples of the full blocks a prompt may hit (never the last token's)."""

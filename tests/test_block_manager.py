@@ -8,6 +8,8 @@ sequence reads back, through its block table, exactly its own history at every c
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -256,6 +258,49 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self.seqs[seq_id]
         seq.swapped = False
         self.bm.mark_computed(seq_id, seq.tokens, seq.num_computed)  # re-enter the prefix cache
+
+    @precondition(lambda self: any(not s.swapped for s in self.seqs.values()))
+    @rule(seed=st.integers(0, 2**32 - 1), num_ops=st.integers(1, 6), swap_in=st.booleans())
+    def runner_ordered_step(self, seed: int, num_ops: int, swap_in: bool) -> None:
+        """One scheduler step whose copies run in the runner's grouped order, not call order.
+
+        Within the rules in block_manager's docstring: running sequences get slots or are swapped
+        out (never one already given slots this step); swap-ins come last, and not after both a
+        copy-on-write and a swap-out. Then the runner does every swap-out copy, every swap-in copy,
+        every copy-on-write copy, and the forward writes.
+        """
+        self._count_step()
+        rng = random.Random(seed)
+        swap_outs, swap_ins, cows, appended = [], [], [], []
+        for _ in range(num_ops):
+            candidates = [s for s, seq in sorted(self.seqs.items()) if not seq.swapped
+                          and seq.num_computed == len(seq.tokens) and s not in appended]
+            if not candidates:
+                break
+            seq_id = rng.choice(candidates)
+            num_new = rng.randint(1, 3)
+            if self.bm.can_append_slots(seq_id, num_new) and rng.random() < 0.7:
+                cows += self.bm.append_slots(seq_id, num_new)
+                self.seqs[seq_id].tokens += [rng.randrange(3) for _ in range(num_new)]
+                appended.append(seq_id)
+            elif self.bm.can_swap_out(seq_id):
+                swap_outs += self.bm.swap_out(seq_id)
+                self.seqs[seq_id].swapped = True
+        if swap_in and not (cows and swap_outs):
+            for seq_id, seq in sorted(self.seqs.items()):
+                if seq.swapped and self.bm.can_swap_in(seq_id):
+                    swap_ins += self.bm.swap_in(seq_id)
+                    seq.swapped = False
+        for gpu, cpu in swap_outs:
+            self._copy_block(self.gpu_mem, gpu, self.cpu_mem, cpu)
+        for cpu, gpu in swap_ins:
+            self._copy_block(self.cpu_mem, cpu, self.gpu_mem, gpu)
+        for src, dst in cows:
+            self._copy_block(self.gpu_mem, src, self.gpu_mem, dst)
+        for seq_id in appended:
+            self._compute(seq_id, len(self.seqs[seq_id].tokens))
+        if cows and (swap_outs or swap_ins):
+            event("runner-ordered step mixing copy-on-write and swaps")
 
     @precondition(lambda self: self.bm.num_free_blocks == 0 and bool(self.seqs))
     @rule()
