@@ -3,16 +3,20 @@ beam search over the model's full logits; beams share KV blocks and give them al
 (preemption, idle beams parked) gives exactly the ample pool's results."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from tiny_engine import EOS_ID, ByteTokenizer, run_to_completion, tiny_engine, tiny_model
 
+from offline_paged.beam_search import BeamState, beam_score
 from offline_paged.models.llama import Llama
 from offline_paged.models.ops_numpy import NumpyOps
 from offline_paged.models.simple_runner import SimpleRunner
-from offline_paged.sampler import log_softmax
+from offline_paged.sampler import SampleResult, log_softmax
 from offline_paged.sampling_params import SamplingParams
 from offline_paged.scheduler import Scheduler
+from offline_paged.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 
 def beam(width: int, n: int | None = None, **kwargs) -> SamplingParams:
@@ -245,3 +249,32 @@ def test_stop_strings_end_beams_like_the_equivalent_stop_tokens():
     for c in stopped:
         assert c.stop_reason == chr(c.token_ids[-1] - 4)
         assert c.text == tokenizer.decode(c.token_ids[:-1])
+
+
+def one_beam(prompt: list[int], **params) -> tuple[BeamState, Sequence]:
+    sampling = SamplingParams(use_beam_search=True, temperature=0.0, n=1, **params)
+    state = BeamState(beam_width=1, max_len=len(prompt) + sampling.max_tokens)
+    group = SequenceGroup("r", 0, None, prompt, sampling, [0], beam=state)
+    seq = Sequence(0, group, 0, 0, list(prompt), len(prompt), status=SequenceStatus.RUNNING)
+    group.seqs.append(seq)
+    return state, seq
+
+
+def stop_on(token_id: int):
+    return lambda seq: (FinishReason.STOP, token_id) if seq.token_ids[-1] == token_id else None
+
+
+@pytest.mark.parametrize("live_logprob, done", [
+    (-0.2, False),  # -0.2 / 14 > -0.1 / 5: a longer future could still beat the hypothesis
+    (-0.5, True),  # -0.5 / 14 <= -0.1 / 5: nothing it grows into can
+])
+def test_stops_only_when_no_live_beam_can_beat_the_hypotheses(live_logprob, done):
+    # vLLM's early_stopping=False would compare -0.2 / 5 (current length) and stop in both cases.
+    state, seq = one_beam([4, 5, 6, 7], max_tokens=10)
+    state.add_result(seq, SampleResult(9, -0.1, {9: -0.1, 8: live_logprob}))
+    step = state.step([seq], stop_on(9), itertools.count(1).__next__)
+    assert [h.token_ids[-1] for h in state.hypotheses] == [9]
+    assert beam_score(state.hypotheses[0]) == pytest.approx(-0.1 / 5)
+    assert step.done is done
+    assert [child.token_ids[-1] for child, _ in step.children] == ([] if done else [8])
+    assert not state.pending
