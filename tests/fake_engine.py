@@ -43,8 +43,8 @@ class FakeEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.use_beam_search:
-            raise ValueError("use_beam_search is not supported")
+        if params.use_beam_search and params.repetition_penalty != 1.0:
+            raise ValueError("repetition_penalty cannot be combined with beam search")
         self._requests[request_id] = (prompt, ids, params, self.num_steps + 1 + len(ids) % 3)
         self.added.append(request_id)
         self.max_in_flight = max(self.max_in_flight, len(self._requests))

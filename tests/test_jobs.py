@@ -98,7 +98,7 @@ BAD_LINES = [
     '{"custom_id": "c1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}',
     '{"custom_id": "c2", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}',
     '{"custom_id": "c3", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "echo": true}}',
-    '{"prompt": "x", "use_beam_search": true, "temperature": 0}',
+    '{"prompt": "x", "use_beam_search": true, "temperature": 0, "repetition_penalty": 1.3}',
     '{"prompt": "x", "stop": [1]}',
 ]
 
