@@ -16,7 +16,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 for stage in "$@"; do
   case "$stage" in
     tests)
-      timeout 300 python3 -P -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_cuda_ops.py \
+      timeout 300 python3 -P -m pytest -q -s -m gpu -p no:cacheprovider ${ENGINE_TESTS:-tests/test_gpu_engine.py tests/test_cuda_ops.py} \
         2>&1 | tee "$OUT/tests.log" | grep -E "agreement|preemption=|passed|failed|Error|error" | tail -30
       note tests "$(tail -1 "$OUT/tests.log")" ;;
     plant)
@@ -24,6 +24,8 @@ for stage in "$@"; do
       # product code is untouched. Each bug must turn its test red.
       timeout 200 python3 -P - <<'PY' 2>&1 | tee "$OUT/plant.log" | grep -E "PLANTED"
 import inspect
+import sys
+import types
 import pytest
 import offline_paged.runner as runner
 source = inspect.getsource(runner)
@@ -37,10 +39,10 @@ bugs = {
 }
 for label, (old, new, method, tests) in bugs.items():
     assert source.count(old) == 1, old
-    namespace = {"__name__": "patched_runner"}
-    exec(compile(source.replace(old, new), "patched_runner.py", "exec"), namespace)
+    patched = sys.modules["patched_runner"] = types.ModuleType("patched_runner")  # dataclasses look it up
+    exec(compile(source.replace(old, new), "patched_runner.py", "exec"), patched.__dict__)
     original = getattr(runner.ModelRunner, method)
-    setattr(runner.ModelRunner, method, getattr(namespace["ModelRunner"], method))
+    setattr(runner.ModelRunner, method, getattr(patched.ModelRunner, method))
     rc = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "tests/test_gpu_engine.py", "-k", tests])
     setattr(runner.ModelRunner, method, original)
     print(f"PLANTED [{label}]: pytest rc={int(rc)} ->", "CAUGHT (tests failed)" if int(rc) == 1 else "NOT CAUGHT")
