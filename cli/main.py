@@ -15,3 +15,5 @@ from offline_paged.cli.model_commands import pull  # noqa: E402
 cli.add_command(pull)
 from offline_paged.cli.model_commands import convert  # noqa: E402
 cli.add_command(convert)
+from offline_paged.cli.bench import bench  # noqa: E402
+cli.add_command(bench)

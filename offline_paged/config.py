@@ -15,6 +15,7 @@ class PreemptionMode(Enum):
 
 
 _DEVICES = ("auto", "cpu", "cuda")
+KV_LAYOUTS = ("paged", "contiguous")
 _DTYPES = (None, "float32", "float16", "bfloat16", "float64")
 
 
@@ -27,6 +28,8 @@ class EngineConfig:
     without either, free device memory after the weights x `gpu_memory_utilization`.
     CPU swap pool: `num_cpu_blocks` wins when given; otherwise `swap_space` bytes.
     `max_model_len=None` means the model's own context length (capped by the KV pool).
+    `kv_layout="contiguous"` is the baseline paging is measured against: every sequence reserves
+    blocks for max_model_len tokens when it is admitted (same pool, same kernels).
     """
 
     model: str | None = None  # HF dir / GGUF path / name; None = the default model
@@ -45,6 +48,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # "recompute" | "swap"
     gpu_memory_utilization: float = 0.9
     watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
+    kv_layout: str = "paged"  # "paged" | "contiguous" (reserve max_model_len at admission)
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:
@@ -71,6 +75,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
 

@@ -54,7 +54,8 @@ class LLMEngine:
         model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype)
         self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools()
         self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
-                                          config.watermark, config.enable_prefix_caching)
+                                          config.watermark, config.enable_prefix_caching,
+                                          self.max_model_len if config.kv_layout == "contiguous" else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.preemption)
         self.eos_token_ids = self._eos_token_ids(loaded_model)

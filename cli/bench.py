@@ -1,0 +1,175 @@
+"""`offline-paged bench`: throughput of a workload through the engine (like `vllm bench throughput`).
+
+Runs one engine per (KV layout, block size) pair given, on the same workload and KV memory budget,
+and prints one row per run with ratios against the first. Exit code 2 for bad options.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from offline_paged.cli.generate import parse_size
+
+
+def _length_range(ctx, param, value: str) -> tuple[int, int]:
+    from offline_paged.bench import parse_length_range
+
+    try:
+        return parse_length_range(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _size(ctx, param, value: str | None) -> int | None:
+    return None if value is None else parse_size(value)
+
+
+@click.command("bench")
+@click.option("--model", default=None, help="HF model dir or .gguf file (not with --dummy-weights).")
+@click.option("--dummy-weights", "dummy_preset", default=None, metavar="PRESET",
+              help="Random weights of a shape preset: smollm2-135m, llama-3.2-1b, llama-3.1-8b.")
+@click.option("--weights-seed", type=int, default=0, show_default=True)
+@click.option("--workload", type=click.Choice(["random", "file"]), default="random", show_default=True)
+@click.option("--input-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="JSONL job for --workload file.")
+@click.option("--num-requests", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--input-len", default="100:1024", show_default=True, callback=_length_range,
+              help="Prompt length range LOW:HIGH (uniform, inclusive) or one length.")
+@click.option("--output-len", default="100:1024", show_default=True, callback=_length_range,
+              help="Output length range (exact: ignore_eos).")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "float64"]), default=None)
+@click.option("--kv-layout", "kv_layouts", type=click.Choice(["paged", "contiguous"]), multiple=True,
+              help="Repeat to compare (default: paged). contiguous reserves max_model_len per sequence.")
+@click.option("--block-size", "block_sizes", type=click.IntRange(min=1), multiple=True,
+              help="Repeat to sweep, e.g. --block-size 8 --block-size 16 (default: 16).")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None,
+              help="Default: the workload's longest prompt + max_tokens.")
+@click.option("--kv-cache-memory", default=None, callback=_size, help="KV pool bytes, e.g. 8GiB (same for every run).")
+@click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None)
+@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True)
+@click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True)
+@click.option("--no-prefix-caching", is_flag=True)
+@click.option("--warmup/--no-warmup", default=True, show_default=True)
+@click.option("--roofline/--no-roofline", default=True, show_default=True,
+              help="Measure copy bandwidth and matmul rate and estimate the floor.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--json-steps", is_flag=True, help="With --json: include the per-step series.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="PNG of KV blocks held vs filled over time (needs matplotlib).")
+def bench(**options: Any) -> None:
+    """Measure generation throughput on a random or file workload."""
+    _check_options(options)
+    from offline_paged.backend import select_backend
+    from offline_paged.bench import random_workload
+
+    backend = select_backend(options["device"], options["dtype"])
+    loaded = _load(options, backend)
+    if options["workload"] == "random":
+        requests = random_workload(options["num_requests"], options["input_len"], options["output_len"],
+                                   loaded.config.vocab_size, options["seed"], options["temperature"])
+    else:
+        from offline_paged.bench import file_workload
+
+        try:
+            requests = file_workload(options["input_file"], loaded.tokenizer)
+        except (ValueError, OSError) as exc:
+            raise click.UsageError(str(exc)) from None
+    results = _run_all(options, backend, loaded, requests)
+    _emit(options, results, backend)
+
+
+def _check_options(options: dict) -> None:
+    if options["model"] and options["dummy_preset"]:
+        raise click.UsageError("give --model or --dummy-weights, not both")
+    if options["workload"] == "file" and not options["input_file"]:
+        raise click.UsageError("--workload file needs --input-file JOB.jsonl")
+    if options["workload"] == "random" and options["input_file"]:
+        raise click.UsageError("--input-file is only read with --workload file")
+    if options["json_steps"] and not options["as_json"]:
+        raise click.UsageError("--json-steps needs --json")
+    if options["plot"]:
+        from offline_paged.bench_report import matplotlib_available
+
+        if not matplotlib_available():
+            raise click.UsageError("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    if options["dummy_preset"]:
+        from offline_paged.models.dummy_weights import PRESETS
+
+        if options["dummy_preset"] not in PRESETS:
+            raise click.BadParameter(f"{options['dummy_preset']!r}; choose from {', '.join(PRESETS)}",
+                                     param_hint="--dummy-weights")
+
+
+def _load(options: dict, backend):
+    if options["dummy_preset"]:
+        from offline_paged.models.dummy_weights import dummy_model
+
+        return dummy_model(options["dummy_preset"], backend.xp, backend.dtype, options["weights_seed"])
+    from offline_paged.models.loader import load_model
+
+    try:
+        return load_model(options["model"])
+    except (ValueError, OSError) as exc:
+        raise click.UsageError(f"cannot load the model: {exc}") from None
+
+
+def _run_all(options: dict, backend, loaded, requests) -> list:
+    from offline_paged.bench import max_total_len, measure_ceilings, release_device_memory, run_bench, warm_up
+    from offline_paged.config import EngineConfig
+    from offline_paged.engine import LLMEngine
+
+    ceilings = measure_ceilings(backend) if options["roofline"] else None
+    max_model_len = options["max_model_len"] or max_total_len(requests)
+    layouts = options["kv_layouts"] or ("paged",)
+    block_sizes = options["block_sizes"] or (16,)
+    results = []
+    for layout in layouts:
+        for block_size in block_sizes:
+            try:
+                config = EngineConfig(
+                    device=backend.name, dtype=options["dtype"], block_size=block_size,
+                    kv_cache_memory=options["kv_cache_memory"], num_kv_blocks=options["num_kv_blocks"],
+                    max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
+                    max_model_len=max_model_len, enable_prefix_caching=not options["no_prefix_caching"],
+                    preemption_mode=options["preemption"], gpu_memory_utilization=options["gpu_memory_utilization"],
+                    kv_layout=layout, seed=options["seed"])
+                engine = LLMEngine(config, loaded_model=loaded)
+            except ValueError as exc:
+                raise click.UsageError(str(exc)) from None
+            if options["warmup"]:
+                warm_up(engine, loaded.config.vocab_size)
+            label = layout if len(block_sizes) == 1 else f"{layout} B={block_size}"
+            print(f"running {label} ...", file=sys.stderr, flush=True)
+            results.append(run_bench(engine, requests, label=label, kv_layout=layout, ceilings=ceilings))
+            del engine
+            release_device_memory(backend)
+    return results
+
+
+def _emit(options: dict, results: list, backend) -> None:
+    from offline_paged.bench_report import format_report, plot_kv
+
+    source = options["dummy_preset"] and f"dummy weights {options['dummy_preset']}" or options["model"] or "default model"
+    header = (f"offline-paged bench: {source}, {backend.name} {backend.dtype.name}, workload "
+              f"{options['workload']}" + (f" N={options['num_requests']} in={_span(options['input_len'])} "
+                                          f"out={_span(options['output_len'])}" if options["workload"] == "random" else ""))
+    if options["as_json"]:
+        runs = [json.loads(r.to_json(with_steps=options["json_steps"])) for r in results]
+        click.echo(json.dumps({"header": header, "runs": runs}))
+    else:
+        click.echo(format_report(results, header))
+    if options["plot"]:
+        plot_kv(results, options["plot"])
+        click.echo(f"plot written to {options['plot']}", err=True)
+
+
+def _span(bounds: tuple[int, int]) -> str:
+    return f"{bounds[0]}:{bounds[1]}"
