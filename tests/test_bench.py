@@ -1,0 +1,223 @@
+"""The benchmark's non-timing logic: workloads, dummy weights, roofline counts, one run's bookkeeping
+on a tiny CPU engine, report formatting, and the CLI's argument errors. No timing thresholds."""
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from tiny_engine import VOCAB_SIZE, tiny_model
+
+from offline_paged.bench import (
+    BenchRequest,
+    RooflineModel,
+    file_workload,
+    max_total_len,
+    parse_length_range,
+    random_workload,
+    run_bench,
+    warm_up,
+)
+from offline_paged.bench_report import format_report
+from offline_paged.cli.main import cli
+from offline_paged.config import EngineConfig
+from offline_paged.engine import LLMEngine
+from offline_paged.models.dummy_weights import PRESETS, DummyTokenizer, dummy_model, num_parameters
+from offline_paged.models.weight_spec import expected_weight_shapes
+from offline_paged.sampling_params import SamplingParams
+
+
+# ------------------------------------------------------------------------------ workloads
+@pytest.mark.parametrize("text, expected", [("100:1024", (100, 1024)), ("7", (7, 7)), ("3:3", (3, 3))])
+def test_parse_length_range(text, expected):
+    assert parse_length_range(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "a:b", "0:5", "9:3", "1:2:3", "-4"])
+def test_parse_length_range_rejects(text):
+    with pytest.raises(ValueError, match="length range"):
+        parse_length_range(text)
+
+
+def test_random_workload_is_seeded_exact_and_in_range():
+    requests = random_workload(50, (3, 9), (2, 5), vocab_size=11, seed=4)
+    assert requests == random_workload(50, (3, 9), (2, 5), vocab_size=11, seed=4)
+    assert requests != random_workload(50, (3, 9), (2, 5), vocab_size=11, seed=5)
+    for r in requests:
+        assert 3 <= len(r.prompt_token_ids) <= 9
+        assert all(0 <= t < 11 for t in r.prompt_token_ids)
+        assert 2 <= r.params.max_tokens <= 5
+        assert r.params.min_tokens == r.params.max_tokens and r.params.ignore_eos
+    assert {len(r.prompt_token_ids) for r in requests} == set(range(3, 10))  # the whole range is drawn
+    assert max_total_len(requests) == max(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
+
+
+def test_random_workload_defaults_match_the_issue():
+    requests = random_workload(vocab_size=100)
+    assert len(requests) == 256
+    assert min(len(r.prompt_token_ids) for r in requests) >= 100
+    assert max(r.params.max_tokens for r in requests) <= 1024
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_requests=0), dict(input_len=(5, 2)), dict(output_len=(0, 3))])
+def test_random_workload_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        random_workload(**({"vocab_size": 10} | kwargs))
+
+
+def test_file_workload_tokenizes_every_kind_of_line(tmp_path):
+    path = tmp_path / "job.jsonl"
+    lines = [{"prompt_token_ids": [5, 6, 7], "max_tokens": 3}, {"prompt": "hi", "max_tokens": 2},
+             {"messages": [{"role": "user", "content": "yo"}]}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    requests = file_workload(path, tiny_model().tokenizer)
+    assert [r.prompt_token_ids[:3] for r in requests][0] == [5, 6, 7]
+    assert requests[1].prompt_token_ids == tiny_model().tokenizer.encode("hi")
+    assert requests[1].params.max_tokens == 2
+    assert len(requests) == 3
+
+
+def test_file_workload_names_the_bad_line(tmp_path):
+    path = tmp_path / "job.jsonl"
+    path.write_text('{"prompt_token_ids": [1]}\n{"nope": 1}\n')
+    with pytest.raises(ValueError, match=":2:"):
+        file_workload(path, tiny_model().tokenizer)
+
+
+def test_file_workload_with_text_and_dummy_weights_says_why(tmp_path):
+    path = tmp_path / "job.jsonl"
+    path.write_text('{"prompt": "hello"}\n')
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        file_workload(path, DummyTokenizer(()))
+
+
+# ------------------------------------------------------------------------------ dummy weights
+def test_dummy_weights_have_the_preset_shapes_and_are_seeded():
+    config = PRESETS["smollm2-135m"]
+    a = dummy_model("smollm2-135m", np, np.float16, seed=3)
+    expected = expected_weight_shapes(config)
+    assert {n: w.shape for n, w in a.weights.items()} == expected
+    assert all(w.dtype == np.float16 for w in a.weights.values())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert np.array_equal(a.weights[name], dummy_model("smollm2-135m", np, np.float16, seed=3).weights[name])
+    assert not np.array_equal(a.weights[name], dummy_model("smollm2-135m", np, np.float16, seed=4).weights[name])
+    assert np.all(a.weights["model.norm.weight"] == 1)
+    assert 0.015 < float(a.weights[name].astype(np.float32).std()) < 0.025
+    assert 130e6 < num_parameters(config) < 140e6
+
+
+def test_dummy_presets_match_their_published_sizes():
+    assert 1.2e9 < num_parameters(PRESETS["llama-3.2-1b"]) < 1.3e9
+    assert 8.0e9 < num_parameters(PRESETS["llama-3.1-8b"]) < 8.1e9
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        dummy_model("gpt-5")
+
+
+# ------------------------------------------------------------------------------ roofline
+class _Item:
+    def __init__(self, start, q, samples=1, prompt_logprobs=None):
+        self.start, self.num_new_tokens, self.num_samples, self.prompt_logprobs = start, q, samples, prompt_logprobs
+
+
+def test_roofline_counts_by_hand():
+    config = tiny_model().config  # E 32, I 64, L 2, H 4, Hkv 2, D 8, V 260
+    model = RooflineModel(config, itemsize=2)
+    per_layer = 32 * (32 + 2 * 16) + 32 * 32 + 3 * 32 * 64
+    assert model.linear_params == 2 * per_layer
+    kv_token = 2 * 2 * 16 * 2
+    decode, prefill = _Item(start=10, q=1), _Item(start=0, q=4, samples=0)
+    bytes_moved, flops = model.step_cost([decode, prefill])
+    weights = (2 * per_layer + 260 * 32) * 2
+    assert bytes_moved == weights + (11 + 4) * kv_token + 5 * kv_token + 1 * 260 * 4
+    keys = 11 + (1 + 2 + 3 + 4)
+    assert flops == 2 * 5 * 2 * per_layer + 2 * 1 * 260 * 32 + keys * 2 * 4 * 32
+
+
+# ------------------------------------------------------------------------------ one run
+def _engine(layout="paged", num_blocks=40, block_size=4):
+    config = EngineConfig(device="cpu", block_size=block_size, num_kv_blocks=num_blocks, max_model_len=40,
+                          kv_layout=layout, max_num_batched_tokens=64)
+    return LLMEngine(config, loaded_model=tiny_model())
+
+
+def test_run_bench_counts_exact_tokens_and_records_every_step():
+    requests = random_workload(12, (4, 20), (3, 12), vocab_size=VOCAB_SIZE, seed=1)
+    engine = _engine()
+    warm_up(engine, VOCAB_SIZE)
+    result = run_bench(engine, requests, label="paged")
+    assert result.num_output_tokens == sum(r.params.max_tokens for r in requests)
+    assert result.num_prompt_tokens == sum(len(r.prompt_token_ids) for r in requests)
+    assert result.steps and all(s.num_seqs > 0 for s in result.steps)
+    assert result.peak_device_memory is None and result.roofline() is None
+    assert 0 < result.kv_utilization <= 1
+    assert result.max_concurrent_seqs == max(s.num_seqs for s in result.steps)
+    split = result.time_split()
+    assert split["num_steps"] == len(result.steps) and split["forward_device_ms"] is None
+    summary = json.loads(result.to_json(with_steps=True))
+    assert summary["num_output_tokens"] == result.num_output_tokens
+    assert len(summary["steps"]) == len(result.steps)
+
+
+def test_contiguous_layout_admits_fewer_sequences_on_the_same_pool():
+    requests = random_workload(12, (4, 8), (8, 12), vocab_size=VOCAB_SIZE, seed=2)
+    paged = run_bench(_engine("paged", num_blocks=30), requests, kv_layout="paged")
+    contiguous = run_bench(_engine("contiguous", num_blocks=30), requests, kv_layout="contiguous")
+    assert contiguous.num_output_tokens == paged.num_output_tokens
+    assert contiguous.max_concurrent_seqs == 30 // (40 // 4)  # each holds max_model_len = 10 blocks
+    assert paged.max_concurrent_seqs > contiguous.max_concurrent_seqs
+    assert paged.kv_utilization > contiguous.kv_utilization
+    report = format_report([paged, contiguous], header="hdr")
+    assert report.splitlines()[0] == "hdr"
+    assert "vs paged" in report and "1.00x" in report
+    assert "contiguous KV, block size 4" in report
+
+
+def test_run_bench_on_requests_with_eos_allowed_still_finishes():
+    engine = _engine()
+    requests = [BenchRequest([5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0))]
+    result = run_bench(engine, requests)
+    assert 1 <= result.num_output_tokens <= 5
+
+
+# ------------------------------------------------------------------------------ the CLI
+@pytest.mark.parametrize("args, message", [
+    (["--model", "x", "--dummy-weights", "smollm2-135m"], "not both"),
+    (["--dummy-weights", "gpt-5"], "choose from"),
+    (["--input-len", "9:3"], "length range"),
+    (["--workload", "file"], "--input-file"),
+    (["--json-steps"], "--json"),
+    (["--block-size", "0"], "block-size"),
+    (["--kv-layout", "dense"], "kv-layout"),
+])
+def test_cli_argument_errors(args, message):
+    result = CliRunner().invoke(cli, ["bench", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_cli_plot_without_matplotlib_is_a_clear_error(monkeypatch):
+    import offline_paged.bench_report as report
+
+    monkeypatch.setattr(report, "matplotlib_available", lambda: False)
+    result = CliRunner().invoke(cli, ["bench", "--plot", "kv.png"])
+    assert result.exit_code == 2
+    assert "matplotlib" in result.output
+
+
+def test_cli_runs_a_file_workload_on_a_tiny_model(tmp_path):
+    from fixtures_tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    job = tmp_path / "job.jsonl"
+    job.write_text('{"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": true}\n'
+                   '{"prompt": "hello", "max_tokens": 3, "ignore_eos": true}\n')
+    result = CliRunner().invoke(cli, ["bench", "--model", str(model_dir), "--device", "cpu",
+                                      "--workload", "file", "--input-file", str(job), "--no-roofline",
+                                      "--no-warmup", "--json", "--kv-layout", "paged",
+                                      "--kv-layout", "contiguous"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.splitlines()[-1])
+    assert [r["kv_layout"] for r in data["runs"]] == ["paged", "contiguous"]
+    assert all(r["num_output_tokens"] == 7 for r in data["runs"])
