@@ -54,9 +54,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 3, 4]),
         watermark=st.sampled_from([0.0, 0.0, 0.1, 0.25]),
         prefix_caching=st.sampled_from([True, True, True, False]),
+        reserve_tokens=st.sampled_from([None, None, None, None, 5, 12]),  # int: contiguous baseline
     )
-    def make_manager(self, num_gpu_blocks, num_cpu_blocks, block_size, watermark, prefix_caching):
-        self.bm = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size, watermark, prefix_caching)
+    def make_manager(
+        self, num_gpu_blocks, num_cpu_blocks, block_size, watermark, prefix_caching, reserve_tokens
+    ):
+        self.bm = BlockManager(
+            num_gpu_blocks, num_cpu_blocks, block_size, watermark, prefix_caching, reserve_tokens
+        )
+        self.reserve = reserve_tokens or 0
         self.bs = block_size
         self.gpu_mem: list = [None] * (num_gpu_blocks * block_size)
         self.cpu_mem: list = [None] * (num_cpu_blocks * block_size)
@@ -167,8 +173,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if seq_id is None:
             return
         seq = self.seqs[seq_id]
-        tail = self.bm.block_table(seq_id)[-1]
-        tail_shared = len(seq.tokens) % self.bs != 0 and self._gpu_holders(tail) > 1
+        # The block holding both earlier positions and the first new one: copied if shared.
+        tail = None
+        if len(seq.tokens) % self.bs:
+            tail = self.bm.block_table(seq_id)[len(seq.tokens) // self.bs]
+        tail_shared = tail is not None and self._gpu_holders(tail) > 1
         possible = self.bm.can_append_slots(seq_id, len(new_tokens))
         before = None if possible else self._snapshot()
         try:
@@ -185,6 +194,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for src, dst in copies:
             assert src == tail and self.bm.block_table(seq_id)[len(seq.tokens) // self.bs] == dst
             self._copy_block(self.gpu_mem, src, self.gpu_mem, dst)
+        table, bs = self.bm.block_table(seq_id), self.bs
+        for index in range(len(seq.tokens) // bs, -(-(len(seq.tokens) + len(new_tokens)) // bs)):
+            assert self._gpu_holders(table[index]) == 1, f"block {table[index]} to be written is shared"
         seq.tokens.extend(new_tokens)
         if compute:
             self._compute(seq_id, len(seq.tokens))
@@ -341,7 +353,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def tables_cover_exactly_the_reserved_slots(self) -> None:
         for seq_id, seq in self.seqs.items():
             assert self.bm.num_slots(seq_id) == len(seq.tokens)
-            assert len(self._table(seq_id)) == -(-len(seq.tokens) // self.bs)
+            assert len(self._table(seq_id)) == -(-max(len(seq.tokens), self.reserve) // self.bs)
             assert self.bm.is_swapped(seq_id) == seq.swapped
 
     @invariant()
@@ -378,7 +390,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if seq.swapped:
                 continue
             for i, block in enumerate(self.bm.block_table(seq_id)):
-                fill[block] = max(fill.get(block, 0), min(self.bs, len(seq.tokens) - i * self.bs))
+                used = max(0, min(self.bs, len(seq.tokens) - i * self.bs))  # 0: reserved, empty
+                fill[block] = max(fill.get(block, 0), used)
         expected = sum(fill.values()) / (len(fill) * self.bs) if fill else 0.0
         assert self.bm.utilization == pytest.approx(expected, rel=1e-12)
 
