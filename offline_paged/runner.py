@@ -5,7 +5,9 @@ V vocab, L layers, N device blocks, C CPU blocks, B block size, Hkv KV heads, D 
 
 Order inside one step matters: swap-outs first (their device blocks may be handed to someone else
 in this very step), then swap-ins, then copy-on-write copies, then the forward. Logits cross to the
-host once per step, and only the rows that are sampled or scored.
+host once per step, and only the rows that are sampled or scored. On CUDA the GpuSampler samples on the
+device (only the sampled ids and requested log-probabilities come back); logits cross only for rows whose
+prompt log-probabilities are asked for.
 """
 from __future__ import annotations
 
@@ -57,12 +59,21 @@ class ModelRunner:
     never pin it)."""
 
     def __init__(self, model, backend, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, device_sampling: bool | None = None) -> None:
+        """device_sampling: sample on the GPU (None: whenever the backend is CUDA; False: on the host with
+        `sampler`, the reference; True on the CPU backend is a ValueError)."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
         self.sampler = sampler or Sampler()
+        if device_sampling and backend.name != "cuda":
+            raise ValueError(f"device_sampling needs the CUDA backend, not {backend.name!r}")
+        self.gpu_sampler = None
+        if backend.name == "cuda" and device_sampling is not False:
+            from offline_paged.gpu_sampler import GpuSampler
+
+            self.gpu_sampler = GpuSampler(self.sampler.eos_token_ids)
         self.kv_cache = model.allocate_kv_cache(num_gpu_blocks, block_size)  # [L, 2, N, B, Hkv, D]
         self._swapper = None
         self._upload = _StepUpload(backend)
@@ -86,7 +97,8 @@ class ModelRunner:
         batch = self._prepare(output.scheduled)
         logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
                                     batch.logits_indices)  # [K, V] float32 (device)
-        logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
+        if self.gpu_sampler is None:
+            logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
         return self._results(output.scheduled, logits, batch.logits_offsets)
 
     # ----------------------------------------------------------------- block moves
@@ -148,7 +160,9 @@ class ModelRunner:
         return _Batch(ids, pos, meta, rows, offsets)
 
     # ----------------------------------------------------------------- outputs
-    def _results(self, scheduled, logits: np.ndarray, offsets: list[int]) -> list[SequenceResult]:
+    def _results(self, scheduled, logits, offsets: list[int]) -> list[SequenceResult]:
+        """logits [K, V]: host, or device when the GpuSampler samples (then prompt-logprob rows are copied
+        to the host alone)."""
         requests, rows, owners = [], [], []
         for i, item in enumerate(scheduled):
             if not item.num_samples:
@@ -158,12 +172,17 @@ class ModelRunner:
                 requests.append(request)
                 rows.append(row)
                 owners.append(i)
-        samples = self.sampler.sample(logits[rows], requests) if requests else []
+        if not requests:
+            samples = []
+        elif self.gpu_sampler is not None:
+            samples = self.gpu_sampler.sample(logits, rows, requests)
+        else:
+            samples = self.sampler.sample(logits[rows], requests)
         per_seq: list[list] = [[] for _ in scheduled]
         for owner, sample in zip(owners, samples):
             per_seq[owner].append(sample)
         return [
-            SequenceResult(per_seq[i], _prompt_logprobs(item, logits, offsets[i]))
+            SequenceResult(per_seq[i], _prompt_logprobs(item, logits, offsets[i], self.backend.to_host))
             for i, item in enumerate(scheduled)
         ]
 
@@ -178,7 +197,7 @@ def _sampling_requests(item) -> list[SamplingRequest]:
             for seed in seeds[:item.num_samples]]
 
 
-def _prompt_logprobs(item, logits: np.ndarray, offset: int) -> list[dict[int, float]] | None:
+def _prompt_logprobs(item, logits, offset: int, to_host) -> list[dict[int, float]] | None:
     """Entries for prompt positions start+1 ... (the row at position q scores token q+1)."""
     if item.prompt_logprobs is None:
         return None
@@ -187,7 +206,7 @@ def _prompt_logprobs(item, logits: np.ndarray, offset: int) -> list[dict[int, fl
     num_rows = max(last - item.start, 0)
     if num_rows == 0:
         return []
-    scores = log_softmax(logits[offset:offset + num_rows])  # [num_rows, V] float64
+    scores = log_softmax(to_host(logits[offset:offset + num_rows]))  # [num_rows, V] float64
     targets = seq.token_ids[item.start + 1:item.start + 1 + num_rows]
     return [top_logprobs(row, item.prompt_logprobs, chosen=t) for row, t in zip(scores, targets)]
 

@@ -1,0 +1,153 @@
+"""GpuSampler: the NumPy Sampler's semantics on device logits, so only the sampled ids (and the requested
+log-probabilities) cross to the host: one upload of the step's per-row parameters, one download.
+
+Same order of operations as offline_paged/sampler.py, in float64 on the GPU (cuda/sampling.cu):
+penalties -> EOS/stop ban before min_tokens -> temperature -> top-k -> top-p -> min-p -> greedy argmax or
+the exponential race with random_stream's uniforms. Rows with top-k or top-p are sorted (cupy.sort) to find
+their threshold; every other row is one pass of the race kernel. Tokens match the NumPy sampler except
+where two candidates' keys agree to the last bits (CUDA's exp/log vs NumPy's, summation order).
+
+Legend: R sampled rows, K logits rows, V vocab, Rp penalty rows, Rs top-k/top-p rows, Ra top-logprob rows.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import cupy
+import numpy as np
+
+from offline_paged.cuda import sampling_launcher as kernels
+from offline_paged.sampler import SampleResult, SamplingRequest
+
+
+class GpuSampler:
+    """Stateless like Sampler; `eos_token_ids` are banned (with stop_token_ids) before min_tokens."""
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+
+    def sample(self, logits, rows: Sequence[int], requests: Sequence[SamplingRequest]) -> list[SampleResult]:
+        """logits [K, V] float32 (device); request i samples logits row rows[i]. One result per request."""
+        if len(rows) != len(requests):
+            raise ValueError(f"{len(rows)} logits rows for {len(requests)} requests")
+        if not requests:
+            return []
+        logits = cupy.ascontiguousarray(logits, dtype=cupy.float32)  # [K, V]
+        num_rows, vocab = len(requests), logits.shape[1]
+        step = _upload(requests, rows, vocab, self.eos_token_ids)
+        adjusted = cupy.empty((num_rows, vocab), dtype=cupy.float64)  # [R, V]
+        raw_stats = cupy.empty((num_rows, 2), dtype=cupy.float64)  # [R, 2] (max, logsumexp - max)
+        kernels.prepare_rows(logits, step["rows"], adjusted, raw_stats)
+        if step["penalty_rows"].size:
+            seen = cupy.zeros((step["penalty_rows"].size, vocab), dtype=cupy.int32)  # [Rp, V]
+            counts = cupy.zeros_like(seen)  # [Rp, V]
+            kernels.count_tokens(step["penalty_tokens"], seen, counts)
+            kernels.apply_penalties(adjusted, step["penalty_rows"], step["penalties"], seen, counts)
+        kernels.ban_tokens(adjusted, step["banned"])
+        cut = cupy.full(num_rows, -np.inf, dtype=cupy.float64)  # [R]
+        if step["cut_rows"].size:
+            sorted_rows = cupy.sort(adjusted[step["cut_rows"]], axis=1)  # [Rs, V] ascending
+            kernels.top_cut(sorted_rows, step["cut_rows"], step["params"], cut)
+        top_ks = _top_ks(requests, vocab)
+        asking = np.flatnonzero(top_ks)  # rows that want a top-k of logprobs
+        k_max = int(top_ks.max())
+        out = cupy.empty(2 * num_rows + 2 * asking.size * k_max, dtype=cupy.float64)  # packed results
+        chosen = out[:2 * num_rows].reshape(num_rows, 2)  # [R, 2] (token id, raw logprob)
+        kernels.race(adjusted, cut, raw_stats, logits, step["rows"], step["params"], step["seeds"],
+                     step["positions"], chosen)
+        if asking.size:
+            _top_logprobs(logits, step["rows"], raw_stats, asking, k_max, out[2 * num_rows:])
+        host = out.get()  # the one device->host copy
+        wants = [r.params.logprobs is not None for r in requests]
+        return _results(host, top_ks, asking, k_max, wants)
+
+
+def _top_ks(requests: Sequence[SamplingRequest], vocab: int) -> np.ndarray:
+    return np.array([min(r.params.logprobs or 0, vocab) for r in requests], dtype=np.int64)  # [R]
+
+
+def _upload(requests: Sequence[SamplingRequest], rows: Sequence[int], vocab: int,
+            eos_token_ids: tuple[int, ...]) -> dict:
+    """Pack the step's per-row inputs into one uint64 and one int32 host array, upload each once, and
+    return named device views."""
+    num_rows = len(requests)
+    params = np.zeros((num_rows, kernels.PARAMS_WIDTH), dtype=np.float64)  # [R, 8]
+    penalty_rows, penalties, penalty_tokens, banned, cut_rows = [], [], [], [], []
+    for r, request in enumerate(requests):
+        p = request.params
+        params[r, :5] = (p.temperature, p.min_p, p.temperature == 0.0, p.top_p, p.top_k)
+        if p.temperature != 0.0 and (0 < p.top_k < vocab or p.top_p < 1.0):
+            cut_rows.append(r)
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            penalty_tokens.append(_penalty_tokens(request, len(penalty_rows), vocab))
+            penalty_rows.append(r)
+            penalties.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        if len(request.output_token_ids) < p.min_tokens:
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            banned += [(r, t) for t in ids if 0 <= t < vocab]
+    seeds = np.array([r.seed & (2**64 - 1) for r in requests], dtype=np.uint64)  # [R]
+    positions = np.array([r.position for r in requests], dtype=np.uint64)  # [R]
+    wide = [params.ravel().view(np.uint64), seeds, positions,
+            np.asarray(penalties, dtype=np.float64).reshape(-1).view(np.uint64)]
+    tokens = np.concatenate(penalty_tokens) if penalty_tokens else np.zeros((0, 3), np.int32)  # [P, 3]
+    narrow = [np.asarray(rows, dtype=np.int32), np.asarray(penalty_rows, dtype=np.int32), tokens.ravel(),
+              np.asarray(banned, dtype=np.int32).reshape(-1), np.asarray(cut_rows, dtype=np.int32)]
+    w = _views(cupy.asarray(np.concatenate(wide)), [a.size for a in wide])
+    n = _views(cupy.asarray(np.concatenate(narrow).astype(np.int32)), [a.size for a in narrow])
+    return {"params": w[0].view(cupy.float64).reshape(num_rows, kernels.PARAMS_WIDTH), "seeds": w[1],
+            "positions": w[2], "penalties": w[3].view(cupy.float64).reshape(-1, 3),
+            "rows": n[0], "penalty_rows": n[1], "penalty_tokens": n[2].reshape(-1, 3),
+            "banned": n[3].reshape(-1, 2), "cut_rows": n[4]}
+
+
+def _views(packed, sizes: list[int]) -> list:
+    views, at = [], 0
+    for size in sizes:
+        views.append(packed[at:at + size])
+        at += size
+    return views
+
+
+def _penalty_tokens(request: SamplingRequest, slot: int, vocab: int) -> np.ndarray:
+    """(slot, token, is_output) rows [P, 3]: prompt tokens only matter to the repetition penalty."""
+    prompt = request.prompt_token_ids if request.params.repetition_penalty != 1.0 else ()
+    ids = np.concatenate([np.asarray(prompt, np.int64), np.asarray(request.output_token_ids, np.int64)])
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"token ids must be in [0, {vocab}), got {ids.min()}..{ids.max()}")
+    tokens = np.empty((ids.size, 3), dtype=np.int32)  # [P, 3]
+    tokens[:, 0] = slot
+    tokens[:, 1] = ids
+    tokens[:, 2] = np.arange(ids.size) >= len(prompt)
+    return tokens
+
+
+def _top_logprobs(logits, rows, raw_stats, asking: np.ndarray, k_max: int, out) -> None:
+    """out[:Ra*k] = ids, out[Ra*k:] = raw logprobs of each asking row's k_max best tokens, best first."""
+    picked = cupy.asarray(asking)  # [Ra]
+    raw = logits[rows[picked]]  # [Ra, V] float32
+    ids = cupy.argsort(-raw, axis=1)[:, :k_max]  # [Ra, k] (fp32 order == raw logprob order)
+    values = cupy.take_along_axis(raw, ids, axis=1).astype(cupy.float64)  # [Ra, k]
+    stats = raw_stats[picked]  # [Ra, 2]
+    size = asking.size * k_max
+    out[:size] = ids.ravel()
+    out[size:] = ((values - stats[:, :1]) - stats[:, 1:]).ravel()
+
+
+def _results(host: np.ndarray, top_ks: np.ndarray, asking: np.ndarray, k_max: int,
+             wants: list[bool]) -> list[SampleResult]:
+    num_rows = top_ks.size
+    chosen = host[:2 * num_rows].reshape(num_rows, 2)  # [R, 2]
+    size = asking.size * k_max
+    top_ids = host[2 * num_rows:2 * num_rows + size].reshape(asking.size, k_max).astype(np.int64)  # [Ra, k]
+    top_values = host[2 * num_rows + size:].reshape(asking.size, k_max)  # [Ra, k]
+    slot_of = {int(r): j for j, r in enumerate(asking)}
+    results = []
+    for r in range(num_rows):
+        token, logprob = int(chosen[r, 0]), float(chosen[r, 1])
+        top = None
+        if wants[r]:  # the top k best first, then the chosen token if it is not among them (as sampler.py)
+            j, k = slot_of.get(r, 0), int(top_ks[r])
+            top = {int(i): float(v) for i, v in zip(top_ids[j, :k], top_values[j, :k])} if k else {}
+            top.setdefault(token, logprob)
+        results.append(SampleResult(token, logprob, top))
+    return results
