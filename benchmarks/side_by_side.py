@@ -21,7 +21,7 @@ from pathlib import Path
 from offline_paged.backend import select_backend
 from offline_paged.bench import (kv_bytes_per_token, max_total_len, measure_ceilings, parse_length_range,
                                  random_workload, release_device_memory, run_bench, warm_up)
-from offline_paged.bench_report import format_details
+from offline_paged.bench_report import format_details, matplotlib_available, plot_kv
 from offline_paged.config import EngineConfig
 from offline_paged.engine import LLMEngine
 from offline_paged.models.dummy_weights import dummy_model
@@ -80,6 +80,7 @@ def run_preset(preset, args, backend, ceilings, log) -> None:
     max_len = max_total_len(requests)
     kv_memory = args.kv_tokens * kv_bytes_per_token(loaded.config, backend.dtype.itemsize)
     layouts = ["paged", "contiguous"] if preset != "llama-3.1-8b" else ["paged"]
+    results = []
     for layout in layouts:
         if time_left(args) < 45:
             emit(log, {"phase": "skipped", "preset": preset, "layout": layout, "why": "deadline"})
@@ -93,12 +94,15 @@ def run_preset(preset, args, backend, ceilings, log) -> None:
                                ceilings=ceilings)
             print("\n".join(format_details(result)), flush=True)
             emit(log, {"phase": "ours", "preset": preset, **result.summary()})
+            results.append(result)
         except Exception as exc:  # keep going: the other phases still tell something
             traceback.print_exc()
             emit(log, {"phase": "ours-failed", "preset": preset, "layout": layout, "error": repr(exc)})
         finally:
             engine = None
             release_device_memory(backend)
+    if results and matplotlib_available():
+        plot_kv(results, str(Path(args.out) / f"kv_{preset}.png"))
     if preset != "llama-3.1-8b":
         hf_phases(preset, loaded, requests[:args.hf_requests], args, log, backend.name)
     del loaded
