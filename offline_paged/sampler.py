@@ -47,9 +47,24 @@ class SampleResult:
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax in float64: [S, V] -> [S, V] (also works on one [V] row)."""
-    x = np.asarray(logits, dtype=np.float64)
-    shifted = x - np.max(x, axis=-1, keepdims=True)
-    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+    shifted = np.array(logits, dtype=np.float64)  # a fresh copy, shifted in place
+    shifted -= np.max(shifted, axis=-1, keepdims=True)
+    shifted -= _log_sum_exp_shifted(shifted)
+    return shifted
+
+
+def _log_sum_exp_shifted(shifted: np.ndarray) -> np.ndarray:
+    """log(sum(exp(shifted))) over the last axis, keepdims (shifted: max already subtracted)."""
+    return np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def raw_logprobs_of(logits: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """log_softmax(logits)[row, token_ids[row]] for each row, without materialising the [S, V] result
+    (the same float64 operations, so the same bits). logits [S, V], token_ids [S] -> [S] float64."""
+    maxima = np.max(logits, axis=-1, keepdims=True).astype(np.float64)  # [S, 1]
+    shifted = np.asarray(logits, dtype=np.float64) - maxima  # [S, V]
+    rows = np.arange(len(token_ids))
+    return shifted[rows, token_ids] - _log_sum_exp_shifted(shifted)[:, 0]
 
 
 def top_logprobs(row_logprobs: np.ndarray, k: int, chosen: int | None = None) -> dict[int, float]:
@@ -75,14 +90,17 @@ class Sampler:
             raise ValueError(
                 f"logits must be [num_requests={len(requests)}, vocab], got {logits.shape}"
             )
-        raw = log_softmax(logits)  # [S, V]
         adjusted = np.array(logits, dtype=np.float64)  # [S, V], penalised in place
         for row, request in enumerate(requests):
             apply_penalties(adjusted[row], request)
             self._ban_before_min_tokens(adjusted[row], request)
         token_ids = self._choose(adjusted, requests)
-        return [_result(raw[row], int(t), r.params.logprobs)
-                for row, (t, r) in enumerate(zip(token_ids, requests))]
+        chosen_logprobs = raw_logprobs_of(logits, token_ids)  # [S]; the full rows only where asked
+        asking = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
+        raw = dict(zip(asking, log_softmax(logits[asking]))) if asking else {}
+        return [SampleResult(int(t), float(lp), None if row not in raw else
+                             top_logprobs(raw[row], r.params.logprobs, int(t)))
+                for row, (t, lp, r) in enumerate(zip(token_ids, chosen_logprobs, requests))]
 
     def _ban_before_min_tokens(self, row: np.ndarray, request: SamplingRequest) -> None:
         params = request.params
@@ -143,15 +161,33 @@ def filter_logits(scaled: np.ndarray, params: Sequence[SamplingParams]) -> np.nd
 def _race(adjusted: np.ndarray, requests: Sequence[SamplingRequest]) -> np.ndarray:
     """Exponential race on random rows: argmax_i p_i / (-log u_i). adjusted [R, V] -> [R]."""
     temperatures = np.array([r.params.temperature for r in requests])[:, None]  # [R, 1]
-    filtered = filter_logits(adjusted / temperatures, [r.params for r in requests])  # [R, V]
-    probs = np.exp(log_softmax(filtered))  # [R, V]; excluded tokens are exactly 0
-    seeds = np.array([r.seed & (2**64 - 1) for r in requests], dtype=np.uint64)[:, None]
-    positions = np.array([r.position for r in requests], dtype=np.uint64)[:, None]
-    u = uniform(seeds, positions, np.arange(adjusted.shape[1], dtype=np.uint64)[None, :])
-    arrival = 0.0 - np.log(u)  # [R, V]; 0.0 - x, not -x: u == 1.0 must give +0.0, never -0.0
-    with np.errstate(divide="ignore", invalid="ignore"):  # u == 1.0: arrival 0, p / 0 = inf wins
-        scores = np.where(probs > 0.0, probs / arrival, -1.0)  # [R, V]
+    scaled = adjusted / temperatures  # [R, V]
+    params = [r.params for r in requests]
+    filtered = filter_logits(scaled, params) if any(map(_filters, params)) else scaled  # [R, V]
+    probs = log_softmax(filtered)  # [R, V]
+    np.exp(probs, out=probs)  # excluded tokens are exactly 0
+    seeds = np.array([r.seed & (2**64 - 1) for r in requests], dtype=np.uint64)
+    positions = np.array([r.position for r in requests], dtype=np.uint64)
+    kept = probs > 0.0  # [R, V]
+    if np.count_nonzero(kept) > kept.size // 4:  # dense: every token draws
+        u = uniform(seeds[:, None], positions[:, None], np.arange(probs.shape[1], dtype=np.uint64)[None, :])
+        np.log(u, out=u)
+        np.subtract(0.0, u, out=u)  # arrival [R, V]; 0.0 - x, not -x: u == 1.0 must give +0.0, never -0.0
+        with np.errstate(divide="ignore", invalid="ignore"):  # u == 1.0: arrival 0, p / 0 = inf wins
+            np.divide(probs, u, out=probs)
+        probs[~kept] = -1.0
+        return np.argmax(probs, axis=1)
+    rows, cols = np.nonzero(kept)  # [n] each: the race runs over the survivors alone
+    u = uniform(seeds[rows], positions[rows], cols.astype(np.uint64))  # [n]
+    arrival = 0.0 - np.log(u)  # [n]
+    scores = np.full(probs.shape, -1.0)  # [R, V]
+    with np.errstate(divide="ignore"):
+        scores[rows, cols] = probs[rows, cols] / arrival
     return np.argmax(scores, axis=1)
+
+
+def _filters(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def _top_k(row: np.ndarray, k: int) -> None:
@@ -181,8 +217,3 @@ def _token_array(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
     return ids
-
-
-def _result(raw_row: np.ndarray, token_id: int, num_logprobs: int | None) -> SampleResult:
-    top = None if num_logprobs is None else top_logprobs(raw_row, num_logprobs, token_id)
-    return SampleResult(token_id=token_id, logprob=float(raw_row[token_id]), top_logprobs=top)
