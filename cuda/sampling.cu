@@ -100,7 +100,7 @@ __device__ int block_argmax(double s, int i, double* scratch, int* iscratch) {
   return iscratch[0];
 }
 
-extern "C" __global__ void prepare_rows(const float* logits, const int* rows, double* adjusted, double* raw_stats,
+extern "C" __global__ void __launch_bounds__(BLOCK) prepare_rows(const float* logits, const int* rows, double* adjusted, double* raw_stats,
                                         int vocab) {
   __shared__ double scratch[WARPS];
   const float* in = logits + (size_t)rows[blockIdx.x] * vocab;
@@ -176,7 +176,7 @@ __device__ double block_inclusive_scan(double v, double* scratch, double& total)
   return v;
 }
 
-extern "C" __global__ void top_cut(const double* sorted, const int* cut_rows, const double* params, double* cut,
+extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* sorted, const int* cut_rows, const double* params, double* cut,
                                    int vocab) {
   __shared__ double scratch[WARPS];
   const int row = cut_rows[blockIdx.x];
@@ -230,7 +230,7 @@ __device__ __forceinline__ double uniform(unsigned long long seed, unsigned long
   return __dmul_rn(__dadd_rn((double)(x >> 11), 0.5), 1.1102230246251565e-16);  // 2^-53
 }
 
-extern "C" __global__ void race(const double* adjusted, const double* cut, const double* raw_stats, const float* logits,
+extern "C" __global__ void __launch_bounds__(BLOCK) race(const double* adjusted, const double* cut, const double* raw_stats, const float* logits,
                                 const int* rows, const double* params, const unsigned long long* seeds,
                                 const unsigned long long* positions, double* out, int vocab) {
   __shared__ double scratch[WARPS];
