@@ -174,8 +174,11 @@ class BlockAllocator:
 
         Returns the content id of this content, to be passed as ``parent`` for the next block. If
         the same content is already cached (in this or another block) nothing changes and the
-        existing content id is returned; the duplicate block stays uncached.
-        Raises ``ValueError`` if the block is free or already cached under different content.
+        existing content id is returned; the duplicate block stays uncached. If this block is
+        already cached with the same token ids under another parent, its holders reached the same
+        prefix through two content ids (one chain's root was evicted in between): the block keeps
+        its entry and its content id is returned.
+        Raises ``ValueError`` if the block is free or already cached with other token ids.
         """
         self._check_id(block_id)
         if self._ref_counts[block_id] == 0:
@@ -184,10 +187,14 @@ class BlockAllocator:
         existing = self._cache.get(key)
         if existing is not None:
             return self._content_ids[existing]
-        if self._keys[block_id] is not None:
-            raise ValueError(
-                f"block {block_id} is already cached with other content; a full block never changes"
-            )
+        current = self._keys[block_id]
+        if current is not None:
+            if current[1:] != key[1:]:
+                raise ValueError(
+                    f"block {block_id} is already cached with other token ids; "
+                    "a full block never changes"
+                )
+            return self._content_ids[block_id]
         content_id = ContentId(self._next_content_id)
         self._next_content_id += 1
         self._cache[key] = block_id

@@ -138,15 +138,23 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.prefix_of_cid[cid] = prefix
 
     @precondition(lambda self: bool(self.entries))
-    @rule(pick=PICK)
-    def reregister_same_content_is_a_no_op(self, pick: int) -> None:
+    @rule(pick=PICK, parent_pick=PICK, same_parent=st.booleans())
+    def reregister_same_tokens_changes_nothing(
+        self, pick: int, parent_pick: int, same_parent: bool
+    ) -> None:
+        """Holders of a cached block may register it again, possibly naming its prefix through
+        another content id: the answer is the existing content id, and no entry changes."""
         self._count_step()
         live = [b for b in sorted(self.block_key) if self.refs[b] > 0]
         if not live:
             return
         block = live[pick % len(live)]
         parent, tokens = self.block_key[block]
-        assert self.allocator.register(BlockId(block), parent, tokens) == self.block_cid[block]
+        if not same_parent:
+            parent = self._parent(parent_pick)
+        elsewhere = self.entries.get((parent, tokens))
+        expected = self.block_cid[elsewhere if elsewhere is not None else block]
+        assert self.allocator.register(BlockId(block), parent, tokens) == expected
 
     @precondition(lambda self: bool(self.entries))
     @rule(pick=PICK)
@@ -255,8 +263,10 @@ def test_register_errors() -> None:
         allocator.register(BlockId(0), None, (1, 2))
     block = allocator.allocate()
     allocator.register(block, None, (1, 2))
-    with pytest.raises(ValueError, match="already cached with other content"):
+    with pytest.raises(ValueError, match="already cached with other token ids"):
         allocator.register(block, None, (3, 4))
+    with pytest.raises(ValueError, match="already cached with other token ids"):
+        allocator.register(block, None, (1, 2), extra_key="lora-1")
     with pytest.raises(ValueError, match="not in the prefix cache"):
         allocator.content_id(allocator.allocate())
 

@@ -547,3 +547,20 @@ def test_misuse_messages() -> None:
     for bad in ({"block_size": 0}, {"watermark": 1.0}, {"watermark": -0.1}):
         with pytest.raises(ValueError, match="block_size must|watermark must"):
             BlockManager(4, 4, **bad)
+
+
+def test_shared_block_registered_through_two_equivalent_prefix_chains() -> None:
+    """Two holders of one block may name its prefix by different content ids (the first chain's
+    root was evicted in between); registering it again must not be mistaken for new content."""
+    bm = BlockManager(6, 6, block_size=2, watermark=0.0)
+    tokens = [1, 2, 3, 4, 5]
+    _admitted(bm, 1, tokens)
+    bm.swap_out(1)
+    bm.swap_in(1)  # fresh blocks, registration starts over
+    bm.fork(1, 2)  # the child inherits "nothing registered yet"
+    bm.mark_computed(1, tokens, 2)  # block 0 equals the still-cached original: named by its id
+    _admitted(bm, 3, [9] * 6)  # takes every free block: evicts the original blocks
+    bm.free(3)
+    bm.mark_computed(1, tokens, 4)  # block 1 registered under the evicted root's content id
+    bm.mark_computed(2, tokens, 4)  # the child names block 0 afresh, then reaches shared block 1
+    assert bm.allocate(4, tokens) == 2  # block 0 hits through the child's chain
