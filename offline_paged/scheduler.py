@@ -88,6 +88,7 @@ class _StepPlan:
 
     budget: int
     scheduled: list[ScheduledSequence] = field(default_factory=list)
+    scheduled_ids: set[int] = field(default_factory=set)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
@@ -192,13 +193,21 @@ class Scheduler:
         if needed == 0:
             return True
         while not self.block_manager.can_append_slots(seq.seq_id, needed):
-            victim = self.running[-1]
+            victim = self._youngest_victim(seq, plan)
             self._preempt(victim, plan)
             if victim is seq:
                 return False
         plan.copies += self.block_manager.append_slots(seq.seq_id, needed)
         seq.num_slots += needed
         return True
+
+    def _youngest_victim(self, seq: Sequence, plan: _StepPlan) -> Sequence:
+        """The youngest running sequence not yet scheduled in this step, or `seq` itself if it comes
+        first: preempting a scheduled one would free blocks its part of the step still writes."""
+        for candidate in reversed(self.running):
+            if candidate is seq or candidate.seq_id not in plan.scheduled_ids:
+                return candidate
+        raise RuntimeError(f"sequence {seq.seq_id} is not in the running queue")
 
     def _schedule_swapped(self, plan: _StepPlan) -> None:
         while self.swapped and plan.budget > 0:
@@ -253,6 +262,7 @@ class Scheduler:
         plan.budget -= num_new
         done = seq.num_computed_tokens + num_new == seq.num_tokens
         group = seq.group
+        plan.scheduled_ids.add(seq.seq_id)
         plan.scheduled.append(ScheduledSequence(
             seq=seq, start=seq.num_computed_tokens, num_new_tokens=num_new,
             block_table=list(self.block_manager.block_table(seq.seq_id)),
