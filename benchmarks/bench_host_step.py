@@ -1,0 +1,146 @@
+"""Host time per engine step on the GPU code path, measured on the CPU: the forward and the device
+sampler's kernels are stubbed out, so what is timed is the Python the GPU path runs every step
+(schedule, input packing, the device sampler's host-side packing and unpacking, postprocess, stats).
+
+    python benchmarks/bench_host_step.py [--num-requests 256] [--output-len 128] [--profile]
+
+The workload is the `bench` random one scaled down in output length: prompts 100..1024, every request
+decodes exactly --output-len tokens, max_num_batched_tokens 8192, so most steps are 256-sequence
+decodes like the H200 run's. Prints mean ms per step for the whole step and for each part.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tiny_engine import tiny_model  # noqa: E402
+
+from offline_paged.bench import random_workload  # noqa: E402
+from offline_paged.config import EngineConfig  # noqa: E402
+from offline_paged.engine import LLMEngine  # noqa: E402
+from offline_paged.sampler import SampleResult  # noqa: E402
+
+
+def _gpu_sampler_host_part():
+    """offline_paged.gpu_sampler imported over a numpy stand-in for cupy and no-op kernels, so its
+    host-side packing (_upload) and unpacking (_results) run for real."""
+    fake_cupy = types.ModuleType("cupy")
+    for name in ("asarray", "empty", "zeros", "full", "float64", "float32", "int32", "ascontiguousarray"):
+        setattr(fake_cupy, name, getattr(np, name))
+    fake_kernels = types.ModuleType("offline_paged.cuda.sampling_launcher")
+    fake_kernels.PARAMS_WIDTH = 8
+    saved = {k: sys.modules.get(k) for k in ("cupy", "offline_paged.cuda.sampling_launcher")}
+    sys.modules["cupy"] = fake_cupy
+    sys.modules["offline_paged.cuda.sampling_launcher"] = fake_kernels
+    import offline_paged.cuda as cuda_pkg
+
+    cuda_pkg.sampling_launcher = fake_kernels
+    try:
+        import offline_paged.gpu_sampler as gpu_sampler
+    finally:
+        for key, module in saved.items():
+            if module is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = module
+    return gpu_sampler
+
+
+class HostOnlySampler:
+    """GpuSampler.sample with the kernels removed: upload packing, then results from a zeroed download."""
+
+    def __init__(self, gpu_sampler) -> None:
+        self._mod = gpu_sampler
+
+    def sample(self, logits, rows, requests) -> list[SampleResult]:
+        mod = self._mod
+        mod._upload(requests, rows, logits.shape[1], (1,))
+        top_ks = mod._top_ks(requests, logits.shape[1])
+        asking = np.flatnonzero(top_ks)
+        k_max = int(top_ks.max())
+        host = np.full(2 * len(requests) + 2 * asking.size * k_max, 7.0)  # token 7, logprob 7.0
+        host[1::2][:len(requests)] = -1.0
+        return mod._results(host, top_ks, asking, k_max, [r.params.logprobs is not None for r in requests])
+
+
+def build_engine(num_requests: int):
+    model = tiny_model(max_position_embeddings=4096)
+    config = EngineConfig(device="cpu", num_kv_blocks=num_requests * 2200 // 16 + 64, max_num_seqs=256,
+                          max_num_batched_tokens=8192, max_model_len=4096)
+    engine = LLMEngine(config, loaded_model=model)
+    runner = engine.runner
+    vocab = model.config.vocab_size
+
+    def forward(input_ids, positions, kv_cache, meta, logits_indices):
+        return np.zeros((len(logits_indices), vocab), dtype=np.float32)  # [K, V]
+
+    runner.model.forward = forward
+    runner.gpu_sampler = HostOnlySampler(_gpu_sampler_host_part())
+    return engine
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        original = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile by own time")
+    args = parser.parse_args()
+    engine = build_engine(args.num_requests)
+    timer = Timer()
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.runner, "_prepare", "runner._prepare")
+    timer.wrap(engine.runner, "execute", "runner.execute")
+    timer.wrap(engine.runner.gpu_sampler, "sample", "gpu_sampler host part")
+    timer.wrap(engine.scheduler, "postprocess", "postprocess")
+    timer.wrap(engine._stats, "record_schedule", "stats.record_schedule")
+    for index, request in enumerate(random_workload(args.num_requests, output_len=(args.output_len,) * 2,
+                                                    vocab_size=200)):
+        engine.add_request(f"r{index}", prompt_token_ids=[t + 4 for t in request.prompt_token_ids],
+                           params=request.params)
+    profiler = cProfile.Profile() if args.profile else None
+    num_steps, start = 0, time.perf_counter()
+    if profiler:
+        profiler.enable()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.stats  # the bench probe snapshots the stats every step
+        num_steps += 1
+    if profiler:
+        profiler.disable()
+    wall = time.perf_counter() - start
+    print(f"{num_steps} steps, {args.num_requests} requests x {args.output_len} output tokens")
+    print(f"{'whole step':<24}{1e3 * wall / num_steps:8.3f} ms")
+    for label, total in timer.totals.items():
+        print(f"{label:<24}{1e3 * total / num_steps:8.3f} ms")
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
