@@ -189,16 +189,11 @@ class Scheduler:
     def _reserve_slots(self, seq: Sequence, plan: _StepPlan) -> bool:
         """Reserve KV slots for all of seq's tokens, preempting the youngest running sequences
         until it fits. False if `seq` itself had to be preempted."""
-        needed = seq.num_tokens - seq.num_slots
-        if needed == 0:
-            return True
-        while not self.block_manager.can_append_slots(seq.seq_id, needed):
+        while not self._try_append(seq, plan):
             victim = self._youngest_victim(seq, plan)
             self._preempt(victim, plan)
             if victim is seq:
                 return False
-        plan.copies += self.block_manager.append_slots(seq.seq_id, needed)
-        seq.num_slots += needed
         return True
 
     def _youngest_victim(self, seq: Sequence, plan: _StepPlan) -> Sequence:
@@ -218,12 +213,14 @@ class Scheduler:
             plan.swap_in += self.block_manager.swap_in(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
             _insert(self.running, seq)
-            if seq.num_slots == seq.num_tokens or self._try_append(seq, plan):
+            if self._try_append(seq, plan):
                 self._schedule(seq, plan)
 
     def _try_append(self, seq: Sequence, plan: _StepPlan) -> bool:
         """Reserve seq's missing slots without preempting anyone; False if they do not fit now."""
         needed = seq.num_tokens - seq.num_slots
+        if needed == 0:
+            return True
         if not self.block_manager.can_append_slots(seq.seq_id, needed):
             return False
         plan.copies += self.block_manager.append_slots(seq.seq_id, needed)
