@@ -11,6 +11,8 @@ prompt log-probabilities are asked for.
 """
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,31 +123,25 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- inputs
     def _prepare(self, scheduled) -> _Batch:
-        """Pack the step's index arrays into one int32 host array, upload it once, slice views."""
+        """Pack the step's index arrays into one int32 host array, upload it once, slice views.
+        Per-sequence Python is limited to reading each item's fields once; the rest is numpy."""
         block_size, num_seqs = self.block_size, len(scheduled)
         starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
         query_lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, num_seqs)  # [S]
         skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
         context_lens = starts + query_lens  # [S]
         query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])  # [S + 1]
-        width = max(len(item.block_table) for item in scheduled)
-        block_tables = np.zeros((num_seqs, width), dtype=np.int64)  # [S, M]
-        input_ids, logits_rows, offsets = [], [], []
-        for i, item in enumerate(scheduled):
-            block_tables[i, :len(item.block_table)] = item.block_table
-            input_ids += item.seq.token_ids[item.start:item.start + item.num_new_tokens]
-            first_row, last_row = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            offsets.append(len(logits_rows))
-            if item.prompt_logprobs is not None:
-                logits_rows += range(first_row, last_row)
-            elif item.num_samples:
-                logits_rows.append(last_row - 1)
+        num_tokens = int(query_start_loc[-1])
+        block_tables = _pad_tables([item.block_table for item in scheduled])  # [S, M]
+        input_ids = np.fromiter(itertools.chain.from_iterable(
+            item.seq.token_ids[item.start:item.start + item.num_new_tokens] for item in scheduled),
+            np.int64, num_tokens)  # [T]
+        logits_rows, offsets = _logits_rows(scheduled, query_start_loc)
         owner = np.repeat(np.arange(num_seqs), query_lens)  # [T] sequence of each token
-        positions = np.arange(len(owner)) - query_start_loc[owner] + starts[owner]  # [T]
+        positions = np.arange(num_tokens) - query_start_loc[owner] + starts[owner]  # [T]
         slots = block_tables[owner, positions // block_size] * block_size + positions % block_size  # [T]
         slots[positions < skips[owner]] = -1  # cached K/V recomputed for scores only: don't rewrite
-        parts = [np.asarray(input_ids), positions, slots, context_lens, query_start_loc,
-                 np.asarray(logits_rows, dtype=np.int64), block_tables.ravel()]
+        parts = [input_ids, positions, slots, context_lens, query_start_loc, logits_rows, block_tables.ravel()]
         packed = self._upload(np.concatenate(parts).astype(np.int32))  # [sum of part sizes] int32
         views, at = [], 0
         for part in parts:
@@ -153,7 +149,7 @@ class ModelRunner:
             at += part.size
         ids, pos, slot_mapping, ctx, qsl, rows, tables = views
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, block_tables=tables.reshape(num_seqs, width),
+            slot_mapping=slot_mapping, block_tables=tables.reshape(block_tables.shape),
             context_lens=ctx, query_start_loc=qsl,
             max_query_len=int(query_lens.max()), max_context_len=int(context_lens.max()),
         )
@@ -191,10 +187,36 @@ def _sampling_requests(item) -> list[SamplingRequest]:
     """One request per sample drawn from this sequence's row (n of them when it forks)."""
     seq = item.seq
     seeds = seq.group.sample_seeds if item.num_samples > 1 else [seq.sampling_seed]
-    prompt = seq.token_ids[:seq.num_prompt_tokens]
-    output = seq.output_token_ids
+    prompt = _TokenWindow(seq.token_ids, 0, seq.num_prompt_tokens)
+    output = _TokenWindow(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
     return [SamplingRequest(seq.group.params, seed, seq.num_output_tokens, prompt, output)
             for seed in seeds[:item.num_samples]]
+
+
+class _TokenWindow(Sequence):
+    """token_ids[start:stop] without the copy: most sampling rows only ask for its length (min_tokens);
+    penalties iterate it. Valid until the sequence changes, i.e. for the step it was made in."""
+
+    __slots__ = ("_ids", "_start", "_stop")
+
+    def __init__(self, token_ids: list[int], start: int, stop: int) -> None:
+        self._ids, self._start, self._stop = token_ids, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._ids[self._start:self._stop][index]
+        if not -len(self) <= index < len(self):
+            raise IndexError("token window index out of range")
+        return self._ids[self._start + index % len(self)]
+
+    def __iter__(self):
+        return itertools.islice(self._ids, self._start, self._stop)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self._ids[self._start:self._stop], dtype=dtype)
 
 
 def _prompt_logprobs(item, logits, offset: int, to_host) -> list[dict[int, float]] | None:
@@ -209,6 +231,33 @@ def _prompt_logprobs(item, logits, offset: int, to_host) -> list[dict[int, float
     scores = log_softmax(to_host(logits[offset:offset + num_rows]))  # [num_rows, V] float64
     targets = seq.token_ids[item.start + 1:item.start + 1 + num_rows]
     return [top_logprobs(row, item.prompt_logprobs, chosen=t) for row, t in zip(scores, targets)]
+
+
+def _pad_tables(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one zero-padded [S, M] array (M = the longest table)."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))  # [S]
+    padded = np.zeros((len(tables), int(lens.max())), dtype=np.int64)  # [S, M]
+    padded[np.arange(padded.shape[1]) < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), np.int64, int(lens.sum()))
+    return padded
+
+
+def _logits_rows(scheduled, query_start_loc: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """([K] rows of T whose logits are needed, each sequence's first row among them). A sampled
+    sequence needs its last row; one asking for prompt log-probabilities needs all its rows."""
+    if all(item.prompt_logprobs is None for item in scheduled):
+        sampled = np.fromiter((item.num_samples > 0 for item in scheduled), bool, len(scheduled))  # [S]
+        counts = np.cumsum(sampled)  # [S]
+        return query_start_loc[1:][sampled] - 1, (counts - sampled).tolist()
+    rows, offsets = [], []
+    for i, item in enumerate(scheduled):
+        first_row, last_row = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        offsets.append(len(rows))
+        if item.prompt_logprobs is not None:
+            rows += range(first_row, last_row)
+        elif item.num_samples:
+            rows.append(last_row - 1)
+    return np.asarray(rows, dtype=np.int64), offsets
 
 
 def _split_pairs(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
