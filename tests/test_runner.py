@@ -91,3 +91,50 @@ def test_swaps_go_through_the_backend_swapper_created_on_first_use():
     runner.swap_out([(3, 7), (5, 0)])
     assert (runner.swapper.cpu_cache[:, :, 7] == 3).all() and (runner.swapper.cpu_cache[:, :, 0] == 5).all()
     assert runner.swapper.cpu_cache.shape[2] == 8
+
+
+def _prepare_by_token(items, block_size: int):
+    """The step arrays written one token at a time: the definition _prepare's numpy must equal."""
+    ids, positions, slots, rows, offsets = [], [], [], [], []
+    for item in items:
+        offsets.append(len(rows))
+        for p in range(item.start, item.start + item.num_new_tokens):
+            ids.append(item.seq.token_ids[p])
+            positions.append(p)
+            written = p >= item.num_skip_write
+            slots.append(item.block_table[p // block_size] * block_size + p % block_size if written else -1)
+            if item.prompt_logprobs is not None or (item.num_samples and p == item.start + item.num_new_tokens - 1):
+                rows.append(len(ids) - 1)
+    return ids, positions, slots, rows, offsets
+
+
+def test_prepare_equals_the_per_token_definition_on_random_batches():
+    rng = np.random.default_rng(7)
+    runner = make_runner(num_blocks=64)
+    for trial in range(40):
+        items = []
+        for _ in range(rng.integers(1, 7)):
+            length = int(rng.integers(1, 30))
+            start = int(rng.integers(0, length))
+            num_new = int(rng.integers(1, length - start + 1))
+            table = rng.permutation(64)[:-(-length // 4)].tolist()
+            items.append(scheduled(rng.integers(4, 200, length).tolist(), start, num_new, table,
+                                   num_samples=int(rng.integers(0, 2)), skip=int(rng.integers(0, start + 1)),
+                                   prompt_logprobs=1 if trial % 3 == 0 and rng.random() < 0.5 else None))
+        batch = runner._prepare(items)
+        ids, positions, slots, rows, offsets = _prepare_by_token(items, block_size=4)
+        assert batch.input_ids.tolist() == ids
+        assert batch.positions.tolist() == positions
+        assert batch.meta.slot_mapping.tolist() == slots
+        assert batch.logits_indices.tolist() == rows
+        assert list(batch.logits_offsets) == offsets
+
+
+def test_token_window_reads_like_the_slice():
+    from offline_paged.runner import _TokenWindow
+
+    ids = list(range(100, 110))
+    window = _TokenWindow(ids, 3, 8)
+    assert len(window) == 5 and list(window) == ids[3:8] and window[-1] == 107 and window[1:3] == [104, 105]
+    assert np.asarray(window, dtype=np.int64).tolist() == ids[3:8]
+    assert list(_TokenWindow(ids, 4, 4)) == []
