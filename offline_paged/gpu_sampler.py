@@ -71,20 +71,22 @@ def _upload(requests: Sequence[SamplingRequest], rows: Sequence[int], vocab: int
     """Pack the step's per-row inputs into one uint64 and one int32 host array, upload each once, and
     return named device views."""
     num_rows = len(requests)
+    fields = np.array([(p.temperature, p.min_p, p.top_p, p.top_k, p.repetition_penalty, p.frequency_penalty,
+                        p.presence_penalty, len(r.output_token_ids) < p.min_tokens)
+                       for r in requests for p in (r.params,)], dtype=np.float64).reshape(num_rows, 8)  # [R, 8]
+    temperature, min_p, top_p, top_k = fields[:, 0], fields[:, 1], fields[:, 2], fields[:, 3]
     params = np.zeros((num_rows, kernels.PARAMS_WIDTH), dtype=np.float64)  # [R, 8]
-    penalty_rows, penalties, penalty_tokens, banned, cut_rows = [], [], [], [], []
-    for r, request in enumerate(requests):
-        p = request.params
-        params[r, :5] = (p.temperature, p.min_p, p.temperature == 0.0, p.top_p, p.top_k)
-        if p.temperature != 0.0 and (0 < p.top_k < vocab or p.top_p < 1.0):
-            cut_rows.append(r)
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            penalty_tokens.append(_penalty_tokens(request, len(penalty_rows), vocab))
-            penalty_rows.append(r)
-            penalties.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
-        if len(request.output_token_ids) < p.min_tokens:
-            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-            banned += [(r, t) for t in ids if 0 <= t < vocab]
+    params[:, :5] = np.stack([temperature, min_p, temperature == 0.0, top_p, top_k], axis=1)
+    cut_rows = np.flatnonzero((temperature != 0.0) & (((0 < top_k) & (top_k < vocab)) | (top_p < 1.0)))
+    penalized = (fields[:, 4] != 1.0) | (fields[:, 5] != 0.0) | (fields[:, 6] != 0.0)  # [R]
+    penalty_rows = np.flatnonzero(penalized)
+    penalties = fields[penalty_rows, 4:7]  # [Rp, 3]
+    penalty_tokens = [_penalty_tokens(requests[r], slot, vocab) for slot, r in enumerate(penalty_rows)]
+    banned = []
+    for r in np.flatnonzero(fields[:, 7]).tolist():  # rows still under min_tokens
+        p = requests[r].params
+        ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+        banned += [(r, t) for t in ids if 0 <= t < vocab]
     seeds = np.array([r.seed & (2**64 - 1) for r in requests], dtype=np.uint64)  # [R]
     positions = np.array([r.position for r in requests], dtype=np.uint64)  # [R]
     wide = [params.ravel().view(np.uint64), seeds, positions,
@@ -140,10 +142,13 @@ def _results(host: np.ndarray, top_ks: np.ndarray, asking: np.ndarray, k_max: in
     size = asking.size * k_max
     top_ids = host[2 * num_rows:2 * num_rows + size].reshape(asking.size, k_max).astype(np.int64)  # [Ra, k]
     top_values = host[2 * num_rows + size:].reshape(asking.size, k_max)  # [Ra, k]
+    tokens, logprobs = chosen[:, 0].astype(np.int64).tolist(), chosen[:, 1].tolist()
+    if not any(wants):
+        return [SampleResult(t, lp, None) for t, lp in zip(tokens, logprobs)]
     slot_of = {int(r): j for j, r in enumerate(asking)}
     results = []
     for r in range(num_rows):
-        token, logprob = int(chosen[r, 0]), float(chosen[r, 1])
+        token, logprob = tokens[r], logprobs[r]
         top = None
         if wants[r]:  # the top k best first, then the chosen token if it is not among them (as sampler.py)
             j, k = slot_of.get(r, 0), int(top_ks[r])
