@@ -18,7 +18,8 @@ from offline_paged.config import EngineConfig
 from offline_paged.engine_stats import StatsTracker
 from offline_paged.outputs import CompletionOutput, EngineStats, RequestOutput
 from offline_paged.random_stream import random_bits, stream_seed
-from offline_paged.runner import DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner, kv_block_bytes
+from offline_paged.runner import (DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner, kv_block_bytes,
+                                  profile_step_memory)
 from offline_paged.sampler import Sampler
 from offline_paged.sampling_params import SamplingParams
 from offline_paged.scheduler import Scheduler
@@ -52,13 +53,14 @@ class LLMEngine:
         self.model_config = loaded_model.config
         self._tokenizer = loaded_model.tokenizer
         model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype)
-        self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools()
+        self.eos_token_ids = self._eos_token_ids(loaded_model)
+        self.profiled_activation_bytes: int | None = None  # set when the KV pool is sized by profiling
+        self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools(model)
         self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
                                           config.watermark, config.enable_prefix_caching,
                                           self.max_model_len if config.kv_layout == "contiguous" else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.preemption)
-        self.eos_token_ids = self._eos_token_ids(loaded_model)
         self.runner = ModelRunner(model, self.backend, num_gpu_blocks, num_cpu_blocks,
                                   config.block_size, Sampler(self.eos_token_ids))
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)
@@ -67,13 +69,13 @@ class LLMEngine:
         self._arrivals = itertools.count()
 
     # ----------------------------------------------------------------- set-up
-    def _size_kv_pools(self) -> tuple[int, int, int]:
+    def _size_kv_pools(self, model) -> tuple[int, int, int]:
         """(max_model_len, device blocks, CPU blocks); see EngineConfig for the rules."""
         config = self.config
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.backend.dtype)
         model_len = config.max_model_len or self.model_config.max_position_embeddings
         blocks_per_seq = math.ceil(model_len / config.block_size)
-        num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, blocks_per_seq)
+        num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, blocks_per_seq, model)
         if config.num_cpu_blocks is not None:
             num_cpu = config.num_cpu_blocks
         else:
@@ -89,12 +91,23 @@ class LLMEngine:
             raise ValueError(f"the KV cache ({num_gpu} blocks of {config.block_size}) is too small to run")
         return model_len, num_gpu, num_cpu
 
-    def _blocks_from_memory(self, block_bytes: int, blocks_per_seq: int) -> int:
+    def _cuda_kv_memory(self, model) -> int:
+        """Bytes for the KV pool on CUDA: free memory after the weights x gpu_memory_utilization, less
+        the activations of the largest step (measured by a profiling forward, `profile_step_memory`)."""
+        config = self.config
+        model_len = config.max_model_len or self.model_config.max_position_embeddings
+        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * model_len)
+        activations = profile_step_memory(model, self.backend, num_tokens, config.max_num_seqs,
+                                          config.block_size, self.eos_token_ids)
+        self.profiled_activation_bytes = activations
+        return int(self.backend.free_memory_bytes() * config.gpu_memory_utilization) - activations
+
+    def _blocks_from_memory(self, block_bytes: int, blocks_per_seq: int, model) -> int:
         config = self.config
         if config.kv_cache_memory is not None:
             memory = config.kv_cache_memory
         elif self.backend.name == "cuda":
-            memory = int(self.backend.free_memory_bytes() * config.gpu_memory_utilization)
+            memory = self._cuda_kv_memory(model)
         else:
             memory = DEFAULT_CPU_KV_CACHE_MEMORY
         needed = config.max_num_seqs * blocks_per_seq + 1  # more can never be used at once

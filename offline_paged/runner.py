@@ -264,6 +264,54 @@ def _split_pairs(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
     return [a for a, _ in pairs], [b for _, b in pairs]
 
 
+def profile_step_memory(model, backend, num_tokens: int, num_seqs: int, block_size: int,
+                        eos_token_ids=()) -> int:
+    """Bytes of device memory the largest step needs beyond the weights and the KV pool (CUDA only).
+
+    Runs one dummy prefill of `num_tokens` tokens spread over `num_seqs` sequences (the token and
+    sequence budgets of a step) against a scratch KV cache just big enough for it, then samples every
+    sequence's last row on the device with top-p (the sampler's sorting path, its largest). CuPy's pool
+    keeps freed blocks, so its size after the step, less its size before, is the step's high-water mark.
+    The pool is emptied before and after, so the figure is not hidden by blocks cached earlier.
+    """
+    from offline_paged.gpu_sampler import GpuSampler
+    from offline_paged.sampler import SamplingRequest
+    from offline_paged.sampling_params import SamplingParams
+
+    xp = backend.xp
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)  # [S]
+    lens[:num_tokens % num_seqs] += 1
+    blocks_per_seq = -(-lens // block_size)  # [S]
+    tables = np.zeros((num_seqs, int(blocks_per_seq.max())), dtype=np.int64)  # [S, M]
+    firsts = np.concatenate([[0], np.cumsum(blocks_per_seq)[:-1]])  # [S]
+    for i in range(num_seqs):
+        tables[i, :blocks_per_seq[i]] = firsts[i] + np.arange(blocks_per_seq[i])
+    owner = np.repeat(np.arange(num_seqs), lens)  # [T]
+    query_start_loc = np.concatenate([[0], np.cumsum(lens)])  # [S + 1]
+    positions = np.arange(num_tokens) - query_start_loc[owner]  # [T]
+    slots = tables[owner, positions // block_size] * block_size + positions % block_size  # [T]
+    pool = xp.get_default_memory_pool()
+    xp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    kv_cache = model.allocate_kv_cache(int(blocks_per_seq.sum()), block_size)  # [L, 2, N, B, Hkv, D]
+    meta = AttentionMetadata(
+        slot_mapping=backend.int32(slots), block_tables=backend.int32(tables),
+        context_lens=backend.int32(lens), query_start_loc=backend.int32(query_start_loc),
+        max_query_len=int(lens.max()), max_context_len=int(lens.max()))
+    before = pool.total_bytes()
+    logits = model.forward(backend.int32(np.zeros(num_tokens)), backend.int32(positions), kv_cache, meta,
+                           backend.int32(query_start_loc[1:] - 1))  # [S, V] float32
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    requests = [SamplingRequest(params, i, 0, (0,), ()) for i in range(num_seqs)]
+    GpuSampler(eos_token_ids).sample(logits, list(range(num_seqs)), requests)
+    xp.cuda.Device().synchronize()
+    peak = pool.total_bytes() - before
+    del logits, kv_cache, meta
+    pool.free_all_blocks()
+    return int(peak)
+
+
 def kv_block_bytes(model_config, block_size: int, dtype) -> int:
     """Bytes of one KV block across all layers, K and V."""
     c = model_config

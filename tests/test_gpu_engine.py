@@ -187,3 +187,22 @@ def test_cli_job_runs_on_the_gpu(tmp_path):
     assert len(by_id["plain"]["outputs"][0]["token_ids"]) == 5
     assert len(by_id["chat"]["outputs"]) == 2
     assert len(by_id["eval"]["prompt_logprobs"]) == len("Paris is in France")
+
+
+def test_kv_pool_sized_after_a_profiling_forward():
+    """Sizing from free memory runs a profiling step first: its activations are counted (at least the
+    [T, 2I] MLP buffer of the largest step) and grow with the token budget; the engine then runs."""
+    model = random_model(SHAPES["d128-gqa4"])
+    sized = {}
+    for budget in (64, 2048):
+        llm = engine(model, "cuda", num_kv_blocks=None, max_num_batched_tokens=budget, max_model_len=512,
+                     gpu_memory_utilization=0.5)
+        sized[budget] = llm.profiled_activation_bytes
+        c = model.config
+        assert sized[budget] >= budget * 2 * c.intermediate_size * 2  # fp16 gate_up of the whole step
+        outputs = run_to_completion(llm, {"a": ([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))})
+        assert len(outputs["a"].outputs[0].token_ids) == 4
+        del llm
+        cupy.get_default_memory_pool().free_all_blocks()
+    assert sized[2048] > sized[64]
+    print(f"profiled activations: {sized}")
