@@ -271,8 +271,9 @@ def profile_step_memory(model, backend, num_tokens: int, num_seqs: int, block_si
     Runs one dummy prefill of `num_tokens` tokens spread over `num_seqs` sequences (the token and
     sequence budgets of a step) against a scratch KV cache just big enough for it, then samples every
     sequence's last row on the device with top-p (the sampler's sorting path, its largest). CuPy's pool
-    keeps freed blocks, so its size after the step, less its size before, is the step's high-water mark.
-    The pool is emptied before and after, so the figure is not hidden by blocks cached earlier.
+    keeps freed blocks, so its growth over the step plus the free bytes it held at the start (which the
+    step may have reused) bounds the step's high-water mark from above. The pool is emptied first, but
+    free_all_blocks keeps split blocks, so in a process that ran other work the bound is loose (safe).
     """
     from offline_paged.gpu_sampler import GpuSampler
     from offline_paged.sampler import SamplingRequest
@@ -299,14 +300,14 @@ def profile_step_memory(model, backend, num_tokens: int, num_seqs: int, block_si
         slot_mapping=backend.int32(slots), block_tables=backend.int32(tables),
         context_lens=backend.int32(lens), query_start_loc=backend.int32(query_start_loc),
         max_query_len=int(lens.max()), max_context_len=int(lens.max()))
-    before = pool.total_bytes()
+    before, reusable = pool.total_bytes(), pool.free_bytes()
     logits = model.forward(backend.int32(np.zeros(num_tokens)), backend.int32(positions), kv_cache, meta,
                            backend.int32(query_start_loc[1:] - 1))  # [S, V] float32
     params = SamplingParams(temperature=1.0, top_p=0.9)
     requests = [SamplingRequest(params, i, 0, (0,), ()) for i in range(num_seqs)]
     GpuSampler(eos_token_ids).sample(logits, list(range(num_seqs)), requests)
     xp.cuda.Device().synchronize()
-    peak = pool.total_bytes() - before
+    peak = pool.total_bytes() - before + reusable
     del logits, kv_cache, meta
     pool.free_all_blocks()
     return int(peak)
