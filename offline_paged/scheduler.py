@@ -266,6 +266,10 @@ class Scheduler:
             num_samples=(group.num_samples if group.needs_fork else 1) if done else 0,
             prompt_logprobs=group.params.prompt_logprobs if group.wants_prompt_logprobs else None,
         ))
+        # Each layer writes the whole batch's K/V before any attention reads it, so the blocks this
+        # step fills may be reused by a prompt admitted later in the same step: a batch job's shared
+        # system prompt is computed once, not once per request of the first step.
+        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new)
 
     # ----------------------------------------------------------------- preemption
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:

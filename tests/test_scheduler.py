@@ -73,17 +73,21 @@ class FakeRunner:
         self._move(self.gpu, self.cpu, output.blocks_to_swap_out)
         self._move(self.cpu, self.gpu, output.blocks_to_swap_in)
         self._move(self.gpu, self.gpu, output.blocks_to_copy)
+        # Like the model: every layer writes the whole batch's K/V before any attention reads it.
+        for item in output.scheduled:
+            self._write(item)
         return [self._run(item) for item in output.scheduled]
 
     def _slot(self, table, pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def _write(self, item) -> None:
+        for pos in range(max(item.start, item.num_skip_write), item.start + item.num_new_tokens):
+            self.gpu[self._slot(item.block_table, pos)] = item.seq.token_ids[pos]
+
     def _run(self, item) -> SequenceResult:
         seq, table = item.seq, item.block_table
         end = item.start + item.num_new_tokens
-        for pos in range(item.start, end):
-            if pos >= item.num_skip_write:
-                self.gpu[self._slot(table, pos)] = seq.token_ids[pos]
         context = [self.gpu[self._slot(table, p)] for p in range(end)]
         assert context == seq.token_ids[:end], f"seq {seq.seq_id}: KV cache lost its context"
         seeds = seq.group.sample_seeds if item.num_samples > 1 else [seq.sampling_seed]

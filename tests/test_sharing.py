@@ -58,3 +58,27 @@ def test_shared_system_prompt_hits_the_prefix_cache():
     assert hits >= 4 * 40
     assert uncached.stats.num_cached_prompt_tokens == 0
     assert with_sharing < without
+
+
+def test_requests_admitted_in_the_same_step_share_a_system_prompt_computed_in_that_step():
+    """A batch job's first step admits everything at once: the system prompt's blocks, written by the
+    first request in that step's forward, are reused by the others of the same step."""
+    rng = np.random.default_rng(3)
+    system = rng.integers(4, 260, size=40).tolist()  # 10 full blocks of 4
+    requests = {
+        f"q{i}": (system + rng.integers(4, 260, size=6).tolist(),
+                  SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        for i in range(6)
+    }
+    cached = tiny_engine(max_num_batched_tokens=1024)
+    for request_id, (prompt_ids, params) in requests.items():
+        cached.add_request(request_id, prompt_token_ids=prompt_ids, params=params)
+    finished = {o.request_id: o for o in cached.step()}  # one step prefills all six prompts
+    assert cached.stats.num_cached_prompt_tokens == 5 * 40
+    while cached.has_unfinished_requests():
+        finished |= {o.request_id: o for o in cached.step()}
+
+    uncached = tiny_engine(max_num_batched_tokens=1024, enable_prefix_caching=False)
+    without_cache = run_to_completion(uncached, requests)
+    for request_id in requests:
+        assert finished[request_id].outputs[0].token_ids == without_cache[request_id].outputs[0].token_ids
