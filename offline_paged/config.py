@@ -30,6 +30,8 @@ class EngineConfig:
     `max_model_len=None` means the model's own context length (capped by the KV pool).
     `kv_layout="contiguous"` is the baseline paging is measured against: every sequence reserves
     blocks for max_model_len tokens when it is admitted (same pool, same kernels).
+    `cuda_graphs`: steps where every sequence computes one token replay a captured forward per batch
+    bucket (offline_paged/cuda_graph_runner.py); ignored on the CPU and for dtypes other than float16.
     """
 
     model: str | None = None  # HF dir / GGUF path / name; None = the default model
@@ -49,6 +51,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
     kv_layout: str = "paged"  # "paged" | "contiguous" (reserve max_model_len at admission)
+    cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (used on CUDA with float16 only)
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:

@@ -62,7 +62,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.preemption)
         self.runner = ModelRunner(model, self.backend, num_gpu_blocks, num_cpu_blocks,
-                                  config.block_size, Sampler(self.eos_token_ids))
+                                  config.block_size, Sampler(self.eos_token_ids),
+                                  cuda_graphs=config.cuda_graphs, max_model_len=self.max_model_len)
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)
         self._stats = StatsTracker(num_gpu_blocks, num_cpu_blocks, config.block_size)
         self._groups: dict[str, SequenceGroup] = {}

@@ -61,9 +61,13 @@ class ModelRunner:
     never pin it)."""
 
     def __init__(self, model, backend, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 sampler: Sampler | None = None, device_sampling: bool | None = None) -> None:
+                 sampler: Sampler | None = None, device_sampling: bool | None = None,
+                 cuda_graphs: bool = False, max_model_len: int | None = None) -> None:
         """device_sampling: sample on the GPU (None: whenever the backend is CUDA; False: on the host with
-        `sampler`, the reference; True on the CPU backend is a ValueError)."""
+        `sampler`, the reference; True on the CPU backend is a ValueError).
+        cuda_graphs: replay decode-only steps from CUDA graphs (offline_paged/cuda_graph_runner.py) where
+        the backend is CUDA and the model float16; needs max_model_len (the attention's static bound).
+        Ignored on the CPU."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -79,6 +83,13 @@ class ModelRunner:
         self.kv_cache = model.allocate_kv_cache(num_gpu_blocks, block_size)  # [L, 2, N, B, Hkv, D]
         self._swapper = None
         self._upload = _StepUpload(backend)
+        self.decode_graphs = None
+        if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype) == np.float16:
+            if max_model_len is None:
+                raise ValueError("cuda_graphs needs max_model_len (the static attention bound)")
+            from offline_paged.cuda_graph_runner import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(model, self.kv_cache, block_size, max_model_len)
 
     @property
     def swapper(self):
@@ -96,12 +107,36 @@ class ModelRunner:
         self.copy_blocks(output.blocks_to_copy)
         if not output.scheduled:
             return []
-        batch = self._prepare(output.scheduled)
-        logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
-                                    batch.logits_indices)  # [K, V] float32 (device)
+        replayed = self._replay_decode(output.scheduled)
+        if replayed is not None:
+            logits, offsets = replayed  # [b, V] float32 (device), row i = sequence i
+        else:
+            batch = self._prepare(output.scheduled)
+            logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
+                                        batch.logits_indices)  # [K, V] float32 (device)
+            offsets = batch.logits_offsets
         if self.gpu_sampler is None:
             logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
-        return self._results(output.scheduled, logits, batch.logits_offsets)
+        return self._results(output.scheduled, logits, offsets)
+
+    def _replay_decode(self, scheduled):
+        """(logits [b, V], offsets) from a CUDA graph when every sequence computes one token and the
+        step fits a bucket; None otherwise (the eager forward runs)."""
+        graphs = self.decode_graphs
+        if graphs is None or any(item.num_new_tokens != 1 for item in scheduled):
+            return None
+        num_seqs, block_size = len(scheduled), self.block_size
+        tables = [item.block_table for item in scheduled]
+        starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
+        if not graphs.fits(num_seqs, int(starts.max()) + 1, max(map(len, tables))):
+            return None
+        skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
+        input_ids = np.fromiter((item.seq.token_ids[item.start] for item in scheduled), np.int64, num_seqs)  # [S]
+        blocks = np.fromiter((t[s // block_size] for t, s in zip(tables, starts.tolist())), np.int64, num_seqs)  # [S]
+        slots = blocks * block_size + starts % block_size  # [S]
+        slots[starts < skips] = -1  # cached K/V recomputed for scores only: don't rewrite
+        logits = graphs.run(input_ids, starts, slots, tables)  # [b, V] float32 (device)
+        return logits, list(range(num_seqs))
 
     # ----------------------------------------------------------------- block moves
     # Block ids stay on the host: the swapper and copy_blocks take host ids, so no move syncs the device.

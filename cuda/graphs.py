@@ -1,0 +1,101 @@
+"""CublasGemm: an fp16 x @ W that can be captured into a CUDA graph.
+
+CuPy's matmul refuses stream capture, and CuPy's low-level `cublas.gemmEx` resets the handle's stream
+before every call (which also drops a user workspace). So this calls libcuBLAS through ctypes on a
+handle of its own: the stream is set once (the capture stream), then an explicitly owned workspace, so
+cuBLAS never allocates while a graph is being captured.
+
+Row-major x [T, K] @ W [K, N] -> out [T, N] is the column-major product out^T [N, T] = W^T [N, K] x^T [K, T]:
+row-major x is column-major x^T with ld K, row-major out is column-major out^T with ld N. A C-contiguous
+W [K, N] is column-major W^T (op N, lda N); an F-contiguous W (a transposed view, e.g. a tied lm_head
+= embed.T) is column-major [K, N] with ld K, so op T with lda K.
+Legend: T rows (tokens), K inner dim, N output dim.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import cupy
+import numpy as np
+
+_OP_N, _OP_T = 0, 1
+_CUDA_R_16F = 2
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+WORKSPACE_BYTES = 32 << 20  # what PyTorch gives cuBLAS on Hopper
+
+
+def _libcublas() -> ctypes.CDLL:
+    """The libcublas CuPy already loaded (found in this process's mappings), so both share one copy."""
+    cupy.cuda.device.get_cublas_handle()  # makes CuPy load it
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/libcublas.so" in line}
+    if not paths:
+        raise RuntimeError("libcublas is not loaded in this process; cannot build a capture-safe GEMM")
+    lib = ctypes.CDLL(sorted(paths)[0])
+    handle_p = ctypes.c_void_p
+    lib.cublasCreate_v2.argtypes = [ctypes.POINTER(handle_p)]
+    lib.cublasDestroy_v2.argtypes = [handle_p]
+    lib.cublasSetStream_v2.argtypes = [handle_p, ctypes.c_void_p]
+    lib.cublasSetWorkspace_v2.argtypes = [handle_p, ctypes.c_void_p, ctypes.c_size_t]
+    i, p = ctypes.c_int, ctypes.c_void_p
+    lib.cublasGemmEx.argtypes = [handle_p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
+    for name in ("cublasCreate_v2", "cublasDestroy_v2", "cublasSetStream_v2", "cublasSetWorkspace_v2", "cublasGemmEx"):
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+
+class CublasGemm:
+    """fp16 GEMMs with fp32 accumulation on `stream` only (a handle and workspace of its own).
+
+    Call it inside `with stream:` so the output allocation is ordered on the same stream."""
+
+    def __init__(self, stream: cupy.cuda.Stream, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        self._lib = _libcublas()
+        self._handle = ctypes.c_void_p()
+        _check(self._lib.cublasCreate_v2(ctypes.byref(self._handle)), "cublasCreate")
+        self.stream = stream
+        # SetStream resets the workspace to cuBLAS's default, so the workspace is set after it.
+        _check(self._lib.cublasSetStream_v2(self._handle, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
+        self._workspace = cupy.empty(workspace_bytes, dtype=cupy.uint8)  # [bytes]
+        _check(self._lib.cublasSetWorkspace_v2(self._handle, ctypes.c_void_p(self._workspace.data.ptr),
+                                               workspace_bytes), "cublasSetWorkspace")
+        self._one = np.ones(1, dtype=np.float32)  # host scalars: cuBLAS reads them when the call is made
+        self._zero = np.zeros(1, dtype=np.float32)
+
+    def __call__(self, x, w):
+        """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous), fp16; returns a new [T, N] fp16."""
+        for name, a in (("x", x), ("w", w)):
+            if not isinstance(a, cupy.ndarray) or a.dtype != np.float16 or a.ndim != 2:
+                raise ValueError(f"{name} must be a 2-D float16 cupy.ndarray, got {getattr(a, 'dtype', type(a))}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"x must be C-contiguous (shape {x.shape}, strides {x.strides})")
+        (num_rows, inner), (w_inner, num_out) = x.shape, w.shape
+        if inner != w_inner:
+            raise ValueError(f"x is [{num_rows}, {inner}] but w is [{w_inner}, {num_out}]")
+        if w.flags.c_contiguous:
+            op_w, ld_w = _OP_N, num_out
+        elif w.flags.f_contiguous:
+            op_w, ld_w = _OP_T, inner
+        else:
+            raise ValueError(f"w must be C- or F-contiguous (shape {w.shape}, strides {w.strides})")
+        out = cupy.empty((num_rows, num_out), dtype=cupy.float16)  # [T, N]
+        if out.size == 0:
+            return out
+        _check(self._lib.cublasGemmEx(
+            self._handle, op_w, _OP_N, num_out, num_rows, inner,
+            self._one.ctypes.data, w.data.ptr, _CUDA_R_16F, ld_w,
+            x.data.ptr, _CUDA_R_16F, inner,
+            self._zero.ctypes.data, out.data.ptr, _CUDA_R_16F, num_out,
+            _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
+        return out
+
+    def __del__(self) -> None:
+        handle = getattr(self, "_handle", None)
+        if handle is not None and handle.value:
+            self._lib.cublasDestroy_v2(handle)
