@@ -57,6 +57,8 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True)
 @click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True)
 @click.option("--no-prefix-caching", is_flag=True)
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="Replay decode-only steps from CUDA graphs (CUDA, float16).")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
 @click.option("--roofline/--no-roofline", default=True, show_default=True,
               help="Measure copy bandwidth and matmul rate and estimate the floor.")
@@ -140,7 +142,7 @@ def _run_all(options: dict, backend, loaded, requests) -> list:
                     max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
                     max_model_len=max_model_len, enable_prefix_caching=not options["no_prefix_caching"],
                     preemption_mode=options["preemption"], gpu_memory_utilization=options["gpu_memory_utilization"],
-                    kv_layout=layout, seed=options["seed"])
+                    kv_layout=layout, seed=options["seed"], cuda_graphs=options["cuda_graphs"])
                 engine = LLMEngine(config, loaded_model=loaded)
             except ValueError as exc:
                 raise click.UsageError(str(exc)) from None

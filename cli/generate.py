@@ -54,6 +54,8 @@ def parse_size(text: str) -> int:
 @click.option("--kv-cache-memory", default=None, help="KV pool size in bytes, e.g. 2GiB.")
 @click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True)
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="Replay decode-only steps from CUDA graphs (CUDA, float16).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Engine seed (for unseeded requests).")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Append to an existing OUT, skipping ids already done (--no-resume overwrites it).")
@@ -147,7 +149,7 @@ def _build_engine(options: dict[str, Any]):
             max_num_seqs=options["max_num_seqs"], max_model_len=options["max_model_len"],
             max_num_batched_tokens=options["max_num_batched_tokens"], seed=options["seed"],
             enable_prefix_caching=not options["no_prefix_caching"],
-            preemption_mode=options["preemption"])
+            preemption_mode=options["preemption"], cuda_graphs=options["cuda_graphs"])
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     try:
