@@ -12,6 +12,7 @@ KV cache: [L, 2, N, B, Hkv, D] (kv[l, 0] = K, kv[l, 1] = V); see models/attentio
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,32 +81,37 @@ class Llama:
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         return self.ops.xp.zeros(shape, dtype=self.dtype)
 
-    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices):
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices=None,
+                matmul=operator.matmul):
         """Run the batch's new tokens through the model, writing their K/V into `kv_cache` by
-        `meta.slot_mapping`. input_ids, positions: [T]; logits_indices: [K] rows of T.
+        `meta.slot_mapping`. input_ids, positions: [T]; logits_indices: [K] rows of T (None: all
+        rows). `matmul(x, W)` does every projection (the decode CUDA graphs pass a capture-safe GEMM).
         Returns float32 logits [K, V]."""
         ops, eps = self.ops, self.config.rms_norm_eps
-        hidden = self.embed[input_ids]  # [T, E]
+        hidden = ops.xp.take(self.embed, input_ids, axis=0)  # [T, E]
         residual = None
         for layer, layer_cache in zip(self.layers, kv_cache):
             hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            hidden = self._attention(layer, hidden, positions, layer_cache, meta)
+            hidden = self._attention(layer, hidden, positions, layer_cache, meta, matmul)
             hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            hidden = ops.silu_mul(hidden @ layer.gate_up) @ layer.down  # [T, E]
-        # The final norm is per row, so only the rows that need logits go through it.
-        hidden, _ = ops.rms_norm(hidden[logits_indices], self.final_norm, eps, residual[logits_indices])
-        return (hidden @ self.lm_head).astype(ops.xp.float32)  # [K, V]
+            hidden = matmul(ops.silu_mul(matmul(hidden, layer.gate_up)), layer.down)  # [T, E]
+        if logits_indices is not None:
+            # The final norm is per row, so only the rows that need logits go through it.
+            hidden, residual = hidden[logits_indices], residual[logits_indices]  # [K, E]
+        hidden, _ = ops.rms_norm(hidden, self.final_norm, eps, residual)
+        return matmul(hidden, self.lm_head).astype(ops.xp.float32)  # [K, V]
 
-    def _attention(self, layer: LlamaLayer, hidden, positions, layer_cache, meta: AttentionMetadata):
+    def _attention(self, layer: LlamaLayer, hidden, positions, layer_cache, meta: AttentionMetadata,
+                   matmul):
         c = self.config
         num_tokens = hidden.shape[0]
         q_dim = c.num_attention_heads * c.head_dim
         kv_dim = c.num_key_value_heads * c.head_dim
-        qkv = hidden @ layer.qkv  # [T, (H + 2 Hkv) D]
+        qkv = matmul(hidden, layer.qkv)  # [T, (H + 2 Hkv) D]
         q = qkv[:, :q_dim].reshape(num_tokens, c.num_attention_heads, c.head_dim)  # [T, H, D]
         k = qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
         v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
         q, k = self.ops.rope(q, k, positions, self.cos_sin_cache)
         self.ops.write_kv(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
         out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale)  # [T, H, D]
-        return out.reshape(num_tokens, q_dim) @ layer.o_proj  # [T, E]
+        return matmul(out.reshape(num_tokens, q_dim), layer.o_proj)  # [T, E]

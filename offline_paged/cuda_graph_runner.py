@@ -9,8 +9,8 @@ A step packs them on the host, copies them over in one H2D copy and launches the
 Rows S..b are padding: token 0 at position 0, slot -1 (no KV write), context len 1 reading block 0 slot 0
 (whatever is there; their logits are never read).
 
-The captured forward is Llama.forward written again with a capture-safe GEMM (cuda/graphs.py) in place
-of `@`, computing logits for every row (a decode step samples every row). Attention plans its key
+The captured forward is Llama.forward itself, given a capture-safe GEMM (cuda/graphs.py) as its matmul
+and no logits_indices, so it computes logits for every row (a decode step samples every row). Attention plans its key
 splits for max_context_len = max_model_len, a static bound, so the captured launch stays valid for
 every replay. Everything the forward allocates comes from a private CuPy pool used only while warming
 up and capturing; the output of each bucket is kept referenced, so no later capture or eager step can
@@ -124,27 +124,9 @@ class DecodeGraphs:
         return bucket
 
     def _forward(self, bucket: _Bucket):
-        """Llama.forward for one token per row, every row's logits [b, V] float32; no host sync."""
-        model, gemm, c = self.model, self._gemm, self.model.config
-        ops, eps, b = model.ops, c.rms_norm_eps, bucket.size
+        """Llama.forward for one token per row through the capture-safe GEMM: every row's logits
+        [b, V] float32, no host sync (attention plans its splits for the static max_model_len)."""
         ids, pos, slots, ctx, qsl, tables = bucket.views(bucket.device)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx,
                                  query_start_loc=qsl, max_query_len=1, max_context_len=self.max_model_len)
-        q_dim = c.num_attention_heads * c.head_dim
-        kv_dim = c.num_key_value_heads * c.head_dim
-        hidden = cupy.take(model.embed, ids, axis=0)  # [b, E]
-        residual = None
-        for layer, layer_cache in zip(model.layers, self.kv_cache):
-            hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            qkv = gemm(hidden, layer.qkv)  # [b, (H + 2 Hkv) D]
-            q = qkv[:, :q_dim].reshape(b, c.num_attention_heads, c.head_dim)  # [b, H, D]
-            k = qkv[:, q_dim:q_dim + kv_dim].reshape(b, c.num_key_value_heads, c.head_dim)  # [b, Hkv, D]
-            v = qkv[:, q_dim + kv_dim:].reshape(b, c.num_key_value_heads, c.head_dim)  # [b, Hkv, D]
-            q, k = ops.rope(q, k, pos, model.cos_sin_cache)
-            ops.write_kv(k, v, layer_cache[0], layer_cache[1], slots)
-            attn = ops.attention(q, layer_cache[0], layer_cache[1], meta, model.scale)  # [b, H, D]
-            hidden = gemm(attn.reshape(b, q_dim), layer.o_proj)  # [b, E]
-            hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            hidden = gemm(ops.silu_mul(gemm(hidden, layer.gate_up)), layer.down)  # [b, E]
-        hidden, _ = ops.rms_norm(hidden, model.final_norm, eps, residual)
-        return gemm(hidden, model.lm_head).astype(cupy.float32)  # [b, V]
+        return self.model.forward(ids, pos, self.kv_cache, meta, None, matmul=self._gemm)

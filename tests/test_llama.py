@@ -8,7 +8,7 @@ from safetensors.numpy import load_file
 from offline_paged.models.config import LlamaConfig
 from offline_paged.models.llama import Llama
 from offline_paged.models.ops_numpy import NumpyOps
-from offline_paged.models.simple_runner import SimpleRunner
+from offline_paged.models.simple_runner import SimpleRunner, build_metadata
 from tiny_llama import hf_logits, make_tiny_hf_model, random_prompts
 
 PROMPT_LENGTHS = [7, 13, 1, 20, 16]
@@ -146,3 +146,31 @@ def test_missing_weight_is_named(tiny):
     bad = {k: v for k, v in weights.items() if k != "model.norm.weight"}
     with pytest.raises(ValueError, match=r"missing tensors \['model\.norm\.weight'\]"):
         Llama(config, bad, NumpyOps())
+
+
+def test_all_rows_and_an_injected_matmul_equal_the_default_path(tiny):
+    """The decode CUDA graphs call forward with logits_indices=None and their own GEMM as `matmul`:
+    that path must compute exactly what the default one does, through the given matmul only."""
+    _, config, _ = tiny
+    model = _ours(tiny, dtype=np.float64)
+    prompts = random_prompts(9, [6, 11, 3], config.vocab_size)
+    block_size, tables, slots, ids, positions = 4, [], [], [], []
+    for i, prompt in enumerate(prompts):
+        tables.append([10 * i + b for b in range(-(-len(prompt) // block_size))])
+        for pos, token in enumerate(prompt):
+            ids.append(token), positions.append(pos)
+            slots.append(tables[-1][pos // block_size] * block_size + pos % block_size)
+    meta = build_metadata(np, tables, [len(p) for p in prompts], [len(p) for p in prompts], slots)
+    args = (np.asarray(ids, dtype=np.int32), np.asarray(positions, dtype=np.int32))
+
+    default = model.forward(*args, model.allocate_kv_cache(40, block_size), meta,
+                            np.arange(len(ids), dtype=np.int32))  # [T, V]
+    calls = []
+
+    def counting_matmul(x, w):
+        calls.append(w.shape)
+        return x @ w
+
+    injected = model.forward(*args, model.allocate_kv_cache(40, block_size), meta, None, matmul=counting_matmul)
+    np.testing.assert_array_equal(injected, default)
+    assert len(calls) == 4 * config.num_hidden_layers + 1  # qkv, o_proj, gate_up, down per layer + LM head
