@@ -75,8 +75,7 @@ class LLMEngine:
         config = self.config
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.backend.dtype)
         model_len = config.max_model_len or self.model_config.max_position_embeddings
-        blocks_per_seq = math.ceil(model_len / config.block_size)
-        num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, blocks_per_seq, model)
+        num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, model_len, model)
         if config.num_cpu_blocks is not None:
             num_cpu = config.num_cpu_blocks
         else:
@@ -92,26 +91,25 @@ class LLMEngine:
             raise ValueError(f"the KV cache ({num_gpu} blocks of {config.block_size}) is too small to run")
         return model_len, num_gpu, num_cpu
 
-    def _cuda_kv_memory(self, model) -> int:
+    def _cuda_kv_memory(self, model, model_len: int) -> int:
         """Bytes for the KV pool on CUDA: free memory after the weights x gpu_memory_utilization, less
         the activations of the largest step (measured by a profiling forward, `profile_step_memory`)."""
         config = self.config
-        model_len = config.max_model_len or self.model_config.max_position_embeddings
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * model_len)
         activations = profile_step_memory(model, self.backend, num_tokens, config.max_num_seqs,
                                           config.block_size, self.eos_token_ids)
         self.profiled_activation_bytes = activations
         return int(self.backend.free_memory_bytes() * config.gpu_memory_utilization) - activations
 
-    def _blocks_from_memory(self, block_bytes: int, blocks_per_seq: int, model) -> int:
+    def _blocks_from_memory(self, block_bytes: int, model_len: int, model) -> int:
         config = self.config
         if config.kv_cache_memory is not None:
             memory = config.kv_cache_memory
         elif self.backend.name == "cuda":
-            memory = self._cuda_kv_memory(model)
+            memory = self._cuda_kv_memory(model, model_len)
         else:
             memory = DEFAULT_CPU_KV_CACHE_MEMORY
-        needed = config.max_num_seqs * blocks_per_seq + 1  # more can never be used at once
+        needed = config.max_num_seqs * math.ceil(model_len / config.block_size) + 1  # more is never used at once
         num_blocks = min(memory // block_bytes, needed)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={memory} bytes is less than one KV block ({block_bytes} bytes)")
