@@ -117,7 +117,7 @@ def main() -> None:
     timer.wrap(engine.runner, "_prepare", "runner._prepare")
     timer.wrap(engine.runner, "execute", "runner.execute")
     timer.wrap(engine.runner.gpu_sampler, "sample", "gpu_sampler host part")
-    timer.wrap(engine.scheduler, "postprocess", "postprocess")
+    timer.wrap(engine.output_processor, "process", "postprocess")
     timer.wrap(engine._stats, "record_schedule", "stats.record_schedule")
     for index, request in enumerate(random_workload(args.num_requests, output_len=(args.output_len,) * 2,
                                                     vocab_size=200)):

@@ -165,7 +165,8 @@ def _emit(options: dict, results: list, backend) -> None:
                                           f"out={_span(options['output_len'])}" if options["workload"] == "random" else ""))
     if options["as_json"]:
         runs = [json.loads(r.to_json(with_steps=options["json_steps"])) for r in results]
-        click.echo(json.dumps({"header": header, "runs": runs}))
+        click.echo(json.dumps({"header": header, "git_commit": _git_commit(), "device": _device_name(backend),
+                               "runs": runs}))
     else:
         click.echo(format_report(results, header))
     if options["plot"]:
@@ -175,3 +176,28 @@ def _emit(options: dict, results: list, backend) -> None:
 
 def _span(bounds: tuple[int, int]) -> str:
     return f"{bounds[0]}:{bounds[1]}"
+
+
+def _git_commit() -> str | None:
+    """The checkout's commit (with "+dirty" when it has changes), or None outside a git checkout."""
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
+def _device_name(backend) -> str:
+    if backend.name != "cuda":
+        import platform
+
+        return f"cpu {platform.processor() or platform.machine()}"
+    props = backend.xp.cuda.runtime.getDeviceProperties(backend.xp.cuda.Device().id)
+    return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])

@@ -2,9 +2,9 @@
 
 What one run measures (a `BenchResult`): wall time and tokens/s; per step, the wall time of
 `Scheduler.schedule`, of `ModelRunner.execute` (inputs, forward, the logits copy, sampling) and of
-the forward on the device (CUDA events around `model.forward`); KV blocks held and token slots
-filled; the batch size; device memory in use. The engine itself is not modified: the probe wraps
-those three methods on the instances.
+the forward on the device (CUDA events the runner records around the forward or graph replay); KV
+blocks held and token slots filled; the batch size; device memory in use. All of it comes from the
+StepReport that `LLMEngine.step_with_report` returns: nothing in the engine is wrapped or patched.
 
 The roofline estimate counts, per step, the bytes the step must move at least (every weight once,
 the K/V of every context token once, the new K/V, the fp32 logits) and the FLOPs it must do (the
@@ -189,7 +189,9 @@ class StepRecord:
     wall_s: float
     schedule_s: float
     execute_s: float
+    postprocess_s: float
     forward_s: float | None  # device time of the forward (CUDA events); None on the CPU
+    cuda_graph: bool  # the forward replayed a decode CUDA graph
     num_seqs: int
     num_tokens: int
     blocks_held: int
@@ -239,7 +241,8 @@ class BenchResult:
     def time_split(self) -> dict[str, float | None]:
         """Mean milliseconds per step: wall, schedule, execute, device forward, and the rest."""
         n = max(len(self.steps), 1)
-        total = {k: sum(getattr(s, k) for s in self.steps) for k in ("wall_s", "schedule_s", "execute_s")}
+        total = {k: sum(getattr(s, k) for s in self.steps)
+                 for k in ("wall_s", "schedule_s", "execute_s", "postprocess_s")}
         forward = None if not self.steps or self.steps[0].forward_s is None else \
             sum(s.forward_s for s in self.steps)
         return {
@@ -247,6 +250,8 @@ class BenchResult:
             "step_ms": 1e3 * total["wall_s"] / n,
             "schedule_ms": 1e3 * total["schedule_s"] / n,
             "execute_ms": 1e3 * total["execute_s"] / n,
+            "postprocess_ms": 1e3 * total["postprocess_s"] / n,
+            "num_cuda_graph_steps": sum(s.cuda_graph for s in self.steps),
             "forward_device_ms": None if forward is None else 1e3 * forward / n,
             "host_ms": 1e3 * (total["wall_s"] - (forward if forward is not None else total["execute_s"])) / n,
         }
@@ -281,60 +286,6 @@ class BenchResult:
         return json.dumps(data)
 
 
-class _StepProbe:
-    """Wraps schedule / execute / forward on the engine's instances and accumulates their times."""
-
-    def __init__(self, engine) -> None:
-        self.schedule_s = self.execute_s = 0.0
-        self.scheduled: list = []
-        self._events = None
-        cuda = engine.backend.name == "cuda"
-        self._xp = engine.backend.xp if cuda else None
-        self._wrap(engine.scheduler, "schedule", self._on_schedule)
-        self._wrap(engine.runner, "execute", self._on_execute)
-        if cuda:
-            self._wrap(engine.runner.model, "forward", self._on_forward)
-
-    @staticmethod
-    def _wrap(obj, name: str, hook) -> None:
-        original = getattr(obj, name)
-        setattr(obj, name, lambda *args, **kwargs: hook(original, *args, **kwargs))
-
-    def _on_schedule(self, original, *args, **kwargs):
-        t0 = time.perf_counter()
-        output = original(*args, **kwargs)
-        self.schedule_s += time.perf_counter() - t0
-        self.scheduled = output.scheduled
-        return output
-
-    def _on_execute(self, original, *args, **kwargs):
-        t0 = time.perf_counter()
-        results = original(*args, **kwargs)
-        self.execute_s += time.perf_counter() - t0
-        return results
-
-    def _on_forward(self, original, *args, **kwargs):
-        start, end = self._xp.cuda.Event(), self._xp.cuda.Event()
-        start.record()
-        logits = original(*args, **kwargs)
-        end.record()
-        self._events = (start, end)
-        return logits
-
-    def take(self) -> tuple[float, float, float | None, list]:
-        """(schedule s, execute s, forward device s or None, scheduled) since the last take."""
-        forward = None
-        if self._xp is not None:
-            forward = 0.0
-            if self._events is not None:
-                self._events[1].synchronize()
-                forward = self._xp.cuda.get_elapsed_time(*self._events) / 1e3
-        out = (self.schedule_s, self.execute_s, forward, self.scheduled)
-        self.schedule_s = self.execute_s = 0.0
-        self._events, self.scheduled = None, []
-        return out
-
-
 def warm_up(engine, vocab_size: int, num_requests: int = 4) -> None:
     """A few short requests so kernel compilation and handle creation stay out of the timing."""
     rng = random.Random(12345)
@@ -358,20 +309,17 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         engine.add_request(f"bench-{index}", prompt_token_ids=request.prompt_token_ids,
                            params=request.params)
     memory = _DeviceMemory(engine.backend)
-    probe = _StepProbe(engine)
     num_prompt = num_output = 0
     steps: list[StepRecord] = []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
-        finished = engine.step()
+        finished, report = engine.step_with_report()
         t1 = time.perf_counter()
-        schedule_s, execute_s, forward_s, scheduled = probe.take()
         for output in finished:
             num_prompt += len(output.prompt_token_ids)
             num_output += sum(len(c.token_ids) for c in output.outputs)
-        steps.append(_record(t1 - start, t1 - t0, schedule_s, execute_s, forward_s, scheduled,
-                             engine, manager, roofline, ceilings))
+        steps.append(_record(t1 - start, t1 - t0, report, engine, manager, roofline, ceilings))
         memory.sample()
     wall = time.perf_counter() - start
     return BenchResult(
@@ -382,15 +330,21 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         peak_device_memory=memory.peak, ceilings=ceilings, steps=steps)
 
 
-def _record(end_s, wall_s, schedule_s, execute_s, forward_s, scheduled, engine, manager,
-            roofline: RooflineModel, ceilings: Ceilings | None) -> StepRecord:
+def _record(end_s, wall_s, report, engine, manager, roofline: RooflineModel,
+            ceilings: Ceilings | None) -> StepRecord:
+    """One step's record from the engine's own StepReport (no wrapping of engine methods)."""
+    scheduled = report.scheduled
     stats = engine.stats  # KV occupancy as the step's forward saw it
     held = round(stats.kv_block_usage_current * manager.num_gpu_blocks)
     floor = None
     if ceilings is not None:
         bytes_moved, flops = roofline.step_cost(scheduled)
         floor = max(bytes_moved / ceilings.bandwidth, flops / ceilings.matmul_flops) if scheduled else 0.0
-    return StepRecord(end_s, wall_s, schedule_s, execute_s, forward_s, len(scheduled),
+    forward_s = report.forward_device_s()
+    if forward_s is None and engine.backend.name == "cuda":
+        forward_s = 0.0  # an empty step on the GPU: no forward ran
+    return StepRecord(end_s, wall_s, report.schedule_s, report.execute_s, report.postprocess_s,
+                      forward_s, report.used_cuda_graph, len(scheduled),
                       sum(s.num_new_tokens for s in scheduled), held,
                       stats.kv_utilization_current * held, floor)
 

@@ -47,9 +47,10 @@ def format_details(r: BenchResult) -> list[str]:
 
 
 def _format_split(split: dict) -> str:
-    text = (f"per step ({split['num_steps']} steps): {split['step_ms']:.2f} ms = schedule "
-            f"{split['schedule_ms']:.2f} + execute {split['execute_ms']:.2f} + rest "
-            f"{split['step_ms'] - split['schedule_ms'] - split['execute_ms']:.2f}")
+    rest = split['step_ms'] - split['schedule_ms'] - split['execute_ms'] - split['postprocess_ms']
+    text = (f"per step ({split['num_steps']} steps, {split['num_cuda_graph_steps']} from CUDA graphs): "
+            f"{split['step_ms']:.2f} ms = schedule {split['schedule_ms']:.2f} + execute "
+            f"{split['execute_ms']:.2f} + postprocess {split['postprocess_ms']:.2f} + rest {rest:.2f}")
     if split["forward_device_ms"] is not None:
         text += (f"; forward on the device {split['forward_device_ms']:.2f} ms, host-only "
                  f"{split['host_ms']:.2f} ms ({split['host_ms'] / max(split['step_ms'], 1e-12):.0%})")

@@ -1,7 +1,7 @@
 """LLMEngine: add requests, then step() until done. One step = schedule -> execute -> postprocess.
 
 The engine owns the layers below it: a Backend (numpy/cupy + ops), the Llama model, a BlockManager,
-the Scheduler and the ModelRunner. It turns prompts into SequenceGroups, decides each sample's
+the Scheduler, the ModelRunner and the OutputProcessor. It turns prompts into SequenceGroups, decides each sample's
 random-stream seed, checks stop conditions (with a StopChecker) and builds RequestOutputs.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from typing import TYPE_CHECKING
 
 from offline_paged.backend import select_backend
@@ -16,6 +17,7 @@ from offline_paged.beam_search import BeamState, runner_top_k
 from offline_paged.block_manager import BlockManager
 from offline_paged.config import EngineConfig
 from offline_paged.engine_stats import StatsTracker
+from offline_paged.output_processor import OutputProcessor
 from offline_paged.outputs import CompletionOutput, EngineStats, RequestOutput
 from offline_paged.random_stream import random_bits, stream_seed
 from offline_paged.runner import (DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner, kv_block_bytes,
@@ -24,6 +26,7 @@ from offline_paged.sampler import Sampler
 from offline_paged.sampling_params import SamplingParams
 from offline_paged.scheduler import Scheduler
 from offline_paged.sequence import Sequence, SequenceGroup
+from offline_paged.step_report import StepReport
 from offline_paged.stop_checker import StopChecker
 
 if TYPE_CHECKING:
@@ -65,6 +68,7 @@ class LLMEngine:
                                   config.block_size, Sampler(self.eos_token_ids),
                                   cuda_graphs=config.cuda_graphs, max_model_len=self.max_model_len)
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(self.scheduler, self.stop_checker)
         self._stats = StatsTracker(num_gpu_blocks, num_cpu_blocks, config.block_size)
         self._groups: dict[str, SequenceGroup] = {}
         self._arrivals = itertools.count()
@@ -223,15 +227,25 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests that finished in it (in finishing order)."""
+        return self.step_with_report()[0]
+
+    def step_with_report(self) -> tuple[list[RequestOutput], StepReport]:
+        """`step`, plus the step's own StepReport (phase times, the forward's device timer)."""
+        t0 = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not schedule anything although requests are "
                                "waiting; the KV cache is too small for them")
         self._stats.record_schedule(output, self.scheduler)
-        results = self.runner.execute(output)
-        finished = self.scheduler.postprocess(output, results, self.stop_checker)
-        self._stats.record_postprocess(output, results)
-        return [self._finish(group) for group in finished]
+        t1 = time.perf_counter()
+        executed = self.runner.execute_timed(output)
+        t2 = time.perf_counter()
+        finished = self.output_processor.process(output, executed.results)
+        self._stats.record_postprocess(output, executed.results)
+        outputs = [self._finish(group) for group in finished]
+        report = StepReport(output.scheduled, t1 - t0, t2 - t1, time.perf_counter() - t2,
+                            executed.forward_timer, executed.used_cuda_graph)
+        return outputs, report
 
     def _finish(self, group: SequenceGroup) -> RequestOutput:
         del self._groups[group.request_id]

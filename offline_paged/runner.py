@@ -21,8 +21,16 @@ import numpy as np
 from offline_paged.models.attention import AttentionMetadata
 from offline_paged.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
 from offline_paged.sequence import SequenceResult
+from offline_paged.step_report import DeviceTimer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteOutput:
+    results: list[SequenceResult]  # one per scheduled sequence, in order
+    forward_timer: DeviceTimer | None  # CUDA events around the forward; None on the CPU
+    used_cuda_graph: bool
 
 
 @dataclass(slots=True)
@@ -102,11 +110,18 @@ class ModelRunner:
     def execute(self, output) -> list[SequenceResult]:
         """Perform the step's block moves, run the forward and sample. One result per scheduled
         sequence, in order."""
+        return self.execute_timed(output).results
+
+    def execute_timed(self, output) -> ExecuteOutput:
+        """`execute`, also reporting the forward's device timer (CUDA) and whether a graph replayed."""
         self.swap_out(output.blocks_to_swap_out)
         self.swap_in(output.blocks_to_swap_in)
         self.copy_blocks(output.blocks_to_copy)
         if not output.scheduled:
-            return []
+            return ExecuteOutput([], None, False)
+        timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
+        if timer is not None:
+            timer.start()  # outside any capture: graphs are captured inside DecodeGraphs only
         replayed = self._replay_decode(output.scheduled)
         if replayed is not None:
             logits, offsets = replayed  # [b, V] float32 (device), row i = sequence i
@@ -115,9 +130,11 @@ class ModelRunner:
             logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
                                         batch.logits_indices)  # [K, V] float32 (device)
             offsets = batch.logits_offsets
+        if timer is not None:
+            timer.stop()
         if self.gpu_sampler is None:
             logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
-        return self._results(output.scheduled, logits, offsets)
+        return ExecuteOutput(self._results(output.scheduled, logits, offsets), timer, replayed is not None)
 
     def _replay_decode(self, scheduled):
         """(logits [b, V], offsets) from a CUDA graph when every sequence computes one token and the

@@ -1,9 +1,12 @@
-"""Scheduler: picks each iteration's batch (continuous batching + chunked prefill), preempts under memory
-pressure, and folds the runner's results back into the sequences.
+"""Scheduler: picks each iteration's batch (continuous batching + chunked prefill) and preempts under
+memory pressure. It only schedules: the OutputProcessor (output_processor.py) folds a step's sampled
+tokens back in through the small seam at the end of the class (record_computed, finish_seq, add_fork,
+retire).
 
-Data structures: `running` and `swapped` are lists kept sorted by priority (request arrival, then
-sample index: FCFS); `waiting` is sorted the same way, so preempted sequences go back in front of
-requests that arrived after them. Invariants kept between calls:
+Data structures: `waiting`, `running` and `swapped` are SeqQueues kept in priority order (request
+arrival, then sample index: FCFS), so preempted sequences go back in front of requests that arrived
+after them. A step's ScheduledSequence holds the block manager's own block table list (no copy): it
+is read by the runner before anything changes it. Invariants kept between calls:
 - every RUNNING sequence holds device blocks for `num_slots` positions, SWAPPED ones CPU blocks,
   WAITING and FINISHED ones none;
 - the sequences scheduled in one step are never preempted in that step.
@@ -28,23 +31,17 @@ sequences against max_num_seqs while any of its beams runs.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from offline_paged.beam_search import BeamStep
 from offline_paged.config import PreemptionMode
+from offline_paged.seq_queue import SeqQueue
 from offline_paged.sequence import (
     FinishReason,
     Sequence,
     SequenceGroup,
-    SequenceResult,
     SequenceStatus,
 )
-
-# Called after a token is appended: returns (reason, stop_reason) when the sequence must stop.
-StopChecker = Callable[[Sequence], "tuple[FinishReason, int | str | None] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +116,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
-        self.swapped: list[Sequence] = []
+        self.waiting = SeqQueue()
+        self.running = SeqQueue()
+        self.swapped = SeqQueue()
         self._next_seq_id = itertools.count()
 
     # ----------------------------------------------------------------- requests
@@ -138,7 +135,7 @@ class Scheduler:
             logprobs=[] if group.num_logprobs is not None else None,
         )
         group.seqs.append(seq)
-        _insert(self.waiting, seq)
+        self.waiting.insert(seq)
 
     def abort_group(self, group: SequenceGroup) -> None:
         """Finish every unfinished sequence of `group` with ABORT and release its blocks."""
@@ -199,20 +196,22 @@ class Scheduler:
     def _youngest_victim(self, seq: Sequence, plan: _StepPlan) -> Sequence:
         """The youngest running sequence not yet scheduled in this step, or `seq` itself if it comes
         first: preempting a scheduled one would free blocks its part of the step still writes."""
-        for candidate in reversed(self.running):
+        for candidate in self.running.youngest_first():
             if candidate is seq or candidate.seq_id not in plan.scheduled_ids:
                 return candidate
         raise RuntimeError(f"sequence {seq.seq_id} is not in the running queue")
 
     def _schedule_swapped(self, plan: _StepPlan) -> None:
+        occupancy = _Occupancy(self.running)
         while self.swapped and plan.budget > 0:
-            seq = self.swapped[0]
-            if not self._has_room_for(seq) or not self.block_manager.can_swap_in(seq.seq_id):
+            seq = self.swapped.head()
+            if not occupancy.has_room_for(seq, self.max_num_seqs) or not self.block_manager.can_swap_in(seq.seq_id):
                 return
-            self.swapped.pop(0)
+            self.swapped.pop_head()
+            occupancy.add(seq)
             plan.swap_in += self.block_manager.swap_in(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
-            _insert(self.running, seq)
+            self.running.insert(seq)
             if self._try_append(seq, plan):
                 self._schedule(seq, plan)
 
@@ -228,17 +227,15 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        occupancy = _Occupancy(self.running)
         while self.waiting and plan.budget > 0:
-            seq = self.waiting[0]
-            if not self._has_room_for(seq) or not self.block_manager.can_allocate(seq.token_ids):
+            seq = self.waiting.head()
+            if not occupancy.has_room_for(seq, self.max_num_seqs) or not self.block_manager.can_allocate(seq.token_ids):
                 return
-            self.waiting.pop(0)
+            self.waiting.pop_head()
+            occupancy.add(seq)
             self._admit(seq)
             self._schedule(seq, plan)
-
-    def _has_room_for(self, seq: Sequence) -> bool:
-        """Whether seq (and the samples it will fork into) fit within max_num_seqs."""
-        return _num_reserved_seqs([*self.running, seq]) <= self.max_num_seqs
 
     def _admit(self, seq: Sequence) -> None:
         num_cached = self.block_manager.allocate(seq.seq_id, seq.token_ids)
@@ -252,7 +249,7 @@ class Scheduler:
         else:
             seq.num_computed_tokens, seq.num_skip_write = num_cached, 0
         seq.status = SequenceStatus.RUNNING
-        _insert(self.running, seq)
+        self.running.insert(seq)
 
     def _schedule(self, seq: Sequence, plan: _StepPlan) -> None:
         num_new = min(seq.num_uncomputed_tokens, plan.budget)
@@ -262,7 +259,7 @@ class Scheduler:
         plan.scheduled_ids.add(seq.seq_id)
         plan.scheduled.append(ScheduledSequence(
             seq=seq, start=seq.num_computed_tokens, num_new_tokens=num_new,
-            block_table=list(self.block_manager.block_table(seq.seq_id)),
+            block_table=self.block_manager.block_table(seq.seq_id),
             num_samples=(group.num_samples if group.needs_fork else 1) if done else 0,
             prompt_logprobs=group.params.prompt_logprobs if group.wants_prompt_logprobs else None,
         ))
@@ -281,12 +278,12 @@ class Scheduler:
         if self.preemption_mode is PreemptionMode.SWAP and self.block_manager.can_swap_out(seq.seq_id):
             plan.swap_out += self.block_manager.swap_out(seq.seq_id)
             seq.status = SequenceStatus.SWAPPED
-            _insert(self.swapped, seq)
+            self.swapped.insert(seq)
             plan.num_swap += 1
         else:
             self.block_manager.free(seq.seq_id)
             seq.forget_cache()
-            _insert(self.waiting, seq)
+            self.waiting.insert(seq)
             plan.num_recompute += 1
 
     def _park(self, seq: Sequence) -> None:
@@ -299,85 +296,40 @@ class Scheduler:
     def _park_youngest_idle_beam(self) -> bool:
         if not (self.waiting or self.swapped):
             return False
-        for seq in reversed(self.running):
+        for seq in self.running.youngest_first():
             if _is_idle_beam(seq):
                 self._park(seq)
                 return True
         return False
 
-    # ----------------------------------------------------------------- postprocess
-    def postprocess(
-        self, output: SchedulerOutput, results: list[SequenceResult], stop_checker: StopChecker
-    ) -> list[SequenceGroup]:
-        """Fold one step's results in: advance computed counts, register computed blocks with the
-        prefix cache, fork, append sampled tokens, stop and free finished sequences.
-        Returns the requests that finished in this step."""
-        if len(results) != len(output.scheduled):
-            raise RuntimeError(f"runner returned {len(results)} results for {len(output.scheduled)} sequences")
-        finished: list[SequenceGroup] = []
-        for item, result in zip(output.scheduled, results):
-            seq = item.seq
-            seq.num_computed_tokens = item.start + item.num_new_tokens
-            self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if result.prompt_logprobs is not None:
-                _extend_prompt_logprobs(seq.group, item.start, result.prompt_logprobs)
-            if len(result.samples) != item.num_samples:
-                raise RuntimeError(f"sequence {seq.seq_id}: expected {item.num_samples} samples, "
-                                   f"got {len(result.samples)}")
-            if seq.group.beam is not None:
-                if result.samples:
-                    self._beam_result(seq, result.samples[0], stop_checker)
-            else:
-                targets = self._fork(seq, len(result.samples)) if len(result.samples) > 1 else [seq]
-                for target, sample in zip(targets, result.samples):
-                    self._append(target, sample, stop_checker)
-            if seq.group.is_finished and seq.group not in finished:
-                finished.append(seq.group)
-        return finished
+    # ----------------------------------------------------------------- the output processor's seam
+    def record_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """The step computed seq's tokens up to `num_computed_tokens`; register its full blocks."""
+        seq.num_computed_tokens = num_computed_tokens
+        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, num_computed_tokens)
 
-    def _fork(self, parent: Sequence, num_samples: int) -> list[Sequence]:
-        group = parent.group
-        children = []
-        for index in range(1, num_samples):
-            child = parent.fork(next(self._next_seq_id), index, group.sample_seeds[index])
+    def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """seq is done: its blocks go back at once."""
+        self._release(seq)
+        seq.finish(reason, stop_reason)
+
+    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """Queue `child`, forked from `parent`: it shares the parent's blocks copy-on-write when the
+        parent holds them, or waits to be recomputed when the parent was parked (beam search)."""
+        if parent.status is SequenceStatus.RUNNING:
             self.block_manager.fork(parent.seq_id, child.seq_id)
-            group.seqs.append(child)
-            _insert(self.running, child)
-            children.append(child)
-        group.forked = True
-        return [parent, *children]
+            self.running.insert(child)
+        else:
+            child.forget_cache()
+            self.waiting.insert(child)
 
-    def _beam_result(self, seq: Sequence, sample, stop_checker: StopChecker) -> None:
-        """Record one beam's row; once every live beam has one, run the beam step."""
-        group = seq.group
-        group.beam.add_result(seq, sample)
-        if group.beam.is_ready(group.seqs):
-            self._apply_beam_step(group, group.beam.step(group.seqs, stop_checker, self._new_seq_id))
+    def retire(self, seq: Sequence) -> None:
+        """A beam parent replaced by its children: release it without a finish reason."""
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
 
-    def _apply_beam_step(self, group: SequenceGroup, step: BeamStep) -> None:
-        """Fork the chosen children off their parents, then retire every parent."""
-        for child, parent in step.children:
-            if parent.status is SequenceStatus.RUNNING:
-                self.block_manager.fork(parent.seq_id, child.seq_id)
-                _insert(self.running, child)
-            else:  # a parked parent has no blocks to share: the child is recomputed
-                child.forget_cache()
-                _insert(self.waiting, child)
-        for parent in group.seqs:
-            self._release(parent)
-            parent.status = SequenceStatus.FINISHED
-        group.seqs = [child for child, _ in step.children]
-        group.forked = True
-
-    def _new_seq_id(self) -> int:
+    def new_seq_id(self) -> int:
         return next(self._next_seq_id)
-
-    def _append(self, seq: Sequence, sample, stop_checker: StopChecker) -> None:
-        seq.append_token(sample)
-        stop = stop_checker(seq)
-        if stop is not None:
-            self._release(seq)
-            seq.finish(*stop)
 
     def _release(self, seq: Sequence) -> None:
         """Remove seq from whichever queue holds it and give its blocks back."""
@@ -391,25 +343,30 @@ class Scheduler:
             self.waiting.remove(seq)
 
 
-def _extend_prompt_logprobs(group: SequenceGroup, start: int, entries: list) -> None:
-    """entries score prompt positions start+1, ...; a re-prefill after recompute preemption
-    scores positions already known again, so only the new ones are kept."""
-    skip = len(group.prompt_logprobs) - (start + 1)
-    if skip < 0:
-        raise RuntimeError(f"prompt logprobs of {group.request_id!r} would skip positions")
-    group.prompt_logprobs.extend(entries[skip:])
-
-
 def _is_idle_beam(seq: Sequence) -> bool:
     return seq.group.beam is not None and seq.group.beam.is_idle(seq)
 
 
-def _num_reserved_seqs(seqs: list[Sequence]) -> int:
-    """Sequences these may occupy: n for a request still to fork, beam_width per beam request."""
-    beam_groups = {id(s.group): s.group for s in seqs if s.group.beam is not None}
-    others = sum(s.group.num_pending_seqs for s in seqs if s.group.beam is None)
-    return others + sum(g.params.beam_width for g in beam_groups.values())
+class _Occupancy:
+    """Sequences the running queue may occupy (n for a request still to fork, beam_width per beam
+    request), counted once per schedule() pass and updated as sequences are admitted."""
 
+    def __init__(self, running: SeqQueue) -> None:
+        self.count = 0
+        self._beam_groups: set[int] = set()
+        for seq in running:
+            self.add(seq)
 
-def _insert(queue: list[Sequence], seq: Sequence) -> None:
-    bisect.insort(queue, seq, key=_by_priority)
+    def cost(self, seq: Sequence) -> int:
+        group = seq.group
+        if group.beam is None:
+            return group.num_pending_seqs
+        return 0 if id(group) in self._beam_groups else group.params.beam_width
+
+    def add(self, seq: Sequence) -> None:
+        self.count += self.cost(seq)
+        if seq.group.beam is not None:
+            self._beam_groups.add(id(seq.group))
+
+    def has_room_for(self, seq: Sequence, max_num_seqs: int) -> bool:
+        return self.count + self.cost(seq) <= max_num_seqs

@@ -160,6 +160,30 @@ def test_run_bench_counts_exact_tokens_and_records_every_step():
     assert len(summary["steps"]) == len(result.steps)
 
 
+def test_run_bench_reads_the_step_report_and_patches_nothing():
+    engine = _engine()
+    patched_before = {name: set(vars(obj)) for name, obj in
+                      (("scheduler", engine.scheduler), ("runner", engine.runner), ("model", engine.runner.model))}
+    result = run_bench(engine, random_workload(6, (4, 12), (2, 6), vocab_size=VOCAB_SIZE, seed=3))
+    for name, obj in (("scheduler", engine.scheduler), ("runner", engine.runner), ("model", engine.runner.model)):
+        assert set(vars(obj)) == patched_before[name], f"run_bench changed the {name} instance"
+    for step in result.steps:
+        assert step.forward_s is None and not step.cuda_graph  # CPU: no device timer, no graphs
+        assert 0 <= step.schedule_s + step.execute_s + step.postprocess_s <= step.wall_s
+    assert sum(s.num_tokens for s in result.steps) == result.num_prompt_tokens + result.num_output_tokens - 6
+
+
+def test_step_with_report_describes_the_step():
+    engine = _engine()
+    engine.add_request("a", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=2, ignore_eos=True))
+    outputs, report = engine.step_with_report()
+    assert outputs == [] and [item.seq.group.request_id for item in report.scheduled] == ["a"]
+    assert report.num_tokens == 3 and report.forward_timer is None and not report.used_cuda_graph
+    assert min(report.schedule_s, report.execute_s, report.postprocess_s) >= 0
+    outputs, report = engine.step_with_report()
+    assert [o.request_id for o in outputs] == ["a"] and report.num_tokens == 1
+
+
 def test_contiguous_layout_admits_fewer_sequences_on_the_same_pool():
     requests = random_workload(12, (4, 8), (8, 12), vocab_size=VOCAB_SIZE, seed=2)
     paged = run_bench(_engine("paged", num_blocks=30), requests, kv_layout="paged")

@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from offline_paged.block_manager import BlockManager
 from offline_paged.config import PreemptionMode
 from offline_paged.sampling_params import SamplingParams
+from offline_paged.output_processor import OutputProcessor
 from offline_paged.scheduler import Scheduler
 from offline_paged.sequence import (
     FinishReason,
@@ -112,6 +113,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
         self.scheduler = Scheduler(manager, max_num_seqs, max_tokens_budget, mode)
         self.runner = FakeRunner(num_gpu_blocks, num_gpu_blocks, block_size)
+        self.processor = OutputProcessor(self.scheduler, stop_checker)
         self.groups: dict[str, SequenceGroup] = {}
         self.expected: dict[str, list[list[int]]] = {}
         self.finished: set[str] = set()
@@ -150,7 +152,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len({item.seq.seq_id for item in output.scheduled}) == len(output.scheduled)
         self.num_preempted += output.num_preempted_recompute + output.num_preempted_swap
         results = self.runner.execute(output)
-        for group in s.postprocess(output, results, stop_checker):
+        for group in self.processor.process(output, results):
             self.finished.add(group.request_id)
             got = sorted(seq.output_token_ids for seq in group.seqs)
             assert got == sorted(self.expected[group.request_id]), f"{group.request_id}: wrong tokens"
@@ -175,7 +177,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert all(seq.status is status for seq in queue)
             keys = [seq.priority for seq in queue]
             assert keys == sorted(keys), "queue not in FCFS order"
-        ids = [seq.seq_id for seq in s.waiting + s.running + s.swapped]
+        ids = [seq.seq_id for q in (s.waiting, s.running, s.swapped) for seq in q]
         assert len(ids) == len(set(ids)), "a sequence sits in two queues"
 
     @invariant()
@@ -183,9 +185,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.scheduler is None:
             return
         s = self.scheduler
-        holders = {seq.seq_id for seq in s.running + s.swapped}
+        holders = {seq.seq_id for q in (s.running, s.swapped) for seq in q}
         assert s.block_manager.num_seqs == len(holders)
-        assert all(seq.seq_id in s.block_manager for seq in s.running + s.swapped)
+        assert all(seq.seq_id in s.block_manager for q in (s.running, s.swapped) for seq in q)
 
     @invariant()
     def running_within_limits(self):

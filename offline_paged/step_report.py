@@ -1,0 +1,55 @@
+"""StepReport: what one engine step did and how long its parts took, reported by the step itself.
+
+Host times come from perf_counter around the engine's three phases. The device time of the forward
+comes from two CUDA events the runner records on its stream around the forward (eager or a graph
+replay), never inside a captured region; reading it waits for the end event, so it is read lazily.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class DeviceTimer:
+    """A pair of CUDA events around one forward; `elapsed_s()` waits for the second."""
+
+    __slots__ = ("_xp", "_start", "_end")
+
+    def __init__(self, xp) -> None:
+        self._xp = xp
+        self._start, self._end = xp.cuda.Event(), xp.cuda.Event()
+
+    def start(self) -> None:
+        self._start.record()
+
+    def stop(self) -> None:
+        self._end.record()
+
+    def elapsed_s(self) -> float:
+        self._end.synchronize()
+        return self._xp.cuda.get_elapsed_time(self._start, self._end) / 1e3
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One step: the scheduled sequences, host seconds per phase, and the forward's device timer
+    (None on the CPU or when nothing ran)."""
+
+    scheduled: list[Any]  # the step's ScheduledSequences
+    schedule_s: float
+    execute_s: float
+    postprocess_s: float
+    forward_timer: DeviceTimer | None
+    used_cuda_graph: bool
+
+    @property
+    def wall_s(self) -> float:
+        return self.schedule_s + self.execute_s + self.postprocess_s
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    def forward_device_s(self) -> float | None:
+        """GPU time of the forward (waits for it); None on the CPU."""
+        return None if self.forward_timer is None else self.forward_timer.elapsed_s()
