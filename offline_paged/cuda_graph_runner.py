@@ -49,7 +49,8 @@ class _Bucket:
         return ids, pos, slots, ctx, qsl, packed[5 * b + 1:].reshape(b, self.max_blocks)
 
     def pack(self, input_ids, positions, slot_mapping, block_tables) -> None:
-        """Fill the host buffer for S <= b real rows; padding rows as in the module docstring."""
+        """Fill the host buffer for S <= b real rows; padding rows as in the module docstring.
+        block_tables: a list of S block lists, or an [S, M'] array of zero-padded rows."""
         num_seqs = len(block_tables)
         ids, pos, slots, ctx, qsl, tables = self.views(self.host)
         ids[:num_seqs], ids[num_seqs:] = input_ids, 0
@@ -57,8 +58,12 @@ class _Bucket:
         slots[:num_seqs], slots[num_seqs:] = slot_mapping, -1
         ctx[:num_seqs], ctx[num_seqs:] = np.asarray(positions) + 1, 1
         qsl[:] = np.arange(self.size + 1)
-        lens = np.fromiter(map(len, block_tables), np.int64, num_seqs)  # [S]
         tables[:] = 0
+        if isinstance(block_tables, np.ndarray):  # [S, M'] zero-padded rows (the runner's BlockTableRows)
+            width = min(block_tables.shape[1], self.max_blocks)
+            tables[:num_seqs, :width] = block_tables[:, :width]
+            return
+        lens = np.fromiter(map(len, block_tables), np.int64, num_seqs)  # [S]
         tables[:num_seqs][np.arange(self.max_blocks) < lens[:, None]] = np.fromiter(
             itertools.chain.from_iterable(block_tables), np.int64, int(lens.sum()))
 
@@ -93,7 +98,7 @@ class DecodeGraphs:
 
     def run(self, input_ids, positions, slot_mapping, block_tables):
         """One decode step: token input_ids[i] at positions[i] of sequence i (its KV goes to
-        slot_mapping[i]; -1 skips), block_tables[i] its blocks. Returns the bucket's logits [b, V]
+        slot_mapping[i]; -1 skips), block_tables[i] its blocks (lists, or zero-padded rows of an array). Returns the bucket's logits [b, V]
         float32 (device; rows >= S are padding), valid until this bucket's next replay."""
         size = next(b for b in self.buckets if b >= len(block_tables))
         bucket = self._captured.get(size) or self._capture(size)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from offline_paged.block_table_rows import BlockTableRows
 from offline_paged.models.attention import AttentionMetadata
 from offline_paged.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
 from offline_paged.sequence import SequenceResult
@@ -91,6 +92,8 @@ class ModelRunner:
         self.kv_cache = model.allocate_kv_cache(num_gpu_blocks, block_size)  # [L, 2, N, B, Hkv, D]
         self._swapper = None
         self._upload = _StepUpload(backend)
+        max_blocks = 64 if max_model_len is None else -(-max_model_len // block_size)
+        self.table_rows = BlockTableRows(block_size, max_blocks=max_blocks)  # rows live across steps
         self.decode_graphs = None
         if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype) == np.float16:
             if max_model_len is None:
@@ -117,16 +120,18 @@ class ModelRunner:
         self.swap_out(output.blocks_to_swap_out)
         self.swap_in(output.blocks_to_swap_in)
         self.copy_blocks(output.blocks_to_copy)
+        self.table_rows.release(output.freed_seq_ids)
         if not output.scheduled:
             return ExecuteOutput([], None, False)
+        rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
         if timer is not None:
             timer.start()  # outside any capture: graphs are captured inside DecodeGraphs only
-        replayed = self._replay_decode(output.scheduled)
+        replayed = self._replay_decode(output.scheduled, rows)
         if replayed is not None:
             logits, offsets = replayed  # [b, V] float32 (device), row i = sequence i
         else:
-            batch = self._prepare(output.scheduled)
+            batch = self._prepare(output.scheduled, rows)
             logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
                                         batch.logits_indices)  # [K, V] float32 (device)
             offsets = batch.logits_offsets
@@ -136,20 +141,20 @@ class ModelRunner:
             logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
         return ExecuteOutput(self._results(output.scheduled, logits, offsets), timer, replayed is not None)
 
-    def _replay_decode(self, scheduled):
+    def _replay_decode(self, scheduled, rows: np.ndarray):
         """(logits [b, V], offsets) from a CUDA graph when every sequence computes one token and the
-        step fits a bucket; None otherwise (the eager forward runs)."""
+        step fits a bucket; None otherwise (the eager forward runs). rows [S]: block-table rows."""
         graphs = self.decode_graphs
         if graphs is None or any(item.num_new_tokens != 1 for item in scheduled):
             return None
         num_seqs, block_size = len(scheduled), self.block_size
-        tables = [item.block_table for item in scheduled]
         starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
-        if not graphs.fits(num_seqs, int(starts.max()) + 1, max(map(len, tables))):
+        if not graphs.fits(num_seqs, int(starts.max()) + 1, int(self.table_rows.lens[rows].max())):
             return None
+        tables = self.table_rows.tables[rows]  # [S, M'] int32, zero-padded
         skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
         input_ids = np.fromiter((item.seq.token_ids[item.start] for item in scheduled), np.int64, num_seqs)  # [S]
-        blocks = np.fromiter((t[s // block_size] for t, s in zip(tables, starts.tolist())), np.int64, num_seqs)  # [S]
+        blocks = tables[np.arange(num_seqs), starts // block_size].astype(np.int64)  # [S]
         slots = blocks * block_size + starts % block_size  # [S]
         slots[starts < skips] = -1  # cached K/V recomputed for scores only: don't rewrite
         logits = graphs.run(input_ids, starts, slots, tables)  # [b, V] float32 (device)
@@ -174,9 +179,10 @@ class ModelRunner:
                                          np.asarray(dst_ids, dtype=np.int64))
 
     # ----------------------------------------------------------------- inputs
-    def _prepare(self, scheduled) -> _Batch:
+    def _prepare(self, scheduled, rows: np.ndarray) -> _Batch:
         """Pack the step's index arrays into one int32 host array, upload it once, slice views.
-        Per-sequence Python is limited to reading each item's fields once; the rest is numpy."""
+        Per-sequence Python is limited to reading each item's fields once; the rest is numpy.
+        rows [S]: the sequences' rows in `table_rows` (synced for this step)."""
         block_size, num_seqs = self.block_size, len(scheduled)
         starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
         query_lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, num_seqs)  # [S]
@@ -184,7 +190,8 @@ class ModelRunner:
         context_lens = starts + query_lens  # [S]
         query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])  # [S + 1]
         num_tokens = int(query_start_loc[-1])
-        block_tables = _pad_tables([item.block_table for item in scheduled])  # [S, M]
+        width = int(self.table_rows.lens[rows].max())
+        block_tables = self.table_rows.tables[rows, :width].astype(np.int64)  # [S, M] zero-padded
         input_ids = np.fromiter(itertools.chain.from_iterable(
             item.seq.token_ids[item.start:item.start + item.num_new_tokens] for item in scheduled),
             np.int64, num_tokens)  # [T]
@@ -283,15 +290,6 @@ def _prompt_logprobs(item, logits, offset: int, to_host) -> list[dict[int, float
     scores = log_softmax(to_host(logits[offset:offset + num_rows]))  # [num_rows, V] float64
     targets = seq.token_ids[item.start + 1:item.start + 1 + num_rows]
     return [top_logprobs(row, item.prompt_logprobs, chosen=t) for row, t in zip(scores, targets)]
-
-
-def _pad_tables(tables: list[list[int]]) -> np.ndarray:
-    """Block tables as one zero-padded [S, M] array (M = the longest table)."""
-    lens = np.fromiter(map(len, tables), np.int64, len(tables))  # [S]
-    padded = np.zeros((len(tables), int(lens.max())), dtype=np.int64)  # [S, M]
-    padded[np.arange(padded.shape[1]) < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), np.int64, int(lens.sum()))
-    return padded
 
 
 def _logits_rows(scheduled, query_start_loc: np.ndarray) -> tuple[np.ndarray, list[int]]:

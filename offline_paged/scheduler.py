@@ -67,6 +67,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    # Sequences whose device block tables ended since the last schedule() (finished, aborted,
+    # preempted, swapped out, parked): the runner drops the rows it kept for them.
+    freed_seq_ids: list[int] = field(default_factory=list)
     num_preempted_recompute: int = 0
     num_preempted_swap: int = 0
 
@@ -120,6 +123,7 @@ class Scheduler:
         self.running = SeqQueue()
         self.swapped = SeqQueue()
         self._next_seq_id = itertools.count()
+        self._freed_seq_ids: list[int] = []
 
     # ----------------------------------------------------------------- requests
     def add_group(self, group: SequenceGroup) -> None:
@@ -166,8 +170,13 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=plan.scheduled, blocks_to_swap_out=plan.swap_out,
             blocks_to_swap_in=plan.swap_in, blocks_to_copy=plan.copies,
+            freed_seq_ids=self._take_freed_seq_ids(),
             num_preempted_recompute=plan.num_recompute + plan.num_parked, num_preempted_swap=plan.num_swap,
         )
+
+    def _take_freed_seq_ids(self) -> list[int]:
+        freed, self._freed_seq_ids = self._freed_seq_ids, []
+        return freed
 
     def _schedule_queued(self, plan: _StepPlan) -> None:
         self._schedule_swapped(plan)
@@ -275,6 +284,7 @@ class Scheduler:
             plan.num_recompute += 1
             return
         self.running.remove(seq)
+        self._freed_seq_ids.append(seq.seq_id)
         if self.preemption_mode is PreemptionMode.SWAP and self.block_manager.can_swap_out(seq.seq_id):
             plan.swap_out += self.block_manager.swap_out(seq.seq_id)
             seq.status = SequenceStatus.SWAPPED
@@ -290,6 +300,7 @@ class Scheduler:
         """Drop an idle beam's blocks; its result is kept until its beam step."""
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)
+        self._freed_seq_ids.append(seq.seq_id)
         seq.forget_cache()
         seq.status = SequenceStatus.PARKED
 
@@ -336,6 +347,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq.seq_id)
+            self._freed_seq_ids.append(seq.seq_id)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self.block_manager.free(seq.seq_id)

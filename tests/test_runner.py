@@ -2,6 +2,8 @@
 and sampling follow the scheduled sequences."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from tiny_engine import tiny_model
 
@@ -36,19 +38,28 @@ def test_copies_and_swaps_move_whole_blocks():
     assert (runner.kv_cache[:, :, 9] == 2).all() and (runner.kv_cache[:, :, 10] == 7).all()
 
 
-def scheduled(prompt, start, num_new, table, num_samples=1, skip=0, prompt_logprobs=None, n=1):
+_seq_ids = itertools.count()
+
+
+def scheduled(prompt, start, num_new, table, num_samples=1, skip=0, prompt_logprobs=None, n=1, seq_id=None):
     params = SamplingParams(n=n, temperature=0.0, prompt_logprobs=prompt_logprobs)
     group = SequenceGroup("r", 0, None, list(prompt), params, list(range(n)),
                           prompt_logprobs=[None] if prompt_logprobs is not None else None)
-    seq = Sequence(0, group, 0, 0, list(prompt), len(prompt), num_skip_write=skip)
+    seq_id = next(_seq_ids) if seq_id is None else seq_id
+    seq = Sequence(seq_id, group, 0, 0, list(prompt), len(prompt), num_skip_write=skip)
     return ScheduledSequence(seq, start, num_new, table, num_samples, prompt_logprobs)
+
+
+def prepare(runner, items):
+    """The eager step inputs, through the runner's block-table rows as execute() does."""
+    return runner._prepare(items, runner.table_rows.sync(items))
 
 
 def test_slot_mapping_skips_cached_positions_and_only_needed_rows_get_logits():
     runner = make_runner()
     items = [scheduled(range(10, 20), 0, 10, [4, 9, 2], skip=8, prompt_logprobs=1),
              scheduled(range(30, 36), 2, 3, [6, 1], num_samples=0)]
-    batch = runner._prepare(items)
+    batch = prepare(runner, items)
     slots = batch.meta.slot_mapping.tolist()
     assert slots[:8] == [-1] * 8 and slots[8:10] == [2 * 4 + 0, 2 * 4 + 1]
     assert slots[10:] == [6 * 4 + 2, 6 * 4 + 3, 1 * 4 + 0]
@@ -73,7 +84,7 @@ def test_step_arrays_are_int32_with_positions_and_bounds_of_a_mixed_batch():
     runner = make_runner()
     items = [scheduled(range(10, 20), 4, 6, [4, 9, 2]),  # a chunk on top of 4 cached tokens
              scheduled(range(30, 36), 5, 1, [6, 1])]  # a decode step
-    batch = runner._prepare(items)
+    batch = prepare(runner, items)
     assert batch.positions.tolist() == [4, 5, 6, 7, 8, 9, 5]
     assert batch.input_ids.tolist() == [14, 15, 16, 17, 18, 19, 35]
     assert batch.meta.block_tables.tolist() == [[4, 9, 2], [6, 1, 0]]
@@ -121,7 +132,7 @@ def test_prepare_equals_the_per_token_definition_on_random_batches():
             items.append(scheduled(rng.integers(4, 200, length).tolist(), start, num_new, table,
                                    num_samples=int(rng.integers(0, 2)), skip=int(rng.integers(0, start + 1)),
                                    prompt_logprobs=1 if trial % 3 == 0 and rng.random() < 0.5 else None))
-        batch = runner._prepare(items)
+        batch = prepare(runner, items)
         ids, positions, slots, rows, offsets = _prepare_by_token(items, block_size=4)
         assert batch.input_ids.tolist() == ids
         assert batch.positions.tolist() == positions

@@ -14,6 +14,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from offline_paged.block_manager import BlockManager
+from offline_paged.block_table_rows import BlockTableRows
 from offline_paged.config import PreemptionMode
 from offline_paged.sampling_params import SamplingParams
 from offline_paged.output_processor import OutputProcessor
@@ -59,8 +60,10 @@ def stop_checker(seq):
 class FakeRunner:
     """Simulated KV pools: slot -> token id (None = never written)."""
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, scheduler_running) -> None:
         self.block_size = block_size
+        self.rows = BlockTableRows(block_size, max_blocks=2, num_rows=2)  # tiny: growth is exercised
+        self.scheduler_running = scheduler_running
         self.gpu = [None] * (num_gpu_blocks * block_size)
         self.cpu = [None] * (num_cpu_blocks * block_size)
 
@@ -71,6 +74,7 @@ class FakeRunner:
             dst_pool[dst * b:(dst + 1) * b] = data
 
     def execute(self, output) -> list[SequenceResult]:
+        self._check_table_rows(output)
         self._move(self.gpu, self.cpu, output.blocks_to_swap_out)
         self._move(self.cpu, self.gpu, output.blocks_to_swap_in)
         self._move(self.gpu, self.gpu, output.blocks_to_copy)
@@ -78,6 +82,16 @@ class FakeRunner:
         for item in output.scheduled:
             self._write(item)
         return [self._run(item) for item in output.scheduled]
+
+    def _check_table_rows(self, output) -> None:
+        """The runner's persistent block-table rows, kept by diffs, equal every scheduled table."""
+        self.rows.release(output.freed_seq_ids)
+        rows = self.rows.sync(output.scheduled)
+        for item, row in zip(output.scheduled, rows.tolist()):
+            n = len(item.block_table)
+            assert self.rows.tables[row, :n].tolist() == item.block_table, "stale block-table row"
+            assert not self.rows.tables[row, n:].any(), "block-table row not zero-padded"
+        assert self.rows.num_rows_used <= len(self.scheduler_running()), "rows of freed sequences kept"
 
     def _slot(self, table, pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -112,7 +126,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                enable_prefix_caching=prefix_caching)
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
         self.scheduler = Scheduler(manager, max_num_seqs, max_tokens_budget, mode)
-        self.runner = FakeRunner(num_gpu_blocks, num_gpu_blocks, block_size)
+        self.runner = FakeRunner(num_gpu_blocks, num_gpu_blocks, block_size, lambda: self.scheduler.running)
         self.processor = OutputProcessor(self.scheduler, stop_checker)
         self.groups: dict[str, SequenceGroup] = {}
         self.expected: dict[str, list[list[int]]] = {}
