@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Throughput v2 check on the lent device machine, in one call:
+#   1. every GPU test (kernels, ops, sampler, graphs, the engine, the CLI job on the GPU, and
+#      `offline-paged bench` end to end with CUDA graphs on and off);
+#   2. `offline-paged bench --json` on the default workload: 1B shape graphs on, graphs off; 8B shape
+#      graphs on; 1B shape at N=1024 (steady state). Records go to $OUT/bench_*.json;
+#   3. a short table of the figures.
+# Python runs with -P (the repo's cuda/ would shadow NVIDIA's `cuda`).
+# Usage: OUT=/tmp/out scripts/device_throughput.sh [tests|bench|all] [shapes...]
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/throughput-out}
+WHAT=${1:-all}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+
+if [ "$WHAT" != bench ]; then
+  timeout 330 python3 -P -m pytest -q -m gpu -p no:cacheprovider -x \
+    tests/test_gpu_bench.py tests/test_cuda_graphs.py tests/test_gpu_engine.py tests/test_cuda_kernels.py \
+    tests/test_cuda_ops.py tests/test_gpu_sampler.py >"$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
+  grep -E "FAILED|Error|error" "$OUT/gpu_tests.log" | head -20
+fi
+[ "$WHAT" = tests ] && exit 0
+
+run() {  # name, then bench flags
+  local name=$1; shift
+  timeout 200 offline-paged bench --device cuda --json "$@" >"$OUT/bench_$name.json" 2>"$OUT/bench_$name.err" \
+    || { echo "bench $name FAILED"; tail -5 "$OUT/bench_$name.err"; }
+}
+run 1b_graphs --dummy-weights llama-3.2-1b --cuda-graphs
+run 1b_eager --dummy-weights llama-3.2-1b --no-cuda-graphs
+run 8b_graphs --dummy-weights llama-3.1-8b --cuda-graphs
+[ "${N1024:-1}" = 1 ] && run 1b_graphs_n1024 --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024
+
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+print(f"{'run':<18}{'out tok/s':>11}{'step ms':>9}{'host %':>8}{'sched':>7}{'exec':>7}{'post':>7}{'fwd dev':>8}{'graph steps':>12}{'% floor':>9}")
+for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json")):
+    try:
+        record = json.loads(path.read_text().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        print(f"{path.stem[6:]:<18} (no record)"); continue
+    r = record["runs"][0]; t = r["time_split"]; roof = r["roofline"] or {}
+    print(f"{path.stem[6:]:<18}{r['output_tokens_per_s']:>11,.0f}{t['step_ms']:>9.2f}"
+          f"{t['host_ms'] / t['step_ms']:>8.0%}{t['schedule_ms']:>7.2f}{t['execute_ms']:>7.2f}"
+          f"{t['postprocess_ms']:>7.2f}{t['forward_device_ms'] or 0:>8.2f}{t['num_cuda_graph_steps']:>12}"
+          f"{roof.get('fraction_of_floor', 0):>9.1%}")
+print("commit", record.get("git_commit"), "device", record.get("device"))
+PY
