@@ -179,7 +179,9 @@ def _span(bounds: tuple[int, int]) -> str:
 
 
 def _git_commit() -> str | None:
-    """The checkout's commit (with "+dirty" when it has changes), or None outside a git checkout."""
+    """The checkout's commit (with "+dirty" when it has changes); $OFFLINE_PAGED_GIT_COMMIT outside a
+    git checkout (a copied tree), else None."""
+    import os
     import subprocess
     from pathlib import Path
 
@@ -190,7 +192,7 @@ def _git_commit() -> str | None:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get("OFFLINE_PAGED_GIT_COMMIT")
     return commit + ("+dirty" if dirty else "")
 
 

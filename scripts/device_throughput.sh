@@ -6,7 +6,7 @@
 #      graphs on; 1B shape at N=1024 (steady state). Records go to $OUT/bench_*.json;
 #   3. a short table of the figures.
 # Python runs with -P (the repo's cuda/ would shadow NVIDIA's `cuda`).
-# Usage: OUT=/tmp/out scripts/device_throughput.sh [tests|bench|all] [shapes...]
+# Usage: OUT=/tmp/out [RUNS="1b_graphs 8b_graphs"] scripts/device_throughput.sh [tests|bench|all]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/throughput-out}
@@ -29,10 +29,15 @@ run() {  # name, then bench flags
   timeout 200 offline-paged bench --device cuda --json "$@" >"$OUT/bench_$name.json" 2>"$OUT/bench_$name.err" \
     || { echo "bench $name FAILED"; tail -5 "$OUT/bench_$name.err"; }
 }
-run 1b_graphs --dummy-weights llama-3.2-1b --cuda-graphs
-run 1b_eager --dummy-weights llama-3.2-1b --no-cuda-graphs
-run 8b_graphs --dummy-weights llama-3.1-8b --cuda-graphs
-[ "${N1024:-1}" = 1 ] && run 1b_graphs_n1024 --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024
+RUNS=${RUNS:-"1b_graphs 1b_eager 8b_graphs 1b_graphs_n1024"}
+for name in $RUNS; do
+  case $name in
+    1b_graphs) run $name --dummy-weights llama-3.2-1b --cuda-graphs ;;
+    1b_eager) run $name --dummy-weights llama-3.2-1b --no-cuda-graphs ;;
+    8b_graphs) run $name --dummy-weights llama-3.1-8b --cuda-graphs ;;
+    1b_graphs_n1024) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024 ;;
+  esac
+done
 
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
