@@ -179,11 +179,14 @@ def _span(bounds: tuple[int, int]) -> str:
 
 
 def _git_commit() -> str | None:
-    """The checkout's commit (with "+dirty" when it has changes); $OFFLINE_PAGED_GIT_COMMIT outside a
-    git checkout (a copied tree), else None."""
+    """$OFFLINE_PAGED_GIT_COMMIT when set (a copied tree), else the checkout's commit (with "+dirty"
+    when it has changes), else None."""
     import os
     import subprocess
     from pathlib import Path
+
+    if os.environ.get("OFFLINE_PAGED_GIT_COMMIT"):  # a copied tree whose .git may be stale
+        return os.environ["OFFLINE_PAGED_GIT_COMMIT"]
 
     here = Path(__file__).resolve().parent
     try:

@@ -124,14 +124,16 @@ class ModelRunner:
         if not output.scheduled:
             return ExecuteOutput([], None, False)
         rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
+        # CUDA events around the forward, never inside a capture (DecodeGraphs captures on its own
+        # stream); started after the host-side input packing so that they time the device's work.
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
-        if timer is not None:
-            timer.start()  # outside any capture: graphs are captured inside DecodeGraphs only
-        replayed = self._replay_decode(output.scheduled, rows)
+        replayed = self._replay_decode(output.scheduled, rows, timer)
         if replayed is not None:
             logits, offsets = replayed  # [b, V] float32 (device), row i = sequence i
         else:
             batch = self._prepare(output.scheduled, rows)
+            if timer is not None:
+                timer.start()
             logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
                                         batch.logits_indices)  # [K, V] float32 (device)
             offsets = batch.logits_offsets
@@ -141,7 +143,7 @@ class ModelRunner:
             logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
         return ExecuteOutput(self._results(output.scheduled, logits, offsets), timer, replayed is not None)
 
-    def _replay_decode(self, scheduled, rows: np.ndarray):
+    def _replay_decode(self, scheduled, rows: np.ndarray, timer=None):
         """(logits [b, V], offsets) from a CUDA graph when every sequence computes one token and the
         step fits a bucket; None otherwise (the eager forward runs). rows [S]: block-table rows."""
         graphs = self.decode_graphs
@@ -157,7 +159,7 @@ class ModelRunner:
         blocks = tables[np.arange(num_seqs), starts // block_size].astype(np.int64)  # [S]
         slots = blocks * block_size + starts % block_size  # [S]
         slots[starts < skips] = -1  # cached K/V recomputed for scores only: don't rewrite
-        logits = graphs.run(input_ids, starts, slots, tables)  # [b, V] float32 (device)
+        logits = graphs.run(input_ids, starts, slots, tables, timer)  # [b, V] float32 (device)
         return logits, list(range(num_seqs))
 
     # ----------------------------------------------------------------- block moves
