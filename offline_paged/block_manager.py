@@ -235,6 +235,20 @@ class BlockManager:
                 return []
         return self._append_slots(seq_id, seq, num_tokens)
 
+    def try_append_slots(self, seq_id: int, num_tokens: int = 1) -> list[tuple[BlockId, BlockId]] | None:
+        """``append_slots`` if the pool can supply it now, else None (nothing changes): the
+        scheduler's one call per sequence per step (the decode fast path checks nothing twice)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.swapped:
+            self._resident(seq_id)  # raises the right ValueError
+        index = seq.num_slots // self.block_size
+        if num_tokens == 1 and index < len(seq.block_table) and not self.gpu_allocator.is_shared(seq.block_table[index]):
+            seq.num_slots += 1
+            return []
+        if self.gpu_allocator.num_free_blocks < self._append_cost(seq, num_tokens):
+            return None
+        return self._append_slots(seq_id, seq, num_tokens)
+
     def _append_slots(
         self, seq_id: int, seq: _SeqBlocks, num_tokens: int
     ) -> list[tuple[BlockId, BlockId]]:

@@ -229,9 +229,10 @@ class Scheduler:
         needed = seq.num_tokens - seq.num_slots
         if needed == 0:
             return True
-        if not self.block_manager.can_append_slots(seq.seq_id, needed):
+        copies = self.block_manager.try_append_slots(seq.seq_id, needed)
+        if copies is None:
             return False
-        plan.copies += self.block_manager.append_slots(seq.seq_id, needed)
+        plan.copies += copies
         seq.num_slots += needed
         return True
 
