@@ -72,7 +72,7 @@ def _upload(requests: Sequence[SamplingRequest], rows: Sequence[int], vocab: int
     return named device views."""
     num_rows = len(requests)
     fields = np.array([(p.temperature, p.min_p, p.top_p, p.top_k, p.repetition_penalty, p.frequency_penalty,
-                        p.presence_penalty, len(r.output_token_ids) < p.min_tokens)
+                        p.presence_penalty, r.position < p.min_tokens)
                        for r in requests for p in (r.params,)], dtype=np.float64).reshape(num_rows, 8)  # [R, 8]
     temperature, min_p, top_p, top_k = fields[:, 0], fields[:, 1], fields[:, 2], fields[:, 3]
     params = np.zeros((num_rows, kernels.PARAMS_WIDTH), dtype=np.float64)  # [R, 8]

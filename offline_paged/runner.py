@@ -250,7 +250,7 @@ def _sampling_requests(item) -> list[SamplingRequest]:
     seeds = seq.group.sample_seeds if item.num_samples > 1 else [seq.sampling_seed]
     prompt = _TokenWindow(seq.token_ids, 0, seq.num_prompt_tokens)
     output = _TokenWindow(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
-    return [SamplingRequest(seq.group.params, seed, seq.num_output_tokens, prompt, output)
+    return [SamplingRequest(seq.group.params, seed, item.sample_position, prompt, output)
             for seed in seeds[:item.num_samples]]
 
 

@@ -104,7 +104,7 @@ class Sampler:
 
     def _ban_before_min_tokens(self, row: np.ndarray, request: SamplingRequest) -> None:
         params = request.params
-        if len(request.output_token_ids) >= params.min_tokens:
+        if request.position >= params.min_tokens:  # position = tokens generated before this one
             return
         banned = list(params.stop_token_ids)
         if not params.ignore_eos:

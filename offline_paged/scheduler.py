@@ -54,6 +54,7 @@ class ScheduledSequence:
     block_table: list[int]
     num_samples: int  # 0 while the prefill is unfinished, else 1, or the request's n to fork
     prompt_logprobs: int | None  # top-k for this chunk's prompt logprobs; None = not wanted
+    sample_position: int  # output position of the token(s) sampled from this row
 
     @property
     def num_skip_write(self) -> int:
@@ -114,8 +115,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
+        max_model_len: int | None = None,
     ) -> None:
+        """max_model_len: a sequence whose pending token will end it by length (async scheduling)
+        is not scheduled again; None = no length limit beyond max_tokens."""
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -189,8 +194,15 @@ class Scheduler:
         for seq in decoding + prefilling:
             if plan.budget == 0:
                 return
+            if seq.num_pending_tokens and self._ends_with_pending_token(seq):
+                continue  # its last token is on the device: nothing more to compute
             if seq.status is SequenceStatus.RUNNING and self._reserve_slots(seq, plan):
                 self._schedule(seq, plan)
+
+    def _ends_with_pending_token(self, seq: Sequence) -> bool:
+        """Whether the token still pending will make seq stop by length (max_tokens, max_model_len)."""
+        return (seq.num_output_tokens >= seq.group.params.max_tokens
+                or (self.max_model_len is not None and seq.num_tokens >= self.max_model_len))
 
     def _reserve_slots(self, seq: Sequence, plan: _StepPlan) -> bool:
         """Reserve KV slots for all of seq's tokens, preempting the youngest running sequences
@@ -214,6 +226,8 @@ class Scheduler:
         occupancy = _Occupancy(self.running)
         while self.swapped and plan.budget > 0:
             seq = self.swapped.head()
+            if seq.num_pending_tokens:
+                return  # preempted with a token in flight: readmitted once it is known
             if not occupancy.has_room_for(seq, self.max_num_seqs) or not self.block_manager.can_swap_in(seq.seq_id):
                 return
             self.swapped.pop_head()
@@ -240,6 +254,8 @@ class Scheduler:
         occupancy = _Occupancy(self.running)
         while self.waiting and plan.budget > 0:
             seq = self.waiting.head()
+            if seq.num_pending_tokens:
+                return  # preempted with a token in flight: readmitted once it is known
             if not occupancy.has_room_for(seq, self.max_num_seqs) or not self.block_manager.can_allocate(seq.token_ids):
                 return
             self.waiting.pop_head()
@@ -262,21 +278,27 @@ class Scheduler:
         self.running.insert(seq)
 
     def _schedule(self, seq: Sequence, plan: _StepPlan) -> None:
+        start = seq.num_computed_tokens
         num_new = min(seq.num_uncomputed_tokens, plan.budget)
         plan.budget -= num_new
-        done = seq.num_computed_tokens + num_new == seq.num_tokens
+        done = start + num_new == seq.num_tokens
         group = seq.group
+        num_samples = (group.num_samples if group.needs_fork else 1) if done else 0
         plan.scheduled_ids.add(seq.seq_id)
         plan.scheduled.append(ScheduledSequence(
-            seq=seq, start=seq.num_computed_tokens, num_new_tokens=num_new,
-            block_table=self.block_manager.block_table(seq.seq_id),
-            num_samples=(group.num_samples if group.needs_fork else 1) if done else 0,
+            seq=seq, start=start, num_new_tokens=num_new,
+            block_table=self.block_manager.block_table(seq.seq_id), num_samples=num_samples,
             prompt_logprobs=group.params.prompt_logprobs if group.wants_prompt_logprobs else None,
+            sample_position=seq.num_output_tokens,
         ))
+        seq.num_computed_tokens = start + num_new  # computed by this step (or the KV is in flight)
+        if num_samples and group.beam is None:
+            seq.num_pending_tokens += 1  # a beam's token goes to its children, never to itself
         # Each layer writes the whole batch's K/V before any attention reads it, so the blocks this
         # step fills may be reused by a prompt admitted later in the same step: a batch job's shared
-        # system prompt is computed once, not once per request of the first step.
-        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new)
+        # system prompt is computed once, not once per request of the first step. Blocks holding a
+        # pending token are registered when the token is known (record_computed).
+        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, min(start + num_new, seq.num_known_tokens))
 
     # ----------------------------------------------------------------- preemption
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
@@ -316,9 +338,12 @@ class Scheduler:
 
     # ----------------------------------------------------------------- the output processor's seam
     def record_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """The step computed seq's tokens up to `num_computed_tokens`; register its full blocks."""
-        seq.num_computed_tokens = num_computed_tokens
-        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, num_computed_tokens)
+        """A step computed seq's positions below `num_computed_tokens`: register the full blocks whose
+        tokens are now known with the prefix cache. Nothing to do for a sequence preempted or swapped
+        out since that step was scheduled (async scheduling)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.mark_computed(seq.seq_id, seq.token_ids,
+                                             min(num_computed_tokens, seq.num_known_tokens))
 
     def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """seq is done: its blocks go back at once."""

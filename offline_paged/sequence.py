@@ -1,8 +1,11 @@
 """Sequence (one token stream with its KV-cache bookkeeping) and SequenceGroup (one request: its prompt,
 params and the n sequences sampled from it). Pure Python: the scheduler and Hypothesis drive these.
 
-A sequence's tokens are `token_ids` = prompt + generated. `num_computed_tokens` of them have K/V in
-the cache; `num_slots` have a KV slot reserved by the block manager. Invariant while running:
+A sequence's known tokens are `token_ids` = prompt + generated; `num_pending_tokens` more will be
+sampled by steps already scheduled (their ids reach the host later: async scheduling), and
+`num_tokens` counts both. `num_computed_tokens` have K/V in the cache or are computed by a step already
+scheduled (the scheduler advances it when it schedules a chunk); `num_slots` have a KV slot reserved
+by the block manager. Invariant while running:
     num_computed_tokens <= num_slots <= num_tokens,
 and a sequence is ready to sample when num_computed_tokens == num_tokens.
 A request with n > 1 starts with one sequence; when its prompt is computed, the sampled row is drawn
@@ -68,6 +71,10 @@ class Sequence:
     num_computed_tokens: int = 0
     num_slots: int = 0
     num_skip_write: int = 0  # leading positions whose cached K/V must not be rewritten
+    # Tokens a scheduled step will sample but the host does not know yet (see num_tokens). 0 between
+    # steps of the synchronous loop; with async scheduling at most 2 (the step on the device and the
+    # one being scheduled after it).
+    num_pending_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: FinishReason | None = None
@@ -78,6 +85,11 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Known tokens plus pending ones: the length the scheduler plans with."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
@@ -86,11 +98,16 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, pending ones included."""
+        return len(self.token_ids) + self.num_pending_tokens - self.num_prompt_tokens
+
+    @property
+    def num_known_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -102,6 +119,9 @@ class Sequence:
         return (self.group.arrival_index, self.sample_index)
 
     def append_token(self, sample: Any) -> None:
+        """Append a sampled token; it resolves the oldest pending token if there is one."""
+        if self.num_pending_tokens:
+            self.num_pending_tokens -= 1
         self.token_ids.append(int(sample.token_id))
         self.cumulative_logprob += float(sample.logprob)
         if self.logprobs is not None:
@@ -110,7 +130,8 @@ class Sequence:
             self.logprobs.append(entry)
 
     def fork(self, seq_id: int, sample_index: int, sampling_seed: int) -> Sequence:
-        """A copy sharing nothing mutable: same tokens and cache bookkeeping, its own stream."""
+        """A copy sharing nothing mutable: same known tokens and cache bookkeeping, its own stream,
+        no pending tokens (its first token is appended by whoever forks it)."""
         return Sequence(
             seq_id=seq_id, group=self.group, sample_index=sample_index, sampling_seed=sampling_seed,
             token_ids=list(self.token_ids), num_prompt_tokens=self.num_prompt_tokens,

@@ -47,7 +47,7 @@ def scheduled(prompt, start, num_new, table, num_samples=1, skip=0, prompt_logpr
                           prompt_logprobs=[None] if prompt_logprobs is not None else None)
     seq_id = next(_seq_ids) if seq_id is None else seq_id
     seq = Sequence(seq_id, group, 0, 0, list(prompt), len(prompt), num_skip_write=skip)
-    return ScheduledSequence(seq, start, num_new, table, num_samples, prompt_logprobs)
+    return ScheduledSequence(seq, start, num_new, table, num_samples, prompt_logprobs, seq.num_output_tokens)
 
 
 def prepare(runner, items):

@@ -171,8 +171,8 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     logits = np.array([[0.0, 10.0, 9.0, 0.0]], np.float32)  # eos = 1, stop id = 2
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
     sampler = Sampler(eos_token_ids=[1])
-    assert sampler.sample(logits, [_request(params, output=[0])])[0].token_id in {0, 3}
-    assert sampler.sample(logits, [_request(params, output=[0, 0])])[0].token_id == 1
+    assert sampler.sample(logits, [_request(params, position=1, output=[0])])[0].token_id in {0, 3}
+    assert sampler.sample(logits, [_request(params, position=2, output=[0, 0])])[0].token_id == 1
     ignore = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
     assert sampler.sample(logits, [_request(ignore)])[0].token_id == 1
 
