@@ -27,6 +27,7 @@ from tiny_engine import tiny_model  # noqa: E402
 from offline_paged.bench import random_workload  # noqa: E402
 from offline_paged.config import EngineConfig  # noqa: E402
 from offline_paged.engine import LLMEngine  # noqa: E402
+from offline_paged.launched_step import ReadySamples  # noqa: E402
 from offline_paged.sampler import SampleResult  # noqa: E402
 
 
@@ -60,6 +61,9 @@ class HostOnlySampler:
 
     def __init__(self, gpu_sampler) -> None:
         self._mod = gpu_sampler
+
+    def sample_async(self, logits, rows, requests):
+        return ReadySamples(self.sample(logits, rows, requests))
 
     def sample(self, logits, rows, requests) -> list[SampleResult]:
         mod = self._mod

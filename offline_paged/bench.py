@@ -311,6 +311,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
     memory = _DeviceMemory(engine.backend)
     num_prompt = num_output = 0
     steps: list[StepRecord] = []
+    timers = []  # read after the run: reading one waits for its step, which would stop the overlap
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -320,8 +321,11 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
             num_prompt += len(output.prompt_token_ids)
             num_output += sum(len(c.token_ids) for c in output.outputs)
         steps.append(_record(t1 - start, t1 - t0, report, engine, manager, roofline, ceilings))
+        timers.append(report.forward_timer)
         memory.sample()
     wall = time.perf_counter() - start
+    for step, timer in zip(steps, timers):
+        step.forward_s = timer.elapsed_s() if timer is not None else (None if step.forward_s is None else 0.0)
     return BenchResult(
         label=label or kv_layout, kv_layout=kv_layout, block_size=manager.block_size,
         num_requests=len(requests), num_prompt_tokens=num_prompt, num_output_tokens=num_output,
@@ -340,9 +344,7 @@ def _record(end_s, wall_s, report, engine, manager, roofline: RooflineModel,
     if ceilings is not None:
         bytes_moved, flops = roofline.step_cost(scheduled)
         floor = max(bytes_moved / ceilings.bandwidth, flops / ceilings.matmul_flops) if scheduled else 0.0
-    forward_s = report.forward_device_s()
-    if forward_s is None and engine.backend.name == "cuda":
-        forward_s = 0.0  # an empty step on the GPU: no forward ran
+    forward_s = 0.0 if engine.backend.name == "cuda" else None  # the device time is filled in after the run
     return StepRecord(end_s, wall_s, report.schedule_s, report.execute_s, report.postprocess_s,
                       forward_s, report.used_cuda_graph, len(scheduled),
                       sum(s.num_new_tokens for s in scheduled), held,

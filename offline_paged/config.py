@@ -32,6 +32,8 @@ class EngineConfig:
     blocks for max_model_len tokens when it is admitted (same pool, same kernels).
     `cuda_graphs`: steps where every sequence computes one token replay a captured forward per batch
     bucket (offline_paged/cuda_graph_runner.py); ignored on the CPU and for dtypes other than float16.
+    `async_scheduling`: overlap the host's scheduling and output processing with the device's step
+    (outputs are identical to the synchronous loop; see LLMEngine.step_with_report).
     """
 
     model: str | None = None  # HF dir / GGUF path / name; None = the default model
@@ -52,6 +54,9 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
     kv_layout: str = "paged"  # "paged" | "contiguous" (reserve max_model_len at admission)
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (used on CUDA with float16 only)
+    # Schedule and launch step N+1 while step N runs on the device; N's sampled ids reach N+1's inputs
+    # on the device and its outputs are processed one step late. None = on for CUDA, off on the CPU.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:
@@ -80,6 +85,8 @@ class EngineConfig:
             )
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
 

@@ -96,18 +96,22 @@ class DecodeGraphs:
         return (0 < num_seqs <= self.buckets[-1] and max_context_len <= self.max_model_len
                 and max_table_len <= self.max_blocks)
 
-    def run(self, input_ids, positions, slot_mapping, block_tables, timer=None):
+    def run(self, input_ids, positions, slot_mapping, block_tables, timer=None, fill=None):
         """One decode step: token input_ids[i] at positions[i] of sequence i (its KV goes to
         slot_mapping[i]; -1 skips), block_tables[i] its blocks (lists, or zero-padded rows of an
         array). Returns the bucket's logits [b, V] float32 (device; rows >= S are padding), valid
         until this bucket's next replay. `timer` (a StepReport DeviceTimer) is started after the
-        host packing, right before the input copy and the replay, so it times the device's work."""
+        host packing, right before the input copy and the replay, so it times the device's work.
+        `fill(ids)` writes pending input ids into the bucket's device ids after the copy (async
+        scheduling), stream-ordered before the replay."""
         size = next(b for b in self.buckets if b >= len(block_tables))
         bucket = self._captured.get(size) or self._capture(size)
         bucket.pack(input_ids, positions, slot_mapping, block_tables)
         if timer is not None:
             timer.start()
         bucket.device.set(bucket.host)  # the step's one H2D copy, stream-ordered before the replay
+        if fill is not None:
+            fill(bucket.views(bucket.device)[0])
         bucket.graph.launch()
         self.num_replays += 1
         return bucket.logits

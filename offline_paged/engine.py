@@ -17,6 +17,7 @@ from offline_paged.beam_search import BeamState, runner_top_k
 from offline_paged.block_manager import BlockManager
 from offline_paged.config import EngineConfig
 from offline_paged.engine_stats import StatsTracker
+from offline_paged.launched_step import LaunchedStep
 from offline_paged.output_processor import OutputProcessor
 from offline_paged.outputs import CompletionOutput, EngineStats, RequestOutput
 from offline_paged.random_stream import random_bits, stream_seed
@@ -63,13 +64,16 @@ class LLMEngine:
                                           config.watermark, config.enable_prefix_caching,
                                           self.max_model_len if config.kv_layout == "contiguous" else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.preemption)
+                                   config.max_num_batched_tokens, config.preemption, self.max_model_len)
         self.runner = ModelRunner(model, self.backend, num_gpu_blocks, num_cpu_blocks,
                                   config.block_size, Sampler(self.eos_token_ids),
                                   cuda_graphs=config.cuda_graphs, max_model_len=self.max_model_len)
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)
         self.output_processor = OutputProcessor(self.scheduler, self.stop_checker)
         self._stats = StatsTracker(num_gpu_blocks, num_cpu_blocks, config.block_size)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.backend.name == "cuda")
+        self._in_flight: LaunchedStep | None = None  # launched, outputs not yet processed
         self._groups: dict[str, SequenceGroup] = {}
         self._arrivals = itertools.count()
 
@@ -222,7 +226,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._in_flight is not None
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
@@ -230,22 +234,41 @@ class LLMEngine:
         return self.step_with_report()[0]
 
     def step_with_report(self) -> tuple[list[RequestOutput], StepReport]:
-        """`step`, plus the step's own StepReport (phase times, the forward's device timer)."""
+        """`step`, plus the step's own StepReport (phase times, the forward's device timer).
+
+        Synchronous loop: schedule -> launch -> wait and process this step's outputs.
+        Async scheduling: schedule -> launch, then process the *previous* step's outputs while this one
+        runs on the device. Its sequences were scheduled again before their tokens were known (the
+        token is fed to the next step on the device); one that turns out finished has its extra token
+        dropped by the output processor and its blocks freed. A step whose next inputs need its tokens
+        on the host (beam search, n > 1 forks, penalties) is processed at once, as in the sync loop.
+        """
         t0 = time.perf_counter()
         output = self.scheduler.schedule()
-        if output.is_empty and self.scheduler.has_unfinished():
+        if output.is_empty and self._in_flight is None and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not schedule anything although requests are "
                                "waiting; the KV cache is too small for them")
         self._stats.record_schedule(output, self.scheduler)
         t1 = time.perf_counter()
-        executed = self.runner.execute_timed(output)
+        launched = self.runner.launch(output, self._in_flight)
         t2 = time.perf_counter()
-        finished = self.output_processor.process(output, executed.results)
-        self._stats.record_postprocess(output, executed.results)
-        outputs = [self._finish(group) for group in finished]
+        outputs = []
+        if self._in_flight is not None:
+            outputs += self._process(self._in_flight)
+            self._in_flight = None
+        if self.async_scheduling and output.scheduled and not _needs_host_tokens(output):
+            self._in_flight = launched
+        else:
+            outputs += self._process(launched)
         report = StepReport(output.scheduled, t1 - t0, t2 - t1, time.perf_counter() - t2,
-                            executed.forward_timer, executed.used_cuda_graph)
+                            launched.forward_timer, launched.used_cuda_graph)
         return outputs, report
+
+    def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
+        executed = launched.wait()
+        finished = self.output_processor.process(launched.output, executed.results)
+        self._stats.record_postprocess(launched.output, executed.results)
+        return [self._finish(group) for group in finished]
 
     def _finish(self, group: SequenceGroup) -> RequestOutput:
         del self._groups[group.request_id]
@@ -271,3 +294,16 @@ class LLMEngine:
     @property
     def stats(self) -> EngineStats:
         return self._stats.snapshot(self.scheduler)
+
+
+def _needs_host_tokens(output) -> bool:
+    """Whether the next schedule needs this step's sampled tokens on the host: forks (n > 1 samples of
+    a row), beam steps, and penalties (the sampler reads the token history)."""
+    for item in output.scheduled:
+        if not item.num_samples:
+            continue
+        params, group = item.seq.group.params, item.seq.group
+        if (item.num_samples > 1 or group.beam is not None or params.repetition_penalty != 1.0
+                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+            return True
+    return False

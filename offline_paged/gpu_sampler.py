@@ -28,10 +28,15 @@ class GpuSampler:
 
     def sample(self, logits, rows: Sequence[int], requests: Sequence[SamplingRequest]) -> list[SampleResult]:
         """logits [K, V] float32 (device); request i samples logits row rows[i]. One result per request."""
+        return self.sample_async(logits, rows, requests).results()
+
+    def sample_async(self, logits, rows: Sequence[int], requests: Sequence[SamplingRequest]) -> PendingSamples:
+        """`sample` with the kernels queued and nothing copied back yet: the sampled ids stay on the
+        device (`token_ids`) until `results()` downloads them."""
         if len(rows) != len(requests):
             raise ValueError(f"{len(rows)} logits rows for {len(requests)} requests")
         if not requests:
-            return []
+            return PendingSamples(None, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), 0, [])
         logits = cupy.ascontiguousarray(logits, dtype=cupy.float32)  # [K, V]
         num_rows, vocab = len(requests), logits.shape[1]
         step = _upload(requests, rows, vocab, self.eos_token_ids)
@@ -57,9 +62,32 @@ class GpuSampler:
                      step["positions"], chosen)
         if asking.size:
             _top_logprobs(logits, step["rows"], raw_stats, asking, k_max, out[2 * num_rows:])
-        host = out.get()  # the one device->host copy
         wants = [r.params.logprobs is not None for r in requests]
-        return _results(host, top_ks, asking, k_max, wants)
+        return PendingSamples(out, num_rows, top_ks, asking, k_max, wants)
+
+
+class PendingSamples:
+    """A sampling launch: the packed device results `out` (see GpuSampler.sample) until `results()`."""
+
+    __slots__ = ("_out", "_num_rows", "_top_ks", "_asking", "_k_max", "_wants", "_token_ids")
+
+    def __init__(self, out, num_rows: int, top_ks, asking, k_max: int, wants: list[bool]) -> None:
+        self._out, self._num_rows = out, num_rows
+        self._top_ks, self._asking, self._k_max, self._wants = top_ks, asking, k_max, wants
+        self._token_ids = None
+
+    @property
+    def token_ids(self):
+        """[R] int32 (device): the sampled ids, for the next step's inputs."""
+        if self._token_ids is None:
+            self._token_ids = self._out[:2 * self._num_rows:2].astype(cupy.int32)
+        return self._token_ids
+
+    def results(self) -> list[SampleResult]:
+        if not self._num_rows:
+            return []
+        host = self._out.get()  # the one device->host copy
+        return _results(host, self._top_ks, self._asking, self._k_max, self._wants)
 
 
 def _top_ks(requests: Sequence[SamplingRequest], vocab: int) -> np.ndarray:

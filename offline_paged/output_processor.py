@@ -34,6 +34,8 @@ class OutputProcessor:
         finished: list[SequenceGroup] = []
         for item, result in zip(output.scheduled, results):
             seq = item.seq
+            if seq.is_finished:
+                continue  # finished (or aborted) while this lookahead step ran: its token is dropped
             self.scheduler.record_computed(seq, item.start + item.num_new_tokens)
             if result.prompt_logprobs is not None:
                 _extend_prompt_logprobs(seq.group, item.start, result.prompt_logprobs)

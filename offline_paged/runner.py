@@ -21,17 +21,11 @@ import numpy as np
 from offline_paged.block_table_rows import BlockTableRows
 from offline_paged.models.attention import AttentionMetadata
 from offline_paged.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
+from offline_paged.launched_step import ExecuteOutput, LaunchedStep, ReadySamples
 from offline_paged.sequence import SequenceResult
 from offline_paged.step_report import DeviceTimer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class ExecuteOutput:
-    results: list[SequenceResult]  # one per scheduled sequence, in order
-    forward_timer: DeviceTimer | None  # CUDA events around the forward; None on the CPU
-    used_cuda_graph: bool
 
 
 @dataclass(slots=True)
@@ -117,21 +111,30 @@ class ModelRunner:
 
     def execute_timed(self, output) -> ExecuteOutput:
         """`execute`, also reporting the forward's device timer (CUDA) and whether a graph replayed."""
+        return self.launch(output).wait()
+
+    def launch(self, output, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's block moves, forward and sampling; the sampled ids stay on the device until
+        `wait()`. A sequence whose input token is still pending (async scheduling) gets it from
+        `previous`, the step that samples it, on the device. RuntimeError if that step is not given."""
         self.swap_out(output.blocks_to_swap_out)
         self.swap_in(output.blocks_to_swap_in)
         self.copy_blocks(output.blocks_to_copy)
         self.table_rows.release(output.freed_seq_ids)
         if not output.scheduled:
-            return ExecuteOutput([], None, False)
+            return LaunchedStep(output, ReadySamples([]), {}, [], [], None, False)
         rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
+        fill = _pending_inputs(output.scheduled, previous, self.backend)
         # CUDA events around the forward, never inside a capture (DecodeGraphs captures on its own
         # stream); started after the host-side input packing so that they time the device's work.
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
-        replayed = self._replay_decode(output.scheduled, rows, timer)
+        replayed = self._replay_decode(output.scheduled, rows, timer, fill)
         if replayed is not None:
             logits, offsets = replayed  # [b, V] float32 (device), row i = sequence i
         else:
             batch = self._prepare(output.scheduled, rows)
+            if fill is not None:
+                fill(batch.input_ids)
             if timer is not None:
                 timer.start()
             logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
@@ -141,9 +144,9 @@ class ModelRunner:
             timer.stop()
         if self.gpu_sampler is None:
             logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
-        return ExecuteOutput(self._results(output.scheduled, logits, offsets), timer, replayed is not None)
+        return self._launch_sampling(output, logits, offsets, timer, replayed is not None)
 
-    def _replay_decode(self, scheduled, rows: np.ndarray, timer=None):
+    def _replay_decode(self, scheduled, rows: np.ndarray, timer=None, fill=None):
         """(logits [b, V], offsets) from a CUDA graph when every sequence computes one token and the
         step fits a bucket; None otherwise (the eager forward runs). rows [S]: block-table rows."""
         graphs = self.decode_graphs
@@ -155,11 +158,11 @@ class ModelRunner:
             return None
         tables = self.table_rows.tables[rows]  # [S, M'] int32, zero-padded
         skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
-        input_ids = np.fromiter((item.seq.token_ids[item.start] for item in scheduled), np.int64, num_seqs)  # [S]
+        input_ids = np.fromiter((_input_token(item) for item in scheduled), np.int64, num_seqs)  # [S]
         blocks = tables[np.arange(num_seqs), starts // block_size].astype(np.int64)  # [S]
         slots = blocks * block_size + starts % block_size  # [S]
         slots[starts < skips] = -1  # cached K/V recomputed for scores only: don't rewrite
-        logits = graphs.run(input_ids, starts, slots, tables, timer)  # [b, V] float32 (device)
+        logits = graphs.run(input_ids, starts, slots, tables, timer, fill)  # [b, V] float32 (device)
         return logits, list(range(num_seqs))
 
     # ----------------------------------------------------------------- block moves
@@ -194,9 +197,8 @@ class ModelRunner:
         num_tokens = int(query_start_loc[-1])
         width = int(self.table_rows.lens[rows].max())
         block_tables = self.table_rows.tables[rows, :width].astype(np.int64)  # [S, M] zero-padded
-        input_ids = np.fromiter(itertools.chain.from_iterable(
-            item.seq.token_ids[item.start:item.start + item.num_new_tokens] for item in scheduled),
-            np.int64, num_tokens)  # [T]
+        input_ids = np.fromiter(itertools.chain.from_iterable(map(_input_tokens, scheduled)),
+                                np.int64, num_tokens)  # [T] (0 where the token is pending)
         logits_rows, offsets = _logits_rows(scheduled, query_start_loc)
         owner = np.repeat(np.arange(num_seqs), query_lens)  # [T] sequence of each token
         positions = np.arange(num_tokens) - query_start_loc[owner] + starts[owner]  # [T]
@@ -217,31 +219,67 @@ class ModelRunner:
         return _Batch(ids, pos, meta, rows, offsets)
 
     # ----------------------------------------------------------------- outputs
-    def _results(self, scheduled, logits, offsets: list[int]) -> list[SequenceResult]:
-        """logits [K, V]: host, or device when the GpuSampler samples (then prompt-logprob rows are copied
+    def _launch_sampling(self, output, logits, offsets: list[int], timer, used_graph: bool) -> LaunchedStep:
+        """Queue the sampling of every sampled row; prompt logprobs are computed now (on the host).
+        logits [K, V]: host, or device when the GpuSampler samples (then prompt-logprob rows are copied
         to the host alone)."""
-        requests, rows, owners = [], [], []
+        scheduled = output.scheduled
+        requests, rows, owners, sample_index = [], [], [], {}
         for i, item in enumerate(scheduled):
             if not item.num_samples:
                 continue
             row = offsets[i] + (item.num_new_tokens - 1 if item.prompt_logprobs is not None else 0)
+            sample_index[item.seq.seq_id] = len(requests)  # the seq's own token: its row's first draw
             for request in _sampling_requests(item):
                 requests.append(request)
                 rows.append(row)
                 owners.append(i)
         if not requests:
-            samples = []
+            samples = ReadySamples([])
         elif self.gpu_sampler is not None:
-            samples = self.gpu_sampler.sample(logits, rows, requests)
+            samples = self.gpu_sampler.sample_async(logits, rows, requests)
         else:
-            samples = self.sampler.sample(logits[rows], requests)
-        per_seq: list[list] = [[] for _ in scheduled]
-        for owner, sample in zip(owners, samples):
-            per_seq[owner].append(sample)
-        return [
-            SequenceResult(per_seq[i], _prompt_logprobs(item, logits, offsets[i], self.backend.to_host))
-            for i, item in enumerate(scheduled)
-        ]
+            samples = ReadySamples(self.sampler.sample(logits[rows], requests))
+        prompt = [_prompt_logprobs(item, logits, offsets[i], self.backend.to_host) for i, item in enumerate(scheduled)]
+        return LaunchedStep(output, samples, sample_index, owners, prompt, timer, used_graph)
+
+
+def _input_token(item) -> int:
+    """A decode row's input token; 0 when it is still pending (filled on the device)."""
+    ids = item.seq.token_ids
+    return ids[item.start] if item.start < len(ids) else 0
+
+
+def _input_tokens(item) -> list[int]:
+    """A chunk's input tokens; zeros for pending ones (filled on the device)."""
+    ids = item.seq.token_ids[item.start:item.start + item.num_new_tokens]
+    missing = item.num_new_tokens - len(ids)
+    return ids + [0] * missing if missing else ids
+
+
+def _pending_inputs(scheduled, previous: LaunchedStep | None, backend):
+    """None when every input token is known; else a function that writes the pending ones into a step's
+    device input ids [T] (or [b] for a graph bucket), gathered from `previous`'s sampled ids."""
+    token_index, dst, src = 0, [], []
+    for item in scheduled:
+        known = len(item.seq.token_ids)
+        for position in range(max(item.start, known), item.start + item.num_new_tokens):
+            if position != known or previous is None or item.seq.seq_id not in previous.sample_index:
+                raise RuntimeError(f"sequence {item.seq.seq_id}: input token at {position} is pending "
+                                   "but no launched step samples it")
+            dst.append(token_index + position - item.start)
+            src.append(previous.sample_index[item.seq.seq_id])
+        token_index += item.num_new_tokens
+    if not dst:
+        return None
+    xp = backend.xp
+    dst_ids, src_ids = xp.asarray(np.asarray(dst, np.int64)), xp.asarray(np.asarray(src, np.int64))
+    sampled = previous.samples.token_ids  # [R] int32 (device)
+
+    def fill(input_ids) -> None:
+        input_ids[dst_ids] = sampled[src_ids]
+
+    return fill
 
 
 def _sampling_requests(item) -> list[SamplingRequest]:
