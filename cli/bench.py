@@ -59,6 +59,8 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay decode-only steps from CUDA graphs (CUDA, float16).")
+@click.option("--async-scheduling/--sync-scheduling", "async_scheduling", default=None,
+              help="Overlap scheduling with the device step (default: on for CUDA, off on the CPU).")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
 @click.option("--roofline/--no-roofline", default=True, show_default=True,
               help="Measure copy bandwidth and matmul rate and estimate the floor.")
@@ -142,7 +144,8 @@ def _run_all(options: dict, backend, loaded, requests) -> list:
                     max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
                     max_model_len=max_model_len, enable_prefix_caching=not options["no_prefix_caching"],
                     preemption_mode=options["preemption"], gpu_memory_utilization=options["gpu_memory_utilization"],
-                    kv_layout=layout, seed=options["seed"], cuda_graphs=options["cuda_graphs"])
+                    kv_layout=layout, seed=options["seed"], cuda_graphs=options["cuda_graphs"],
+                    async_scheduling=options["async_scheduling"])
                 engine = LLMEngine(config, loaded_model=loaded)
             except ValueError as exc:
                 raise click.UsageError(str(exc)) from None

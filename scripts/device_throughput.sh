@@ -17,7 +17,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 
 if [ "$WHAT" != bench ]; then
   timeout 330 python3 -P -m pytest -q -m gpu -p no:cacheprovider -x \
-    tests/test_gpu_bench.py tests/test_cuda_graphs.py tests/test_gpu_engine.py tests/test_cuda_kernels.py \
+    tests/test_gpu_bench.py tests/test_gpu_async.py tests/test_cuda_graphs.py tests/test_gpu_engine.py tests/test_cuda_kernels.py \
     tests/test_cuda_ops.py tests/test_gpu_sampler.py >"$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
   grep -E "FAILED|Error|error" "$OUT/gpu_tests.log" | head -20
@@ -29,10 +29,11 @@ run() {  # name, then bench flags
   timeout 200 offline-paged bench --device cuda --json "$@" >"$OUT/bench_$name.json" 2>"$OUT/bench_$name.err" \
     || { echo "bench $name FAILED"; tail -5 "$OUT/bench_$name.err"; }
 }
-RUNS=${RUNS:-"1b_graphs 1b_eager 8b_graphs 1b_graphs_n1024"}
+RUNS=${RUNS:-"1b_graphs 1b_graphs_sync 1b_eager 8b_graphs 1b_graphs_n1024"}
 for name in $RUNS; do
   case $name in
     1b_graphs) run $name --dummy-weights llama-3.2-1b --cuda-graphs ;;
+    1b_graphs_sync) run $name --dummy-weights llama-3.2-1b --cuda-graphs --sync-scheduling ;;
     1b_eager) run $name --dummy-weights llama-3.2-1b --no-cuda-graphs ;;
     8b_graphs) run $name --dummy-weights llama-3.1-8b --cuda-graphs ;;
     1b_graphs_n1024) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024 ;;
