@@ -288,7 +288,8 @@ class Scheduler:
         plan.scheduled.append(ScheduledSequence(
             seq=seq, start=start, num_new_tokens=num_new,
             block_table=self.block_manager.block_table(seq.seq_id), num_samples=num_samples,
-            prompt_logprobs=group.params.prompt_logprobs if group.wants_prompt_logprobs else None,
+            prompt_logprobs=(group.params.prompt_logprobs
+                             if group.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1 else None),
             sample_position=seq.num_output_tokens,
         ))
         seq.num_computed_tokens = start + num_new  # computed by this step (or the KV is in flight)

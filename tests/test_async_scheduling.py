@@ -21,7 +21,7 @@ SHARED = [40, 41, 42, 43, 44, 45, 46, 47]
 
 
 def _params(draw) -> SamplingParams:
-    kind = draw(st.sampled_from(["greedy", "seeded", "stops", "n", "penalty", "logprobs"]))
+    kind = draw(st.sampled_from(["greedy", "seeded", "stops", "n", "penalty", "logprobs", "prompt_logprobs"]))
     max_tokens = draw(st.integers(1, 14))
     base = dict(max_tokens=max_tokens, temperature=0.0 if kind == "greedy" else 0.9,
                 seed=draw(st.integers(0, 5)))
@@ -34,6 +34,8 @@ def _params(draw) -> SamplingParams:
         base |= dict(repetition_penalty=1.3, presence_penalty=0.5)
     elif kind == "logprobs":
         base |= dict(logprobs=2, ignore_eos=draw(st.booleans()))
+    elif kind == "prompt_logprobs":
+        base |= dict(prompt_logprobs=1, logprobs=1)
     return SamplingParams(**base)
 
 
@@ -50,8 +52,9 @@ def workloads(draw):
 
 
 def _outputs(results: dict) -> dict:
-    return {rid: [(c.token_ids, c.finish_reason, c.stop_reason, c.text,
-                   None if c.logprobs is None else [sorted(e) for e in c.logprobs]) for c in out.outputs]
+    return {rid: ([(c.token_ids, c.finish_reason, c.stop_reason, c.text,
+                    None if c.logprobs is None else [sorted(e) for e in c.logprobs]) for c in out.outputs],
+                  None if out.prompt_logprobs is None else [e and sorted(e) for e in out.prompt_logprobs])
             for rid, out in results.items()}
 
 
@@ -83,7 +86,7 @@ def test_lookahead_tokens_of_finished_sequences_are_dropped():
     expected, _ = _run(requests, (256, "recompute"), async_scheduling=False, max_model_len=64)
     got, engine = _run(requests, (256, "recompute"), async_scheduling=True, max_model_len=64)
     assert got == expected
-    assert any(reason == "stop" for outs in got.values() for _, reason, *_ in outs), "no early stop drawn"
+    assert any(reason == "stop" for outs, _ in got.values() for _, reason, *_ in outs), "no early stop drawn"
     assert engine.async_scheduling
 
 
