@@ -25,6 +25,7 @@ import cupy
 import numpy as np
 
 from offline_paged.cuda.graphs import CublasGemm
+from offline_paged.cuda.pinned import PinnedUpload
 from offline_paged.models.attention import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -86,6 +87,7 @@ class DecodeGraphs:
         self._pool = cupy.cuda.MemoryPool()  # only for warm-up and capture
         self._gemm = None
         self._captured: dict[int, _Bucket] = {}
+        self._upload = PinnedUpload()  # the host packs the next step while this one runs
         self.num_replays = 0
 
     @property
@@ -109,7 +111,7 @@ class DecodeGraphs:
         bucket.pack(input_ids, positions, slot_mapping, block_tables)
         if timer is not None:
             timer.start()
-        bucket.device.set(bucket.host)  # the step's one H2D copy, stream-ordered before the replay
+        self._upload(bucket.host, out=bucket.device)  # the step's one H2D copy, queued before the replay
         if fill is not None:
             fill(bucket.views(bucket.device)[0])
         bucket.graph.launch()

@@ -17,6 +17,7 @@ import cupy
 import numpy as np
 
 from offline_paged.cuda import sampling_launcher as kernels
+from offline_paged.cuda.pinned import PinnedDownload, PinnedUpload
 from offline_paged.sampler import SampleResult, SamplingRequest
 
 
@@ -25,6 +26,7 @@ class GpuSampler:
 
     def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self._upload = PinnedUpload()  # the per-row inputs cross without waiting for the device
 
     def sample(self, logits, rows: Sequence[int], requests: Sequence[SamplingRequest]) -> list[SampleResult]:
         """logits [K, V] float32 (device); request i samples logits row rows[i]. One result per request."""
@@ -39,7 +41,7 @@ class GpuSampler:
             return PendingSamples(None, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), 0, [])
         logits = cupy.ascontiguousarray(logits, dtype=cupy.float32)  # [K, V]
         num_rows, vocab = len(requests), logits.shape[1]
-        step = _upload(requests, rows, vocab, self.eos_token_ids)
+        step = _upload(requests, rows, vocab, self.eos_token_ids, self._upload)
         adjusted = cupy.empty((num_rows, vocab), dtype=cupy.float64)  # [R, V]
         raw_stats = cupy.empty((num_rows, 2), dtype=cupy.float64)  # [R, 2] (max, logsumexp - max)
         kernels.prepare_rows(logits, step["rows"], adjusted, raw_stats)
@@ -67,12 +69,14 @@ class GpuSampler:
 
 
 class PendingSamples:
-    """A sampling launch: the packed device results `out` (see GpuSampler.sample) until `results()`."""
+    """A sampling launch: the packed device results `out` (see GpuSampler.sample), already being copied
+    to pinned host memory, until `results()` waits for that copy."""
 
-    __slots__ = ("_out", "_num_rows", "_top_ks", "_asking", "_k_max", "_wants", "_token_ids")
+    __slots__ = ("_out", "_download", "_num_rows", "_top_ks", "_asking", "_k_max", "_wants", "_token_ids")
 
     def __init__(self, out, num_rows: int, top_ks, asking, k_max: int, wants: list[bool]) -> None:
         self._out, self._num_rows = out, num_rows
+        self._download = PinnedDownload(out) if num_rows else None  # queued right behind the kernels
         self._top_ks, self._asking, self._k_max, self._wants = top_ks, asking, k_max, wants
         self._token_ids = None
 
@@ -86,7 +90,7 @@ class PendingSamples:
     def results(self) -> list[SampleResult]:
         if not self._num_rows:
             return []
-        host = self._out.get()  # the one device->host copy
+        host = self._download.wait()  # the one device->host copy
         return _results(host, self._top_ks, self._asking, self._k_max, self._wants)
 
 
@@ -95,7 +99,7 @@ def _top_ks(requests: Sequence[SamplingRequest], vocab: int) -> np.ndarray:
 
 
 def _upload(requests: Sequence[SamplingRequest], rows: Sequence[int], vocab: int,
-            eos_token_ids: tuple[int, ...]) -> dict:
+            eos_token_ids: tuple[int, ...], to_device=cupy.asarray) -> dict:
     """Pack the step's per-row inputs into one uint64 and one int32 host array, upload each once, and
     return named device views."""
     num_rows = len(requests)
@@ -122,8 +126,8 @@ def _upload(requests: Sequence[SamplingRequest], rows: Sequence[int], vocab: int
     tokens = np.concatenate(penalty_tokens) if penalty_tokens else np.zeros((0, 3), np.int32)  # [P, 3]
     narrow = [np.asarray(rows, dtype=np.int32), np.asarray(penalty_rows, dtype=np.int32), tokens.ravel(),
               np.asarray(banned, dtype=np.int32).reshape(-1), np.asarray(cut_rows, dtype=np.int32)]
-    w = _views(cupy.asarray(np.concatenate(wide)), [a.size for a in wide])
-    n = _views(cupy.asarray(np.concatenate(narrow).astype(np.int32)), [a.size for a in narrow])
+    w = _views(to_device(np.concatenate(wide)), [a.size for a in wide])
+    n = _views(to_device(np.concatenate(narrow).astype(np.int32)), [a.size for a in narrow])
     return {"params": w[0].view(cupy.float64).reshape(num_rows, kernels.PARAMS_WIDTH), "seeds": w[1],
             "positions": w[2], "penalties": w[3].view(cupy.float64).reshape(-1, 3),
             "rows": n[0], "penalty_rows": n[1], "penalty_tokens": n[2].reshape(-1, 3),

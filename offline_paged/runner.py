@@ -45,17 +45,21 @@ class _StepUpload:
     def __init__(self, backend) -> None:
         self.backend = backend
         self._buffer = None  # [capacity] int32 (device), grown by doubling
+        self._pinned = None  # cuda PinnedUpload: the copy is queued, the host does not wait for the device
 
     def __call__(self, host: np.ndarray):
         if self.backend.name == "cpu":
             return host
+        if self._pinned is None:
+            from offline_paged.cuda.pinned import PinnedUpload
+
+            self._pinned = PinnedUpload()
         if self._buffer is None or self._buffer.size < host.size:
             capacity = max(host.size, 2 * (0 if self._buffer is None else self._buffer.size), 4096)
             self._buffer = self.backend.xp.empty(capacity, dtype=np.int32)
         view = self._buffer[:host.size]  # [n] int32 (device)
         # Stream-ordered after the previous step's kernels (same stream), so reuse is safe.
-        view.set(host)
-        return view
+        return self._pinned(host.astype(np.int32, copy=False), out=view)
 
 
 class ModelRunner:
@@ -86,6 +90,7 @@ class ModelRunner:
         self.kv_cache = model.allocate_kv_cache(num_gpu_blocks, block_size)  # [L, 2, N, B, Hkv, D]
         self._swapper = None
         self._upload = _StepUpload(backend)
+        self._pending_upload = _StepUpload(backend)  # where a step's pending input ids come from
         max_blocks = 64 if max_model_len is None else -(-max_model_len // block_size)
         self.table_rows = BlockTableRows(block_size, max_blocks=max_blocks)  # rows live across steps
         self.decode_graphs = None
@@ -124,7 +129,7 @@ class ModelRunner:
         if not output.scheduled:
             return LaunchedStep(output, ReadySamples([]), {}, [], [], None, False)
         rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
-        fill = _pending_inputs(output.scheduled, previous, self.backend)
+        fill = _pending_inputs(output.scheduled, previous, self._pending_upload)
         # CUDA events around the forward, never inside a capture (DecodeGraphs captures on its own
         # stream); started after the host-side input packing so that they time the device's work.
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
@@ -257,7 +262,7 @@ def _input_tokens(item) -> list[int]:
     return ids + [0] * missing if missing else ids
 
 
-def _pending_inputs(scheduled, previous: LaunchedStep | None, backend):
+def _pending_inputs(scheduled, previous: LaunchedStep | None, upload):
     """None when every input token is known; else a function that writes the pending ones into a step's
     device input ids [T] (or [b] for a graph bucket), gathered from `previous`'s sampled ids."""
     token_index, dst, src = 0, [], []
@@ -272,8 +277,8 @@ def _pending_inputs(scheduled, previous: LaunchedStep | None, backend):
         token_index += item.num_new_tokens
     if not dst:
         return None
-    xp = backend.xp
-    dst_ids, src_ids = xp.asarray(np.asarray(dst, np.int64)), xp.asarray(np.asarray(src, np.int64))
+    indices = upload(np.asarray(dst + src, dtype=np.int32))  # [2n] int32 (device)
+    dst_ids, src_ids = indices[:len(dst)], indices[len(dst):]
     sampled = previous.samples.token_ids  # [R] int32 (device)
 
     def fill(input_ids) -> None:
