@@ -45,17 +45,22 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role", "content"}...]) with the model's template (jinja2 sandbox)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> str:
+        """Render `messages` ([{"role", "content"}...]) with the model's template (bounded jinja2 sandbox).
+        `chat_template_kwargs` (as in vLLM, e.g. {"enable_thinking": False}) become template variables.
+        Raises ValueError (ChatTemplateError) naming the template for any rendering failure."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template (none in tokenizer_config.json, "
                              "chat_template.jinja or GGUF metadata); send plain prompts instead")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **(self.special_tokens | _template_kwargs(chat_template_kwargs)))
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
         """Ids of the rendered chat prompt; the template supplies its own special tokens."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     def save(self, directory: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (with the chat template) into `directory`."""
@@ -94,6 +99,17 @@ class Tokenizer:
                    bool(tok_config.get("add_bos_token", False)))
 
 
+def _template_kwargs(kwargs) -> dict:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise ValueError("chat_template_kwargs must be an object whose keys are identifiers")
+    reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    return kwargs
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -118,9 +134,13 @@ def _chat_template(directory: Path, tok_config: dict) -> ChatTemplate | None:
     if jinja_path.is_file():
         return ChatTemplate(jinja_path.read_text(encoding="utf-8"), origin=str(jinja_path))
     source = tok_config.get("chat_template")
+    origin = str(directory / "tokenizer_config.json")
     if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        if not all(isinstance(t, dict) for t in source):
+            raise ValueError(f"{origin}: chat_template is a list whose entries are not "
+                             "{'name': ..., 'template': ...} objects")
         named = {t.get("name"): t.get("template") for t in source}
         source = named.get("default") or next(iter(named.values()), None)
-    if not source:
+    if source is None or source == "":
         return None
-    return ChatTemplate(source, origin=str(directory / "tokenizer_config.json"))
+    return ChatTemplate(source, origin=f"{origin} (chat_template)")
