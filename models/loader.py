@@ -51,11 +51,13 @@ def load_hf_dir(directory: str | Path) -> LoadedModel:
     config = LlamaConfig.from_file(directory / "config.json")
     weights = read_weights(directory, config)
     tokenizer = Tokenizer.from_dir(directory, extra_eos_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
-    bad = sorted(i for i in tokenizer.eos_token_ids if not 0 <= i < config.vocab_size)
-    if bad:
-        raise ValueError(f"{directory}: end-of-sequence token id {bad[0]} (from tokenizer_config.json or "
-                         f"generation_config.json) is outside the vocabulary (vocab_size {config.vocab_size} "
-                         "in config.json)")
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    for kind, ids in (("end-of-sequence", sorted(tokenizer.eos_token_ids)), ("beginning-of-sequence", bos)):
+        bad = [i for i in ids if not 0 <= i < config.vocab_size]
+        if bad:
+            raise ValueError(f"{directory}: {kind} token id {bad[0]} (from tokenizer_config.json or "
+                             f"generation_config.json) is outside the vocabulary (vocab_size {config.vocab_size} "
+                             "in config.json)")
     return LoadedModel(config, weights, tokenizer, str(directory))
 
 

@@ -88,13 +88,15 @@ class Tokenizer:
             raise ValueError(f"{path}: cannot load tokenizer ({exc})") from None
         tok_config = _read_json(directory / "tokenizer_config.json")
         gen_config = _read_json(directory / "generation_config.json")
-        special = {name: _token_text(tok_config[name]) for name in _SPECIAL_NAMES if tok_config.get(name)}
-        eos_ids = set(extra_eos_ids) | set(_ids(gen_config.get("eos_token_id")))
+        special = {name: _token_text(tok_config[name], directory / "tokenizer_config.json", name)
+                   for name in _SPECIAL_NAMES if tok_config.get(name)}
+        gen_path = directory / "generation_config.json"
+        eos_ids = set(extra_eos_ids) | set(_ids(gen_config.get("eos_token_id"), gen_path, "eos_token_id"))
         if "eos_token" in special and backend.token_to_id(special["eos_token"]) is not None:
             eos_ids.add(backend.token_to_id(special["eos_token"]))
         if "bos_token" in special and backend.token_to_id(special["bos_token"]) is not None:
             bos_token_id = backend.token_to_id(special["bos_token"])
-        bos_token_id = gen_config.get("bos_token_id", bos_token_id)
+        bos_token_id = next(iter(_ids(gen_config.get("bos_token_id", bos_token_id), gen_path, "bos_token_id")), None)
         return cls(backend, frozenset(eos_ids), bos_token_id, _chat_template(directory, tok_config), special,
                    bool(tok_config.get("add_bos_token", False)))
 
@@ -114,25 +116,38 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: must be a JSON object, got {type(value).__name__}")
+    return value
 
 
-def _token_text(value) -> str:
-    return value["content"] if isinstance(value, dict) else str(value)
+def _token_text(value, path: Path, name: str) -> str:
+    text = value.get("content") if isinstance(value, dict) else value
+    if not isinstance(text, str):
+        raise ValueError(f"{path}: {name} must be a string or {{'content': string}}, got {str(value)[:40]!r}")
+    return text
 
 
-def _ids(value) -> list[int]:
+def _ids(value, path: Path, name: str) -> list[int]:
     if value is None:
         return []
-    return [value] if isinstance(value, int) else [int(v) for v in value]
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{path}: {name} must be an integer or a list of integers, got {str(value)[:40]!r}")
+    return values
 
 
 def _chat_template(directory: Path, tok_config: dict) -> ChatTemplate | None:
     jinja_path = directory / "chat_template.jinja"
     if jinja_path.is_file():
-        return ChatTemplate(jinja_path.read_text(encoding="utf-8"), origin=str(jinja_path))
+        try:
+            source = jinja_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{jinja_path}: not UTF-8 text ({exc})") from None
+        return ChatTemplate(source, origin=str(jinja_path))
     source = tok_config.get("chat_template")
     origin = str(directory / "tokenizer_config.json")
     if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]

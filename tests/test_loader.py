@@ -253,3 +253,19 @@ def test_hostile_safetensors_header_fails_the_load(copy_dir):
     path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
     with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.norm\.weight: 'data_offsets'"):
         load_model(copy_dir)
+
+
+@pytest.mark.parametrize("file,content,message", [
+    ("tokenizer_config.json", "[1, 2]", r"tokenizer_config\.json: must be a JSON object, got list"),
+    ("tokenizer_config.json", b"\xff\xfe{}", r"tokenizer_config\.json: not valid JSON \(UnicodeDecodeError"),
+    ("tokenizer_config.json", '{"eos_token": 5}', r"tokenizer_config\.json: eos_token must be a string"),
+    ("generation_config.json", '{"eos_token_id": "2"}', r"generation_config\.json: eos_token_id must be an integer"),
+    ("generation_config.json", '{"bos_token_id": 1000}', r"beginning-of-sequence token id 1000 .* outside"),
+    ("chat_template.jinja", b"\xff{{ x }}", r"chat_template\.jinja: not UTF-8 text"),
+    ("chat_template.jinja", "{% for %}", r"chat_template\.jinja: invalid Jinja template"),
+])
+def test_hostile_tokenizer_files(copy_dir, file, content, message):
+    path = copy_dir / file
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_model(copy_dir)
