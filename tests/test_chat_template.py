@@ -70,6 +70,13 @@ HOSTILE = {
     "long_output": ("{% for i in range(100000) %}{{ 'x' * 50 }}{% endfor %}", r"output is over the limit"),
     "int_digits": ("{{ 10 ** 5000 }}", r"rendering failed \(ValueError"),
     "undefined_call": ("{{ nothing() }}", r"rendering failed \(UndefinedError"),
+    "shared_list_printed": ("{% set big = ['x' * 900000] * 500000 %}{{ big }}", r"operator '\*'.*over the limit"),
+    "shared_list_concat": ("{% set row = ['x' * 900000] %}{% set big = [row] * 500000 %}{{ big ~ '' }}",
+                           r"operator '\*'.*over the limit"),
+    "nested_format_width": ("{{ '{0:{1}}'.format('x', 10**9) }}", r"str\.format: argument 1000000000"),
+    "star_width": ("{{ '%*s' % (10**9, 'x') }}", r"operator '%': argument 1000000000"),
+    "sum_of_lists": ("{{ ([[1]] * 100000) | sum(start=[]) }}", r"only numbers can be summed"),
+    "batch_one": ("{{ ('x' * 900000) | batch(1) | list | length }}", r"over the limit"),
 }
 
 
@@ -107,6 +114,12 @@ def test_limits_do_not_leak_out_of_a_render():
         ChatTemplate("{{ 'x' * 10**10 }}").render(USER)
     assert sys.gettrace() is before
     assert "x" * 3_000_000  # plain Python is not bounded afterwards
+
+
+def test_ordinary_numbers_and_formats_still_work():
+    t = ChatTemplate("{{ '%d|%05.1f' % (1700000000, 2.5) }} {{ '{:>8}'.format(123456789012) }} "
+                     "{{ '%s' | format(10**12) }} {{ [1, 2, 3] | sum }} {{ 'ab' * 3 }} {{ 2 ** 10 }}")
+    assert t.render(USER) == "1700000000|002.5 123456789012 1000000000000 6 ababab 1024"
 
 
 def test_long_legit_input_fits_its_limit():
