@@ -14,7 +14,7 @@ from datetime import datetime
 
 from jinja2 import TemplateError
 
-from .template_sandbox import BoundedSandbox, TemplateLimitError
+from .template_sandbox import BoundedSandbox, RenderTimeout, TemplateLimitError
 
 DEFAULT_MAX_SECONDS = 2.0
 BASE_MAX_CHARS = 1_000_000  # plus MAX_CHARS_PER_INPUT_CHAR for every character of the input
@@ -69,7 +69,7 @@ class ChatTemplate:
             return self._render_bounded(messages, add_generation_prompt, variables, max_chars)
         except ChatTemplateError as exc:
             raise ChatTemplateError(f"{self.origin}: {exc}") from None
-        except TemplateLimitError as exc:
+        except (TemplateLimitError, RenderTimeout) as exc:
             raise ChatTemplateError(f"{self.origin}: rendering stopped: {exc}") from None
         except TemplateError as exc:  # includes sandbox SecurityError
             raise ChatTemplateError(f"{self.origin}: rendering failed ({type(exc).__name__}: {exc})") from None

@@ -12,7 +12,9 @@ render in:
 - scope: `{% include %}`, `{% import %}` and `{% extends %}` are refused (there is nothing to load).
 
 The limits of the render in progress live in a thread-local `RenderBudget`, set by `bounded()`.
-Every violation raises `TemplateLimitError` (a ValueError) saying which limit was hit.
+A size violation raises `TemplateLimitError` (a ValueError); the deadline raises `RenderTimeout`
+once (a BaseException, so that no `except Exception` on the way can swallow it, and only once so
+that the clean-up code after it runs untroubled). Both say which limit was hit.
 """
 from __future__ import annotations
 
@@ -43,11 +45,16 @@ class TemplateLimitError(ValueError):
     """A render went over its time or size limit, or used a feature chat templates may not use."""
 
 
+class RenderTimeout(BaseException):
+    """The render's deadline passed (raised by the trace function, once per render)."""
+
+
 @dataclass(slots=True)
 class RenderBudget:
     max_chars: int  # the most characters/items any value built on the way, or the output, may hold
     deadline: float  # time.monotonic() after which the render is stopped
     max_seconds: float
+    timed_out: bool = False
 
 
 class _Local(threading.local):
@@ -136,8 +143,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def _check_time(self) -> None:
         budget = self._local.budget
-        if budget is not None and time.monotonic() > budget.deadline:
-            raise TemplateLimitError(f"rendering took longer than {budget.max_seconds:g} s")
+        if budget is not None and not budget.timed_out and time.monotonic() > budget.deadline:
+            budget.timed_out = True
+            raise RenderTimeout(f"rendering took longer than {budget.max_seconds:g} s")
 
     def _limit(self) -> int:
         budget = self._local.budget

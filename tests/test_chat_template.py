@@ -95,15 +95,26 @@ def test_hostile_template_is_one_clear_error(name):
 
 
 def test_nested_loops_stop_at_the_deadline():
+    import sys
     import time
 
+    before = sys.gettrace()
     t = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
                      origin="slow.jinja", max_seconds=0.3)
     started = time.monotonic()
     with pytest.raises(ChatTemplateError, match=r"slow\.jinja: rendering stopped: rendering took longer than 0\.3 s"):
         t.render(USER)
     assert time.monotonic() - started < 3
+    assert sys.gettrace() is before
     assert ChatTemplate(CHATML, max_seconds=0.3).render(USER).startswith("<|im_start|>user")  # still usable
+
+
+def test_deadline_cannot_be_swallowed_by_a_filter():
+    """jinja's int filter catches ValueError; the deadline must still end the render."""
+    t = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' if (j | int) else '' }}"
+                     "{% endfor %}{% endfor %}", origin="t.jinja", max_seconds=0.2)
+    with pytest.raises(ChatTemplateError, match=r"t\.jinja: rendering stopped: rendering took longer"):
+        t.render(USER)
 
 
 def test_limits_do_not_leak_out_of_a_render():
