@@ -194,8 +194,9 @@ def _architecture(raw: dict[str, Any]) -> str:
 
 
 def _refuse_what_we_do_not_compute(raw: dict[str, Any], architecture: str) -> None:
-    if raw.get("quantization_config") is not None:
-        method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else None
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
         raise ValueError(f"quantization_config (quant_method {method!r}) is not supported: only unquantized "
                          "float weights are computed")
     act = raw.get("hidden_act", "silu")

@@ -50,7 +50,8 @@ def test_hostile_chat_template_costs_only_its_lines(model_dir, tmp_path):
     model = _copy(model_dir, tmp_path)
     config_path = model / "tokenizer_config.json"
     config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"chat_template": HOSTILE_TEMPLATE}))
-    lines = [{"id": "plain", "prompt": "The sky is"}, {"id": "chat", "messages": [{"role": "user", "content": "Hi"}]}]
+    lines = [{"id": "plain", "prompt": "The sky is"},
+             {"id": "chat", "messages": [{"role": "user", "content": "Hi"}]}]
     lines += [{"id": c, "messages": [{"role": "user", "content": c}]} for c in ("loops", "repeat", "include", "recurse")]
     started = time.monotonic()
     result, records = _run(model, tmp_path, lines)
