@@ -3,10 +3,15 @@
 Both RoPE spellings are accepted: the old one (`rope_theta` + `rope_scaling`) and the new one
 (`rope_parameters` with `rope_type`/`rope_theta`). RoPE scaling of type `llama3` and `linear` is
 supported; anything else is refused with a message naming the file and the type.
+Everything the config asks for that this decoder does not compute (another `hidden_act`, a
+`quantization_config`, biases, a sliding window, partial RoPE) is refused by name, and every value
+is type- and range-checked (positive sizes under generous limits, finite positive eps and theta,
+token ids inside the vocabulary), so a bad config fails at load, never as NaN logits later.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +34,21 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.rope_type not in ("llama3", "linear"):
             raise ValueError(f"unsupported rope scaling type {self.rope_type!r} (supported: llama3, linear)")
-        if self.factor <= 0:
-            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _require_positive_finite(f"rope scaling {name}", getattr(self, name))
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"rope scaling high_freq_factor ({self.high_freq_factor}) must be greater than "
+                             f"low_freq_factor ({self.low_freq_factor})")
+        if _not_int(self.original_max_position_embeddings) or self.original_max_position_embeddings <= 0:
+            raise ValueError("rope scaling original_max_position_embeddings must be a positive integer, "
+                             f"got {self.original_max_position_embeddings!r}")
+
+
+# Upper bounds no real checkpoint comes near; they keep a hostile config from sizing anything absurd
+# before the loader has compared it with the tensors actually present.
+SIZE_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 19,
+               "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+               "head_dim": 2048, "max_position_embeddings": 1 << 40}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,28 +72,37 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name, limit in SIZE_LIMITS.items():
+            value = getattr(self, name)
+            if _not_int(value) or not 0 < value <= limit:
+                raise ValueError(f"{name} must be an integer in 1..{limit}, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        _require_positive_finite("rms_norm_eps", self.rms_norm_eps)
+        _require_positive_finite("rope_theta", self.rope_theta)
+        for name, ids in (("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
+                          ("eos_token_id", self.eos_token_ids)):
+            bad = [i for i in ids if _not_int(i) or not 0 <= i < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} {bad[0]!r} is not a token id of the vocabulary "
+                                 f"(vocab_size {self.vocab_size})")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r} "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
     @classmethod
     def from_file(cls, path: str | Path) -> LlamaConfig:
+        """Read an HF config.json; every problem is a ValueError naming the file and the field."""
         path = Path(path)
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: config.json not found") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ValueError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from None
         try:
             return cls.from_dict(raw)
         except (ValueError, KeyError, TypeError) as exc:
@@ -83,34 +110,34 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> LlamaConfig:
-        """Build from an HF config dict; raises ValueError naming the offending key."""
+        """Build from an HF config dict; raises ValueError naming the offending key. Anything the
+        config asks for that this decoder does not compute is refused, never ignored."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"the config must be a JSON object, got {type(raw).__name__}")
         architecture = _architecture(raw)
-        if raw.get("attention_bias") or raw.get("mlp_bias"):
-            raise ValueError("attention_bias / mlp_bias are not supported")
-        if architecture == "MistralForCausalLM" and raw.get("sliding_window") is not None:
-            raise ValueError("MistralForCausalLM with sliding_window is not supported "
-                             f"(sliding_window={raw['sliding_window']})")
+        _refuse_what_we_do_not_compute(raw, architecture)
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in raw]
         if missing:
             raise ValueError(f"missing required keys: {', '.join(missing)}")
-        num_heads = int(raw["num_attention_heads"])
+        num_heads = _int(raw, "num_attention_heads")
+        hidden = _int(raw, "hidden_size")
         rope_theta, rope_scaling = _rope(raw)
         return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            vocab_size=_int(raw, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_int(raw, "intermediate_size"),
+            num_hidden_layers=_int(raw, "num_hidden_layers"),
             num_attention_heads=num_heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // num_heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            num_key_value_heads=_int(raw, "num_key_value_heads", num_heads),
+            head_dim=_int(raw, "head_dim", hidden // num_heads if num_heads > 0 else 0),
+            rms_norm_eps=_float(raw, "rms_norm_eps", 1e-5),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=_int(raw, "max_position_embeddings", 4096),
+            tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
             architecture=architecture,
-            bos_token_id=raw.get("bos_token_id"),
+            bos_token_id=_int(raw, "bos_token_id", None),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
         )
 
@@ -152,6 +179,8 @@ class LlamaConfig:
 
 def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"architectures must be a list of names, got {str(archs)[:60]!r}")
     if not archs:
         model_type = raw.get("model_type")
         archs = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"]}.get(model_type, [])
@@ -164,35 +193,101 @@ def _architecture(raw: dict[str, Any]) -> str:
     raise ValueError(f"unsupported architecture {archs} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
+def _refuse_what_we_do_not_compute(raw: dict[str, Any], architecture: str) -> None:
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(f"quantization_config (quant_method {method!r}) is not supported: only unquantized "
+                         "float weights are computed")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (this decoder computes silu)")
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ValueError("attention_bias / mlp_bias are not supported")
+    if architecture == "MistralForCausalLM" and raw.get("sliding_window") is not None:
+        raise ValueError("MistralForCausalLM with sliding_window is not supported "
+                         f"(sliding_window={raw['sliding_window']})")
+
+
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """Return (theta, scaling) from either the old or the new (`rope_parameters`) spelling."""
     params = raw.get("rope_parameters")
-    if params is not None:
-        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        scaling = params
-    else:
-        theta = raw.get("rope_theta", 10000.0)
-        scaling = raw.get("rope_scaling")
+    key = "rope_parameters" if params is not None else "rope_scaling"
+    scaling = params if params is not None else raw.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ValueError(f"{key} must be an object or null, got {str(scaling)[:40]!r}")
+    theta = _float(scaling, "rope_theta", None) if scaling else None
+    theta = theta if theta is not None else _float(raw, "rope_theta", 10000.0)
+    partial = (scaling or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial!r} is not supported (RoPE over the whole head only)")
     if not scaling:
-        return float(theta), None
+        return theta, None
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope scaling type {rope_type!r} "
+        raise ValueError(f"unsupported rope scaling type {str(rope_type)[:40]!r} in {key} "
                          f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rope_type == "default":
-        return float(theta), None
+        return theta, None
     if "factor" not in scaling:
-        raise ValueError(f"rope scaling {rope_type!r} needs a 'factor'")
-    fields = {k: scaling[k] for k in ("low_freq_factor", "high_freq_factor",
-                                      "original_max_position_embeddings") if k in scaling}
+        raise ValueError(f"{key}: rope scaling {rope_type!r} needs a 'factor'")
+    fields = {k: _float(scaling, k, None) for k in ("low_freq_factor", "high_freq_factor") if k in scaling}
+    if "original_max_position_embeddings" in scaling:
+        fields["original_max_position_embeddings"] = _int(scaling, "original_max_position_embeddings")
     if rope_type == "linear":
         fields = {}
-    return float(theta), RopeScaling(rope_type=rope_type, factor=float(scaling["factor"]), **fields)
+    return theta, RopeScaling(rope_type=rope_type, factor=_float(scaling, "factor"), **fields)
+
+
+_REQUIRED = object()
+
+
+def _not_int(value) -> bool:
+    return not isinstance(value, int) or isinstance(value, bool)
+
+
+def _int(raw: dict[str, Any], key: str, default: Any = _REQUIRED):
+    value = raw.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{key} is required")
+        return default
+    if _not_int(value):
+        raise ValueError(f"{key} must be an integer, got {str(value)[:40]!r}")
+    return value
+
+
+def _float(raw: dict[str, Any], key: str, default: Any = _REQUIRED):
+    value = raw.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{key} is required")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} must be a number, got {str(value)[:40]!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{key} must be a finite number, got an integer of {len(str(value))} digits") from None
+
+
+def _bool(raw: dict[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {str(value)[:40]!r}")
+    return value
+
+
+def _require_positive_finite(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    bad = [v for v in values if _not_int(v)]
+    if bad:
+        raise ValueError(f"eos_token_id must be an integer or a list of integers, got {str(value)[:40]!r}")
+    return tuple(values)

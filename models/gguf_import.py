@@ -14,6 +14,7 @@ import numpy as np
 from .config import LlamaConfig, RopeScaling
 from .gguf_tokenizer import build_tokenizer
 from .tokenizer import Tokenizer
+from .weight_spec import check_checkpoint_names, expected_weight_shapes
 
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -25,24 +26,47 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# The GGUF key each LlamaConfig field comes from, so that a refused value names the key in the file.
+_CONFIG_KEYS = {"vocab_size": "llama.vocab_size (or the length of tokenizer.ggml.tokens)",
+                "hidden_size": "llama.embedding_length", "intermediate_size": "llama.feed_forward_length",
+                "num_hidden_layers": "llama.block_count", "num_attention_heads": "llama.attention.head_count",
+                "num_key_value_heads": "llama.attention.head_count_kv", "head_dim": "llama.rope.dimension_count",
+                "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon", "rope_theta": "llama.rope.freq_base",
+                "max_position_embeddings": "llama.context_length", "bos_token_id": "tokenizer.ggml.bos_token_id",
+                "eos_token_id": "tokenizer.ggml.eos_token_id", "rope scaling": "llama.rope.scaling.factor"}
 
 
 def import_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Tokenizer]:
+    """Config, HF-named float32 weights and tokenizer of a llama GGUF. Every problem is a ValueError
+    naming the file and the metadata key or tensor; names and shapes are checked before dequantizing."""
     path = Path(path)
     reader = open_gguf(path)
     metadata = GgufMetadata(reader, path)
     config = config_from_metadata(metadata, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    tensors = {name: t for t in reader.tensors if (name := hf_tensor_name(t.name, path)) is not None}
+    _check_tensors(path, config, tensors)
+    tokenizer = build_tokenizer(metadata, config)
     weights = {}
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name, path)
-        if name is None:
-            continue
+    for name, tensor in tensors.items():
         array = dequantize_tensor(tensor, path)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = unpermute_rows(array, n_head)
         weights[name] = array
-    return config, weights, build_tokenizer(metadata, config)
+    return config, weights, tokenizer
+
+
+def _check_tensors(path: Path, config: LlamaConfig, tensors: dict) -> None:
+    try:
+        check_checkpoint_names(config, set(tensors))
+    except ValueError as exc:
+        message = str(exc).replace("num_hidden_layers is", "llama.block_count is").replace(" in config.json", "")
+        raise ValueError(f"{path}: {message} (GGUF tensor names are mapped to HF names)") from None
+    for name, shape in expected_weight_shapes(config).items():
+        found = tuple(int(n) for n in reversed(tensors[name].shape))
+        if found != shape:
+            raise ValueError(f"{path}: tensor {tensors[name].name} has shape {found}, expected {shape} from "
+                             "the GGUF metadata")
 
 
 def open_gguf(path: Path):
@@ -71,41 +95,74 @@ class GgufMetadata:
             if default is self._MISSING:
                 raise ValueError(f"{self.path}: GGUF metadata key {key!r} is missing")
             return default
-        return field.contents()
+        try:
+            return field.contents()
+        except (IndexError, ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{self.path}: GGUF metadata {key} cannot be read ({type(exc).__name__}: {exc})") from None
 
     def __contains__(self, key: str) -> bool:
         return key in self.fields
+
+    def get_int(self, key: str, default=_MISSING):
+        value = self.get(key, default)
+        if value is not default and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise ValueError(f"{self.path}: GGUF metadata {key} must be an integer, got {str(value)[:40]!r}")
+        return value if value is default else int(value)
+
+    def get_float(self, key: str, default=_MISSING):
+        value = self.get(key, default)
+        if value is not default and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))):
+            raise ValueError(f"{self.path}: GGUF metadata {key} must be a number, got {str(value)[:40]!r}")
+        return value
+
+    def get_str(self, key: str, default=_MISSING):
+        value = self.get(key, default)
+        if value is not default and not isinstance(value, str):
+            raise ValueError(f"{self.path}: GGUF metadata {key} must be a string, got {str(value)[:40]!r}")
+        return value
+
+    def list_of(self, key: str, kind: type, default=_MISSING) -> list:
+        value = self.get(key, default)
+        if value is default:
+            return value
+        if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"{self.path}: GGUF metadata {key} must be an array of {kind.__name__}")
+        return value
 
 
 def config_from_metadata(meta: GgufMetadata, has_output: bool) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{meta.path}: GGUF architecture {arch!r} is not supported (supported: llama)")
-    num_heads = int(meta.get("llama.attention.head_count"))
-    hidden = int(meta.get("llama.embedding_length"))
-    head_dim = int(meta.get("llama.rope.dimension_count", hidden // num_heads))
-    if int(meta.get("llama.attention.key_length", head_dim)) != head_dim:
+    num_heads = meta.get_int("llama.attention.head_count")
+    hidden = meta.get_int("llama.embedding_length")
+    if num_heads <= 0:
+        raise ValueError(f"{meta.path}: GGUF metadata llama.attention.head_count must be > 0, got {num_heads}")
+    head_dim = meta.get_int("llama.rope.dimension_count", hidden // num_heads)
+    if meta.get_int("llama.attention.key_length", head_dim) != head_dim:
         raise ValueError(f"{meta.path}: rope dimension count differs from the key length (partial RoPE unsupported)")
-    vocab_size = meta.get("llama.vocab_size", None) or len(meta.fields["tokenizer.ggml.tokens"].data)
-    eos = meta.get("tokenizer.ggml.eos_token_id", None)
+    vocab_size = meta.get_int("llama.vocab_size", None) or len(meta.list_of("tokenizer.ggml.tokens", str))
+    eos = meta.get_int("tokenizer.ggml.eos_token_id", None)
     try:
         return LlamaConfig(
-            vocab_size=int(vocab_size), hidden_size=hidden,
-            intermediate_size=int(meta.get("llama.feed_forward_length")),
-            num_hidden_layers=int(meta.get("llama.block_count")),
+            vocab_size=vocab_size, hidden_size=hidden,
+            intermediate_size=meta.get_int("llama.feed_forward_length"),
+            num_hidden_layers=meta.get_int("llama.block_count"),
             num_attention_heads=num_heads,
-            num_key_value_heads=int(meta.get("llama.attention.head_count_kv", num_heads)),
+            num_key_value_heads=meta.get_int("llama.attention.head_count_kv", num_heads),
             head_dim=head_dim,
-            rms_norm_eps=_shortest(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+            rms_norm_eps=_shortest(meta.get_float("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(meta.get_float("llama.rope.freq_base", 10000.0)),
             rope_scaling=_rope_scaling(meta),
-            max_position_embeddings=int(meta.get("llama.context_length", 4096)),
+            max_position_embeddings=meta.get_int("llama.context_length", 4096),
             tie_word_embeddings=not has_output,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
-            eos_token_ids=() if eos is None else (int(eos),),
+            bos_token_id=meta.get_int("tokenizer.ggml.bos_token_id", None),
+            eos_token_ids=() if eos is None else (eos,),
         )
     except ValueError as exc:
-        raise ValueError(f"{meta.path}: {exc}") from None
+        field = str(exc).split(" ", 1)[0] if not str(exc).startswith("rope scaling") else "rope scaling"
+        key = _CONFIG_KEYS.get(field)
+        raise ValueError(f"{meta.path}: {f'GGUF metadata {key}: ' if key else ''}{exc}") from None
 
 
 def _shortest(value) -> float:
@@ -114,13 +171,13 @@ def _shortest(value) -> float:
 
 
 def _rope_scaling(meta: GgufMetadata) -> RopeScaling | None:
-    kind = meta.get("llama.rope.scaling.type", "none")
+    kind = meta.get_str("llama.rope.scaling.type", "none")
     if "rope_freqs.weight" in meta.fields or kind not in ("none", "linear"):
         raise ValueError(f"{meta.path}: GGUF RoPE scaling {kind!r} / rope_freqs is not supported "
                          "(supported: none, linear); convert the original HF checkpoint instead")
     if kind == "none":
         return None
-    return RopeScaling("linear", float(meta.get("llama.rope.scaling.factor")))
+    return RopeScaling("linear", float(meta.get_float("llama.rope.scaling.factor")))
 
 
 def hf_tensor_name(gguf_name: str, path: Path) -> str | None:
@@ -131,7 +188,7 @@ def hf_tensor_name(gguf_name: str, path: Path) -> str | None:
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
     raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a llama model")
 

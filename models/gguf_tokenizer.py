@@ -26,29 +26,53 @@ _SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
 
 
 def build_tokenizer(meta, config: LlamaConfig) -> Tokenizer:
-    """Tokenizer from GGUF metadata (`meta` is a GgufMetadata); raises ValueError naming the file."""
-    kind = meta.get("tokenizer.ggml.model")
+    """Tokenizer from GGUF metadata (`meta` is a GgufMetadata); raises ValueError naming the file and key."""
+    kind = meta.get_str("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"{meta.path}: GGUF tokenizer model {kind!r} is not supported "
                          "(supported: 'gpt2' byte-level BPE)")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    backend = BackendTokenizer(models.BPE(
-        vocab={token: i for i, token in enumerate(tokens)},
-        merges=[tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges")],
-        ignore_merges=pre in _LLAMA3_PRE))
+    tokens = meta.list_of("tokenizer.ggml.tokens", str)
+    if len(tokens) > config.vocab_size:
+        raise ValueError(f"{meta.path}: GGUF metadata tokenizer.ggml.tokens has {len(tokens)} tokens, more than "
+                         f"the model's vocabulary ({config.vocab_size} rows in token_embd.weight)")
+    pre = meta.get_str("tokenizer.ggml.pre", "default")
+    merges = meta.list_of("tokenizer.ggml.merges", str)
+    bad = next((m for m in merges if len(m.split(" ")) != 2), None)
+    if bad is not None:
+        raise ValueError(f"{meta.path}: GGUF metadata tokenizer.ggml.merges has an entry that is not two "
+                         f"tokens separated by one space: {bad[:40]!r}")
+    try:
+        backend = BackendTokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)},
+                                              merges=[tuple(m.split(" ")) for m in merges],
+                                              ignore_merges=pre in _LLAMA3_PRE))
+    except Exception as exc:  # tokenizers raises plain Exceptions for a merge of unknown tokens
+        raise ValueError(f"{meta.path}: GGUF tokenizer metadata (tokenizer.ggml.tokens / merges) "
+                         f"is inconsistent ({exc})") from None
     backend.pre_tokenizer = _pre_tokenizer(pre, meta.path)
     backend.decoder = decoders.ByteLevel()
-    _add_marked_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type", []))
-    special = {name: tokens[meta.get(f"tokenizer.ggml.{key}")] for name, key in _SPECIAL_IDS.items()
-               if f"tokenizer.ggml.{key}" in meta}
+    token_types = meta.list_of("tokenizer.ggml.token_type", int, [])
+    if token_types and len(token_types) != len(tokens):
+        raise ValueError(f"{meta.path}: GGUF metadata tokenizer.ggml.token_type has {len(token_types)} entries "
+                         f"for {len(tokens)} tokens")
+    _add_marked_tokens(backend, tokens, token_types)
+    ids = {key: _token_id(meta, f"tokenizer.ggml.{key}", len(tokens))
+           for key in (*_SPECIAL_IDS.values(), "eot_token_id")}
+    special = {name: tokens[ids[key]] for name, key in _SPECIAL_IDS.items() if ids[key] is not None}
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-    bos_id = meta.get("tokenizer.ggml.bos_token_id", None)
+    bos_id = ids["bos_token_id"]
     backend.post_processor = _post_processor(add_bos, special.get("bos_token"), bos_id)
-    eos_ids = {int(meta.get(k)) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta}
+    eos_ids = {i for i in (ids["eos_token_id"], ids["eot_token_id"]) if i is not None}
     template = meta.get("tokenizer.chat_template", None)
-    chat = ChatTemplate(template, origin=f"{meta.path} (tokenizer.chat_template)") if template else None
+    chat = ChatTemplate(template, origin=f"{meta.path} (tokenizer.chat_template)") if template is not None else None
     return Tokenizer(backend, frozenset(eos_ids | set(config.eos_token_ids)), bos_id, chat, special, add_bos)
+
+
+def _token_id(meta, key: str, num_tokens: int) -> int | None:
+    value = meta.get_int(key, None)
+    if value is not None and not 0 <= value < num_tokens:
+        raise ValueError(f"{meta.path}: GGUF metadata {key} = {value} is not a token id "
+                         f"(tokenizer.ggml.tokens has {num_tokens} tokens)")
+    return value
 
 
 def _pre_tokenizer(pre: str, path):

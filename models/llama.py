@@ -36,9 +36,12 @@ class LlamaLayer:
 
 class Llama:
     """A Llama-layout decoder. `weights` maps HF tensor names to host arrays ([out, in] for linears);
-    they are checked against the config, rearranged to [in, out], fused and uploaded through `ops.xp`."""
+    they are checked against the config, rearranged to [in, out], fused and uploaded through `ops.xp`.
+    The RoPE table covers positions [0, max_positions) (default: the config's max_position_embeddings);
+    the engine builds it only as long as its max_model_len (`set_max_positions`)."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], ops, dtype=np.float32):
+    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], ops, dtype=np.float32,
+                 max_positions: int | None = None):
         check_weights(config, {name: np.shape(w) for name, w in weights.items()})
         self.config = config
         self.ops = ops
@@ -55,8 +58,13 @@ class Llama:
             self.lm_head = upload(xp.asarray(weights["lm_head.weight"], dtype=self.dtype).T)  # [E, V]
         self.final_norm = upload(weights["model.norm.weight"])  # [E]
         self.layers = [self._layer(weights, i, upload) for i in range(config.num_hidden_layers)]
-        self.cos_sin_cache = upload(cos_sin_cache(config, self.dtype))  # [P, D]
+        self._upload = upload
+        self.set_max_positions(max_positions or config.max_position_embeddings)
         self.scale = config.head_dim ** -0.5
+
+    def set_max_positions(self, max_positions: int) -> None:
+        """(Re)build the RoPE table for positions [0, max_positions)."""
+        self.cos_sin_cache = self._upload(cos_sin_cache(self.config, self.dtype, max_positions))  # [P, D]
 
     def _layer(self, weights, i: int, upload) -> LlamaLayer:
         p = f"model.layers.{i}."

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from .config import LlamaConfig
-from .safetensors_io import read_safetensors
+from .safetensors_io import SafetensorsFile
 from .tokenizer import Tokenizer
-from .weight_spec import check_weights, expected_weight_shapes
+from .weight_spec import check_checkpoint_names, expected_weight_shapes
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,28 +51,53 @@ def load_hf_dir(directory: str | Path) -> LoadedModel:
     config = LlamaConfig.from_file(directory / "config.json")
     weights = read_weights(directory, config)
     tokenizer = Tokenizer.from_dir(directory, extra_eos_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    for kind, ids in (("end-of-sequence", sorted(tokenizer.eos_token_ids)), ("beginning-of-sequence", bos)):
+        bad = [i for i in ids if not 0 <= i < config.vocab_size]
+        if bad:
+            raise ValueError(f"{directory}: {kind} token id {bad[0]} (from tokenizer_config.json or "
+                             f"generation_config.json) is outside the vocabulary (vocab_size {config.vocab_size} "
+                             "in config.json)")
     return LoadedModel(config, weights, tokenizer, str(directory))
 
 
 def read_weights(directory: Path, config: LlamaConfig) -> dict[str, np.ndarray]:
-    """The tensors the config needs, from one or several (indexed) safetensors files, shape-checked."""
-    wanted = set(expected_weight_shapes(config))
-    weights: dict[str, np.ndarray] = {}
-    for path in _safetensors_files(directory):
-        for name, array in read_safetensors(path, wanted).items():
-            weights[name] = array
-            try:
-                check_weights_one(config, name, array.shape)
-            except ValueError as exc:
-                raise ValueError(f"{path}: {exc}") from None
-    check_weights(config, {n: w.shape for n, w in weights.items()}, where=str(directory))
+    """The tensors the config needs, from one or several (indexed) safetensors files. Every header is
+    validated and the names and shapes are checked against the config before any tensor is read."""
+    files = _index_tensors([SafetensorsFile(path) for path in _safetensors_files(directory)])
+    try:
+        check_checkpoint_names(config, set(files))
+    except ValueError as exc:
+        shards = ", ".join(sorted({f.path.name for f in files.values()}))
+        raise ValueError(f"{directory} (config.json; {shards or 'no tensors'}): {exc}") from None
+    expected = expected_weight_shapes(config)
+    for name, shape in expected.items():
+        if files[name].entries[name].shape != shape:
+            raise ValueError(f"{files[name].path}: tensor {name} has shape {files[name].entries[name].shape}, "
+                             f"expected {shape} from config.json")
+    weights = {name: files[name].read(name) for name in expected}
+    if config.tie_word_embeddings and "lm_head.weight" in files:
+        _check_tied(files["lm_head.weight"], weights["model.embed_tokens.weight"])
     return weights
 
 
-def check_weights_one(config: LlamaConfig, name: str, shape: tuple[int, ...]) -> None:
-    expected = expected_weight_shapes(config)[name]
-    if tuple(shape) != expected:
-        raise ValueError(f"tensor {name} has shape {tuple(shape)}, expected {expected} from config.json")
+def _index_tensors(files: list[SafetensorsFile]) -> dict[str, SafetensorsFile]:
+    where: dict[str, SafetensorsFile] = {}
+    for file in files:
+        for name in file.entries:
+            if name in where:
+                raise ValueError(f"{file.path}: tensor {name} is also in {where[name].path}")
+            where[name] = file
+    return where
+
+
+def _check_tied(file: SafetensorsFile, embed: np.ndarray) -> None:
+    """A tied model may carry a redundant lm_head.weight; it must then equal the embeddings."""
+    entry = file.entries["lm_head.weight"]
+    if entry.shape != embed.shape or not np.array_equal(file.read("lm_head.weight"), embed):
+        raise ValueError(f"{file.path}: lm_head.weight differs from model.embed_tokens.weight, but config.json "
+                         "sets tie_word_embeddings to true (the output layer would silently be the embeddings); "
+                         "set tie_word_embeddings to false")
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -80,8 +105,10 @@ def _safetensors_files(directory: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index}: malformed safetensors index ({exc})") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ValueError(f"{index}: malformed safetensors index ({type(exc).__name__}: {exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names")
         files = [directory / f for f in dict.fromkeys(weight_map.values())]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:

@@ -1,34 +1,74 @@
 """Reading safetensors files with our own header parser (no pickle, ever).
 
-Doing the parsing ourselves lets every failure name the file and the problem (truncated data,
-corrupt header, unsupported dtype) and lets bfloat16 be widened to float32 without torch.
-Writing goes through the `safetensors` package.
+Doing the parsing ourselves lets every failure name the file, the tensor and the field (truncated
+data, corrupt header, unsupported dtype) and lets bfloat16 be widened to float32 without torch.
+The whole header is validated before any tensor is read: every entry is an object with a known
+`dtype`, a `shape` of non-negative integers and `data_offsets` [begin, end] with
+0 <= begin <= end <= data size, whose length matches shape x dtype (computed in Python integers, so
+no size can wrap), and no two tensors overlap. Writing goes through the `safetensors` package.
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_READABLE = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_ITEM_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One validated header entry: byte range [begin, end) relative to the start of the data."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class SafetensorsFile:
+    """A safetensors file whose header has been read and fully validated; tensors are read on demand.
+
+    `entries` maps tensor names to `TensorEntry`. Raises ValueError naming the file, and the tensor
+    and field where there is one, for anything malformed."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        header, self.data_start = _read_header(self.path)
+        data_size = self.path.stat().st_size - self.data_start
+        self.entries = {name: _entry(self.path, name, info, data_size)
+                        for name, info in header.items() if name != "__metadata__"}
+        if "__metadata__" in header and not isinstance(header["__metadata__"], dict):
+            raise ValueError(f"{self.path}: corrupt safetensors header (__metadata__ is not an object)")
+        _check_no_overlap(self.path, self.entries)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as a numpy array (BF16 widened to float32)."""
+        entry = self.entries[name]
+        if entry.dtype not in _READABLE:
+            raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {entry.dtype} "
+                             f"(supported: {', '.join(_READABLE)})")
+        dtype = np.dtype(_READABLE[entry.dtype])
+        array = np.fromfile(self.path, dtype=dtype, count=(entry.end - entry.begin) // dtype.itemsize,
+                            offset=self.data_start + entry.begin).reshape(entry.shape)
+        if entry.dtype == "BF16":
+            return (array.astype(np.uint32) << 16).view(np.float32)
+        return array
 
 
 def read_safetensors(path: str | Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
     """Tensors of one safetensors file (only `names` if given) as numpy arrays; BF16 becomes float32.
 
     Raises ValueError naming the file for a corrupt or truncated file or an unsupported dtype."""
-    path = Path(path)
-    header, data_start = _read_header(path)
-    file_size = path.stat().st_size
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__" or (names is not None and name not in names):
-            continue
-        out[name] = _read_tensor(path, name, info, data_start, file_size)
-    return out
+    file = SafetensorsFile(path)
+    return {name: file.read(name) for name in file.entries if names is None or name in names}
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
@@ -47,28 +87,46 @@ def _read_header(path: Path) -> tuple[dict, int]:
         raise ValueError(f"{path}: truncated safetensors file (header cut short)")
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: corrupt safetensors header ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: corrupt safetensors header ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
     return header, 8 + header_len
 
 
-def _read_tensor(path: Path, name: str, info: dict, data_start: int, file_size: int) -> np.ndarray:
-    dtype_name = info.get("dtype")
-    if dtype_name not in _DTYPES:
-        raise ValueError(f"{path}: tensor {name} has unsupported dtype {dtype_name} "
-                         f"(supported: {', '.join(_DTYPES)})")
-    shape = tuple(info["shape"])
-    begin, end = info["data_offsets"]
-    dtype = np.dtype(_DTYPES[dtype_name])
-    if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
-        raise ValueError(f"{path}: tensor {name} byte range does not match shape {shape} and dtype {dtype_name}")
-    if data_start + end > file_size:
-        raise ValueError(f"{path}: truncated safetensors file (tensor {name} needs bytes up to "
-                         f"{data_start + end}, file has {file_size})")
-    array = np.fromfile(path, dtype=dtype, count=(end - begin) // dtype.itemsize,
-                        offset=data_start + begin).reshape(shape)
-    if dtype_name == "BF16":
-        return (array.astype(np.uint32) << 16).view(np.float32)
-    return array
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _entry(path: Path, name: str, info, data_size: int) -> TensorEntry:
+    where = f"{path}: tensor {name}"
+    if not isinstance(info, dict):
+        raise ValueError(f"{where}: header entry is not an object (got {type(info).__name__})")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _ITEM_SIZES:
+        raise ValueError(f"{where}: unknown dtype {str(dtype)[:40]!r}")
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        raise ValueError(f"{where}: 'shape' must be a list of non-negative integers (got {str(shape)[:80]})")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(n) for n in offsets)):
+        raise ValueError(f"{where}: 'data_offsets' must be [begin, end] integers (got {str(offsets)[:80]})")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise ValueError(f"{where}: 'data_offsets' [{begin}, {end}] is not a range 0 <= begin <= end")
+    if end > data_size:
+        raise ValueError(f"{path}: truncated safetensors file (tensor {name} needs data bytes up to {end}, "
+                         f"the file has {data_size})")
+    num_bytes = _ITEM_SIZES[dtype] * math.prod(shape)  # Python integers: cannot wrap
+    if end - begin != num_bytes:
+        raise ValueError(f"{where}: byte range does not match shape {tuple(shape)} and dtype {dtype} "
+                         f"('data_offsets' span {end - begin} bytes, shape needs {num_bytes})")
+    return TensorEntry(dtype, tuple(shape), begin, end)
+
+
+def _check_no_overlap(path: Path, entries: dict[str, TensorEntry]) -> None:
+    previous_name, previous_end = None, 0
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin < previous_end and entry.end > entry.begin:
+            raise ValueError(f"{path}: tensors {previous_name} and {name} overlap in the file "
+                             "('data_offsets' ranges share bytes)")
+        if entry.end > entry.begin:
+            previous_name, previous_end = name, entry.end

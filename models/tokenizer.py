@@ -45,17 +45,22 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role", "content"}...]) with the model's template (jinja2 sandbox)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> str:
+        """Render `messages` ([{"role", "content"}...]) with the model's template (bounded jinja2 sandbox).
+        `chat_template_kwargs` (as in vLLM, e.g. {"enable_thinking": False}) become template variables.
+        Raises ValueError (ChatTemplateError) naming the template for any rendering failure."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template (none in tokenizer_config.json, "
                              "chat_template.jinja or GGUF metadata); send plain prompts instead")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **(self.special_tokens | _template_kwargs(chat_template_kwargs)))
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
         """Ids of the rendered chat prompt; the template supplies its own special tokens."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     def save(self, directory: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (with the chat template) into `directory`."""
@@ -83,44 +88,74 @@ class Tokenizer:
             raise ValueError(f"{path}: cannot load tokenizer ({exc})") from None
         tok_config = _read_json(directory / "tokenizer_config.json")
         gen_config = _read_json(directory / "generation_config.json")
-        special = {name: _token_text(tok_config[name]) for name in _SPECIAL_NAMES if tok_config.get(name)}
-        eos_ids = set(extra_eos_ids) | set(_ids(gen_config.get("eos_token_id")))
+        special = {name: _token_text(tok_config[name], directory / "tokenizer_config.json", name)
+                   for name in _SPECIAL_NAMES if tok_config.get(name)}
+        gen_path = directory / "generation_config.json"
+        eos_ids = set(extra_eos_ids) | set(_ids(gen_config.get("eos_token_id"), gen_path, "eos_token_id"))
         if "eos_token" in special and backend.token_to_id(special["eos_token"]) is not None:
             eos_ids.add(backend.token_to_id(special["eos_token"]))
         if "bos_token" in special and backend.token_to_id(special["bos_token"]) is not None:
             bos_token_id = backend.token_to_id(special["bos_token"])
-        bos_token_id = gen_config.get("bos_token_id", bos_token_id)
+        bos_token_id = next(iter(_ids(gen_config.get("bos_token_id", bos_token_id), gen_path, "bos_token_id")), None)
         return cls(backend, frozenset(eos_ids), bos_token_id, _chat_template(directory, tok_config), special,
                    bool(tok_config.get("add_bos_token", False)))
+
+
+def _template_kwargs(kwargs) -> dict:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise ValueError("chat_template_kwargs must be an object whose keys are identifiers")
+    reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    return kwargs
 
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: must be a JSON object, got {type(value).__name__}")
+    return value
 
 
-def _token_text(value) -> str:
-    return value["content"] if isinstance(value, dict) else str(value)
+def _token_text(value, path: Path, name: str) -> str:
+    text = value.get("content") if isinstance(value, dict) else value
+    if not isinstance(text, str):
+        raise ValueError(f"{path}: {name} must be a string or {{'content': string}}, got {str(value)[:40]!r}")
+    return text
 
 
-def _ids(value) -> list[int]:
+def _ids(value, path: Path, name: str) -> list[int]:
     if value is None:
         return []
-    return [value] if isinstance(value, int) else [int(v) for v in value]
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{path}: {name} must be an integer or a list of integers, got {str(value)[:40]!r}")
+    return values
 
 
 def _chat_template(directory: Path, tok_config: dict) -> ChatTemplate | None:
     jinja_path = directory / "chat_template.jinja"
     if jinja_path.is_file():
-        return ChatTemplate(jinja_path.read_text(encoding="utf-8"), origin=str(jinja_path))
+        try:
+            source = jinja_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{jinja_path}: not UTF-8 text ({exc})") from None
+        return ChatTemplate(source, origin=str(jinja_path))
     source = tok_config.get("chat_template")
+    origin = str(directory / "tokenizer_config.json")
     if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        if not all(isinstance(t, dict) for t in source):
+            raise ValueError(f"{origin}: chat_template is a list whose entries are not "
+                             "{'name': ..., 'template': ...} objects")
         named = {t.get("name"): t.get("template") for t in source}
         source = named.get("default") or next(iter(named.values()), None)
-    if not source:
+    if source is None or source == "":
         return None
-    return ChatTemplate(source, origin=str(directory / "tokenizer_config.json"))
+    return ChatTemplate(source, origin=f"{origin} (chat_template)")

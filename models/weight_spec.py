@@ -1,7 +1,46 @@
 """The HF tensor names and shapes a Llama-layout checkpoint must contain (used by Llama and the loader)."""
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+
 from .config import LlamaConfig
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+# Tensors some exporters write that carry nothing the model computes with.
+_IGNORABLE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def count_layers(names: Iterable[str]) -> int:
+    """Decoder layers a checkpoint holds: 1 + the highest `model.layers.N.` index (0 if none)."""
+    indices = [int(m.group(1)) for m in map(_LAYER_NAME.match, names) if m]
+    return max(indices) + 1 if indices else 0
+
+
+def check_checkpoint_names(config: LlamaConfig, names: set[str]) -> None:
+    """Compare the tensor names of a checkpoint with what `config` computes, before anything is read
+    or sized from the config: the layer count first (so a hostile num_hidden_layers never sizes
+    anything), then tied embeddings, then missing and unexpected tensors, each named.
+    Raises ValueError; the caller adds the file names."""
+    num_layers = count_layers(names)
+    if num_layers != config.num_hidden_layers:
+        raise ValueError(f"num_hidden_layers is {config.num_hidden_layers} in config.json, but the checkpoint "
+                         f"holds {num_layers} layers")
+    expected = expected_weight_shapes(config)
+    if not config.tie_word_embeddings and "lm_head.weight" not in names:
+        raise ValueError("config.json sets tie_word_embeddings to false, but the checkpoint has no "
+                         "lm_head.weight (set it to true if the output layer shares the embeddings)")
+    missing = sorted(set(expected) - names)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"missing tensors {missing[:5]}{more}")
+    allowed = set(expected) | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    unexpected = sorted(n for n in names - allowed if not _IGNORABLE.fullmatch(n))
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise ValueError(f"unexpected tensors {unexpected[:5]}{more}: a {config.architecture} as configured "
+                         "does not use them (a checkpoint of another architecture?); refusing to compute "
+                         "a different model")
 
 
 def expected_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -56,10 +56,14 @@ class LLMEngine:
         self.backend = select_backend(config.device, config.dtype)
         self.model_config = loaded_model.config
         self._tokenizer = loaded_model.tokenizer
-        model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype)
+        # RoPE for the profiling step only (its positions stay below the token budget); rebuilt for
+        # max_model_len below, so a config's max_position_embeddings never sizes a table by itself.
+        model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype,
+                      max_positions=config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids(loaded_model)
         self.profiled_activation_bytes: int | None = None  # set when the KV pool is sized by profiling
         self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools(model)
+        model.set_max_positions(self.max_model_len)
         self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
                                           config.watermark, config.enable_prefix_caching,
                                           self.max_model_len if config.kv_layout == "contiguous" else None)

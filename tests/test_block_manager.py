@@ -223,9 +223,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, pick: int) -> None:
         self._count_step()
         seq_id = self._pick(pick)
+        table, resident = list(self._table(seq_id)), not self.seqs[seq_id].swapped
+        lru_before = self.bm.gpu_allocator.evictable_blocks()
         self.bm.free(seq_id)
         del self.seqs[seq_id]
         assert seq_id not in self.bm
+        if resident:
+            self._assert_freed_blocks_enter_the_lru_tail_first(table, lru_before)
+
+    def _assert_freed_blocks_enter_the_lru_tail_first(self, table: list[int], lru_before: list[int]) -> None:
+        """The documented eviction order: a released sequence's cached blocks join the LRU tail block
+        first, so the longest prefix is evicted before the shared head (the root stays hittable)."""
+        lru_after = self.bm.gpu_allocator.evictable_blocks()
+        joined = lru_after[len(lru_before):]
+        allocator = self.bm.gpu_allocator
+        cached = {block for block, _, _ in allocator.cached_blocks()}
+        expected = [b for b in reversed(table) if allocator.ref_count(b) == 0 and b in cached]
+        assert lru_after[:len(lru_before)] == lru_before, "releasing blocks must not reorder the LRU"
+        assert joined == expected, (
+            f"freed blocks joined the LRU as {joined}; tail first means {expected} (table {table})")
 
     @precondition(lambda self: any(not s.swapped for s in self.seqs.values()))
     @rule(pick=PICK)
@@ -240,8 +256,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.swap_out(seq_id)
             assert self._snapshot() == before
             return
+        lru_before = self.bm.gpu_allocator.evictable_blocks()
         pairs = self.bm.swap_out(seq_id)
         event("swap out")
+        self._assert_freed_blocks_enter_the_lru_tail_first(gpu_table, lru_before)
         assert [g for g, _ in pairs] == gpu_table
         assert [c for _, c in pairs] == self.bm.cpu_block_table(seq_id)
         for gpu, cpu in pairs:
@@ -564,3 +582,18 @@ def test_shared_block_registered_through_two_equivalent_prefix_chains() -> None:
     bm.mark_computed(1, tokens, 4)  # block 1 registered under the evicted root's content id
     bm.mark_computed(2, tokens, 4)  # the child names block 0 afresh, then reaches shared block 1
     assert bm.allocate(4, tokens) == 2  # block 0 hits through the child's chain
+
+
+def test_eviction_takes_the_tail_before_the_head() -> None:
+    """Freed tail first: under pressure the LRU drops a finished prompt's last block before its first,
+    so a later prompt sharing only the head still hits the cache."""
+    bm = BlockManager(4, 0, block_size=2, watermark=0.0)
+    prompt = [1, 2, 3, 4, 5, 6]
+    bm.allocate(0, prompt)
+    bm.mark_computed(0, prompt, len(prompt))
+    head, middle, tail = bm.block_table(0)
+    bm.free(0)
+    assert bm.gpu_allocator.evictable_blocks() == [tail, middle, head]
+    bm.allocate(1, [9, 9, 9])  # needs two blocks: the never-cached one and the LRU's first (the tail)
+    assert set(bm.block_table(1)) & {head, middle} == set()
+    assert _admitted(bm, 2, [1, 2, 7]) == 2  # the head block is still a hit

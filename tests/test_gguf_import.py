@@ -199,3 +199,50 @@ def test_unpermute_inverts_llama_cpp_permute():
     permuted = w.reshape(3, 2, 4, 5).swapaxes(1, 2).reshape(24, 5)
     np.testing.assert_array_equal(unpermute_rows(permuted, 3), w)
     assert not np.array_equal(permuted, w)
+
+
+# --------------------------------------------------------------------------- hostile GGUF files
+from tiny_gguf import DROP, write_tiny_gguf  # noqa: E402
+
+HOSTILE_GGUF = {
+    "bos_1e9": (dict(overrides={"tokenizer.ggml.bos_token_id": 10**9}),
+                r"GGUF metadata tokenizer\.ggml\.bos_token_id: bos_token_id 1000000000 is not a token id"),
+    "eot_1e9": (dict(overrides={"tokenizer.ggml.eot_token_id": 10**9}),
+                r"GGUF metadata tokenizer\.ggml\.eot_token_id = 1000000000 is not a token id"),
+    "heads_zero": (dict(overrides={"llama.attention.head_count": 0}),
+                   r"GGUF metadata llama\.attention\.head_count must be > 0"),
+    "heads_string": (dict(overrides={"llama.attention.head_count": "two"}),
+                     r"GGUF metadata llama\.attention\.head_count must be an integer, got 'two'"),
+    "blocks_1e9": (dict(overrides={"llama.block_count": 10**9}), r"GGUF metadata llama\.block_count: num_hidden"),
+    "blocks_more_than_tensors": (dict(overrides={"llama.block_count": 5}),
+                                 r"llama\.block_count is 5, but the checkpoint holds 2 layers"),
+    "no_tokens": (dict(overrides={"tokenizer.ggml.tokens": DROP}), r"key 'tokenizer\.ggml\.tokens' is missing"),
+    "tokens_not_strings": (dict(overrides={"tokenizer.ggml.tokens": [1, 2, 3]}),
+                           r"tokenizer\.ggml\.tokens must be an array of str"),
+    "bad_merge": (dict(overrides={"tokenizer.ggml.merges": ["ab"]}), r"tokenizer\.ggml\.merges has an entry"),
+    "short_token_types": (dict(overrides={"tokenizer.ggml.token_type": [3]}),
+                          r"tokenizer\.ggml\.token_type has 1 entries for 32 tokens"),
+    "eps_negative": (dict(overrides={"llama.attention.layer_norm_rms_epsilon": -1.0}),
+                     r"llama\.attention\.layer_norm_rms_epsilon: rms_norm_eps must be a finite number > 0"),
+    "theta_zero": (dict(overrides={"llama.rope.freq_base": 0.0}), r"llama\.rope\.freq_base: rope_theta must be"),
+    "vocab_mismatch": (dict(overrides={"llama.vocab_size": 1000}),
+                       r"tensor token_embd\.weight has shape \(32, 16\), expected \(1000, 16\)"),
+    "bad_layer_index": (dict(extra_tensors={"blk.x.attn_q.weight": np.zeros((2, 2), np.float32)}),
+                        r"unexpected tensor 'blk\.x\.attn_q\.weight'"),
+    "bias_tensor": (dict(extra_tensors={"blk.0.attn_q.bias": np.zeros(16, np.float32)}),
+                    r"unexpected tensors \['model\.layers\.0\.self_attn\.q_proj\.bias'\]"),
+}
+
+
+def test_tiny_gguf_loads(tmp_path):
+    loaded = load_model(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    assert loaded.config.num_hidden_layers == 2 and loaded.config.vocab_size == 32
+    assert loaded.tokenizer.encode("ab") == [30]
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_GGUF))
+def test_hostile_gguf_is_one_clear_error(tmp_path, name):
+    kwargs, message = HOSTILE_GGUF[name]
+    path = write_tiny_gguf(tmp_path / "hostile.gguf", **kwargs)
+    with pytest.raises(ValueError, match=r"hostile\.gguf: .*" + message):
+        load_model(path)

@@ -167,3 +167,105 @@ def test_mistral_sliding_window_is_refused():
         LlamaConfig.from_dict(dict(architectures=["MistralForCausalLM"], vocab_size=10, hidden_size=8,
                                    intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                                    sliding_window=4096))
+
+
+# --------------------------------------------------------------------------- refuse what we do not compute
+def _edit_config(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | changes))
+
+
+def test_layer_count_is_checked_against_the_checkpoint_before_sizing(copy_dir):
+    import time
+
+    _edit_config(copy_dir, num_hidden_layers=1000)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"config\.json; model\.safetensors\): num_hidden_layers is 1000 in "
+                                         r"config\.json, but the checkpoint holds 3 layers"):
+        load_model(copy_dir)
+    assert time.monotonic() - started < 5
+
+
+def test_extra_bias_tensor_is_refused_by_name(copy_dir):
+    """A relabelled Qwen2 checkpoint (q/k/v biases) must not load as a Llama and compute something else."""
+    weights = load_file(copy_dir / "model.safetensors")
+    weights["model.layers.1.self_attn.q_proj.bias"] = np.zeros(48, np.float32)
+    save_file(weights, str(copy_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.safetensors\): unexpected tensors "
+                                         r"\['model\.layers\.1\.self_attn\.q_proj\.bias'\]"):
+        load_model(copy_dir)
+
+
+def test_rotary_inv_freq_buffers_are_tolerated(copy_dir):
+    weights = load_file(copy_dir / "model.safetensors")
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    save_file(weights, str(copy_dir / "model.safetensors"))
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" not in load_model(copy_dir).weights
+
+
+def test_untied_config_without_lm_head(copy_dir):
+    weights = load_file(copy_dir / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, str(copy_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"config\.json sets tie_word_embeddings to false, but the checkpoint "
+                                         r"has no lm_head\.weight"):
+        load_model(copy_dir)
+
+
+def test_tied_config_with_a_different_lm_head(copy_dir):
+    _edit_config(copy_dir, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"model\.safetensors: lm_head\.weight differs from "
+                                         r"model\.embed_tokens\.weight, but config\.json sets tie_word_embeddings"):
+        load_model(copy_dir)
+    weights = load_file(copy_dir / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].copy()
+    save_file(weights, str(copy_dir / "model.safetensors"))
+    loaded = load_model(copy_dir)  # a redundant copy equal to the embeddings is fine
+    assert loaded.config.tie_word_embeddings and "lm_head.weight" not in loaded.weights
+
+
+def test_tensor_in_two_shards_is_refused(copy_dir):
+    weights = load_file(copy_dir / "model.safetensors")
+    save_file({"model.norm.weight": weights["model.norm.weight"]}, str(copy_dir / "extra.safetensors"))
+    with pytest.raises(ValueError, match=r"tensor model\.norm\.weight is also in"):
+        load_model(copy_dir)
+
+
+def test_index_with_a_non_string_shard(copy_dir):
+    (copy_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": 5}}))
+    with pytest.raises(ValueError, match=r"index\.json: 'weight_map' must map tensor names to shard file names"):
+        load_model(copy_dir)
+
+
+def test_eos_outside_the_vocabulary_is_named(copy_dir):
+    (copy_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 500]}))
+    with pytest.raises(ValueError, match=r"end-of-sequence token id 500 .* outside the vocabulary \(vocab_size 97"):
+        load_model(copy_dir)
+
+
+def test_hostile_safetensors_header_fails_the_load(copy_dir):
+    path = copy_dir / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["model.norm.weight"]["data_offsets"] = [-64, -64 + 4 * 48]
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.norm\.weight: 'data_offsets'"):
+        load_model(copy_dir)
+
+
+@pytest.mark.parametrize("file,content,message", [
+    ("tokenizer_config.json", "[1, 2]", r"tokenizer_config\.json: must be a JSON object, got list"),
+    ("tokenizer_config.json", b"\xff\xfe{}", r"tokenizer_config\.json: not valid JSON \(UnicodeDecodeError"),
+    ("tokenizer_config.json", '{"eos_token": 5}', r"tokenizer_config\.json: eos_token must be a string"),
+    ("generation_config.json", '{"eos_token_id": "2"}', r"generation_config\.json: eos_token_id must be an integer"),
+    ("generation_config.json", '{"bos_token_id": 1000}', r"beginning-of-sequence token id 1000 .* outside"),
+    ("chat_template.jinja", b"\xff{{ x }}", r"chat_template\.jinja: not UTF-8 text"),
+    ("chat_template.jinja", "{% for %}", r"chat_template\.jinja: invalid Jinja template"),
+])
+def test_hostile_tokenizer_files(copy_dir, file, content, message):
+    path = copy_dir / file
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_model(copy_dir)

@@ -1,0 +1,80 @@
+"""config.json: every hostile or unsupported value is one ValueError naming the file and the field,
+raised at load (never a traceback, never NaN logits later)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from offline_paged.models.config import LlamaConfig, RopeScaling
+
+BASE = dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=48, intermediate_size=80,
+            num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+            max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=500.0, tie_word_embeddings=False,
+            hidden_act="silu")
+
+HOSTILE = {
+    "layers_1e9": ({"num_hidden_layers": 10**9}, r"num_hidden_layers must be an integer in 1\.\.1024"),
+    "heads_zero": ({"num_attention_heads": 0, "head_dim": None}, r"num_attention_heads must be an integer in"),
+    "kv_heads_zero": ({"num_key_value_heads": 0}, r"num_key_value_heads must be an integer in"),
+    "heads_string": ({"num_attention_heads": "6"}, r"num_attention_heads must be an integer, got '6'"),
+    "layers_float": ({"num_hidden_layers": 3.5}, r"num_hidden_layers must be an integer, got '3\.5'"),
+    "vocab_bool": ({"vocab_size": True}, r"vocab_size must be an integer, got 'True'"),
+    "eps_negative": ({"rms_norm_eps": -1}, r"rms_norm_eps must be a finite number > 0, got -1\.0"),
+    "eps_zero": ({"rms_norm_eps": 0}, r"rms_norm_eps must be a finite number > 0"),
+    "eps_string": ({"rms_norm_eps": "1e-5"}, r"rms_norm_eps must be a number"),
+    "eps_huge_int": ({"rms_norm_eps": 10**400}, r"rms_norm_eps must be a finite number"),
+    "theta_zero": ({"rope_theta": 0}, r"rope_theta must be a finite number > 0, got 0\.0"),
+    "theta_in_parameters": ({"rope_parameters": {"rope_type": "default", "rope_theta": -5.0}}, r"rope_theta must be"),
+    "rope_scaling_string": ({"rope_scaling": "yarn"}, r"rope_scaling must be an object or null, got 'yarn'"),
+    "rope_yarn": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+                  r"unsupported rope scaling type 'yarn' in rope_scaling"),
+    "rope_dynamic": ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"unsupported rope scaling type 'dynamic'"),
+    "rope_factor_zero": ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, r"rope scaling factor must be"),
+    "rope_no_factor": ({"rope_scaling": {"rope_type": "linear"}},
+                       r"rope_scaling: rope scaling 'linear' needs a 'factor'"),
+    "llama3_equal_factors": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                               "high_freq_factor": 4.0}},
+                             r"rope scaling high_freq_factor \(4\.0\) must be greater"),
+    "partial_rotary": ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0\.5 is not supported"),
+    "hidden_act": ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(this decoder computes silu\)"),
+    "quantized": ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+                  r"quantization_config \(quant_method 'gptq'\) is not supported"),
+    "attention_bias": ({"attention_bias": True}, r"attention_bias / mlp_bias are not supported"),
+    "tie_string": ({"tie_word_embeddings": "no"}, r"tie_word_embeddings must be true or false"),
+    "bos_outside_vocab": ({"bos_token_id": 10**9}, r"bos_token_id 1000000000 is not a token id"),
+    "eos_outside_vocab": ({"eos_token_id": [2, 97]}, r"eos_token_id 97 is not a token id"),
+    "eos_string": ({"eos_token_id": "</s>"}, r"eos_token_id must be an integer or a list"),
+    "max_positions_zero": ({"max_position_embeddings": 0}, r"max_position_embeddings must be an integer in"),
+    "odd_head_dim": ({"head_dim": 7}, r"head_dim must be even"),
+    "architectures_string": ({"architectures": 5}, r"architectures must be a list of names"),
+    "unknown_architecture": ({"architectures": ["Qwen2ForCausalLM"]}, r"unsupported architecture"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_config_is_one_clear_error(tmp_path, name):
+    changes, message = HOSTILE[name]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(BASE | changes))
+    with pytest.raises(ValueError, match=r"config\.json: " + message):
+        LlamaConfig.from_file(path)
+
+
+@pytest.mark.parametrize("text,message", [("[1, 2, 3]", "the config must be a JSON object, got list"),
+                                          ("[" * 100_000, "not valid JSON"),
+                                          ("{nope", "not valid JSON")])
+def test_config_that_is_not_an_object(tmp_path, text, message):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"config\.json: {message}"):
+        LlamaConfig.from_file(path)
+
+
+def test_base_config_loads_and_round_trips(tmp_path):
+    config = LlamaConfig.from_dict(BASE)
+    assert config.num_hidden_layers == 3 and config.rope_theta == 500.0
+    assert LlamaConfig.from_dict(config.to_dict()) == config
+    scaled = LlamaConfig.from_dict(BASE | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    assert scaled.rope_scaling == RopeScaling("llama3", 8.0)
+    assert LlamaConfig.from_dict(BASE | {"max_position_embeddings": 10**9}).max_position_embeddings == 10**9
