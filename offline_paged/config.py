@@ -52,6 +52,7 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
     kv_layout: str = "paged"  # "paged" | "contiguous" (reserve max_model_len at admission)
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (used on CUDA with float16 only)
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's default)
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:
@@ -80,6 +81,9 @@ class EngineConfig:
             )
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
 
