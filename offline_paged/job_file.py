@@ -75,7 +75,9 @@ class JsonlWriter:
         return cls(open(path, "ab" if append else "wb", buffering=0), fsync, owns_stream=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        data = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+        # a lone surrogate can only sit inside a JSON string, where its escape (\ud800) is valid JSON
+        data = line.encode("utf-8", errors="backslashreplace")
         view = memoryview(data)
         while view:  # a regular file takes it in one call; loop in case of a short write
             written = self._stream.write(view)

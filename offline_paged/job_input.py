@@ -6,13 +6,18 @@ Formats are detected per line:
 - OpenAI Batch API: {"custom_id", "method": "POST", "url", "body"} with url "/v1/completions"
   or "/v1/chat/completions"; the custom_id is the request id.
 Blank lines are ignored. Sampling fields missing from a line come from the job's defaults.
+Lines are split on b"\n" only (a bare CR inside a line is part of that line), and a UTF-8 byte
+order mark before the first line is skipped (`read_lines`). Whatever a line holds, `parse_line`
+returns one JobRequest or one LineError: it never raises.
 """
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from offline_paged.sampling_params import SamplingParams
+
+_BOM = b"\xef\xbb\xbf"
 
 NATIVE = "native"
 COMPLETIONS = "completions"
@@ -83,34 +88,76 @@ def duplicate_key(line_number: int) -> str:
     return f"duplicate@line-{line_number}"
 
 
+def read_lines(stream) -> Iterator[str]:
+    """The lines of a binary stream, split on b"\n" only, as text.
+
+    Bytes that are not UTF-8 are kept as lone surrogates (surrogateescape), which parse_line
+    reports as an error for that line alone; a BOM before the first line is dropped.
+    """
+    for index, raw in enumerate(stream):
+        if index == 0 and raw.startswith(_BOM):
+            raw = raw[len(_BOM):]
+        yield raw.rstrip(b"\n").decode("utf-8", errors="surrogateescape")
+
+
 def parse_line(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobRequest | LineError:
     """Parse one non-blank line; never raises for bad input (returns a LineError instead)."""
+    try:
+        return _parse(line_number, text, defaults)
+    except RecursionError:  # parsing or validating values nested thousands of levels deep
+        return LineError(line_number, default_id(line_number), "invalid_json",
+                         f"line {line_number}: JSON nested too deeply")
+
+
+def _parse(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobRequest | LineError:
+    if not _is_unicode(text):
+        return LineError(line_number, default_id(line_number), "invalid_json",
+                         f"line {line_number}: not valid UTF-8")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         return LineError(line_number, default_id(line_number), "invalid_json",
                          f"line {line_number}: invalid JSON ({exc.msg} at column {exc.colno})")
+    except ValueError:  # json's only other ValueError: an integer past Python's digit limit
+        return LineError(line_number, default_id(line_number), "invalid_json",
+                         f"line {line_number}: invalid JSON (an integer with too many digits)")
     if not isinstance(obj, dict):
         return LineError(line_number, default_id(line_number), "invalid_request",
                          f"line {line_number}: expected a JSON object, got {type(obj).__name__}")
     is_openai = any(k in obj for k in _OPENAI_KEYS)
     request_id = _openai_id(obj, line_number) if is_openai else _native_id(obj, line_number)
     try:
+        if not _is_unicode(json.dumps(obj, ensure_ascii=False)):
+            raise ValueError("a string holds a lone surrogate (\\ud800-\\udfff escape), "
+                             "which is not valid Unicode")
         if is_openai:
             return _parse_openai(line_number, obj, defaults)
         return _parse_native(line_number, request_id, obj, defaults)
     except _BadLine as exc:
         return LineError(line_number, request_id, exc.error_type, f"line {line_number}: {exc}",
                          is_openai, exc.status_code)
-    except ValueError as exc:
+    except (ValueError, TypeError, OverflowError) as exc:
         return LineError(line_number, request_id, "invalid_request", f"line {line_number}: {exc}",
                          is_openai)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable_id(value: str) -> str:
+    """An id that can be written as UTF-8 (a lone surrogate becomes its escape, e.g. \\ud800)."""
+    return value if _is_unicode(value) else value.encode("utf-8", "backslashreplace").decode()
 
 
 def _native_id(obj: dict, line_number: int) -> str:
     value = obj.get("id")
     if isinstance(value, str) and value:
-        return value
+        return _printable_id(value)
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     return default_id(line_number)
@@ -118,7 +165,7 @@ def _native_id(obj: dict, line_number: int) -> str:
 
 def _openai_id(obj: dict, line_number: int) -> str:
     value = obj.get("custom_id")
-    return value if isinstance(value, str) and value else default_id(line_number)
+    return _printable_id(value) if isinstance(value, str) and value else default_id(line_number)
 
 
 def _parse_native(line_number: int, request_id: str, obj: dict,

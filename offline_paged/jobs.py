@@ -111,7 +111,7 @@ class JobRunner:
             if item is None:
                 return True
             line_number, text = item
-            if text.strip():
+            if not is_blank(text):
                 self._take(parse_line(line_number, text, self.defaults))
         return False
 
@@ -137,9 +137,10 @@ class JobRunner:
                 prompt, token_ids = _render_chat(self.engine.tokenizer, request.messages)
             self.engine.add_request(request.request_id, prompt=prompt,
                                     prompt_token_ids=token_ids, params=request.params)
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever one line does, the others still run
+            reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
             self._fail(LineError(request.line_number, request.request_id, "rejected",
-                                 f"line {request.line_number}: {exc}", _is_openai(request)))
+                                 f"line {request.line_number}: {_cut(reason)}", _is_openai(request)))
             return
         self._pending[request.request_id] = request
 
@@ -162,6 +163,15 @@ class JobRunner:
         self.summary.engine = stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
         if self.progress is not None:
             self.progress.update(self.summary, stats)
+
+
+def is_blank(text: str) -> bool:
+    """Blank lines are skipped: JSON whitespace only (space, tab, CR, LF)."""
+    return not text.strip(" \t\r\n")
+
+
+def _cut(message: str, limit: int = 500) -> str:
+    return message if len(message) <= limit else message[:limit] + "..."
 
 
 def _is_openai(parsed: JobRequest | LineError) -> bool:

@@ -6,6 +6,7 @@ import pytest
 
 from fake_engine import FakeEngine
 from offline_paged.job_file import JsonlWriter, scan_and_repair
+from offline_paged.job_input import read_lines
 from offline_paged.job_output import is_error, record_key
 from offline_paged.jobs import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, JobRunner
 
@@ -221,3 +222,71 @@ def test_scan_refuses_a_complete_line_that_is_not_a_record(tmp_path):
     out.write_text('{"id": "a", "line": 1, "error": null}\nnot json\n')
     with pytest.raises(ValueError, match="out.jsonl:2"):
         scan_and_repair(out)
+
+
+DEEP = "[" * 10_000 + "]" * 10_000
+HOSTILE_LINES = {  # line -> what its error message must say
+    '{"prompt": "x", "stop": ' + DEEP + '}': "nested too deeply",
+    '{"a": ' + DEEP + '}': "nested too deeply",
+    '{"prompt": "x", "seed": ' + "9" * 4301 + '}': "too many digits",
+    '{"prompt": "x", "temperature": 1' + "0" * 400 + '}': "temperature is too large",
+    '{"prompt": "x", "top_p": 1' + "0" * 400 + '}': "top_p is too large",
+    '{"id": "\\ud800", "prompt": "x"}': "lone surrogate",
+    '{"prompt": "a\\udfffb"}': "lone surrogate",
+    '{"messages": [{"role": "user", "content": "\\ud800"}]}': "lone surrogate",
+    '{"custom_id": "\\udc00", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}':
+        "lone surrogate",
+    '{"prompt": "x", "n": 1000000000000}': "n must be <= 1024",
+    '{"prompt": "x", "best_of": 1000000000000}': "best_of must be <= 1024",
+    '{"prompt": "x\rmore"}': "invalid JSON",
+    '{"prompt": "x", "stop": [' + "1," * 50_000 + '1]}': "stop must be",
+}
+
+
+@pytest.mark.parametrize("line", list(HOSTILE_LINES), ids=range(len(HOSTILE_LINES)))
+def test_a_hostile_line_gets_one_error_record_and_the_job_goes_on(line):
+    summary, records, _, _ = _run([line, '{"id": "after", "prompt": "ok"}'])
+    assert len(records) == 2 and summary.num_succeeded == 1
+    (error,) = [r for r in records if is_error(r)]
+    message = error["error"]["message"] if "line" in error else \
+        error["response"]["body"]["error"]["message"]
+    assert HOSTILE_LINES[line] in message and len(message) < 1000
+    assert json.loads(json.dumps(error)) == error  # the id is writable UTF-8
+
+
+def test_a_surrogate_id_is_written_as_its_escape_and_is_stable_for_resume():
+    line = '{"id": "a\\ud800", "prompt": "x"}'
+    _, (record,), _, writer = _run([line])
+    assert record["id"] == "a\\ud800"
+    summary, again, _, _ = _run([line], done_keys={record_key(record)})
+    assert again == [] and summary.num_skipped == 1
+
+
+def test_writer_escapes_a_lone_surrogate_instead_of_raising():
+    stream = io.BytesIO()
+    JsonlWriter(stream).write({"id": "x\ud800"})
+    assert json.loads(stream.getvalue()) == {"id": "x\ud800"}
+
+
+def test_read_lines_splits_on_newline_only_skips_a_bom_and_keeps_bad_utf8_for_its_line():
+    data = (b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b",\r"max_tokens": 2}\n'
+            b'{"prompt": "\xff"}\r\n{"prompt": "\xef\xbb\xbfc"}')
+    lines = list(read_lines(io.BytesIO(data)))
+    assert len(lines) == 4 and lines[0] == '{"prompt": "a"}'
+    summary, records, _, _ = _run(lines)
+    by_line = {r["line"]: r for r in records}
+    assert set(by_line) == {1, 2, 3, 4} and summary.num_failed == 1
+    assert "not valid UTF-8" in by_line[3]["error"]["message"]
+    assert by_line[2]["usage"]["completion_tokens"] == 1  # one line, not two
+
+
+def test_an_exception_of_any_kind_from_add_request_fails_only_its_line():
+    class Picky(FakeEngine):
+        def add_request(self, request_id, prompt=None, prompt_token_ids=None, params=None):
+            if prompt == "boom":
+                raise TypeError("tokenizer choked")
+            super().add_request(request_id, prompt, prompt_token_ids, params)
+
+    summary, records, _, _ = _run([{"prompt": "boom"}, {"prompt": "fine"}], engine=Picky())
+    assert summary.num_failed == 1 and summary.num_succeeded == 1
+    assert "TypeError: tokenizer choked" in records[0]["error"]["message"]
