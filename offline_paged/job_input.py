@@ -116,8 +116,9 @@ def _parse(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobReque
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
+        reason = exc.msg.removesuffix(" at")  # "Invalid control character at"
         return LineError(line_number, default_id(line_number), "invalid_json",
-                         f"line {line_number}: invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})")
+                         f"line {line_number}: invalid JSON ({reason} at column {exc.colno})")
     except ValueError:  # json's only other ValueError: an integer past Python's digit limit
         return LineError(line_number, default_id(line_number), "invalid_json",
                          f"line {line_number}: invalid JSON (an integer with too many digits)")
