@@ -94,6 +94,8 @@ def generate(prompts: str, output: str, **options: Any) -> None:
         try:
             stats_file = _open_stats(options["stats_json"])
             engine = _build_engine(options)
+            if not options["resume"]:
+                writer.start_over()
             summary = _run(engine, writer, resume, prompts, defaults, options)
         except KeyboardInterrupt:
             click.echo("\naborted: finished records are on disk; run the same command to resume",
@@ -142,6 +144,8 @@ def _check_paths(prompts: str, output: str, stats_json: str | None) -> None:
             _fatal(f"{prompts}: no such file")
         if os.path.isdir(prompts):
             _fatal(f"{prompts}: is a directory")
+        if not os.access(prompts, os.R_OK):
+            _fatal(f"{prompts}: cannot read it (permission denied)")
     files = [Path(p).resolve() for p in (prompts, output, stats_json) if p not in (None, "-")]
     if len(set(files)) != len(files):
         _fatal("the input, output and stats files must be three different files")

@@ -50,19 +50,16 @@ class OutputWriteError(Exception):
 
 
 def open_output(path: str | Path, resume: bool, fsync: bool = False) -> tuple["JsonlWriter", ResumeState]:
-    """Open, lock and (resume) scan or (no resume) empty the job's output file.
+    """Open and lock the job's output file; with `resume`, scan it (see scan_and_repair).
 
+    Without `resume` the file is left as it is until the caller calls `writer.start_over()` (the
+    CLI does so once the model has loaded, so a job that cannot start destroys nothing).
     Raises ValueError naming the path when it cannot be the output: not a regular file, a missing
-    directory, not writable, locked by another process, or not ours (see scan_and_repair).
-    Nothing is truncated before the lock is held.
+    directory, not writable, locked by another process, or not ours.
     """
     fd = _open_locked(str(path))
     try:
-        if resume:
-            state = scan_and_repair(path, fd)
-        else:
-            os.ftruncate(fd, 0)
-            state = ResumeState()
+        state = scan_and_repair(path, fd) if resume else ResumeState()
     except BaseException:
         os.close(fd)
         raise
@@ -163,6 +160,11 @@ class JsonlWriter:
         except OSError as exc:
             self._cut_back(size_before)
             raise OutputWriteError(self.name, exc) from None
+
+    def start_over(self) -> None:
+        """Empty the file (a fresh run over an existing output); nothing to do for a stream."""
+        if self._file_size() is not None:
+            os.ftruncate(self._stream.fileno(), 0)
 
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)

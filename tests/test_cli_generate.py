@@ -267,3 +267,11 @@ def test_repeated_ctrl_c_in_a_real_process_exits_130_and_resume_finishes(model_d
     assert proc.returncode == 130 and "Aborted!" not in stderr and "Traceback" not in stderr, stderr
     assert subprocess.run(command, capture_output=True, timeout=120, env=env).returncode == 0
     assert sorted(int(r["id"]) for r in _records(out)) == list(range(60))
+
+
+def test_no_resume_keeps_the_old_output_when_the_model_cannot_load(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "line": 1, "error": null}\n')
+    result = _generate(MISSING_MODEL, _job(tmp_path / "in.jsonl", JOB[:1]), "-o", out, "--no-resume")
+    assert result.exit_code == 2 and "cannot start the engine" in result.output
+    assert out.read_text() == '{"id": "a", "line": 1, "error": null}\n'

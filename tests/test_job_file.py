@@ -46,6 +46,7 @@ def test_a_read_only_filesystem_is_refused_naming_the_path(tmp_path, monkeypatch
 def test_a_second_writer_is_refused_and_changes_nothing(tmp_path):
     out = tmp_path / "out.jsonl"
     first, _ = open_output(out, resume=False)
+    first.start_over()
     first.write(RECORD)
     with pytest.raises(ValueError, match="another process is writing this output file"):
         open_output(out, resume=False)  # --no-resume must not truncate under the lock
@@ -102,3 +103,14 @@ def test_another_write_failure_names_its_cause():
     with pytest.raises(OutputWriteError, match="<stdout>: cannot write .Broken pipe"):
         writer.write(RECORD)
     writer.close()  # never raises
+
+
+def test_without_resume_the_file_is_kept_until_start_over(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text("not ours\n")
+    writer, state = open_output(out, resume=False)
+    assert state.done_keys == set() and out.read_text() == "not ours\n"
+    writer.start_over()
+    writer.write(RECORD)
+    writer.close()
+    assert json.loads(out.read_text()) == RECORD
