@@ -275,3 +275,26 @@ def test_no_resume_keeps_the_old_output_when_the_model_cannot_load(tmp_path):
     result = _generate(MISSING_MODEL, _job(tmp_path / "in.jsonl", JOB[:1]), "-o", out, "--no-resume")
     assert result.exit_code == 2 and "cannot start the engine" in result.output
     assert out.read_text() == '{"id": "a", "line": 1, "error": null}\n'
+
+
+def test_disk_full_mid_run_says_disk_full_and_exits_2(model_dir, tmp_path, monkeypatch):
+    import errno
+
+    from offline_paged.job_file import JsonlWriter
+
+    real_write_all, calls = JsonlWriter._write_all, []
+
+    def fills_up(self, data):  # the third record finds the disk full after half its bytes
+        calls.append(data)
+        if len(calls) == 3:
+            real_write_all(self, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_all(self, data)
+
+    monkeypatch.setattr(JsonlWriter, "_write_all", fills_up)
+    job = _job(tmp_path / "in.jsonl", [{"id": i, "prompt": "ab", "max_tokens": 2} for i in range(6)])
+    out = tmp_path / "out.jsonl"
+    result = _generate(model_dir, job, "-o", out)
+    assert result.exit_code == 2 and f"{out}: disk full" in result.output
+    assert "Traceback" not in result.output
+    assert len(_records(out)) == 2 and out.read_bytes().endswith(b"\n")
