@@ -3,6 +3,8 @@
 Formats are detected per line:
 - native: {"id"?, "prompt" | "messages" | "prompt_token_ids", <SamplingParams fields>...};
   a line without "id" gets "line-<N>" (N = 1-based line number).
+- scoring: {"id"?, "context", "continuation"}: the log-likelihood of the continuation given the
+  context and whether greedy decoding would produce it (lm-evaluation-harness's loglikelihood).
 - OpenAI Batch API: {"custom_id", "method": "POST", "url", "body"} with url "/v1/completions"
   or "/v1/chat/completions"; the custom_id is the request id.
 Blank lines are ignored. Sampling fields missing from a line come from the job's defaults.
@@ -20,6 +22,7 @@ from offline_paged.sampling_params import SamplingParams
 _BOM = b"\xef\xbb\xbf"
 
 NATIVE = "native"
+SCORE = "score"
 COMPLETIONS = "completions"
 CHAT = "chat"
 URLS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
@@ -37,7 +40,9 @@ _IGNORED_BODY = ("model", "user")
 class JobRequest:
     """One runnable request. Exactly one of prompt / messages / prompt_token_ids is set.
 
-    api: "native", or "completions" / "chat" for OpenAI batch lines (decides the output shape).
+    api: "native", "score" (context + continuation), or "completions" / "chat" for OpenAI batch
+    lines (decides the output shape). A scoring request carries the context as `prompt`; the
+    job loop tokenizes it and sets `prompt_token_ids` and `num_scored_tokens` (the continuation's).
     """
 
     line_number: int
@@ -47,6 +52,8 @@ class JobRequest:
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
+    continuation: str | None = None
+    num_scored_tokens: int = 0
 
     @property
     def key(self) -> str:
@@ -176,6 +183,8 @@ def _parse_native(line_number: int, request_id: str, obj: dict,
         (isinstance(obj["id"], int) and not isinstance(obj["id"], bool))
     ):
         raise ValueError(f"id must be a non-empty string or an integer, got {obj['id']!r}")
+    if "context" in obj or "continuation" in obj:
+        return _score_request(line_number, request_id, obj)
     given = [k for k in _PROMPT_KEYS if k in obj]
     if len(given) != 1:
         raise ValueError(f"a line needs exactly one of {', '.join(_PROMPT_KEYS)} "
@@ -183,6 +192,37 @@ def _parse_native(line_number: int, request_id: str, obj: dict,
     fields = {k: v for k, v in obj.items() if k not in ("id", given[0])}
     params = SamplingParams.from_dict({**defaults, **fields})
     return JobRequest(line_number, request_id, NATIVE, params, **_prompt(given[0], obj[given[0]]))
+
+
+def _score_request(line_number: int, request_id: str, obj: dict) -> JobRequest:
+    extra = sorted(set(obj) - {"id", "context", "continuation"})
+    if extra:
+        raise ValueError(f"a scoring line takes only id, context and continuation "
+                         f"(got {', '.join(extra)})")
+    for name in ("context", "continuation"):
+        if not isinstance(obj.get(name), str) or not obj[name]:
+            raise ValueError(f"{name} must be a non-empty string, got {obj.get(name)!r:.60}")
+    # prompt_logprobs=1: each position's own log-probability and the most likely token's;
+    # one token is generated and dropped (the engine needs max_tokens >= 1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    return JobRequest(line_number, request_id, SCORE, params, prompt=obj["context"],
+                      continuation=obj["continuation"])
+
+
+def score_tokens(encode, context: str, continuation: str) -> tuple[list[int], int]:
+    """Token ids of context + continuation and how many of them are the continuation's, split as
+    lm-evaluation-harness does: trailing spaces of the context move to the continuation, the
+    whole text is encoded once, and the continuation is what follows the context's own tokens."""
+    num_spaces = len(context) - len(context.rstrip())
+    if num_spaces and num_spaces < len(context):
+        context, continuation = context[:-num_spaces], context[-num_spaces:] + continuation
+    whole = list(encode(context + continuation))
+    num_context = len(encode(context))
+    if num_context == 0:  # position 0 has no log-probability to score
+        raise ValueError("the context encodes to no tokens")
+    if num_context >= len(whole):
+        raise ValueError("the continuation adds no tokens to the context")
+    return whole, len(whole) - num_context
 
 
 def _prompt(kind: str, value: Any) -> dict[str, Any]:

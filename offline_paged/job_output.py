@@ -4,6 +4,8 @@ Native success: {"id", "line", "text" (first sample's), "outputs": [{"index", "t
 "finish_reason" ("stop" | "length" | "eos" | "abort"), "stop_reason", "cumulative_logprob",
 "logprobs"?}], "usage": {"prompt_tokens", "completion_tokens", "total_tokens",
 "cached_prompt_tokens"}, "prompt_logprobs"?, "error": null}.
+Scoring success: {"id", "line", "loglikelihood", "is_greedy", "num_tokens", "usage", "error": null}
+(lm-evaluation-harness's loglikelihood of the continuation, summed over its num_tokens tokens).
 Native error: {"id", "line", "error": {"type", "message"}}.
 OpenAI lines get {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}
 where body is a completion / chat.completion object, or {"error": {...}} with a 4xx status.
@@ -14,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from offline_paged.job_input import CHAT, NATIVE, JobRequest, LineError, duplicate_key
+from offline_paged.job_input import CHAT, NATIVE, SCORE, JobRequest, LineError, duplicate_key
 from offline_paged.outputs import CompletionOutput, RequestOutput
 
 DecodeToken = Callable[[int], str]
@@ -26,6 +28,8 @@ def success_record(request: JobRequest, output: RequestOutput, model_name: str,
     """The output line of a request that ran."""
     if request.api == NATIVE:
         return native_record(request, output)
+    if request.api == SCORE:
+        return score_record(request, output)
     return openai_record(request, output, model_name, decode_token)
 
 
@@ -51,6 +55,23 @@ def native_record(request: JobRequest, output: RequestOutput) -> dict[str, Any]:
         record["prompt_logprobs"] = _native_prompt_logprobs(output)
     record["error"] = None
     return record
+
+
+def score_record(request: JobRequest, output: RequestOutput) -> dict[str, Any]:
+    """loglikelihood: the continuation's summed log-probabilities; is_greedy: each of its tokens is
+    the most likely one at its position (a tie counts as greedy)."""
+    num_tokens = request.num_scored_tokens
+    tokens = output.prompt_token_ids[-num_tokens:]
+    tops = output.prompt_logprobs[-num_tokens:]
+    return {
+        "id": request.request_id,
+        "line": request.line_number,
+        "loglikelihood": _finite(sum(top[t] for t, top in zip(tokens, tops))),
+        "is_greedy": all(top[t] >= max(top.values()) for t, top in zip(tokens, tops)),
+        "num_tokens": num_tokens,
+        "usage": usage(output),
+        "error": None,
+    }
 
 
 def usage(output: RequestOutput) -> dict[str, int]:

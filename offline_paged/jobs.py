@@ -6,13 +6,15 @@ fake one. Lines are read lazily, keeping at most `max_pending` requests inside t
 and very large files stream. Bad lines never stop the job: each gets one error record. Lines whose
 key is in `done_keys` (from a previous run's output) are skipped, which is how resume works.
 """
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from offline_paged.job_file import JsonlWriter
-from offline_paged.job_input import NATIVE, JobRequest, LineError, parse_line
+from offline_paged.job_input import (NATIVE, SCORE, JobRequest, LineError, parse_line,
+                                     score_tokens)
 from offline_paged.job_output import error_record, success_record
 
 EXIT_OK = 0
@@ -135,6 +137,10 @@ class JobRunner:
             prompt, token_ids = request.prompt, request.prompt_token_ids
             if request.messages is not None:
                 prompt, token_ids = _render_chat(self.engine.tokenizer, request.messages)
+            if request.api == SCORE:
+                token_ids, num_scored = score_tokens(self.engine.tokenizer.encode, request.prompt,
+                                                     request.continuation)
+                request = dataclasses.replace(request, num_scored_tokens=num_scored)
             self.engine.add_request(request.request_id, prompt=prompt,
                                     prompt_token_ids=token_ids, params=request.params)
         except Exception as exc:  # noqa: BLE001 - whatever one line does, the others still run
@@ -175,7 +181,7 @@ def _cut(message: str, limit: int = 500) -> str:
 
 
 def _is_openai(parsed: JobRequest | LineError) -> bool:
-    return parsed.openai if isinstance(parsed, LineError) else parsed.api != NATIVE
+    return parsed.openai if isinstance(parsed, LineError) else parsed.api not in (NATIVE, SCORE)
 
 
 def _render_chat(tokenizer, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:

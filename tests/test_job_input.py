@@ -16,7 +16,7 @@ from tiny_engine import tiny_engine
 
 KEYS = FIELD_NAMES + ("id", "prompt", "messages", "prompt_token_ids", "custom_id", "method", "url",
                       "body", "role", "content", "type", "text", "max_completion_tokens",
-                      "top_logprobs", "echo", "stream", "model")
+                      "top_logprobs", "echo", "stream", "model", "context", "continuation")
 GOOD = json.dumps({"id": "the-next-line", "prompt": "ok", "max_tokens": 2}).encode()
 
 unicode_text = st.text(st.characters() | st.characters(categories=["Cs"]), max_size=12)
@@ -33,12 +33,14 @@ prompted = st.fixed_dictionaries(  # a prompt with sampling fields: more lines r
     {"prompt": unicode_text}, optional={k: numbers | st.booleans() | values for k in FIELD_NAMES})
 small = (st.none() | st.booleans() | st.integers(-1, 30) | st.floats(0, 2) |
          st.lists(st.integers(0, 300), max_size=3) | st.text(max_size=3))
+scoring = st.fixed_dictionaries({"context": unicode_text, "continuation": unicode_text},
+                                optional={"id": unicode_text, "max_tokens": numbers})
 plausible = st.builds(  # near-valid requests (a few small fields), so many lines run in the engine
     lambda prompt, fields: {"prompt": prompt, **fields, "max_tokens": 3},
     st.text(min_size=1, max_size=8), st.dictionaries(st.sampled_from(FIELD_NAMES), small, max_size=2))
 deep = st.integers(1, 30_000).map(lambda depth: b"[" * depth + b"]" * depth)
 raw_lines = st.one_of(
-    (objects | prompted | plausible | values).map(lambda v: json.dumps(v).encode()),  # surrogates as \\udXXX
+    (objects | prompted | plausible | scoring | values).map(lambda v: json.dumps(v).encode()),  # surrogates as \\udXXX
     deep,
     st.binary(max_size=64),
 )

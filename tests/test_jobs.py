@@ -21,7 +21,7 @@ class RecordingWriter(JsonlWriter):
 
     def write(self, record):
         super().write(record)
-        self.steps_at_write.append(self.engine.num_steps if self.engine else 0)
+        self.steps_at_write.append(getattr(self.engine, "num_steps", 0))
 
     def records(self) -> list[dict]:
         return [json.loads(line) for line in self._stream.getvalue().decode().splitlines()]
@@ -290,3 +290,50 @@ def test_an_exception_of_any_kind_from_add_request_fails_only_its_line():
     summary, records, _, _ = _run([{"prompt": "boom"}, {"prompt": "fine"}], engine=Picky())
     assert summary.num_failed == 1 and summary.num_succeeded == 1
     assert "TypeError: tokenizer choked" in records[0]["error"]["message"]
+
+
+def test_scoring_lines_give_loglikelihood_and_is_greedy():
+    lines = [{"id": "s", "context": "ab ", "continuation": "cd"},
+             {"context": "x", "continuation": "y", "max_tokens": 3},
+             {"id": "e", "context": "", "continuation": "y"}]
+    summary, records, engine, _ = _run(lines, defaults={"max_tokens": 7})
+    by_id = {r["id"]: r for r in records}
+    # the fake engine gives every prompt token after the first a log-probability of -1.0
+    assert by_id["s"]["loglikelihood"] == -3.0 and by_id["s"]["num_tokens"] == 3  # " cd"
+    assert by_id["s"]["is_greedy"] is True and by_id["s"]["error"] is None
+    assert "only id, context and continuation" in by_id["line-2"]["error"]["message"]
+    assert "context must be a non-empty string" in by_id["e"]["error"]["message"]
+    assert summary.num_succeeded == 1 and summary.num_failed == 2
+
+
+def test_score_tokens_moves_trailing_spaces_to_the_continuation_as_lm_eval_does():
+    from offline_paged.job_input import score_tokens
+
+    encode = lambda text: list(text.encode())  # noqa: E731
+    assert score_tokens(encode, "The sky is ", "blue") == (list(b"The sky is blue"), 5)
+    assert score_tokens(encode, "   ", "x") == (list(b"   x"), 1)
+    with pytest.raises(ValueError, match="no tokens"):
+        score_tokens(lambda text: [], "a", "b")
+
+
+def test_scoring_agrees_with_greedy_generation_on_a_tiny_real_model():
+    from offline_paged.sampling_params import SamplingParams
+    from tiny_engine import run_to_completion, tiny_engine
+
+    engine = tiny_engine()
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
+    contexts = [f"ctx {i}:" for i in range(40)]
+    outs = run_to_completion(engine, {c: (engine.tokenizer.encode(c), greedy) for c in contexts})
+    printable = [(c, outs[c].outputs[0]) for c in contexts  # byte ids 4+32..4+126 round-trip
+                 if all(36 <= t <= 130 for t in outs[c].outputs[0].token_ids)]
+    assert printable, "no context with a printable greedy continuation"
+    context, completion = printable[0]
+    other = "".join(chr(((t - 4 - 32 + 1) % 95) + 32) for t in completion.token_ids)  # not greedy
+    lines = [{"id": "greedy", "context": context, "continuation": completion.text},
+             {"id": "other", "context": context, "continuation": other}]
+    _, records, _, _ = _run(lines, engine=engine)
+    by_id = {r["id"]: r for r in records}
+    assert by_id["greedy"]["is_greedy"] is True and by_id["other"]["is_greedy"] is False
+    assert by_id["greedy"]["num_tokens"] == 3
+    assert by_id["greedy"]["loglikelihood"] == pytest.approx(completion.cumulative_logprob, abs=1e-9)
+    assert by_id["other"]["loglikelihood"] < by_id["greedy"]["loglikelihood"]
