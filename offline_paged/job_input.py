@@ -13,6 +13,7 @@ order mark before the first line is skipped (`read_lines`). Whatever a line hold
 returns one JobRequest or one LineError: it never raises.
 """
 import json
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from offline_paged.sampling_params import SamplingParams
 
 _BOM = b"\xef\xbb\xbf"
+_CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*("(?:[^"\\]|\\.){1,512}")')
 
 NATIVE = "native"
 SCORE = "score"
@@ -33,7 +35,11 @@ _VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eo
                 "stop_token_ids", "skip_special_tokens", "use_beam_search", "prompt_logprobs")
 _COMMON_BODY = ("max_tokens", "temperature", "top_p", "n", "stop", "seed",
                 "presence_penalty", "frequency_penalty") + _VLLM_EXTRAS
-_IGNORED_BODY = ("model", "user")
+_IGNORED_BODY = ("model", "user", "metadata", "store", "stream_options", "parallel_tool_calls")
+# OpenAI fields we know and cannot honour: refused as "not supported", never as "unknown"
+_UNSUPPORTED_BODY = ("tools", "tool_choice", "functions", "function_call", "response_format",
+                     "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
+                     "service_tier")
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,6 +60,9 @@ class JobRequest:
     prompt_token_ids: list[int] | None = None
     continuation: str | None = None
     num_scored_tokens: int = 0
+    model: str | None = None  # an OpenAI body's "model", echoed in its response
+    echo: bool = False  # OpenAI completions: the prompt (and its logprobs) lead the choice
+    generate: bool = True  # False for OpenAI max_tokens 0: one token runs, none is returned
 
     @property
     def key(self) -> str:
@@ -112,23 +121,19 @@ def parse_line(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobR
     try:
         return _parse(line_number, text, defaults)
     except RecursionError:  # parsing or validating values nested thousands of levels deep
-        return LineError(line_number, default_id(line_number), "invalid_json",
-                         f"line {line_number}: JSON nested too deeply")
+        return _json_error(line_number, text, "JSON nested too deeply")
 
 
 def _parse(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobRequest | LineError:
     if not _is_unicode(text):
-        return LineError(line_number, default_id(line_number), "invalid_json",
-                         f"line {line_number}: not valid UTF-8")
+        return _json_error(line_number, text, "not valid UTF-8")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         reason = exc.msg.removesuffix(" at")  # "Invalid control character at"
-        return LineError(line_number, default_id(line_number), "invalid_json",
-                         f"line {line_number}: invalid JSON ({reason} at column {exc.colno})")
+        return _json_error(line_number, text, f"invalid JSON ({reason} at column {exc.colno})")
     except ValueError:  # json's only other ValueError: an integer past Python's digit limit
-        return LineError(line_number, default_id(line_number), "invalid_json",
-                         f"line {line_number}: invalid JSON (an integer with too many digits)")
+        return _json_error(line_number, text, "invalid JSON (an integer with too many digits)")
     if not isinstance(obj, dict):
         return LineError(line_number, default_id(line_number), "invalid_request",
                          f"line {line_number}: expected a JSON object, got {type(obj).__name__}")
@@ -147,6 +152,21 @@ def _parse(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobReque
     except (ValueError, TypeError, OverflowError) as exc:
         return LineError(line_number, request_id, "invalid_request", f"line {line_number}: {exc}",
                          is_openai)
+
+
+def _json_error(line_number: int, text: str, reason: str) -> LineError:
+    """A line that is not JSON. One that looks like an OpenAI batch line (it names a custom_id)
+    gets the OpenAI shape and, when it can be read, its own custom_id."""
+    found = _CUSTOM_ID.search(text) if '"custom_id"' in text else None
+    request_id = default_id(line_number)
+    if found:
+        try:
+            value = json.loads(found.group(1))
+            request_id = _printable_id(value) if value else request_id
+        except ValueError:
+            pass
+    return LineError(line_number, request_id, "invalid_json", f"line {line_number}: {reason}",
+                     openai='"custom_id"' in text)
 
 
 def _is_unicode(text: str) -> bool:
@@ -289,39 +309,66 @@ def _parse_openai(line_number: int, obj: dict, defaults: Mapping[str, Any]) -> J
 
 def _completion_request(line_number: int, custom_id: str, body: dict,
                         defaults: Mapping[str, Any]) -> JobRequest:
+    _reject_unsupported(body, suffix=None)
     _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY +
                     ("prompt", "logprobs", "best_of", "echo", "stream", "suffix", "logit_bias"))
-    _reject_unsupported(body, echo=False, suffix=None)
     fields = _common_fields(body)
     if body.get("logprobs") is not None:
         fields["logprobs"] = body["logprobs"]
     if "best_of" in body:
         fields["best_of"] = body["best_of"]
+    echo = _echo(body, fields)
+    generate = not _is_zero(fields.get("max_tokens"))
+    if not generate:  # scoring the prompt only: one token runs, the output drops it
+        fields["max_tokens"] = 1
     params = SamplingParams.from_dict({**defaults, **fields})
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        return JobRequest(line_number, custom_id, COMPLETIONS, params,
-                          prompt_token_ids=_check_token_ids(prompt))
-    return JobRequest(line_number, custom_id, COMPLETIONS, params, prompt=_check_prompt(prompt))
+    if isinstance(prompt, list) and len(prompt) == 1 and (
+            isinstance(prompt[0], str) or isinstance(prompt[0], list)):
+        prompt = prompt[0]  # one prompt in a batch of one (text, or token ids as lm-eval sends)
+    kind = {"prompt_token_ids": _check_token_ids(prompt)} if isinstance(prompt, list) else \
+        {"prompt": _check_prompt(prompt)}
+    return JobRequest(line_number, custom_id, COMPLETIONS, params, **kind,
+                      model=_model(body), echo=echo, generate=generate)
+
+
+def _echo(body: dict, fields: dict[str, Any]) -> bool:
+    """echo: the prompt leads the choice; with logprobs, its tokens' log-probabilities too (the
+    first token has none). max_tokens 0 is allowed only with echo (there is nothing else)."""
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ValueError(f"echo must be true or false, got {echo!r:.60}")
+    if _is_zero(fields.get("max_tokens")) and not echo:
+        raise ValueError("max_tokens 0 needs echo: true (there would be nothing to return)")
+    if echo and fields.get("logprobs") is not None:
+        fields.setdefault("prompt_logprobs", fields["logprobs"])
+    return echo
+
+
+def _is_zero(value: Any) -> bool:
+    return type(value) is int and value == 0  # not False, not 0.0
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    return model if isinstance(model, str) else None
 
 
 def _chat_request(line_number: int, custom_id: str, body: dict,
                   defaults: Mapping[str, Any]) -> JobRequest:
+    _reject_unsupported(body)
     _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + ("messages", "max_completion_tokens",
                     "logprobs", "top_logprobs", "stream", "logit_bias"))
-    _reject_unsupported(body)
     fields = _common_fields(body)
     if body.get("max_completion_tokens") is not None:
         fields["max_tokens"] = body["max_completion_tokens"]
     if body.get("logprobs") not in (None, False, True):
-        raise ValueError(f"logprobs must be true or false for chat, got {body['logprobs']!r}")
+        raise ValueError(f"logprobs must be true or false for chat, got {body['logprobs']!r:.60}")
     if body.get("logprobs"):
         fields["logprobs"] = body.get("top_logprobs") or 0
     params = SamplingParams.from_dict({**defaults, **fields})
     return JobRequest(line_number, custom_id, CHAT, params,
-                      messages=_check_messages(body.get("messages")))
+                      messages=_check_messages(body.get("messages")), model=_model(body))
 
 
 def _common_fields(body: dict) -> dict[str, Any]:
@@ -336,6 +383,9 @@ def _reject_unknown(body: dict, known: tuple[str, ...]) -> None:
 
 
 def _reject_unsupported(body: dict, **harmless: Any) -> None:
+    for name in _UNSUPPORTED_BODY:
+        if body.get(name) is not None:
+            raise ValueError(f"{name} is not supported")
     if body.get("stream"):
         raise ValueError("stream is not supported in a batch job")
     if body.get("logit_bias"):

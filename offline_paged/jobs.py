@@ -7,6 +7,7 @@ and very large files stream. Bad lines never stop the job: each gets one error r
 key is in `done_keys` (from a previous run's output) are skipped, which is how resume works.
 """
 import dataclasses
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -85,6 +86,8 @@ class JobRunner:
         self.summary = JobSummary(num_failed_before=num_failed_before)
         self._pending: dict[str, JobRequest] = {}
         self._seen_ids: set[str] = set()
+        self.run_id = secrets.token_hex(6)  # in OpenAI response ids: unique per run
+        self._openai_seen = False  # an OpenAI-format file: broken lines get its envelope too
 
     def run(self, lines: Iterable[str]) -> JobSummary:
         """Run every line; returns when all are written or should_stop() turns true."""
@@ -119,6 +122,10 @@ class JobRunner:
 
     def _take(self, parsed: JobRequest | LineError) -> None:
         self.summary.num_requests += 1
+        if _is_openai(parsed):
+            self._openai_seen = True
+        elif self._openai_seen and isinstance(parsed, LineError) and parsed.error_type == "invalid_json":
+            parsed = dataclasses.replace(parsed, openai=True)
         if parsed.request_id in self._seen_ids:
             parsed = LineError(parsed.line_number, parsed.request_id, "duplicate_id",
                                f"line {parsed.line_number}: duplicate id {parsed.request_id!r}",
@@ -154,13 +161,14 @@ class JobRunner:
         request = self._pending.pop(output.request_id)
         decode = self.engine.tokenizer.decode
         self.writer.write(success_record(request, output, self.model_name,
-                                         lambda t: decode([t], skip_special_tokens=False)))
+                                         lambda t: decode([t], skip_special_tokens=False),
+                                         self.run_id))
         self.summary.num_succeeded += 1
         self.summary.num_prompt_tokens += len(output.prompt_token_ids)
         self.summary.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def _fail(self, error: LineError) -> None:
-        self.writer.write(error_record(error))
+        self.writer.write(error_record(error, self.run_id))
         self.summary.num_failed += 1
 
     def _report(self, start: float) -> None:

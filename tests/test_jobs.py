@@ -98,7 +98,7 @@ BAD_LINES = [
     '{"prompt": ""}',
     '{"custom_id": "c1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}',
     '{"custom_id": "c2", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}',
-    '{"custom_id": "c3", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "echo": true}}',
+    '{"custom_id": "c3", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "suffix": "y"}}',
     '{"prompt": "x", "use_beam_search": true, "temperature": 0, "repetition_penalty": 1.3}',
     '{"prompt": "x", "stop": [1]}',
 ]
@@ -135,7 +135,7 @@ def test_openai_completion_lines_get_batch_output_shape():
     response = record["response"]
     assert response["status_code"] == 200 and response["request_id"]
     body = response["body"]
-    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    assert body["object"] == "text_completion" and body["model"] == "m"  # the body's own
     assert [c["text"] for c in body["choices"]] == ["cb", "dc"]
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["logprobs"]["tokens"] == ["c", "b"]
@@ -156,7 +156,7 @@ def test_openai_chat_lines_get_chat_completion_objects():
     assert choice["finish_reason"] == "length"
     token = choice["logprobs"]["content"][0]
     assert token["token"] == ">" and token["bytes"] == [ord(">")]
-    assert [t["token"] for t in token["top_logprobs"]] == [">", "?"]
+    assert [t["token"] for t in token["top_logprobs"]] == [">"]  # exactly top_logprobs=1
 
 
 def test_resume_skips_done_keys_including_duplicate_errors():
@@ -337,3 +337,51 @@ def test_scoring_agrees_with_greedy_generation_on_a_tiny_real_model():
     assert by_id["greedy"]["num_tokens"] == 3
     assert by_id["greedy"]["loglikelihood"] == pytest.approx(completion.cumulative_logprob, abs=1e-9)
     assert by_id["other"]["loglikelihood"] < by_id["greedy"]["loglikelihood"]
+
+
+def _openai(custom_id, url, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def test_openai_echo_with_max_tokens_0_scores_the_prompt_as_lm_eval_local_completions_asks():
+    line = _openai("e", "/v1/completions", model="m", prompt=[[ord("a"), ord("b"), ord("c")]],
+                   max_tokens=0, echo=True, logprobs=1, temperature=0)
+    _, (record,), _, _ = _run([line])
+    body = record["response"]["body"]
+    (choice,) = body["choices"]
+    assert choice["text"] == "abc" and body["usage"]["completion_tokens"] == 0
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["a", "b", "c"] and logprobs["text_offset"] == [0, 1, 2]
+    assert logprobs["token_logprobs"] == [None, -1.0, -1.0]  # the first token has none
+    assert logprobs["top_logprobs"][0] is None and logprobs["top_logprobs"][1] == {"b": -1.0}
+    _, (generated,), _, _ = _run([_openai("g", "/v1/completions", prompt="ab", max_tokens=2,
+                                          echo=True)])
+    assert generated["response"]["body"]["choices"][0]["text"] == "abba"
+
+
+def test_openai_fields_harmless_ignored_and_known_unsupported_refused_by_name():
+    lines = [_openai("ok", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                     metadata={"k": "v"}, store=False, stream_options=None,
+                     parallel_tool_calls=True, user="u"),
+             _openai("tools", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                     tools=[{"type": "function"}]),
+             _openai("format", "/v1/completions", prompt="x", response_format={"type": "json"}),
+             _openai("zero", "/v1/completions", prompt="x", max_tokens=0)]
+    _, records, _, _ = _run(lines)
+    by_id = {r["custom_id"]: r["response"] for r in records}
+    assert by_id["ok"]["status_code"] == 200
+    assert by_id["tools"]["body"]["error"]["message"].endswith("tools is not supported")
+    assert by_id["format"]["body"]["error"]["message"].endswith("response_format is not supported")
+    assert "max_tokens 0 needs echo" in by_id["zero"]["body"]["error"]["message"]
+
+
+def test_openai_response_ids_are_unique_per_run_and_broken_lines_get_the_envelope():
+    lines = [_openai("a", "/v1/completions", prompt="x"), '{"custom_id": "b", "method": "PO',
+             '{"broken']
+    _, first, _, _ = _run(lines)
+    _, second, _, _ = _run(lines)
+    assert all("custom_id" in r for r in first)  # OpenAI shape for the broken lines too
+    assert {r["custom_id"] for r in first} == {"a", "b", "line-3"}
+    ids = [r["id"] for r in first + second] + [r["response"]["request_id"] for r in first + second]
+    assert len(set(ids)) == len(ids)
+    assert {record_key(r) for r in first} == {record_key(r) for r in second}  # resume still works
