@@ -298,3 +298,21 @@ def test_disk_full_mid_run_says_disk_full_and_exits_2(model_dir, tmp_path, monke
     assert result.exit_code == 2 and f"{out}: disk full" in result.output
     assert "Traceback" not in result.output
     assert len(_records(out)) == 2 and out.read_bytes().endswith(b"\n")
+
+
+def test_openai_echo_scoring_agrees_with_a_native_scoring_line(model_dir, tmp_path):
+    lines = [{"id": "score", "context": "The sky", "continuation": " is"},
+             {"custom_id": "echo", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": "The sky is", "max_tokens": 0, "echo": True,
+                       "logprobs": 1}}]
+    out = tmp_path / "out.jsonl"
+    result = _generate(model_dir, _job(tmp_path / "in.jsonl", lines), "-o", out)
+    assert result.exit_code == 0, result.output
+    records = {record_key(r): r for r in _records(out)}
+    choice = records["echo"]["response"]["body"]["choices"][0]
+    token_logprobs = choice["logprobs"]["token_logprobs"]
+    assert choice["text"] == "The sky is" and token_logprobs[0] is None
+    assert len(token_logprobs) == len("The sky is")  # one token per byte in the tiny vocabulary
+    score = records["score"]
+    assert score["num_tokens"] == 3
+    assert score["loglikelihood"] == pytest.approx(sum(token_logprobs[-3:]), abs=1e-5)
