@@ -89,6 +89,17 @@ def hostile_lines() -> list[bytes]:
         _line({"id": "content-parts-bad", "messages": [{"role": "user", "content": [1, None]}]}),
         _line({"custom_id": "body-list", "method": "POST", "url": "/v1/completions", "body": []}),
         _line({"custom_id": ["x"], "method": "POST", "url": "/v1/completions", "body": {}}),
+        _line({"id": "score-ok", "context": "The sky", "continuation": " is"}),
+        _line({"id": "score-surrogate", "context": "a", "continuation": "\ud800"}),
+        _line({"id": "score-nested", "context": "a", "continuation": [[["b"]]]}),
+        _line({"id": "score-extra", "context": "a", "continuation": "b", "n": 10**12}),
+        _openai("echo-ok", "/v1/completions", prompt="Hi", max_tokens=0, echo=True, logprobs=1),
+        _openai("echo-logprobs-1e6", "/v1/completions", prompt="Hi", max_tokens=0, echo=True,
+                logprobs=10**6),
+        _openai("echo-not-bool", "/v1/completions", prompt="Hi", echo=[True] * 1000),
+        _openai("tools", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}],
+                tools=[{"type": "function"}] * 100),
+        b'{"custom_id": "broken-openai", "method": "POST", "url": "/v1/completions", "body": {',
         _good("good-last"),
     ]
 

@@ -21,7 +21,7 @@ CLI_MAIN = "from offline_paged.cli.main import cli; cli()"
 MAX_WALL_S = 180  # generous: the point is "no hang"
 MAX_RSS_BYTES = 3 * 2**30  # generous: the point is "no blow-up" (n = 10**12 once grew past 5 GB)
 SUCCEED = {"good-after-bom", "good-1", "good-2", "good-last", "cr-between-tokens", "crlf-ending",
-           "max-tokens-1e30", "top-k-1e30"}
+           "max-tokens-1e30", "top-k-1e30", "score-ok", "echo-ok"}
 
 
 def _corpus_script():
@@ -68,7 +68,7 @@ def test_every_hostile_line_gets_one_record_and_the_job_finishes(model_dir, tmp_
     assert len(records) == _non_blank_lines(CORPUS.read_bytes())
     keys = [record_key(r) for r in records]
     assert len(set(keys)) == len(keys)
-    succeeded = {r.get("id") for r in records if not is_error(r)}
+    succeeded = {record_key(r) for r in records if not is_error(r)}
     assert succeeded == SUCCEED
     assert all(len(json.dumps(r)) < 10_000 for r in records)  # no 86 MB records
 
