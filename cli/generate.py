@@ -1,20 +1,26 @@
 """`offline-paged generate PROMPTS.jsonl [-o OUT.jsonl]`: run a JSONL job through the engine.
 
 Exit codes: 0 every line succeeded; 1 some lines have error records (in this run or, when
-resuming, earlier ones); 2 the job could not start (bad option, model, unreadable files, an output
-file that is not ours); 130 interrupted (Ctrl-C / SIGTERM) — everything finished is on disk and
-running the same command again resumes.
+resuming, earlier ones); 2 the job could not start (bad option, model, unreadable input, an output
+or stats file that cannot be written, is not a regular file, is not ours or is locked by another
+job) or its output could not be written mid-run (disk full); 130 interrupted (Ctrl-C / SIGTERM, also
+during model load, and a second Ctrl-C) — everything finished is on disk and running the same
+command again resumes. Output and stats files are opened (and the output locked) before the model
+loads, so a bad path costs nothing.
 """
 import json
+import os
 import signal
+import stat
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import click
 
-from offline_paged.job_file import JsonlWriter, ResumeState, scan_and_repair
+from offline_paged.job_file import JsonlWriter, OutputWriteError, ResumeState, open_output
+from offline_paged.job_input import read_lines
 from offline_paged.jobs import JobRunner, JobSummary
 from offline_paged.sampling_params import SamplingParams
 
@@ -57,6 +63,8 @@ def parse_size(text: str) -> int:
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay decode-only steps from CUDA graphs (CUDA, float16).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Engine seed (for unseeded requests).")
+@click.option("--max-logprobs", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Most logprobs / prompt_logprobs a line may ask for.")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Append to an existing OUT, skipping ids already done (--no-resume overwrites it).")
 @click.option("--fsync", is_flag=True, help="fsync after every record (survives power loss; slower).")
@@ -79,12 +87,28 @@ def parse_size(text: str) -> int:
 @click.option("--ignore-eos", is_flag=True, default=None)
 def generate(prompts: str, output: str, **options: Any) -> None:
     """Generate completions for every line of PROMPTS.jsonl; one JSON line per request in OUT."""
-    defaults = _sampling_defaults(options)
-    _check_paths(prompts, output)
-    resume = _prepare_output(output, options["resume"])
-    engine = _build_engine(options)
-    writer = JsonlWriter(sys.stdout.buffer, options["fsync"]) if output == "-" else \
-        JsonlWriter.open(output, append=options["resume"], fsync=options["fsync"])
+    with _sigterm_interrupts():  # until the job loop takes over: SIGTERM during load exits 130
+        defaults = _sampling_defaults(options)
+        _check_paths(prompts, output, options["stats_json"])
+        writer, resume = _open_output(output, options)
+        try:
+            stats_file = _open_stats(options["stats_json"])
+            engine = _build_engine(options)
+            if not options["resume"]:
+                writer.start_over()
+            summary = _run(engine, writer, resume, prompts, defaults, options)
+        except KeyboardInterrupt:
+            click.echo("\naborted: finished records are on disk; run the same command to resume",
+                       err=True)
+            raise
+        finally:
+            writer.close()
+    _report(summary, stats_file)
+    sys.exit(summary.exit_code)
+
+
+def _run(engine, writer: JsonlWriter, resume: ResumeState, prompts: str,
+         defaults: dict[str, Any], options: dict[str, Any]) -> JobSummary:
     progress = _progress(options["progress"], _count_lines(prompts))
     stop = _StopFlag()
     try:
@@ -93,13 +117,12 @@ def generate(prompts: str, output: str, **options: Any) -> None:
                                done_keys=resume.done_keys, num_failed_before=resume.num_errors,
                                max_pending=options["max_pending"], progress=progress,
                                should_stop=stop.is_set)
-            summary = runner.run(lines)
+            return runner.run(lines)
+    except OutputWriteError as exc:
+        _fatal(str(exc))
     finally:
-        writer.close()
         if progress is not None:
             progress.close()
-    _report(summary, resume, options["stats_json"])
-    sys.exit(summary.exit_code)
 
 
 def _sampling_defaults(options: dict[str, Any]) -> dict[str, Any]:
@@ -115,25 +138,46 @@ def _sampling_defaults(options: dict[str, Any]) -> dict[str, Any]:
     return defaults
 
 
-def _check_paths(prompts: str, output: str) -> None:
-    if prompts != "-" and not Path(prompts).is_file():
-        _fatal(f"{prompts}: no such file")
-    if output != "-" and prompts != "-" and Path(output).resolve() == Path(prompts).resolve():
-        _fatal("the output file must not be the input file")
+def _check_paths(prompts: str, output: str, stats_json: str | None) -> None:
+    if prompts != "-":
+        if not os.path.exists(prompts):
+            _fatal(f"{prompts}: no such file")
+        if os.path.isdir(prompts):
+            _fatal(f"{prompts}: is a directory")
+        if not os.access(prompts, os.R_OK):
+            _fatal(f"{prompts}: cannot read it (permission denied)")
+    files = [Path(p).resolve() for p in (prompts, output, stats_json) if p not in (None, "-")]
+    if len(set(files)) != len(files):
+        _fatal("the input, output and stats files must be three different files")
 
 
-def _prepare_output(output: str, resume: bool) -> ResumeState:
-    if output == "-" or not resume or not Path(output).exists():
-        return ResumeState()
+def _open_output(output: str, options: dict[str, Any]) -> tuple[JsonlWriter, ResumeState]:
+    """The output writer, opened and locked before anything else runs; exit 2 if it can't be."""
+    if output == "-":
+        return JsonlWriter(sys.stdout.buffer, options["fsync"]), ResumeState()
     try:
-        state = scan_and_repair(output)
+        writer, state = open_output(output, options["resume"], options["fsync"])
     except (ValueError, OSError) as exc:
         _fatal(str(exc))
     if state.num_records or state.num_torn_bytes:
         click.echo(f"resuming {output}: {state.num_records} records already done"
                    + (f", cut a torn last line ({state.num_torn_bytes} bytes)"
                       if state.num_torn_bytes else ""), err=True)
-    return state
+    return writer, state
+
+
+def _open_stats(stats_json: str | None) -> IO[str] | None:
+    """Opened now (without truncating), so an unwritable path fails before the job, not after."""
+    if stats_json is None:
+        return None
+    if not Path(stats_json).parent.is_dir():
+        _fatal(f"{stats_json}: directory {str(Path(stats_json).parent)!r} does not exist")
+    if os.path.exists(stats_json) and not stat.S_ISREG(os.stat(stats_json).st_mode):
+        _fatal(f"{stats_json}: --stats-json must be a regular file")
+    try:
+        return open(stats_json, "a", encoding="utf-8")
+    except OSError as exc:
+        _fatal(f"{stats_json}: cannot open for writing ({exc.strerror})")
 
 
 def _build_engine(options: dict[str, Any]):
@@ -149,7 +193,8 @@ def _build_engine(options: dict[str, Any]):
             max_num_seqs=options["max_num_seqs"], max_model_len=options["max_model_len"],
             max_num_batched_tokens=options["max_num_batched_tokens"], seed=options["seed"],
             enable_prefix_caching=not options["no_prefix_caching"],
-            preemption_mode=options["preemption"], cuda_graphs=options["cuda_graphs"])
+            preemption_mode=options["preemption"], cuda_graphs=options["cuda_graphs"],
+            max_logprobs=options["max_logprobs"])
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     try:
@@ -160,18 +205,38 @@ def _build_engine(options: dict[str, Any]):
 
 @contextmanager
 def _input_lines(prompts: str):
+    """The input's lines, read as bytes and split on b"\\n" only (see job_input.read_lines)."""
     if prompts == "-":
-        yield sys.stdin
+        yield read_lines(sys.stdin.buffer)
         return
-    with open(prompts, encoding="utf-8", errors="replace") as f:
-        yield f
+    try:
+        f = open(prompts, "rb")
+    except OSError as exc:
+        _fatal(f"{prompts}: cannot read ({exc.strerror})")
+    with f:
+        yield read_lines(f)
 
 
 def _count_lines(prompts: str) -> int | None:
-    if prompts == "-":
+    """For the progress bar; a pipe (stdin, <(...)) is not read twice."""
+    if prompts == "-" or not os.path.isfile(prompts):
         return None
     with open(prompts, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        return sum(1 for line in f if line.strip(b" \t\r\n"))
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def _sigterm_interrupts():
+    """SIGTERM acts like Ctrl-C (KeyboardInterrupt; the cli group turns it into exit 130)."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _StopFlag:
@@ -223,7 +288,7 @@ def _progress(wanted: bool | None, total: int | None) -> _TqdmProgress | None:
     return _TqdmProgress(total)
 
 
-def _report(summary: JobSummary, resume: ResumeState, stats_json: str | None) -> None:
+def _report(summary: JobSummary, stats_file: IO[str] | None) -> None:
     d = summary.to_dict()
     e = d["engine"]
     lines = [
@@ -242,8 +307,18 @@ def _report(summary: JobSummary, resume: ResumeState, stats_json: str | None) ->
     if summary.interrupted:
         lines.append("interrupted: finished records are on disk; run the same command to resume")
     click.echo("\n".join(lines), err=True)
-    if stats_json:
-        Path(stats_json).write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
+    if stats_file is not None:
+        _write_stats(stats_file, d)
+
+
+def _write_stats(stats_file: IO[str], summary: dict[str, Any]) -> None:
+    try:
+        with stats_file:
+            stats_file.truncate(0)
+            stats_file.write(json.dumps(summary, indent=2) + "\n")
+    except OSError as exc:
+        _fatal(f"{stats_file.name}: cannot write the stats ({exc.strerror}); the job's records "
+               "are complete")
 
 
 def _fatal(message: str):

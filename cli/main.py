@@ -1,8 +1,22 @@
 """The `offline-paged` command: a click group; each subcommand lives in its own module."""
 import click
 
+EXIT_INTERRUPTED = 130
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class _Group(click.Group):
+    """Ctrl-C that reaches a command (during model load, or a second one during a job) exits 130,
+    instead of click's "Aborted!" and exit 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="offline-paged")
 def cli() -> None:
     """Offline batch LLM inference on PagedAttention: JSONL prompts in, JSONL completions out."""

@@ -57,6 +57,7 @@ class EngineConfig:
     # Schedule and launch step N+1 while step N runs on the device; N's sampled ids reach N+1's inputs
     # on the device and its outputs are processed one step late. None = on for CUDA, off on the CPU.
     async_scheduling: bool | None = None
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's default)
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:
@@ -87,6 +88,9 @@ class EngineConfig:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
 

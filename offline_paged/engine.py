@@ -153,12 +153,14 @@ class LLMEngine:
         `prompt` given too is only echoed back in the output).
 
         Raises ValueError for a duplicate id, an empty prompt, a prompt that leaves no room to
-        generate within max_model_len, token ids outside the vocabulary, or beam search with
+        generate within max_model_len, token ids outside the vocabulary (prompt or stop_token_ids),
+        more samples than max_num_seqs, logprobs above max_logprobs, or beam search with
         penalties (its scores are raw log-probabilities; see beam_search.py).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        self._check_params_fit(params)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
@@ -172,6 +174,22 @@ class LLMEngine:
         )
         self.scheduler.add_group(group)  # raises before anything is recorded
         self._groups[request_id] = group
+
+    def _check_params_fit(self, params: SamplingParams) -> None:
+        """What a SamplingParams alone cannot know: this engine's vocabulary and caps. Checked before
+        anything is sized by the request (n seeds) or reaches a step (an id past the vocabulary)."""
+        vocab_size = self.model_config.vocab_size
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < the vocabulary size ({vocab_size}), "
+                             f"got {max(params.stop_token_ids)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name}={value} is more than max_logprobs "
+                                 f"({self.config.max_logprobs}), the engine's cap")
+        if params.num_samples > self.config.max_num_seqs:
+            raise ValueError(f"the request needs {params.num_samples} parallel samples (n / best_of) "
+                             f"but max_num_seqs is {self.config.max_num_seqs}")
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids) -> list[int]:
         if prompt is not None and not isinstance(prompt, str):

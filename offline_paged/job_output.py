@@ -4,9 +4,15 @@ Native success: {"id", "line", "text" (first sample's), "outputs": [{"index", "t
 "finish_reason" ("stop" | "length" | "eos" | "abort"), "stop_reason", "cumulative_logprob",
 "logprobs"?}], "usage": {"prompt_tokens", "completion_tokens", "total_tokens",
 "cached_prompt_tokens"}, "prompt_logprobs"?, "error": null}.
+Scoring success: {"id", "line", "loglikelihood", "is_greedy", "num_tokens", "usage", "error": null}
+(lm-evaluation-harness's loglikelihood of the continuation, summed over its num_tokens tokens).
 Native error: {"id", "line", "error": {"type", "message"}}.
 OpenAI lines get {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}
-where body is a completion / chat.completion object, or {"error": {...}} with a 4xx status.
+where body is a completion / chat.completion object, or {"error": {...}} with a 4xx status (the
+shape of OpenAI's output file; vLLM's run-batch instead writes its message to the top-level "error"
+with no body). Ids carry a per-run token, so two runs never share a response id; "model" echoes the
+body's own. Completions with echo lead with the prompt (its first token has no log-probability);
+chat top_logprobs hold exactly the top_logprobs asked for.
 Log-probabilities are the raw model's (see sampling_params); -inf is written as -9999.0.
 """
 import math
@@ -14,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from offline_paged.job_input import CHAT, NATIVE, JobRequest, LineError, duplicate_key
+from offline_paged.job_input import CHAT, NATIVE, SCORE, JobRequest, LineError, duplicate_key
 from offline_paged.outputs import CompletionOutput, RequestOutput
 
 DecodeToken = Callable[[int], str]
@@ -22,21 +28,23 @@ _FLOOR_LOGPROB = -9999.0  # OpenAI's stand-in for a log-probability of -inf
 
 
 def success_record(request: JobRequest, output: RequestOutput, model_name: str,
-                   decode_token: DecodeToken) -> dict[str, Any]:
-    """The output line of a request that ran."""
+                   decode_token: DecodeToken, run_id: str = "") -> dict[str, Any]:
+    """The output line of a request that ran; `run_id` makes OpenAI response ids unique per run."""
     if request.api == NATIVE:
         return native_record(request, output)
-    return openai_record(request, output, model_name, decode_token)
+    if request.api == SCORE:
+        return score_record(request, output)
+    return openai_record(request, output, model_name, decode_token, run_id)
 
 
-def error_record(error: LineError) -> dict[str, Any]:
+def error_record(error: LineError, run_id: str = "") -> dict[str, Any]:
     """The output line of a line that could not run."""
     if not error.openai:
         return {"id": error.request_id, "line": error.line_number,
                 "error": {"type": error.error_type, "message": error.message}}
     body = {"error": {"message": error.message, "type": "invalid_request_error", "param": None,
                       "code": error.error_type}}
-    return _openai_envelope(error.line_number, error.request_id, error.status_code, body)
+    return _openai_envelope(error.line_number, error.request_id, error.status_code, body, run_id)
 
 
 def native_record(request: JobRequest, output: RequestOutput) -> dict[str, Any]:
@@ -51,6 +59,23 @@ def native_record(request: JobRequest, output: RequestOutput) -> dict[str, Any]:
         record["prompt_logprobs"] = _native_prompt_logprobs(output)
     record["error"] = None
     return record
+
+
+def score_record(request: JobRequest, output: RequestOutput) -> dict[str, Any]:
+    """loglikelihood: the continuation's summed log-probabilities; is_greedy: each of its tokens is
+    the most likely one at its position (a tie counts as greedy)."""
+    num_tokens = request.num_scored_tokens
+    tokens = output.prompt_token_ids[-num_tokens:]
+    tops = output.prompt_logprobs[-num_tokens:]
+    return {
+        "id": request.request_id,
+        "line": request.line_number,
+        "loglikelihood": _finite(sum(top[t] for t, top in zip(tokens, tops))),
+        "is_greedy": all(top[t] >= max(top.values()) for t, top in zip(tokens, tops)),
+        "num_tokens": num_tokens,
+        "usage": usage(output),
+        "error": None,
+    }
 
 
 def usage(output: RequestOutput) -> dict[str, int]:
@@ -87,57 +112,77 @@ def _native_prompt_logprobs(output: RequestOutput) -> list[dict[str, Any] | None
 
 
 def openai_record(request: JobRequest, output: RequestOutput, model_name: str,
-                  decode_token: DecodeToken) -> dict[str, Any]:
+                  decode_token: DecodeToken, run_id: str = "") -> dict[str, Any]:
     chat = request.api == CHAT
-    choices = [(_chat_choice if chat else _completion_choice)(c, decode_token)
-               for c in output.outputs]
+    if chat:
+        choices = [_chat_choice(c, decode_token, request.params.logprobs) for c in output.outputs]
+    else:
+        choices = [_completion_choice(c, decode_token, request, output) for c in output.outputs]
     counts = usage(output)
+    if not request.generate:
+        counts["completion_tokens"], counts["total_tokens"] = 0, counts["prompt_tokens"]
     body = {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{_suffix(request.line_number)}",
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{_suffix(request.line_number, run_id)}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": model_name,
+        "model": request.model or model_name,
         "choices": choices,
         "usage": {k: counts[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
     }
-    return _openai_envelope(request.line_number, request.request_id, 200, body)
+    return _openai_envelope(request.line_number, request.request_id, 200, body, run_id)
 
 
-def _openai_envelope(line_number: int, custom_id: str, status: int, body: dict) -> dict[str, Any]:
-    return {"id": f"batch_req_{_suffix(line_number)}", "custom_id": custom_id,
-            "response": {"status_code": status, "request_id": f"req_{_suffix(line_number)}",
-                         "body": body},
+def _openai_envelope(line_number: int, custom_id: str, status: int, body: dict,
+                     run_id: str = "") -> dict[str, Any]:
+    suffix = _suffix(line_number, run_id)
+    return {"id": f"batch_req_{suffix}", "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": f"req_{suffix}", "body": body},
             "error": None}
 
 
-def _suffix(line_number: int) -> str:
-    return f"line{line_number}"
+def _suffix(line_number: int, run_id: str = "") -> str:
+    # record_key reads the line number back from after the last "line" (a hex run id has none)
+    return f"{run_id}_line{line_number}" if run_id else f"line{line_number}"
 
 
 def _openai_finish(c: CompletionOutput) -> str | None:
     return "stop" if c.finish_reason == "stop" or c.finished_by_eos else c.finish_reason
 
 
-def _completion_choice(c: CompletionOutput, decode_token: DecodeToken) -> dict[str, Any]:
+def _completion_choice(c: CompletionOutput, decode_token: DecodeToken, request: JobRequest,
+                       output: RequestOutput) -> dict[str, Any]:
+    token_ids = list(c.token_ids) if request.generate else []
+    rows: list[dict[int, float] | None] = list(c.logprobs or []) if request.generate else []
+    text = c.text if request.generate else ""
+    if request.echo:
+        prompt_ids = list(output.prompt_token_ids)
+        prompt_text = request.prompt if request.prompt is not None else \
+            "".join(decode_token(t) for t in prompt_ids)
+        text, token_ids = prompt_text + text, prompt_ids + token_ids
+        rows = list(output.prompt_logprobs or [None] * len(prompt_ids)) + rows
     logprobs = None
     if c.logprobs is not None:
-        tokens = [decode_token(t) for t in c.token_ids]
+        tokens = [decode_token(t) for t in token_ids]
         offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
         logprobs = {"tokens": tokens,
-                    "token_logprobs": [_finite(d.get(t)) for t, d in zip(c.token_ids, c.logprobs)],
-                    "top_logprobs": [{decode_token(t): _finite(lp) for t, lp in _ranked(d)}
-                                     for d in c.logprobs],
+                    "token_logprobs": [None if d is None else _finite(d.get(t))
+                                       for t, d in zip(token_ids, rows)],
+                    "top_logprobs": [None if d is None else
+                                     {decode_token(t): _finite(lp) for t, lp in _ranked(d)}
+                                     for d in rows],
                     "text_offset": offsets}
-    return {"index": c.index, "text": c.text, "logprobs": logprobs,
+    return {"index": c.index, "text": text, "logprobs": logprobs,
             "finish_reason": _openai_finish(c)}
 
 
-def _chat_choice(c: CompletionOutput, decode_token: DecodeToken) -> dict[str, Any]:
+def _chat_choice(c: CompletionOutput, decode_token: DecodeToken,
+                 num_top: int | None) -> dict[str, Any]:
+    """top_logprobs: exactly the num_top most likely tokens ([] when none were asked for)."""
     logprobs = None
     if c.logprobs is not None:
         logprobs = {"content": [
             {**_chat_token(t, d.get(t), decode_token),
-             "top_logprobs": [_chat_token(k, lp, decode_token) for k, lp in _ranked(d)]}
+             "top_logprobs": [_chat_token(k, lp, decode_token) for k, lp in _ranked(d)[:num_top]]}
             for t, d in zip(c.token_ids, c.logprobs)]}
     return {"index": c.index, "message": {"role": "assistant", "content": c.text},
             "logprobs": logprobs, "finish_reason": _openai_finish(c)}

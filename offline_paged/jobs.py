@@ -6,13 +6,16 @@ fake one. Lines are read lazily, keeping at most `max_pending` requests inside t
 and very large files stream. Bad lines never stop the job: each gets one error record. Lines whose
 key is in `done_keys` (from a previous run's output) are skipped, which is how resume works.
 """
+import dataclasses
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from offline_paged.job_file import JsonlWriter
-from offline_paged.job_input import NATIVE, JobRequest, LineError, parse_line
+from offline_paged.job_input import (NATIVE, SCORE, JobRequest, LineError, parse_line,
+                                     score_tokens)
 from offline_paged.job_output import error_record, success_record
 
 EXIT_OK = 0
@@ -83,6 +86,8 @@ class JobRunner:
         self.summary = JobSummary(num_failed_before=num_failed_before)
         self._pending: dict[str, JobRequest] = {}
         self._seen_ids: set[str] = set()
+        self.run_id = secrets.token_hex(6)  # in OpenAI response ids: unique per run
+        self._openai_seen = False  # an OpenAI-format file: broken lines get its envelope too
 
     def run(self, lines: Iterable[str]) -> JobSummary:
         """Run every line; returns when all are written or should_stop() turns true."""
@@ -111,12 +116,16 @@ class JobRunner:
             if item is None:
                 return True
             line_number, text = item
-            if text.strip():
+            if not is_blank(text):
                 self._take(parse_line(line_number, text, self.defaults))
         return False
 
     def _take(self, parsed: JobRequest | LineError) -> None:
         self.summary.num_requests += 1
+        if _is_openai(parsed):
+            self._openai_seen = True
+        elif self._openai_seen and isinstance(parsed, LineError) and parsed.error_type == "invalid_json":
+            parsed = dataclasses.replace(parsed, openai=True)
         if parsed.request_id in self._seen_ids:
             parsed = LineError(parsed.line_number, parsed.request_id, "duplicate_id",
                                f"line {parsed.line_number}: duplicate id {parsed.request_id!r}",
@@ -135,11 +144,16 @@ class JobRunner:
             prompt, token_ids = request.prompt, request.prompt_token_ids
             if request.messages is not None:
                 prompt, token_ids = _render_chat(self.engine.tokenizer, request.messages)
+            if request.api == SCORE:
+                token_ids, num_scored = score_tokens(self.engine.tokenizer.encode, request.prompt,
+                                                     request.continuation)
+                request = dataclasses.replace(request, num_scored_tokens=num_scored)
             self.engine.add_request(request.request_id, prompt=prompt,
                                     prompt_token_ids=token_ids, params=request.params)
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever one line does, the others still run
+            reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
             self._fail(LineError(request.line_number, request.request_id, "rejected",
-                                 f"line {request.line_number}: {exc}", _is_openai(request)))
+                                 f"line {request.line_number}: {_cut(reason)}", _is_openai(request)))
             return
         self._pending[request.request_id] = request
 
@@ -147,13 +161,14 @@ class JobRunner:
         request = self._pending.pop(output.request_id)
         decode = self.engine.tokenizer.decode
         self.writer.write(success_record(request, output, self.model_name,
-                                         lambda t: decode([t], skip_special_tokens=False)))
+                                         lambda t: decode([t], skip_special_tokens=False),
+                                         self.run_id))
         self.summary.num_succeeded += 1
         self.summary.num_prompt_tokens += len(output.prompt_token_ids)
         self.summary.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def _fail(self, error: LineError) -> None:
-        self.writer.write(error_record(error))
+        self.writer.write(error_record(error, self.run_id))
         self.summary.num_failed += 1
 
     def _report(self, start: float) -> None:
@@ -164,8 +179,17 @@ class JobRunner:
             self.progress.update(self.summary, stats)
 
 
+def is_blank(text: str) -> bool:
+    """Blank lines are skipped: JSON whitespace only (space, tab, CR, LF)."""
+    return not text.strip(" \t\r\n")
+
+
+def _cut(message: str, limit: int = 500) -> str:
+    return message if len(message) <= limit else message[:limit] + "..."
+
+
 def _is_openai(parsed: JobRequest | LineError) -> bool:
-    return parsed.openai if isinstance(parsed, LineError) else parsed.api != NATIVE
+    return parsed.openai if isinstance(parsed, LineError) else parsed.api not in (NATIVE, SCORE)
 
 
 def _render_chat(tokenizer, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:

@@ -20,6 +20,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 _MAX_SEED = 2**64
+# n and best_of are capped before anything is sized by them (a request builds one random-stream seed
+# and, once running, one sequence per sample); the engine further limits them to max_num_seqs.
+MAX_SAMPLES = 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,19 +104,22 @@ class SamplingParams:
         _set(self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids))
 
     def _check_counts(self) -> None:
-        _at_least("n", self.n, 1)
-        if self.best_of is not None and _at_least("best_of", self.best_of, 1) < self.n:
+        _at_most("n", _at_least("n", self.n, 1), MAX_SAMPLES)
+        if self.best_of is not None:
+            _at_most("best_of", _at_least("best_of", self.best_of, 1), MAX_SAMPLES)
+        if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         _at_least("max_tokens", self.max_tokens, 1)
         if _at_least("min_tokens", self.min_tokens, 0) > self.max_tokens:
             raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+                f"min_tokens must be <= max_tokens ({_show(self.max_tokens)}), "
+                f"got {_show(self.min_tokens)}"
             )
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 0)
         if self.seed is not None and not 0 <= _int("seed", self.seed) < _MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise ValueError(f"seed must be in [0, 2**64), got {_show(self.seed)}")
 
     def _check_sampling(self) -> None:
         if self.temperature < 0.0:
@@ -136,7 +142,7 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+            raise ValueError(f"stop_token_ids must be >= 0, got {_show(list(self.stop_token_ids))}")
 
     def _check_beam_search(self) -> None:
         if self.temperature != 0.0:
@@ -155,22 +161,42 @@ def _set(obj: SamplingParams, name: str, value: Any) -> None:
 
 def _int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {_show(value)}")
     return value
 
 
 def _at_least(name: str, value: Any, lowest: int) -> int:
     if _int(name, value) < lowest:
-        raise ValueError(f"{name} must be >= {lowest}, got {value}")
+        raise ValueError(f"{name} must be >= {lowest}, got {_show(value)}")
+    return value
+
+
+def _at_most(name: str, value: int, highest: int) -> int:
+    if value > highest:
+        raise ValueError(f"{name} must be <= {highest} (the cap on samples per request), "
+                         f"got {_show(value)}")
     return value
 
 
 def _float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
+        raise ValueError(f"{name} must be a number, got {_show(value)}")
+    try:
+        number = float(value)  # an integer past ~1.8e308 has no float
+    except OverflowError:
+        raise ValueError(f"{name} is too large, got {_show(value)}") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {_show(value)}")
+    return number
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A value for an error message, cut short: a hostile line may hold megabytes in one field."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past the digit limit, a deeply nested list
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _bool(name: str, value: Any) -> None:
@@ -185,12 +211,12 @@ def _stop_tuple(value: Any) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
         return tuple(value)
-    raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+    raise ValueError(f"stop must be a string or a list of strings, got {_show(value)}")
 
 
 def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name} must be a list of integers, got {value!r}")
+        raise ValueError(f"{name} must be a list of integers, got {_show(value)}")
     return tuple(_int(name, v) for v in value)

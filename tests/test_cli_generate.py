@@ -136,3 +136,182 @@ def test_stdin_to_stdout_in_a_real_process(model_dir):
 def test_parse_size():
     assert parse_size("2GiB") == 2 * 2**30 and parse_size("512 MiB") == 512 * 2**20
     assert parse_size("1000") == 1000 and parse_size("1.5kb") == 1500
+
+
+# ---------------------------------------------------------------- output faults: exit 2 before any work
+MISSING_MODEL = "/nonexistent/model"  # reaching the model would say "cannot start the engine"
+
+
+def _fault(tmp_path, *args) -> "click.testing.Result":
+    result = _generate(MISSING_MODEL, _job(tmp_path / "in.jsonl", JOB[:1]), *args)
+    assert result.exit_code == 2 and "cannot start the engine" not in result.output, result.output
+    assert "Traceback" not in result.output
+    return result
+
+
+def test_a_device_or_fifo_output_is_refused_by_name(tmp_path):
+    assert "/dev/full: the output must be a regular file" in _fault(tmp_path, "-o", "/dev/full").output
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert f"{fifo}: the output must be a regular file" in _fault(tmp_path, "-o", fifo).output
+
+
+def test_a_missing_output_or_stats_directory_is_refused_by_name(tmp_path):
+    assert "does not exist" in _fault(tmp_path, "-o", tmp_path / "no" / "out.jsonl").output
+    result = _fault(tmp_path, "-o", tmp_path / "out.jsonl", "--stats-json", tmp_path / "no" / "s.json")
+    assert "s.json: directory" in result.output
+
+
+def test_a_read_only_output_is_refused_by_name(tmp_path, monkeypatch):
+    from offline_paged import job_file
+
+    def read_only(*args, **kwargs):  # a read-only mount; chmod would not stop root
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(job_file.os, "open", read_only)
+    result = _fault(tmp_path, "-o", tmp_path / "out.jsonl")
+    assert "out.jsonl: cannot open for writing (Read-only file system)" in result.output
+
+
+def test_a_second_process_on_the_same_output_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom offline_paged.job_file import open_output\n"
+         "w, _ = open_output(sys.argv[1], resume=True)\nprint('locked', flush=True)\ntime.sleep(60)",
+         str(out)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = _fault(tmp_path, "-o", out, "--no-resume")
+        assert f"{out}: another process is writing this output file" in result.output
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_full_output_disk_mid_run_exits_2_with_complete_records_then_resumes(model_dir, tmp_path):
+    job = _job(tmp_path / "in.jsonl", [{"id": i, "prompt": "ab", "max_tokens": 3} for i in range(8)])
+    out = tmp_path / "out.jsonl"
+
+    def file_size_limit():  # the kernel refuses writes past 400 bytes (EFBIG), as a full disk would
+        import resource
+        import signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (400, 400))
+
+    command = [sys.executable, "-c", CLI_MAIN, "generate", str(job), "-o", str(out),
+               "--model", str(model_dir), *ENGINE_FLAGS]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env,
+                          preexec_fn=file_size_limit)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{out}: cannot write (File too large)" in proc.stderr
+    partial = out.read_bytes()
+    assert partial.endswith(b"\n") and 0 < len(partial) <= 400  # complete records only
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(r["id"] for r in _records(out)) == [str(i) for i in range(8)]
+
+
+def test_an_unwritable_stats_file_is_caught_before_the_job(tmp_path):
+    stats = tmp_path / "stats.json"
+    stats.mkdir()
+    result = _generate(MISSING_MODEL, _job(tmp_path / "in.jsonl", JOB[:1]), "-o",
+                       tmp_path / "out.jsonl", "--stats-json", stats)
+    assert result.exit_code == 2 and "stats.json" in result.output
+
+
+# ---------------------------------------------------------------- interrupts exit 130
+def test_ctrl_c_during_model_load_exits_130_not_aborted(tmp_path, monkeypatch):
+    from offline_paged.cli import generate as generate_module
+
+    def interrupted_load(options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_module, "_build_engine", interrupted_load)
+    result = _generate(MISSING_MODEL, _job(tmp_path / "in.jsonl", JOB[:1]), "-o", tmp_path / "o.jsonl")
+    assert result.exit_code == 130 and "Aborted!" not in result.output
+
+
+def test_a_second_ctrl_c_during_the_job_exits_130_not_aborted(model_dir, tmp_path, monkeypatch):
+    from offline_paged.jobs import JobRunner
+
+    def second_ctrl_c(self, lines):  # what _StopFlag does on the second signal
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(JobRunner, "run", second_ctrl_c)
+    result = _generate(model_dir, _job(tmp_path / "in.jsonl", JOB[:1]), "-o", tmp_path / "o.jsonl")
+    assert result.exit_code == 130 and "Aborted!" not in result.output
+    assert "run the same command to resume" in result.output
+
+
+def test_repeated_ctrl_c_in_a_real_process_exits_130_and_resume_finishes(model_dir, tmp_path):
+    import signal
+    import time
+
+    job = _job(tmp_path / "in.jsonl", [{"id": i, "prompt": "abc", "max_tokens": 30,
+                                        "ignore_eos": True, "seed": i} for i in range(60)])
+    out = tmp_path / "out.jsonl"
+    command = [sys.executable, "-c", CLI_MAIN, "generate", str(job), "-o", str(out),
+               "--model", str(model_dir), *ENGINE_FLAGS]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and not (out.exists() and out.stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(2):  # the first asks to stop after the step, a second (if still running) aborts
+        if proc.poll() is None:  # back to back, so the second lands inside the step, not at exit
+            proc.send_signal(signal.SIGINT)
+    stderr = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130 and "Aborted!" not in stderr and "Traceback" not in stderr, stderr
+    assert subprocess.run(command, capture_output=True, timeout=120, env=env).returncode == 0
+    assert sorted(int(r["id"]) for r in _records(out)) == list(range(60))
+
+
+def test_no_resume_keeps_the_old_output_when_the_model_cannot_load(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "line": 1, "error": null}\n')
+    result = _generate(MISSING_MODEL, _job(tmp_path / "in.jsonl", JOB[:1]), "-o", out, "--no-resume")
+    assert result.exit_code == 2 and "cannot start the engine" in result.output
+    assert out.read_text() == '{"id": "a", "line": 1, "error": null}\n'
+
+
+def test_disk_full_mid_run_says_disk_full_and_exits_2(model_dir, tmp_path, monkeypatch):
+    import errno
+
+    from offline_paged.job_file import JsonlWriter
+
+    real_write_all, calls = JsonlWriter._write_all, []
+
+    def fills_up(self, data):  # the third record finds the disk full after half its bytes
+        calls.append(data)
+        if len(calls) == 3:
+            real_write_all(self, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_all(self, data)
+
+    monkeypatch.setattr(JsonlWriter, "_write_all", fills_up)
+    job = _job(tmp_path / "in.jsonl", [{"id": i, "prompt": "ab", "max_tokens": 2} for i in range(6)])
+    out = tmp_path / "out.jsonl"
+    result = _generate(model_dir, job, "-o", out)
+    assert result.exit_code == 2 and f"{out}: disk full" in result.output
+    assert "Traceback" not in result.output
+    assert len(_records(out)) == 2 and out.read_bytes().endswith(b"\n")
+
+
+def test_openai_echo_scoring_agrees_with_a_native_scoring_line(model_dir, tmp_path):
+    lines = [{"id": "score", "context": "The sky", "continuation": " is"},
+             {"custom_id": "echo", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": "The sky is", "max_tokens": 0, "echo": True,
+                       "logprobs": 1}}]
+    out = tmp_path / "out.jsonl"
+    result = _generate(model_dir, _job(tmp_path / "in.jsonl", lines), "-o", out)
+    assert result.exit_code == 0, result.output
+    records = {record_key(r): r for r in _records(out)}
+    choice = records["echo"]["response"]["body"]["choices"][0]
+    token_logprobs = choice["logprobs"]["token_logprobs"]
+    assert choice["text"] == "The sky is" and token_logprobs[0] is None
+    assert len(token_logprobs) == len("The sky is")  # one token per byte in the tiny vocabulary
+    score = records["score"]
+    assert score["num_tokens"] == 3
+    assert score["loglikelihood"] == pytest.approx(sum(token_logprobs[-3:]), abs=1e-5)

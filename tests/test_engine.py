@@ -169,6 +169,11 @@ def test_best_of_returns_the_n_most_likely():
     (dict(prompt_token_ids=[5], params=SamplingParams(use_beam_search=True, temperature=0.0,
                                                       repetition_penalty=1.1)), "repetition_penalty"),
     (dict(prompt_token_ids=[5], params=SamplingParams(n=17)), "max_num_seqs"),
+    (dict(prompt_token_ids=[5], params=SamplingParams(best_of=1024)), "max_num_seqs"),
+    (dict(prompt_token_ids=[5], params=SamplingParams(stop_token_ids=[260], min_tokens=1)),
+     r"stop_token_ids must be < the vocabulary size \(260\)"),
+    (dict(prompt_token_ids=[5], params=SamplingParams(logprobs=21)), r"max_logprobs \(20\)"),
+    (dict(prompt_token_ids=[5], params=SamplingParams(prompt_logprobs=10**6)), "max_logprobs"),
     (dict(), "prompt"),
 ])
 def test_add_request_rejects_misuse(kwargs, message):
@@ -176,6 +181,23 @@ def test_add_request_rejects_misuse(kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine.add_request("x", **kwargs)
     assert not engine.has_unfinished_requests()
+
+
+def test_max_logprobs_is_an_engine_setting():
+    engine = tiny_engine(max_logprobs=30)
+    engine.add_request("x", prompt_token_ids=[5], params=SamplingParams(logprobs=30, max_tokens=1))
+    (out,) = engine.step()
+    assert len(out.outputs[0].logprobs[0]) >= 30
+
+
+def test_stop_token_id_past_the_vocabulary_never_reaches_a_step():
+    engine = tiny_engine()
+    engine.add_request("ok", prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=3, **GREEDY))
+    with pytest.raises(ValueError):
+        engine.add_request("bad", prompt_token_ids=[5], params=SamplingParams(
+            stop_token_ids=[10**6], min_tokens=1, max_tokens=3))
+    results = run_to_completion(engine, {})
+    assert list(results) == ["ok"] and len(results["ok"].outputs[0].token_ids) == 3
 
 
 def test_duplicate_request_id_is_rejected():

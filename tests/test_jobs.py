@@ -6,6 +6,7 @@ import pytest
 
 from fake_engine import FakeEngine
 from offline_paged.job_file import JsonlWriter, scan_and_repair
+from offline_paged.job_input import read_lines
 from offline_paged.job_output import is_error, record_key
 from offline_paged.jobs import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, JobRunner
 
@@ -20,7 +21,7 @@ class RecordingWriter(JsonlWriter):
 
     def write(self, record):
         super().write(record)
-        self.steps_at_write.append(self.engine.num_steps if self.engine else 0)
+        self.steps_at_write.append(getattr(self.engine, "num_steps", 0))
 
     def records(self) -> list[dict]:
         return [json.loads(line) for line in self._stream.getvalue().decode().splitlines()]
@@ -97,7 +98,7 @@ BAD_LINES = [
     '{"prompt": ""}',
     '{"custom_id": "c1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}',
     '{"custom_id": "c2", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}',
-    '{"custom_id": "c3", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "echo": true}}',
+    '{"custom_id": "c3", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "suffix": "y"}}',
     '{"prompt": "x", "use_beam_search": true, "temperature": 0, "repetition_penalty": 1.3}',
     '{"prompt": "x", "stop": [1]}',
 ]
@@ -134,7 +135,7 @@ def test_openai_completion_lines_get_batch_output_shape():
     response = record["response"]
     assert response["status_code"] == 200 and response["request_id"]
     body = response["body"]
-    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    assert body["object"] == "text_completion" and body["model"] == "m"  # the body's own
     assert [c["text"] for c in body["choices"]] == ["cb", "dc"]
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["logprobs"]["tokens"] == ["c", "b"]
@@ -155,7 +156,7 @@ def test_openai_chat_lines_get_chat_completion_objects():
     assert choice["finish_reason"] == "length"
     token = choice["logprobs"]["content"][0]
     assert token["token"] == ">" and token["bytes"] == [ord(">")]
-    assert [t["token"] for t in token["top_logprobs"]] == [">", "?"]
+    assert [t["token"] for t in token["top_logprobs"]] == [">"]  # exactly top_logprobs=1
 
 
 def test_resume_skips_done_keys_including_duplicate_errors():
@@ -221,3 +222,166 @@ def test_scan_refuses_a_complete_line_that_is_not_a_record(tmp_path):
     out.write_text('{"id": "a", "line": 1, "error": null}\nnot json\n')
     with pytest.raises(ValueError, match="out.jsonl:2"):
         scan_and_repair(out)
+
+
+DEEP = "[" * 10_000 + "]" * 10_000
+HOSTILE_LINES = {  # line -> what its error message must say
+    '{"prompt": "x", "stop": ' + DEEP + '}': "nested too deeply",
+    '{"a": ' + DEEP + '}': "nested too deeply",
+    '{"prompt": "x", "seed": ' + "9" * 4301 + '}': "too many digits",
+    '{"prompt": "x", "temperature": 1' + "0" * 400 + '}': "temperature is too large",
+    '{"prompt": "x", "top_p": 1' + "0" * 400 + '}': "top_p is too large",
+    '{"id": "\\ud800", "prompt": "x"}': "lone surrogate",
+    '{"prompt": "a\\udfffb"}': "lone surrogate",
+    '{"messages": [{"role": "user", "content": "\\ud800"}]}': "lone surrogate",
+    '{"custom_id": "\\udc00", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}':
+        "lone surrogate",
+    '{"prompt": "x", "n": 1000000000000}': "n must be <= 1024",
+    '{"prompt": "x", "best_of": 1000000000000}': "best_of must be <= 1024",
+    '{"prompt": "x\rmore"}': "invalid JSON",
+    '{"prompt": "x", "stop": [' + "1," * 50_000 + '1]}': "stop must be",
+}
+
+
+@pytest.mark.parametrize("line", list(HOSTILE_LINES), ids=range(len(HOSTILE_LINES)))
+def test_a_hostile_line_gets_one_error_record_and_the_job_goes_on(line):
+    summary, records, _, _ = _run([line, '{"id": "after", "prompt": "ok"}'])
+    assert len(records) == 2 and summary.num_succeeded == 1
+    (error,) = [r for r in records if is_error(r)]
+    message = error["error"]["message"] if "line" in error else \
+        error["response"]["body"]["error"]["message"]
+    assert HOSTILE_LINES[line] in message and len(message) < 1000
+    assert json.loads(json.dumps(error)) == error  # the id is writable UTF-8
+
+
+def test_a_surrogate_id_is_written_as_its_escape_and_is_stable_for_resume():
+    line = '{"id": "a\\ud800", "prompt": "x"}'
+    _, (record,), _, writer = _run([line])
+    assert record["id"] == "a\\ud800"
+    summary, again, _, _ = _run([line], done_keys={record_key(record)})
+    assert again == [] and summary.num_skipped == 1
+
+
+def test_writer_escapes_a_lone_surrogate_instead_of_raising():
+    stream = io.BytesIO()
+    JsonlWriter(stream).write({"id": "x\ud800"})
+    assert json.loads(stream.getvalue()) == {"id": "x\ud800"}
+
+
+def test_read_lines_splits_on_newline_only_skips_a_bom_and_keeps_bad_utf8_for_its_line():
+    data = (b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b",\r"max_tokens": 2}\n'
+            b'{"prompt": "\xff"}\r\n{"prompt": "\xef\xbb\xbfc"}')
+    lines = list(read_lines(io.BytesIO(data)))
+    assert len(lines) == 4 and lines[0] == '{"prompt": "a"}'
+    summary, records, _, _ = _run(lines)
+    by_line = {r["line"]: r for r in records}
+    assert set(by_line) == {1, 2, 3, 4} and summary.num_failed == 1
+    assert "not valid UTF-8" in by_line[3]["error"]["message"]
+    assert by_line[2]["usage"]["completion_tokens"] == 1  # one line, not two
+
+
+def test_an_exception_of_any_kind_from_add_request_fails_only_its_line():
+    class Picky(FakeEngine):
+        def add_request(self, request_id, prompt=None, prompt_token_ids=None, params=None):
+            if prompt == "boom":
+                raise TypeError("tokenizer choked")
+            super().add_request(request_id, prompt, prompt_token_ids, params)
+
+    summary, records, _, _ = _run([{"prompt": "boom"}, {"prompt": "fine"}], engine=Picky())
+    assert summary.num_failed == 1 and summary.num_succeeded == 1
+    assert "TypeError: tokenizer choked" in records[0]["error"]["message"]
+
+
+def test_scoring_lines_give_loglikelihood_and_is_greedy():
+    lines = [{"id": "s", "context": "ab ", "continuation": "cd"},
+             {"context": "x", "continuation": "y", "max_tokens": 3},
+             {"id": "e", "context": "", "continuation": "y"}]
+    summary, records, engine, _ = _run(lines, defaults={"max_tokens": 7})
+    by_id = {r["id"]: r for r in records}
+    # the fake engine gives every prompt token after the first a log-probability of -1.0
+    assert by_id["s"]["loglikelihood"] == -3.0 and by_id["s"]["num_tokens"] == 3  # " cd"
+    assert by_id["s"]["is_greedy"] is True and by_id["s"]["error"] is None
+    assert "only id, context and continuation" in by_id["line-2"]["error"]["message"]
+    assert "context must be a non-empty string" in by_id["e"]["error"]["message"]
+    assert summary.num_succeeded == 1 and summary.num_failed == 2
+
+
+def test_score_tokens_moves_trailing_spaces_to_the_continuation_as_lm_eval_does():
+    from offline_paged.job_input import score_tokens
+
+    encode = lambda text: list(text.encode())  # noqa: E731
+    assert score_tokens(encode, "The sky is ", "blue") == (list(b"The sky is blue"), 5)
+    assert score_tokens(encode, "   ", "x") == (list(b"   x"), 1)
+    with pytest.raises(ValueError, match="no tokens"):
+        score_tokens(lambda text: [], "a", "b")
+
+
+def test_scoring_agrees_with_greedy_generation_on_a_tiny_real_model():
+    from offline_paged.sampling_params import SamplingParams
+    from tiny_engine import run_to_completion, tiny_engine
+
+    engine = tiny_engine()
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
+    contexts = [f"ctx {i}:" for i in range(40)]
+    outs = run_to_completion(engine, {c: (engine.tokenizer.encode(c), greedy) for c in contexts})
+    printable = [(c, outs[c].outputs[0]) for c in contexts  # byte ids 4+32..4+126 round-trip
+                 if all(36 <= t <= 130 for t in outs[c].outputs[0].token_ids)]
+    assert printable, "no context with a printable greedy continuation"
+    context, completion = printable[0]
+    other = "".join(chr(((t - 4 - 32 + 1) % 95) + 32) for t in completion.token_ids)  # not greedy
+    lines = [{"id": "greedy", "context": context, "continuation": completion.text},
+             {"id": "other", "context": context, "continuation": other}]
+    _, records, _, _ = _run(lines, engine=engine)
+    by_id = {r["id"]: r for r in records}
+    assert by_id["greedy"]["is_greedy"] is True and by_id["other"]["is_greedy"] is False
+    assert by_id["greedy"]["num_tokens"] == 3
+    assert by_id["greedy"]["loglikelihood"] == pytest.approx(completion.cumulative_logprob, abs=1e-9)
+    assert by_id["other"]["loglikelihood"] < by_id["greedy"]["loglikelihood"]
+
+
+def _openai(custom_id, url, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def test_openai_echo_with_max_tokens_0_scores_the_prompt_as_lm_eval_local_completions_asks():
+    line = _openai("e", "/v1/completions", model="m", prompt=[[ord("a"), ord("b"), ord("c")]],
+                   max_tokens=0, echo=True, logprobs=1, temperature=0)
+    _, (record,), _, _ = _run([line])
+    body = record["response"]["body"]
+    (choice,) = body["choices"]
+    assert choice["text"] == "abc" and body["usage"]["completion_tokens"] == 0
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["a", "b", "c"] and logprobs["text_offset"] == [0, 1, 2]
+    assert logprobs["token_logprobs"] == [None, -1.0, -1.0]  # the first token has none
+    assert logprobs["top_logprobs"][0] is None and logprobs["top_logprobs"][1] == {"b": -1.0}
+    _, (generated,), _, _ = _run([_openai("g", "/v1/completions", prompt="ab", max_tokens=2,
+                                          echo=True)])
+    assert generated["response"]["body"]["choices"][0]["text"] == "abba"
+
+
+def test_openai_fields_harmless_ignored_and_known_unsupported_refused_by_name():
+    lines = [_openai("ok", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                     metadata={"k": "v"}, store=False, stream_options=None,
+                     parallel_tool_calls=True, user="u"),
+             _openai("tools", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                     tools=[{"type": "function"}]),
+             _openai("format", "/v1/completions", prompt="x", response_format={"type": "json"}),
+             _openai("zero", "/v1/completions", prompt="x", max_tokens=0)]
+    _, records, _, _ = _run(lines)
+    by_id = {r["custom_id"]: r["response"] for r in records}
+    assert by_id["ok"]["status_code"] == 200
+    assert by_id["tools"]["body"]["error"]["message"].endswith("tools is not supported")
+    assert by_id["format"]["body"]["error"]["message"].endswith("response_format is not supported")
+    assert "max_tokens 0 needs echo" in by_id["zero"]["body"]["error"]["message"]
+
+
+def test_openai_response_ids_are_unique_per_run_and_broken_lines_get_the_envelope():
+    lines = [_openai("a", "/v1/completions", prompt="x"), '{"custom_id": "b", "method": "PO',
+             '{"broken']
+    _, first, _, _ = _run(lines)
+    _, second, _, _ = _run(lines)
+    assert all("custom_id" in r for r in first)  # OpenAI shape for the broken lines too
+    assert {r["custom_id"] for r in first} == {"a", "b", "line-3"}
+    ids = [r["id"] for r in first + second] + [r["response"]["request_id"] for r in first + second]
+    assert len(set(ids)) == len(ids)
+    assert {record_key(r) for r in first} == {record_key(r) for r in second}  # resume still works

@@ -86,3 +86,24 @@ def test_to_dict_round_trips():
     d = p.to_dict()
     assert set(d) == set(FIELD_NAMES) and d["stop"] == ["a"]
     assert SamplingParams.from_dict(d) == p
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "repetition_penalty"])
+def test_an_integer_too_large_for_a_float_is_a_value_error(name):
+    with pytest.raises(ValueError, match=f"{name} is too large"):
+        SamplingParams(**{name: 10**400})
+
+
+@pytest.mark.parametrize("name", ["n", "best_of"])
+def test_n_and_best_of_are_capped_before_anything_is_sized_by_them(name):
+    with pytest.raises(ValueError, match=f"{name} must be <= 1024"):
+        SamplingParams(**{name: 10**12})
+    assert SamplingParams(n=1024, best_of=1024).num_samples == 1024
+
+
+def test_error_messages_cut_huge_values_short():
+    with pytest.raises(ValueError) as info:
+        SamplingParams(stop=[[1] * 100_000])
+    assert len(str(info.value)) < 200
+    with pytest.raises(ValueError, match="seed must be in"):
+        SamplingParams(seed=10**4300)

@@ -1,0 +1,82 @@
+"""The hostile corpus (tests/data/hostile_jobs.jsonl, written by scripts/make_hostile_corpus.py)
+through the real CLI on a tiny model: one record per non-blank line, no traceback, exit 1, bounded
+time and memory, and a rerun resumes instead of crashing again."""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fixtures_tiny_model import write_tiny_model
+from offline_paged.job_output import is_error, record_key
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "tests" / "data" / "hostile_jobs.jsonl"
+# the CLI, reporting its own peak RSS at exit (RUSAGE_CHILDREN would count every earlier child)
+CLI_MAIN = ("import atexit, resource, sys\n"
+            "atexit.register(lambda: print(f'peak_rss_kib={resource.getrusage(resource.RUSAGE_SELF)"
+            ".ru_maxrss}', file=sys.stderr))\n"
+            "from offline_paged.cli.main import cli; cli()")
+MAX_WALL_S = 180  # generous: the point is "no hang"
+MAX_RSS_BYTES = 3 * 2**30  # generous: the point is "no blow-up" (n = 10**12 once grew past 5 GB)
+SUCCEED = {"good-after-bom", "good-1", "good-2", "good-last", "cr-between-tokens", "crlf-ending",
+           "max-tokens-1e30", "top-k-1e30", "score-ok", "echo-ok"}
+
+
+def _corpus_script():
+    spec = importlib.util.spec_from_file_location("make_hostile_corpus",
+                                                  REPO / "scripts" / "make_hostile_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _non_blank_lines(data: bytes) -> int:
+    lines = data.removeprefix(b"\xef\xbb\xbf").split(b"\n")
+    return sum(1 for line in lines if line.strip(b" \t\r\n"))
+
+
+def test_the_committed_corpus_is_what_the_script_writes():
+    assert CORPUS.read_bytes() == _corpus_script().build(), \
+        "run scripts/make_hostile_corpus.py and commit tests/data/hostile_jobs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", max_position_embeddings=64)
+
+
+def _run(model_dir: Path, out: Path) -> tuple[subprocess.CompletedProcess, float]:
+    command = [sys.executable, "-c", CLI_MAIN, "generate", str(CORPUS), "-o", str(out),
+               "--model", str(model_dir), "--device", "cpu", "--block-size", "4",
+               "--num-kv-blocks", "128", "--max-num-seqs", "8", "--no-progress"]
+    start = time.monotonic()
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=MAX_WALL_S * 2,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return proc, time.monotonic() - start
+
+
+def test_every_hostile_line_gets_one_record_and_the_job_finishes(model_dir, tmp_path):
+    out = tmp_path / "out.jsonl"
+    proc, wall_s = _run(model_dir, out)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert wall_s < MAX_WALL_S
+    assert int(re.search(r"peak_rss_kib=(\d+)", proc.stderr).group(1)) * 1024 < MAX_RSS_BYTES
+    records = [json.loads(line) for line in out.read_bytes().decode("utf-8").splitlines()]
+    assert len(records) == _non_blank_lines(CORPUS.read_bytes())
+    keys = [record_key(r) for r in records]
+    assert len(set(keys)) == len(keys)
+    succeeded = {record_key(r) for r in records if not is_error(r)}
+    assert succeeded == SUCCEED
+    assert all(len(json.dumps(r)) < 10_000 for r in records)  # no 86 MB records
+
+    rerun, _ = _run(model_dir, out)  # a crash used to repeat on every rerun
+    assert rerun.returncode == 1 and "Traceback" not in rerun.stderr, rerun.stderr[-3000:]
+    assert f"{len(records)} already done" in rerun.stderr
+    assert len(out.read_bytes().splitlines()) == len(records)
