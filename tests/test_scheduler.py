@@ -17,6 +17,7 @@ from offline_paged.block_manager import BlockManager
 from offline_paged.block_table_rows import BlockTableRows
 from offline_paged.config import PreemptionMode
 from offline_paged.sampling_params import SamplingParams
+from offline_paged.engine import _needs_host_tokens
 from offline_paged.output_processor import OutputProcessor
 from offline_paged.scheduler import Scheduler
 from offline_paged.sequence import (
@@ -50,9 +51,10 @@ def reference_output(prompt: list[int], seed: int, params: SamplingParams) -> li
 
 
 def stop_checker(seq):
-    if seq.token_ids[-1] == EOS and seq.num_output_tokens >= seq.group.params.min_tokens:
+    """Like the engine's StopChecker: known tokens only (a lookahead step's token may be pending)."""
+    if seq.token_ids[-1] == EOS and seq.num_known_output_tokens >= seq.group.params.min_tokens:
         return FinishReason.STOP, EOS
-    if seq.num_output_tokens >= seq.group.params.max_tokens:
+    if seq.num_known_output_tokens >= seq.group.params.max_tokens:
         return FinishReason.LENGTH, None
     return None
 
@@ -66,6 +68,7 @@ class FakeRunner:
         self.scheduler_running = scheduler_running
         self.gpu = [None] * (num_gpu_blocks * block_size)
         self.cpu = [None] * (num_cpu_blocks * block_size)
+        self.sampled: dict[int, int] = {}  # seq id -> its token from the last step (the device's copy)
 
     def _move(self, src_pool, dst_pool, pairs) -> None:
         b = self.block_size
@@ -81,7 +84,15 @@ class FakeRunner:
         # Like the model: every layer writes the whole batch's K/V before any attention reads it.
         for item in output.scheduled:
             self._write(item)
-        return [self._run(item) for item in output.scheduled]
+        results = [self._run(item) for item in output.scheduled]
+        for item, result in zip(output.scheduled, results):
+            if result.samples:
+                self.sampled[item.seq.seq_id] = result.samples[0].token_id
+        return results
+
+    def _tokens(self, seq) -> list[int]:
+        """seq's tokens as the device sees them: the known ones, then a pending one from the last step."""
+        return seq.token_ids + ([self.sampled[seq.seq_id]] if seq.num_pending_tokens > 1 else [])
 
     def _check_table_rows(self, output) -> None:
         """The runner's persistent block-table rows, kept by diffs, equal every scheduled table."""
@@ -98,13 +109,13 @@ class FakeRunner:
 
     def _write(self, item) -> None:
         for pos in range(max(item.start, item.num_skip_write), item.start + item.num_new_tokens):
-            self.gpu[self._slot(item.block_table, pos)] = item.seq.token_ids[pos]
+            self.gpu[self._slot(item.block_table, pos)] = self._tokens(item.seq)[pos]
 
     def _run(self, item) -> SequenceResult:
         seq, table = item.seq, item.block_table
         end = item.start + item.num_new_tokens
         context = [self.gpu[self._slot(table, p)] for p in range(end)]
-        assert context == seq.token_ids[:end], f"seq {seq.seq_id}: KV cache lost its context"
+        assert context == self._tokens(seq)[:end], f"seq {seq.seq_id}: KV cache lost its context"
         seeds = seq.group.sample_seeds if item.num_samples > 1 else [seq.sampling_seed]
         samples = [TokenSample(next_token(context, s), -1.0) for s in seeds[:item.num_samples]]
         return SequenceResult(samples)
@@ -118,8 +129,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.scheduler is None)
     @rule(num_gpu_blocks=st.integers(8, 40), block_size=st.sampled_from([2, 4]),
           max_num_seqs=st.integers(1, 6), max_tokens_budget=st.integers(4, 24),
-          swap=st.booleans(), prefix_caching=st.booleans())
-    def setup(self, num_gpu_blocks, block_size, max_num_seqs, max_tokens_budget, swap, prefix_caching):
+          swap=st.booleans(), prefix_caching=st.booleans(), lookahead=st.booleans())
+    def setup(self, num_gpu_blocks, block_size, max_num_seqs, max_tokens_budget, swap, prefix_caching,
+              lookahead):
+        self.lookahead = lookahead  # async scheduling: a step is processed after the next is scheduled
+        self.in_flight = None
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         manager = BlockManager(num_gpu_blocks, num_gpu_blocks, block_size, watermark=0.05,
@@ -154,18 +168,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.expected[request_id] = [reference_output(prompt, s, params) for s in seeds]
         self.scheduler.add_group(group)
 
-    @precondition(lambda self: self.scheduler is not None and self.scheduler.has_unfinished())
+    @precondition(lambda self: self.scheduler is not None
+                  and (self.scheduler.has_unfinished() or self.in_flight is not None))
     @rule()
     def step(self):
         s = self.scheduler
         output = s.schedule()
-        assert not output.is_empty, "nothing scheduled while requests wait: the scheduler stalled"
+        assert not output.is_empty or self.in_flight, "nothing scheduled while requests wait: the scheduler stalled"
         assert output.num_batched_tokens <= s.max_num_batched_tokens
         assert all(item.seq.status is SequenceStatus.RUNNING for item in output.scheduled), \
             "a sequence scheduled in this step was preempted in it"
         assert len({item.seq.seq_id for item in output.scheduled}) == len(output.scheduled)
         self.num_preempted += output.num_preempted_recompute + output.num_preempted_swap
         results = self.runner.execute(output)
+        if self.in_flight is not None:
+            self._process(*self.in_flight)
+            self.in_flight = None
+        if self.lookahead and output.scheduled and not _needs_host_tokens(output):
+            self.in_flight = (output, results)
+        else:
+            self._process(output, results)
+
+    def _process(self, output, results) -> None:
         for group in self.processor.process(output, results):
             self.finished.add(group.request_id)
             got = sorted(seq.output_token_ids for seq in group.seqs)
@@ -217,7 +241,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.scheduler is None:
             return
         for _ in range(10_000):  # drain: every request must finish with the model's tokens
-            if not self.scheduler.has_unfinished():
+            if not self.scheduler.has_unfinished() and self.in_flight is None:
                 break
             self.step()
         assert not self.scheduler.has_unfinished()
