@@ -33,6 +33,7 @@ constexpr int WARPS = 4;
 constexpr int ROWS = 16;   // rows in a warp tile (mma M)
 constexpr int CHUNK = 16;  // keys a warp consumes per step (mma K of the P.V product)
 constexpr int PAD = 4;     // floats of padding per shared-memory row of O (fewer bank conflicts)
+constexpr int D64_PIPELINE_DEPTH = 2;  // chunks of K/V requested ahead of the arithmetic at D = 64 (1 or 2)
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -226,20 +227,30 @@ __device__ void attention_impl(const Params& P) {
   float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.f, l_hi = 0.f;
 
   // Software pipeline: the next chunk's keys (and, for D = 64 where registers allow, its values) are
-  // requested before this chunk's arithmetic, so a warp always has loads in flight.
+  // requested before this chunk's arithmetic, so a warp always has loads in flight. DEPTH chunks ahead
+  // (D = 64 only): a D = 64 chunk is half the bytes of a D = 128 one, so one chunk ahead leaves too few
+  // bytes in flight per SM to cover the memory latency.
   constexpr bool PREFETCH_V = D == 64;
+  constexpr int DEPTH = PREFETCH_V ? D64_PIPELINE_DEPTH : 1;
   const int stride = ROW_SPLIT ? CHUNK : CHUNK * WARPS;
   const int first_key = key_begin + (ROW_SPLIT ? 0 : warp * CHUNK);
   uint4 kf[2][D / 32], vf[4][D / 64];
+  uint4 ka[2][D / 32], va[4][D / 64];  // the chunk after the next (DEPTH 2)
   long long base = chunk_slot(P, table, first_key, key_end);
   load_keys<D>(P, table, base, kvh, first_key, key_end, g, t, kf);
   if (PREFETCH_V) load_values<D>(P, table, base, kvh, first_key, key_end, g, t, vf);
+  if (DEPTH == 2) {
+    const long long ahead = chunk_slot(P, table, first_key + stride, key_end);
+    load_keys<D>(P, table, ahead, kvh, first_key + stride, key_end, g, t, ka);
+    load_values<D>(P, table, ahead, kvh, first_key + stride, key_end, g, t, va);
+  }
   for (int k0 = first_key; k0 < key_end; k0 += stride) {
     uint4 kn[2][D / 32], vn[4][D / 64];
-    const long long next_base = chunk_slot(P, table, k0 + stride, key_end);
+    const int next_key = k0 + DEPTH * stride;
+    const long long next_base = chunk_slot(P, table, next_key, key_end);
     if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_end, g, t, vf);
-    load_keys<D>(P, table, next_base, kvh, k0 + stride, key_end, g, t, kn);
-    if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, k0 + stride, key_end, g, t, vn);
+    load_keys<D>(P, table, next_base, kvh, next_key, key_end, g, t, kn);
+    if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, next_key, key_end, g, t, vn);
 
     float s[2][4];
 #pragma unroll
@@ -298,12 +309,18 @@ __device__ void attention_impl(const Params& P) {
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) kf[n][c] = kn[n][c];
+      for (int c = 0; c < D / 32; ++c) {
+        kf[n][c] = DEPTH == 2 ? ka[n][c] : kn[n][c];
+        if (DEPTH == 2) ka[n][c] = kn[n][c];
+      }
     if (PREFETCH_V) {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
 #pragma unroll
-        for (int c = 0; c < D / 64; ++c) vf[e][c] = vn[e][c];
+        for (int c = 0; c < D / 64; ++c) {
+          vf[e][c] = DEPTH == 2 ? va[e][c] : vn[e][c];
+          if (DEPTH == 2) va[e][c] = vn[e][c];
+        }
     }
     base = next_base;
   }

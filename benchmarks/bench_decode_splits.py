@@ -1,0 +1,97 @@
+"""Decode attention on a mixed-length batch, by key-split count (GPU): is the step's attention limited by
+load balance? Prints GB/s of K/V read and the fraction of the device-to-device copy bandwidth measured in
+the same run, for forced split counts and for the planner's choice.
+
+The batch is the bench's steady state: 256 sequences of the Llama-3.2-1B attention shape (32 heads, 8 KV
+heads, head dim 64, block size 16), context lengths uniform in 100..1900, block tables shuffled.
+Times are medians of CUDA-graph replays (bench_kernels.graph_ms), so launch overhead is excluded.
+
+    PYTHONPATH=benchmarks python3 -P benchmarks/bench_decode_splits.py [--head-dim 64] [--max-context 1900]
+        [--variants depth2 depth1 lb4] [--splits plan 1 2 4]
+"""
+from __future__ import annotations
+
+import argparse
+
+import cupy
+import numpy as np
+from bench_kernels import copy_bandwidth_gbs, graph_ms, random_f16
+
+from offline_paged.cuda import launchers, modules
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--min-context", type=int, default=100)
+    parser.add_argument("--max-context", type=int, default=1900)
+    parser.add_argument("--variants", nargs="+", default=["depth2"], choices=sorted(VARIANTS))
+    parser.add_argument("--splits", nargs="+", type=lambda v: None if v == "plan" else int(v),
+                        default=[None, 1, 2, 4])
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    block, d, hkv, h = 16, args.head_dim, args.num_kv_heads, args.num_heads
+    lens = rng.integers(args.min_context, args.max_context + 1, args.batch)  # [S]
+    blocks_per_seq = -(-lens // block)
+    num_blocks = int(blocks_per_seq.sum())
+    max_blocks = int(-(-args.max_context // block))
+    tables = np.zeros((args.batch, max_blocks), np.int32)  # [S, M]
+    perm = rng.permutation(num_blocks)
+    at = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = perm[at:at + n]
+        at += n
+    k_cache = random_f16(num_blocks * block * hkv * d).reshape(num_blocks, block, hkv, d)
+    v_cache = random_f16(num_blocks * block * hkv * d).reshape(num_blocks, block, hkv, d)
+    q = random_f16(args.batch * h * d).reshape(args.batch, h, d)
+    tables_d, lens_d = cupy.asarray(tables), cupy.asarray(lens.astype(np.int32))
+    qsl = cupy.arange(args.batch + 1, dtype=cupy.int32)
+    kv_bytes = int(lens.sum()) * hkv * d * 2 * 2  # K and V read once
+    copy = copy_bandwidth_gbs()
+    print(f"batch {args.batch}, contexts {args.min_context}..{args.max_context} (mean {lens.mean():.0f}), "
+          f"head dim {d}, {h}/{hkv} heads; K/V {kv_bytes / 1e9:.2f} GB; copy {copy:,.0f} GB/s")
+    print(f"{'variant':>10}{'splits':>8}{'ms':>9}{'GB/s':>9}{'of copy':>9}{'max|diff|':>11}")
+    original = modules.read_source
+    reference = None
+    for variant in args.variants:
+        modules.read_source = lambda name, v=variant: _patched(original(name), v)
+        modules.clear_cache()
+        for splits in args.splits:
+            def run(splits=splits):
+                return launchers.paged_attention(q, k_cache, v_cache, tables_d, lens_d, qsl, 1, args.max_context,
+                                                 d ** -0.5, num_splits=splits)
+            out = run()
+            reference = out if reference is None else reference
+            diff = float(cupy.abs(out.astype(cupy.float32) - reference.astype(cupy.float32)).max())
+            ms = graph_ms(run, repeats=20)
+            gbs = kv_bytes / ms / 1e6
+            print(f"{variant:>10}{'plan' if splits is None else splits:>8}{ms:>9.3f}{gbs:>9,.0f}"
+                  f"{gbs / copy:>9.1%}{diff:>11.2e}")
+    modules.read_source = original
+    modules.clear_cache()
+
+
+# Source variants of cuda/attention.cu, compared in one process (the first is the reference output).
+# Measured 2026-11-30 on the H200 (batch 256, contexts 100..1900, plan): depth1 0.198 ms (64.8% of copy),
+# depth2 0.172 ms (74.7%, identical output), depth1 + lb4 0.177 ms (72.4%). depth2 is the default since.
+VARIANTS = {
+    "depth2": [],
+    "depth1": [("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;")],
+    "lb4": [("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;"),
+            ("__launch_bounds__(128)", "__launch_bounds__(128, 4)")],
+}
+
+
+def _patched(source: str, variant: str) -> str:
+    for old, new in VARIANTS[variant]:
+        if old not in source:
+            raise ValueError(f"variant {variant}: {old!r} not in the source")
+        source = source.replace(old, new)
+    return source
+
+
+if __name__ == "__main__":
+    main()
