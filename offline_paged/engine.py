@@ -67,6 +67,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)
         self._stats = StatsTracker(num_gpu_blocks, num_cpu_blocks, config.block_size)
         self._groups: dict[str, SequenceGroup] = {}
+        self._scoring_only: set[str] = set()  # max_tokens=0 requests: their one sampled token is dropped
         self._arrivals = itertools.count()
 
     # ----------------------------------------------------------------- set-up
@@ -149,7 +150,8 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params.truncate_prompt_tokens)
+        params = self._runner_params(request_id, params)
         beam = self._beam_state(params, len(token_ids)) if params.use_beam_search else None
         arrival = next(self._arrivals)
         group = SequenceGroup(
@@ -158,10 +160,39 @@ class LLMEngine:
             sample_seeds=self._sample_seeds(params, arrival),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None, beam=beam,
         )
-        self.scheduler.add_group(group)  # raises before anything is recorded
+        try:
+            self.scheduler.add_group(group)  # raises before anything is recorded
+        except ValueError:
+            self._scoring_only.discard(request_id)
+            raise
         self._groups[request_id] = group
 
-    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids) -> list[int]:
+    def _runner_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """Check token ids against the vocabulary, tokenize bad_words (vLLM's way: with and without a
+        leading space), and turn max_tokens=0 into one discarded greedy token (`_finish` drops it)."""
+        vocab_size = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(t >= vocab_size for t in ids):
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
+        if params.bad_words:
+            params = dataclasses.replace(params, _bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        if params.max_tokens == 0:
+            self._scoring_only.add(request_id)
+            return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=params.prompt_logprobs,
+                                  prompt_logprobs_start=params.prompt_logprobs_start, detokenize=False)
+        return params
+
+    def _bad_words_token_ids(self, bad_words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        words: list[tuple[int, ...]] = []
+        for word in bad_words:
+            plain = tuple(self._tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self._tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            words.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):  # a distinct word-start form
+                words.append(spaced)
+        return tuple(words)
+
+    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids, truncate: int | None = None) -> list[int]:
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         if prompt_token_ids is not None:
@@ -170,6 +201,8 @@ class LLMEngine:
             token_ids = self._tokenizer.encode(prompt)
         else:
             raise ValueError("give a prompt (text) or prompt_token_ids")
+        if truncate is not None:  # keep the last tokens, as vLLM (-1: as many as max_model_len allows)
+            token_ids = token_ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
         vocab_size = self.model_config.vocab_size
         if not token_ids:
             raise ValueError("the prompt is empty (it must have at least one token)")
@@ -212,6 +245,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Drop a queued or running request and free its blocks; True if it was unfinished."""
         group = self._groups.pop(request_id, None)
+        self._scoring_only.discard(request_id)
         if group is None:
             return False
         self.scheduler.abort_group(group)
@@ -239,6 +273,10 @@ class LLMEngine:
         if len(seqs) > group.params.n:  # best_of > n: keep the n most likely
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:group.params.n]
         outputs = [self._completion(index, seq) for index, seq in enumerate(seqs)]
+        if group.request_id in self._scoring_only:
+            self._scoring_only.discard(group.request_id)
+            outputs = [CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=0.0,
+                                        logprobs=None, finish_reason="length")]
         self._stats.record_finished(group)
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt,

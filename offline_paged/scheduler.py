@@ -246,9 +246,12 @@ class Scheduler:
             seq.group.num_cached_tokens = max(seq.group.num_cached_tokens, num_cached)
         seq.num_slots = seq.num_tokens
         if seq.group.wants_prompt_logprobs:
-            # Prompt logprobs need logits at every prompt position: compute the cached prefix
-            # again, but never write it (the cached blocks may be shared).
-            seq.num_computed_tokens, seq.num_skip_write = 0, num_cached
+            # Prompt logprobs need logits at every scored position: compute the cached prefix again
+            # from the row before the first scored token (params.prompt_logprobs_start), but never
+            # write it (the cached blocks may be shared). Unscored positions get None.
+            reused = min(num_cached, max(seq.group.params.prompt_logprobs_start - 1, 0))
+            seq.num_computed_tokens, seq.num_skip_write = reused, num_cached
+            _pad_prompt_logprobs(seq.group, reused + 1)
         else:
             seq.num_computed_tokens, seq.num_skip_write = num_cached, 0
         seq.status = SequenceStatus.RUNNING
@@ -397,7 +400,13 @@ def _extend_prompt_logprobs(group: SequenceGroup, start: int, entries: list) -> 
     skip = len(group.prompt_logprobs) - (start + 1)
     if skip < 0:
         raise RuntimeError(f"prompt logprobs of {group.request_id!r} would skip positions")
-    group.prompt_logprobs.extend(entries[skip:])
+    unscored = group.params.prompt_logprobs_start - len(group.prompt_logprobs)  # None whatever the cache held
+    group.prompt_logprobs.extend(None if i < unscored else e for i, e in enumerate(entries[skip:]))
+
+
+def _pad_prompt_logprobs(group: SequenceGroup, length: int) -> None:
+    """None for the prompt positions that will not be scored (those before `length`)."""
+    group.prompt_logprobs.extend([None] * (length - len(group.prompt_logprobs)))
 
 
 def _is_idle_beam(seq: Sequence) -> bool:
