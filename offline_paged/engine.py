@@ -150,7 +150,8 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params.truncate_prompt_tokens)
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params.truncate_prompt_tokens,
+                                           generates=params.max_tokens > 0)
         params = self._runner_params(request_id, params)
         beam = self._beam_state(params, len(token_ids)) if params.use_beam_search else None
         arrival = next(self._arrivals)
@@ -192,7 +193,9 @@ class LLMEngine:
                 words.append(spaced)
         return tuple(words)
 
-    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids, truncate: int | None = None) -> list[int]:
+    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids, truncate: int | None = None,
+                          generates: bool = True) -> list[int]:
+        """The prompt's ids; one that only scores (max_tokens=0) may fill max_model_len."""
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         if prompt_token_ids is not None:
@@ -208,7 +211,7 @@ class LLMEngine:
             raise ValueError("the prompt is empty (it must have at least one token)")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_model_len - generates:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
                              f"{self.max_model_len}, which leaves no room to generate")
         return token_ids
