@@ -64,6 +64,12 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     prompt_logprobs_start: int = 0
+    # vLLM fields we do not implement: accepted as None only, so setting one says "not supported".
+    logits_processors: Any = None
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    output_kind: Any = None
+    extra_args: Any = None
     # Set by the engine from bad_words and its tokenizer; not a user field.
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, compare=False)
 
@@ -82,7 +88,7 @@ class SamplingParams:
         """Build from a JSON object (one job line's sampling fields); unknown keys are an error."""
         if not isinstance(d, Mapping):
             raise ValueError(f"sampling parameters must be an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(FIELD_NAMES))
+        unknown = sorted(set(d) - set(FIELD_NAMES) - set(UNSUPPORTED_FIELD_NAMES))  # those say "not supported"
         if unknown:
             raise ValueError(
                 f"unknown sampling field(s): {', '.join(unknown)} "
@@ -169,6 +175,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
 
     def _check_constraints(self) -> None:
+        for name in UNSUPPORTED_FIELD_NAMES:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty (leave it None to allow every token)")
         if any(t < 0 for t in self.allowed_token_ids or ()):
@@ -193,7 +202,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be left off ({off}) when use_beam_search is true")
 
 
-FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if not f.name.startswith("_"))
+UNSUPPORTED_FIELD_NAMES = ("logits_processors", "structured_outputs", "guided_decoding", "output_kind", "extra_args")
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams)
+                                     if not f.name.startswith("_") and f.name not in UNSUPPORTED_FIELD_NAMES)
 
 
 def _set(obj: SamplingParams, name: str, value: Any) -> None:
