@@ -101,3 +101,16 @@ def test_smollm2_side_by_side_with_the_hf_backend(tmp_path):
                     f"max_model_len={MAX_LENGTH + 1}", manager)
     theirs = evaluate("hf", f"pretrained={model_dir},dtype=float64,device=cpu,max_length={MAX_LENGTH}", manager)
     assert_side_by_side(ours, theirs)
+
+
+def test_eval_command_runs_a_local_task_on_our_backend(tiny_dir, tmp_path):
+    import subprocess
+    import sys
+
+    task_manager(tmp_path)  # writes the task YAMLs with absolute data paths
+    command = [str(Path(sys.executable).parent / "offline-paged"), "eval", "--tasks", "offline_paged_mc",
+               "--include_path", str(tmp_path / "tasks"), "--model_args", f"pretrained={tiny_dir}",
+               "dtype=float32", "--device", "cpu", "--limit", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "offline-paged (" in result.stdout and "|offline_paged_mc|" in result.stdout
