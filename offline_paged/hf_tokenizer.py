@@ -70,6 +70,12 @@ class HFTokenizer:
         return [self._token_id(t) for t in tokens]
 
     # ----------------------------------------------------------------- chat
+    @property
+    def chat_template(self) -> str | None:
+        """The model's Jinja template source (None without one), as transformers exposes it."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return None if template is None else template.source
+
     def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
                             tokenize: bool = True, chat_template: str | None = None,
                             continue_final_message: bool = False, tools=None, **template_kwargs: Any):

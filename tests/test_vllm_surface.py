@@ -111,6 +111,7 @@ def test_tokenizer_answers_like_transformers_on_the_same_directory(llm, model_di
     ours, theirs = llm.get_tokenizer(), AutoTokenizer.from_pretrained(str(model_dir))
     text = "Hello wörld <|im_end|> 🪐"
     assert (ours.eos_token_id, ours.bos_token_id) == (theirs.eos_token_id, theirs.bos_token_id)
+    assert ours.chat_template == theirs.chat_template
     assert ours.encode(text) == theirs.encode(text)
     ids = theirs.encode(text)
     assert ours.decode(ids) == theirs.decode(ids)
