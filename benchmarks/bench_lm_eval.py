@@ -7,6 +7,7 @@ log-likelihood difference between the two. Items share an instruction line (as M
 do) and each item's choices share its question, which is what the prefix cache turns into saved work.
 
     .venv/bin/python benchmarks/bench_lm_eval.py [--items 500] [--model DIR] [--hf-batch-size 16]
+        [--skip-hf] [--no-cache-too]
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--no-cache-too", action="store_true",
+                        help="also run ours with enable_prefix_caching=False (what the cache saves)")
     args = parser.parse_args()
 
     from lm_eval.tasks import TaskManager
@@ -84,6 +87,10 @@ def main() -> None:
         stats = ours.llm.stats
         rows = [("offline-paged", seconds, result, f"prefix-cache hit rate {stats.prefix_cache_hit_rate:.1%} "
                  f"({stats.num_cached_prompt_tokens}/{stats.num_prompt_tokens} prompt tokens)")]
+        if args.no_cache_too:
+            cold = OfflinePagedLM(pretrained=model_dir, dtype="float32", device="cpu", enable_prefix_caching=False)
+            seconds, cold_result = run(cold, manager)
+            rows.append(("ours, no cache", seconds, cold_result, ""))
         if not args.skip_hf:
             from lm_eval.models.huggingface import HFLM
 
@@ -96,9 +103,10 @@ def main() -> None:
         acc = res["results"][TASK]["acc,none"]
         print(f"{name:>16}: {seconds:7.1f} s  {args.items / seconds:6.2f} items/s  "
               f"{num_requests / seconds:7.2f} requests/s  acc {acc:.3f}  {note}")
-    if len(rows) == 2:
-        diff = max(abs(a - b) for a, b in zip(lls(rows[0][2]), lls(rows[1][2]), strict=True))
-        print(f"speed-up {rows[1][1] / rows[0][1]:.2f}x; largest per-request |loglikelihood difference| {diff:.2e}")
+    for name, seconds, res, _ in rows[1:]:
+        diff = max(abs(a - b) for a, b in zip(lls(rows[0][2]), lls(res), strict=True))
+        print(f"vs {name}: speed-up {seconds / rows[0][1]:.2f}x; largest per-request "
+              f"|loglikelihood difference| {diff:.2e}")
 
 
 if __name__ == "__main__":
