@@ -163,8 +163,7 @@ class LLM:
     def _vllm_output(self, out: RequestOutput, params: SamplingParams) -> RequestOutput:
         """The engine's float log-probabilities as Logprob objects (ranked within the asked top-k)."""
         decode = self._decoder() if params.detokenize else None
-        num_top = params.logprobs if not params.use_beam_search else params.logprobs or 0
-        completions = [dataclasses.replace(c, logprobs=to_logprob_dicts(c.logprobs, num_top or 0, decode))
+        completions = [dataclasses.replace(c, logprobs=to_logprob_dicts(c.logprobs, params.logprobs or 0, decode))
                        for c in out.outputs]
         prompt_logprobs = to_logprob_dicts(out.prompt_logprobs, params.prompt_logprobs or 0, decode)
         return dataclasses.replace(out, outputs=completions, prompt_logprobs=prompt_logprobs)
