@@ -31,3 +31,5 @@ from offline_paged.cli.model_commands import convert  # noqa: E402
 cli.add_command(convert)
 from offline_paged.cli.bench import bench  # noqa: E402
 cli.add_command(bench)
+from offline_paged.cli.eval import eval_command  # noqa: E402
+cli.add_command(eval_command)

@@ -79,6 +79,7 @@ class LLMEngine:
                                  else self.backend.name == "cuda")
         self._in_flight: LaunchedStep | None = None  # launched, outputs not yet processed
         self._groups: dict[str, SequenceGroup] = {}
+        self._scoring_only: set[str] = set()  # max_tokens=0 requests: their one sampled token is dropped
         self._arrivals = itertools.count()
 
     # ----------------------------------------------------------------- set-up
@@ -163,7 +164,9 @@ class LLMEngine:
         self._check_params_fit(params)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params.truncate_prompt_tokens,
+                                           generates=params.max_tokens > 0)
+        params = self._runner_params(request_id, params)
         beam = self._beam_state(params, len(token_ids)) if params.use_beam_search else None
         arrival = next(self._arrivals)
         group = SequenceGroup(
@@ -172,7 +175,11 @@ class LLMEngine:
             sample_seeds=self._sample_seeds(params, arrival),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None, beam=beam,
         )
-        self.scheduler.add_group(group)  # raises before anything is recorded
+        try:
+            self.scheduler.add_group(group)  # raises before anything is recorded
+        except ValueError:
+            self._scoring_only.discard(request_id)
+            raise
         self._groups[request_id] = group
 
     def _check_params_fit(self, params: SamplingParams) -> None:
@@ -191,7 +198,35 @@ class LLMEngine:
             raise ValueError(f"the request needs {params.num_samples} parallel samples (n / best_of) "
                              f"but max_num_seqs is {self.config.max_num_seqs}")
 
-    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids) -> list[int]:
+
+    def _runner_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """Check token ids against the vocabulary, tokenize bad_words (vLLM's way: with and without a
+        leading space), and turn max_tokens=0 into one discarded greedy token (`_finish` drops it)."""
+        vocab_size = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(t >= vocab_size for t in ids):
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
+        if params.bad_words:
+            params = dataclasses.replace(params, _bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        if params.max_tokens == 0:
+            self._scoring_only.add(request_id)
+            return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=params.prompt_logprobs,
+                                  prompt_logprobs_start=params.prompt_logprobs_start, detokenize=False)
+        return params
+
+    def _bad_words_token_ids(self, bad_words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        words: list[tuple[int, ...]] = []
+        for word in bad_words:
+            plain = tuple(self._tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self._tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            words.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):  # a distinct word-start form
+                words.append(spaced)
+        return tuple(words)
+
+    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids, truncate: int | None = None,
+                          generates: bool = True) -> list[int]:
+        """The prompt's ids; one that only scores (max_tokens=0) may fill max_model_len."""
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         if prompt_token_ids is not None:
@@ -200,12 +235,14 @@ class LLMEngine:
             token_ids = self._tokenizer.encode(prompt)
         else:
             raise ValueError("give a prompt (text) or prompt_token_ids")
+        if truncate is not None:  # keep the last tokens, as vLLM (-1: as many as max_model_len allows)
+            token_ids = token_ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
         vocab_size = self.model_config.vocab_size
         if not token_ids:
             raise ValueError("the prompt is empty (it must have at least one token)")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_model_len - generates:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
                              f"{self.max_model_len}, which leaves no room to generate")
         return token_ids
@@ -242,6 +279,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Drop a queued or running request and free its blocks; True if it was unfinished."""
         group = self._groups.pop(request_id, None)
+        self._scoring_only.discard(request_id)
         if group is None:
             return False
         self.scheduler.abort_group(group)
@@ -298,6 +336,10 @@ class LLMEngine:
         if len(seqs) > group.params.n:  # best_of > n: keep the n most likely
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:group.params.n]
         outputs = [self._completion(index, seq) for index, seq in enumerate(seqs)]
+        if group.request_id in self._scoring_only:
+            self._scoring_only.discard(group.request_id)
+            outputs = [CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=0.0,
+                                        logprobs=None, finish_reason="length")]
         self._stats.record_finished(group)
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt,
@@ -320,12 +362,12 @@ class LLMEngine:
 
 def _needs_host_tokens(output) -> bool:
     """Whether the next schedule needs this step's sampled tokens on the host: forks (n > 1 samples of
-    a row), beam steps, and penalties (the sampler reads the token history)."""
+    a row), beam steps, penalties and bad words (the sampler reads the token history)."""
     for item in output.scheduled:
         if not item.num_samples:
             continue
         params, group = item.seq.group.params, item.seq.group
         if (item.num_samples > 1 or group.beam is not None or params.repetition_penalty != 1.0
-                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.bad_words):
             return True
     return False

@@ -18,7 +18,7 @@ import numpy as np
 
 from offline_paged.cuda import sampling_launcher as kernels
 from offline_paged.cuda.pinned import PinnedDownload, PinnedUpload
-from offline_paged.sampler import SampleResult, SamplingRequest
+from offline_paged.sampler import SampleResult, SamplingRequest, bad_word_bans
 
 
 class GpuSampler:
@@ -45,6 +45,7 @@ class GpuSampler:
         adjusted = cupy.empty((num_rows, vocab), dtype=cupy.float64)  # [R, V]
         raw_stats = cupy.empty((num_rows, 2), dtype=cupy.float64)  # [R, 2] (max, logsumexp - max)
         kernels.prepare_rows(logits, step["rows"], adjusted, raw_stats)
+        _apply_token_constraints(adjusted, requests)
         if step["penalty_rows"].size:
             seen = cupy.zeros((step["penalty_rows"].size, vocab), dtype=cupy.int32)  # [Rp, V]
             counts = cupy.zeros_like(seen)  # [Rp, V]
@@ -92,6 +93,23 @@ class PendingSamples:
             return []
         host = self._download.wait()  # the one device->host copy
         return _results(host, self._top_ks, self._asking, self._k_max, self._wants)
+
+
+def _apply_token_constraints(adjusted, requests: Sequence[SamplingRequest]) -> None:
+    """allowed_token_ids, bad words and logit_bias on the device rows [R, V], before the penalties
+    (sampler.apply_token_constraints' order). Rows without constraints cost one Python check."""
+    for r, request in enumerate(requests):
+        p = request.params
+        if p.allowed_token_ids is not None:
+            keep = cupy.zeros(adjusted.shape[1], dtype=cupy.bool_)  # [V]
+            keep[cupy.asarray(p.allowed_token_ids, dtype=cupy.int64)] = True
+            adjusted[r] = cupy.where(keep, adjusted[r], -cupy.inf)
+        banned = bad_word_bans(p._bad_words_token_ids, request.output_token_ids)
+        if banned:
+            adjusted[r, cupy.asarray(banned, dtype=cupy.int64)] = -cupy.inf
+        if p.logit_bias:
+            ids = cupy.asarray(list(p.logit_bias), dtype=cupy.int64)  # [b]
+            adjusted[r, ids] += cupy.asarray(list(p.logit_bias.values()), dtype=cupy.float64)
 
 
 def _top_ks(requests: Sequence[SamplingRequest], vocab: int) -> np.ndarray:

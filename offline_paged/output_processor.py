@@ -94,4 +94,5 @@ def _extend_prompt_logprobs(group: SequenceGroup, start: int, entries: list) -> 
     skip = len(group.prompt_logprobs) - (start + 1)
     if skip < 0:
         raise RuntimeError(f"prompt logprobs of {group.request_id!r} would skip positions")
-    group.prompt_logprobs.extend(entries[skip:])
+    unscored = group.params.prompt_logprobs_start - len(group.prompt_logprobs)  # None whatever the cache held
+    group.prompt_logprobs.extend(None if i < unscored else e for i, e in enumerate(entries[skip:]))

@@ -4,11 +4,42 @@ Shapes follow vLLM's so its users feel at home:
 - `logprobs`: one dict per generated token, {token_id: logprob} with the top-k tokens plus the
   sampled one (None when the request did not ask for logprobs).
 - `prompt_logprobs`: one entry per prompt token; the first is None (nothing predicts it), the
-  others are {token_id: logprob} with the actual prompt token plus the top-k.
+  others are {token_id: logprob} with the actual prompt token plus the top-k (positions before
+  `prompt_logprobs_start` are None too).
+The engine's values are plain floats (the JSONL job writes those); `LLM` hands out vLLM's
+`Logprob(logprob, rank, decoded_token)` objects instead (see `to_logprob_dicts`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """vLLM's per-token log-probability record. `rank` is 1 for the most likely token; None when the
+    engine did not rank the token (a sampled or prompt token outside the requested top-k).
+    `decoded_token` is None when the request set detokenize=False."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def to_logprob_dicts(entries, num_top: int, decode: Callable[[int], str] | None):
+    """The engine's [{token_id: float} | None] -> [{token_id: Logprob} | None]. An engine entry lists
+    its top `num_top` tokens best first, then the chosen token if it is not among them."""
+    if entries is None:
+        return None
+    result = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        result.append({token_id: Logprob(value, rank + 1 if rank < num_top else None,
+                                         None if decode is None else decode(token_id))
+                       for rank, (token_id, value) in enumerate(entry.items())})
+    return result
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +70,26 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchSequence:
+    """One hypothesis of `LLM.beam_search` (vLLM's shape): `tokens` are prompt + output ids, `text` the
+    output text (a final EOS left out), `logprobs` one {token_id: Logprob} per output token."""
+
+    tokens: list[int]
+    logprobs: list[dict]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchOutput:
+    """The hypotheses of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 @dataclass(frozen=True, slots=True)

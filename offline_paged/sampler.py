@@ -1,6 +1,7 @@
 """Sampler: one token per row of logits, with vLLM's order of operations.
 
-penalties (repetition on prompt+output tokens, presence/frequency on output tokens) -> min_tokens
+token constraints (allowed_token_ids, bad_words, logit_bias) -> penalties (repetition on
+prompt+output tokens, presence/frequency on output tokens) -> min_tokens
 ban on EOS/stop ids -> temperature -> top-k -> top-p -> min-p -> choose. Greedy rows
 (temperature 0) take the argmax of the penalised logits. Random rows take the argmax over allowed
 tokens of p_i / (-log u_i) with u_i = random_stream.uniform(seed, position, i): an exponential race,
@@ -92,6 +93,7 @@ class Sampler:
             )
         adjusted = np.array(logits, dtype=np.float64)  # [S, V], penalised in place
         for row, request in enumerate(requests):
+            apply_token_constraints(adjusted[row], request)
             apply_penalties(adjusted[row], request)
             self._ban_before_min_tokens(adjusted[row], request)
         token_ids = self._choose(adjusted, requests)
@@ -122,6 +124,34 @@ class Sampler:
             rows = random_rows[start:start + _ROWS_PER_CHUNK]
             token_ids[rows] = _race(adjusted[rows], [requests[i] for i in rows])
         return token_ids
+
+
+def apply_token_constraints(row: np.ndarray, request: SamplingRequest) -> None:
+    """vLLM v1's order on one [V] logit row, in place: only allowed_token_ids survive, then the last
+    token of every bad word whose other tokens end the output is banned, then logit_bias is added."""
+    params = request.params
+    if params.allowed_token_ids is not None:
+        keep = np.zeros(row.shape[0], dtype=bool)  # [V]
+        keep[list(params.allowed_token_ids)] = True
+        row[~keep] = -np.inf
+    banned = bad_word_bans(params._bad_words_token_ids, request.output_token_ids)
+    if banned:
+        row[banned] = -np.inf
+    if params.logit_bias:
+        row[list(params.logit_bias)] += np.fromiter(params.logit_bias.values(), np.float64)
+
+
+def bad_word_bans(bad_words: Sequence[Sequence[int]], output_token_ids: Sequence[int]) -> list[int]:
+    """Token ids that would complete a bad word: its last token, where its other tokens end the output."""
+    banned = []
+    num_output = len(output_token_ids)
+    for word in bad_words:
+        prefix_len = len(word) - 1
+        if prefix_len > num_output:
+            continue
+        if prefix_len == 0 or list(output_token_ids[num_output - prefix_len:]) == list(word[:prefix_len]):
+            banned.append(word[-1])
+    return banned
 
 
 def apply_penalties(row: np.ndarray, request: SamplingRequest) -> None:

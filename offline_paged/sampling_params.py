@@ -14,9 +14,19 @@ Choices that vLLM leaves open or that differ between its versions:
   `logprobs=0` returns the sampled token's only. `prompt_logprobs` works the same for prompt tokens.
   Log-probabilities are those of the raw model distribution (log-softmax of the logits, before
   penalties, temperature and filters), as in vLLM v1's default.
+- `max_tokens=0` scores the prompt only (with `prompt_logprobs`): nothing is returned as generated.
+  `prompt_logprobs_start` (ours, not vLLM's) leaves prompt positions before it unscored (None), so a
+  prefix-cache hit on them is not recomputed: lm-eval's shared multiple-choice contexts run once.
+- Token constraints, applied before the penalties as in vLLM v1: `allowed_token_ids` (only these
+  may be sampled), `bad_words` (strings whose token sequences may not be completed; tokenized by the
+  engine with and without a leading space, as vLLM does), `logit_bias` ({token id: added to the logit}).
+- `detokenize=False` returns empty text (token ids only) and refuses stop strings, as vLLM does.
+  `spaces_between_special_tokens` is accepted and, as in vLLM with fast (tokenizer.json) tokenizers —
+  the only kind we load — changes nothing.
+- `truncate_prompt_tokens=k` keeps the last k prompt tokens (-1: as many as max_model_len allows).
 """
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 _MAX_SEED = 2**64
@@ -48,6 +58,23 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
     skip_special_tokens: bool = True
+    # vLLM's output and constraint fields (see the module docstring)
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    prompt_logprobs_start: int = 0
+    # vLLM fields we do not implement: accepted as None only, so setting one says "not supported".
+    logits_processors: Any = None
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    output_kind: Any = None
+    extra_args: Any = None
+    # Set by the engine from bad_words and its tokenizer; not a user field.
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -55,6 +82,7 @@ class SamplingParams:
         self._check_sampling()
         self._check_penalties()
         self._check_stops()
+        self._check_constraints()
         if self.use_beam_search:
             self._check_beam_search()
 
@@ -63,7 +91,7 @@ class SamplingParams:
         """Build from a JSON object (one job line's sampling fields); unknown keys are an error."""
         if not isinstance(d, Mapping):
             raise ValueError(f"sampling parameters must be an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(FIELD_NAMES))
+        unknown = sorted(set(d) - set(FIELD_NAMES) - set(UNSUPPORTED_FIELD_NAMES))  # those say "not supported"
         if unknown:
             raise ValueError(
                 f"unknown sampling field(s): {', '.join(unknown)} "
@@ -97,11 +125,17 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             _set(self, name, _float(name, getattr(self, name)))
-        for name in ("ignore_eos", "use_beam_search", "skip_special_tokens"):
+        for name in ("ignore_eos", "use_beam_search", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens", "include_stop_str_in_output"):
             _bool(name, getattr(self, name))
         _set(self, "top_k", 0 if _int("top_k", self.top_k) == -1 else self.top_k)
         _set(self, "stop", _stop_tuple(self.stop))
         _set(self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            _set(self, "allowed_token_ids", _int_tuple("allowed_token_ids", self.allowed_token_ids))
+        _set(self, "bad_words", _string_tuple("bad_words", self.bad_words))
+        if self.logit_bias is not None:
+            _set(self, "logit_bias", _logit_bias(self.logit_bias))
 
     def _check_counts(self) -> None:
         _at_most("n", _at_least("n", self.n, 1), MAX_SAMPLES)
@@ -109,7 +143,9 @@ class SamplingParams:
             _at_most("best_of", _at_least("best_of", self.best_of, 1), MAX_SAMPLES)
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
-        _at_least("max_tokens", self.max_tokens, 1)
+        if _at_least("max_tokens", self.max_tokens, 0) == 0 and (self.num_samples > 1 or self.use_beam_search):
+            raise ValueError("max_tokens=0 only scores the prompt; n, best_of and use_beam_search need "
+                             "max_tokens >= 1")
         if _at_least("min_tokens", self.min_tokens, 0) > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({_show(self.max_tokens)}), "
@@ -144,6 +180,26 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {_show(list(self.stop_token_ids))}")
 
+    def _check_constraints(self) -> None:
+        for name in UNSUPPORTED_FIELD_NAMES:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (leave it None to allow every token)")
+        if any(t < 0 for t in self.allowed_token_ids or ()):
+            raise ValueError(f"allowed_token_ids must be >= 0, got {list(self.allowed_token_ids)}")
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must not contain empty strings")
+        if self.truncate_prompt_tokens is not None and not (
+                _int("truncate_prompt_tokens", self.truncate_prompt_tokens) >= 1
+                or self.truncate_prompt_tokens == -1):
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for max_model_len, "
+                             f"got {self.truncate_prompt_tokens}")
+        if _at_least("prompt_logprobs_start", self.prompt_logprobs_start, 0) and self.prompt_logprobs is None:
+            raise ValueError("prompt_logprobs_start needs prompt_logprobs")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
+
     def _check_beam_search(self) -> None:
         if self.temperature != 0.0:
             raise ValueError("temperature must be 0 when use_beam_search is true")
@@ -152,7 +208,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be left off ({off}) when use_beam_search is true")
 
 
-FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+UNSUPPORTED_FIELD_NAMES = ("logits_processors", "structured_outputs", "guided_decoding", "output_kind", "extra_args")
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams)
+                                     if not f.name.startswith("_") and f.name not in UNSUPPORTED_FIELD_NAMES)
 
 
 def _set(obj: SamplingParams, name: str, value: Any) -> None:
@@ -212,6 +270,30 @@ def _stop_tuple(value: Any) -> tuple[str, ...]:
     if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
         return tuple(value)
     raise ValueError(f"stop must be a string or a list of strings, got {_show(value)}")
+
+
+def _string_tuple(name: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise ValueError(f"{name} must be a list of strings, got {value!r}")
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """{token id: bias}; string keys (OpenAI's JSON spelling) are read as ids, as vLLM does."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"logit_bias must be an object {{token id: bias}}, got {value!r}")
+    bias = {}
+    for key, amount in value.items():
+        try:
+            token_id = int(key) if isinstance(key, str) else _int("logit_bias", key)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        bias[token_id] = _float("logit_bias", amount)
+    return bias
 
 
 def _int_tuple(name: str, value: Any) -> tuple[int, ...]:

@@ -269,9 +269,12 @@ class Scheduler:
             seq.group.num_cached_tokens = max(seq.group.num_cached_tokens, num_cached)
         seq.num_slots = seq.num_tokens
         if seq.group.wants_prompt_logprobs:
-            # Prompt logprobs need logits at every prompt position: compute the cached prefix
-            # again, but never write it (the cached blocks may be shared).
-            seq.num_computed_tokens, seq.num_skip_write = 0, num_cached
+            # Prompt logprobs need logits at every scored position: compute the cached prefix again
+            # from the row before the first scored token (params.prompt_logprobs_start), but never
+            # write it (the cached blocks may be shared). Unscored positions get None.
+            reused = min(num_cached, max(seq.group.params.prompt_logprobs_start - 1, 0))
+            seq.num_computed_tokens, seq.num_skip_write = reused, num_cached
+            _pad_prompt_logprobs(seq.group, reused + 1)
         else:
             seq.num_computed_tokens, seq.num_skip_write = num_cached, 0
         seq.status = SequenceStatus.RUNNING
@@ -380,6 +383,11 @@ class Scheduler:
             self.block_manager.free(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+
+
+def _pad_prompt_logprobs(group: SequenceGroup, length: int) -> None:
+    """None for the prompt positions that will not be scored (those before `length`)."""
+    group.prompt_logprobs.extend([None] * (length - len(group.prompt_logprobs)))
 
 
 def _is_idle_beam(seq: Sequence) -> bool:

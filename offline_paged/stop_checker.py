@@ -3,7 +3,8 @@
 Order of checks (vLLM's): nothing stops a sequence before `min_tokens` except the length limits;
 then EOS (unless ignore_eos), stop_token_ids, stop strings; then max_tokens and max_model_len.
 Stop strings are searched in incrementally detokenized text (never half a character); the text of a
-sequence stopped by a string ends just before it, as in vLLM. The token ids are kept whole.
+sequence stopped by a string ends just before it, as in vLLM (or just after it with
+`include_stop_str_in_output`). The token ids are kept whole. `detokenize=False` gives empty text.
 """
 from __future__ import annotations
 
@@ -61,12 +62,15 @@ class StopChecker:
                 best = (index, stop)
         if best is None:
             return None
-        seq.text = text[:best[0]]
+        keep = len(best[1]) if seq.group.params.include_stop_str_in_output else 0
+        seq.text = text[:best[0] + keep]
         return best[1]
 
     def final_text(self, seq: Sequence) -> str:
         """The output text: cut before the stop string if one ended it, else all tokens decoded."""
         if seq.text is not None:
             return seq.text
+        if not seq.group.params.detokenize:
+            return ""
         skip = seq.group.params.skip_special_tokens
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)

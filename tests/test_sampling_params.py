@@ -41,7 +41,7 @@ def test_frozen():
         ("temperature", "hot"), ("temperature", float("nan")), ("top_k", -2),
         ("top_p", 0.0), ("top_p", 1.01), ("min_p", -0.1), ("min_p", 1.5),
         ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-        ("seed", -1), ("seed", 2**64), ("seed", "7"), ("max_tokens", 0), ("min_tokens", -1),
+        ("seed", -1), ("seed", 2**64), ("seed", "7"), ("max_tokens", -1), ("min_tokens", -1),
         ("stop", 5), ("stop", [""]), ("stop", ["a", 1]), ("stop_token_ids", [-1]),
         ("stop_token_ids", "2"), ("ignore_eos", 1), ("logprobs", -1), ("prompt_logprobs", -1),
         ("use_beam_search", "yes"), ("skip_special_tokens", None),

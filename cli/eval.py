@@ -1,0 +1,36 @@
+"""`offline-paged eval --tasks TASK ... [lm-eval run flags]`: lm-evaluation-harness on offline-paged.
+
+lm-eval loads no model plugins by itself, so this command imports our backend (registering the model
+type "offline-paged"), makes it the default `--model`, and hands every other flag to lm-eval's own
+`run` command unchanged: `--model_args pretrained=DIR dtype=float32`, `--include_path`, `--limit`,
+`--num_fewshot`, `--output_path`, `--log_samples`, ... Without `pretrained` the default model is used.
+Exit code 2 when it cannot start (lm-eval not installed).
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+EXIT_FATAL = 2
+
+
+@click.command("eval", context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+               add_help_option=False)
+@click.argument("lm_eval_args", nargs=-1, type=click.UNPROCESSED)
+def eval_command(lm_eval_args: tuple[str, ...]) -> None:
+    """Run lm-evaluation-harness tasks on offline-paged; all flags are lm-eval's `run` flags
+    (e.g. --tasks hellaswag --model_args pretrained=DIR --limit 100). --help shows them."""
+    try:
+        import offline_paged.lm_eval  # noqa: F401  (registers the "offline-paged" model type)
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError as exc:
+        click.echo(f"error: lm-eval is not installed ({exc}); pip install 'offline-paged[eval]'", err=True)
+        sys.exit(EXIT_FATAL)
+    args = list(lm_eval_args)
+    if "--help" in args or "-h" in args:
+        click.echo(eval_command.help + "\n\nlm-eval's run flags:\n")
+    elif not any(a in ("--model", "-M") or a.startswith("--model=") for a in args):
+        args = ["--model", "offline-paged", *args]
+    sys.argv = ["offline-paged eval", "run", *args]  # lm-eval's parser reads sys.argv
+    cli_evaluate()

@@ -1,0 +1,152 @@
+"""The vLLM-compatible surface: a script written as for vLLM runs; Logprob objects carry the engine's
+numbers; vLLM arguments are accepted or refused by name; generation_config defaults; the
+HF-style tokenizer agrees with transformers' on the same directory; use_tqdm and chat_template_kwargs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures_tiny_model import write_tiny_model
+
+from offline_paged import LLM, BeamSearchParams, Logprob, SamplingParams, TokensPrompt
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+SCRIPT = Path(__file__).parent / "scripts" / "vllm_style.py"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-vllm"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(str(model_dir), device="cpu", dtype="float64", block_size=4, num_kv_blocks=256)
+
+
+def test_a_script_written_for_vllm_runs(model_dir):
+    result = subprocess.run([sys.executable, str(SCRIPT), str(model_dir)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith("ok")
+
+
+def test_logprob_objects_carry_the_engine_numbers_ranked_best_first(llm):
+    params = SamplingParams(max_tokens=6, logprobs=4, prompt_logprobs=3, **GREEDY)
+    [out] = llm.generate("ab cd", params, use_tqdm=False)
+    engine = llm.llm_engine
+    engine.add_request("raw", prompt="ab cd", params=params)
+    raw = next(o for o in iter(engine.step, None) if o)[0]  # the engine's floats
+    for objects, floats in zip(out.outputs[0].logprobs, raw.outputs[0].logprobs):
+        assert {t: lp.logprob for t, lp in objects.items()} == floats
+        ranked = sorted(objects.items(), key=lambda item: item[1].rank or 99)
+        assert [lp.rank for _, lp in ranked[:4]] == [1, 2, 3, 4]
+        assert [lp.logprob for _, lp in ranked[:4]] == sorted((lp.logprob for _, lp in ranked[:4]), reverse=True)
+        assert all(isinstance(lp, Logprob) and lp.decoded_token == llm.get_tokenizer().decode([t])
+                   for t, lp in objects.items())
+    assert out.prompt_logprobs[0] is None
+    for objects, floats in zip(out.prompt_logprobs[1:], raw.prompt_logprobs[1:]):
+        assert {t: lp.logprob for t, lp in objects.items()} == floats
+
+
+def test_detokenize_false_gives_ids_only(llm):
+    [out] = llm.generate("ab", SamplingParams(max_tokens=4, logprobs=1, detokenize=False, **GREEDY),
+                         use_tqdm=False)
+    assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == 4
+    assert all(lp.decoded_token is None for step in out.outputs[0].logprobs for lp in step.values())
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    (dict(quantization="awq"), "quantization"), (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(trust_remote_code=True), "trust_remote_code"), (dict(speculative_config={}), "speculative_config"),
+    (dict(tokenizer="/elsewhere"), "tokenizer"),
+])
+def test_unsupported_llm_arguments_are_refused_by_name(model_dir, kwargs, named):
+    with pytest.raises(ValueError, match=f"{named}.*not supported"):
+        LLM(str(model_dir), device="cpu", **kwargs)
+
+
+def test_harmless_vllm_arguments_are_accepted(model_dir):
+    llm = LLM(str(model_dir), device="cpu", dtype="auto", enforce_eager=True, tensor_parallel_size=1,
+              trust_remote_code=False, seed=None, disable_log_stats=True, kv_cache_memory_bytes=1 << 22)
+    assert llm.llm_engine.config.cuda_graphs is False and llm.llm_engine.config.kv_cache_memory == 1 << 22
+
+
+@pytest.mark.parametrize(("call", "named"), [
+    (lambda llm: llm.generate("a", lora_request=object()), "lora_request"),
+    (lambda llm: llm.generate({"prompt": "a", "multi_modal_data": {}}), "multi_modal_data"),
+    (lambda llm: llm.chat([{"role": "user", "content": "a"}], tools=[{}]), "tools"),
+    (lambda llm: llm.beam_search(["a"], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=1), "lora_request"),
+])
+def test_unsupported_call_arguments_are_refused_by_name(llm, call, named):
+    with pytest.raises(ValueError, match=f"{named}.*not supported"):
+        call(llm)
+
+
+def test_generation_config_gives_the_defaults_vllm_applies(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m", seed=5)
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 3, "do_sample": True}))
+    llm = LLM(str(model_dir), device="cpu")
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (0.6, 0.9, 20, 3)
+    assert all(len(c.token_ids) <= 3 for o in llm.generate(["a", "b"], use_tqdm=False) for c in o.outputs)
+    assert LLM(str(model_dir), device="cpu", generation_config="vllm").get_default_sampling_params() == SamplingParams()
+
+
+def test_beam_search_api_equals_the_sampling_params_route(llm):
+    [beams] = llm.beam_search([TokensPrompt(prompt_token_ids=[97, 98, 99])], BeamSearchParams(beam_width=3, max_tokens=5))
+    [route] = llm.generate([[97, 98, 99]], SamplingParams(use_beam_search=True, n=3, best_of=3, temperature=0.0,
+                                                          max_tokens=5), use_tqdm=False)
+    assert [s.tokens for s in beams.sequences] == [[97, 98, 99] + c.token_ids for c in route.outputs]
+    assert [s.cum_logprob for s in beams.sequences] == pytest.approx([c.cumulative_logprob for c in route.outputs])
+
+
+def test_tokenizer_answers_like_transformers_on_the_same_directory(llm, model_dir):
+    from transformers import AutoTokenizer
+
+    ours, theirs = llm.get_tokenizer(), AutoTokenizer.from_pretrained(str(model_dir))
+    text = "Hello wörld <|im_end|> 🪐"
+    assert (ours.eos_token_id, ours.bos_token_id) == (theirs.eos_token_id, theirs.bos_token_id)
+    assert ours.chat_template == theirs.chat_template
+    assert ours.encode(text) == theirs.encode(text)
+    ids = theirs.encode(text)
+    assert ours.decode(ids) == theirs.decode(ids)
+    assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
+    messages = [{"role": "user", "content": "Hi"}]
+    for add in (False, True):
+        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=add) == \
+            theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+    assert ours.apply_chat_template(messages) == list(theirs.apply_chat_template(messages, return_dict=False))
+
+
+def test_use_tqdm_drives_the_given_bar_once_per_prompt(llm):
+    updates = []
+
+    class Bar:
+        def __init__(self, total, **_):
+            updates.append(("total", total))
+
+        def update(self, n):
+            updates.append(("update", n))
+
+        def set_postfix_str(self, *_, **__):
+            pass
+
+        def close(self):
+            updates.append(("close", None))
+
+    llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2), use_tqdm=Bar)
+    assert updates == [("total", 3)] + [("update", 1)] * 3 + [("close", None)]
+
+
+def test_chat_template_kwargs_reach_the_template(llm):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!!{% endif %}"
+    [plain, loud] = [llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
+                              use_tqdm=False, chat_template=template, chat_template_kwargs=kwargs)[0]
+                     for kwargs in ({}, {"shout": True})]
+    assert (plain.prompt, loud.prompt) == ("hi", "hi!!")
