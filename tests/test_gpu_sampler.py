@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 from offline_paged.gpu_sampler import GpuSampler  # noqa: E402
 from offline_paged.random_stream import uniform  # noqa: E402
 from offline_paged.sampler import (  # noqa: E402
-    Sampler, SamplingRequest, apply_penalties, filter_logits, log_softmax,
+    Sampler, SamplingRequest, apply_penalties, apply_token_constraints, filter_logits, log_softmax,
 )
 from offline_paged.sampling_params import SamplingParams  # noqa: E402
 
@@ -44,6 +44,11 @@ CONFIGS = {
     "min_tokens+greedy": SamplingParams(temperature=0.0, min_tokens=1000, max_tokens=2000),
     "logprobs": SamplingParams(logprobs=5, top_p=0.95),
     "logprobs=0+greedy": SamplingParams(temperature=0.0, logprobs=0),
+    "logit_bias": SamplingParams(temperature=0.9, logit_bias={3: 4.0, 10: -100.0, 17: 1.5}),
+    "allowed_token_ids": SamplingParams(temperature=0.8, allowed_token_ids=[1, 4, 9, 16, 25, 36, 49]),
+    "allowed+bias+greedy": SamplingParams(temperature=0.0, allowed_token_ids=[0, 5, 6], logit_bias={5: 2.0}),
+    "bad_words": dataclasses.replace(SamplingParams(top_k=5), bad_words=("x",),
+                                     _bad_words_token_ids=((5,), (1, 2), (3, 1, 4))),
 }
 
 
@@ -71,6 +76,7 @@ def _reference_keys(logits, requests, eos) -> np.ndarray:
     sampler = Sampler(eos)
     keys = np.empty_like(adjusted)
     for row, request in enumerate(requests):
+        apply_token_constraints(adjusted[row], request)
         apply_penalties(adjusted[row], request)
         sampler._ban_before_min_tokens(adjusted[row], request)
         params = request.params
