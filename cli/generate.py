@@ -29,7 +29,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
 # CLI flag -> SamplingParams field; only flags given on the command line become job defaults
 _SAMPLING_FLAGS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
-                   "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "logprobs")
+                   "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "logprobs",
+                   "prompt_logprobs")
 
 
 def parse_size(text: str) -> int:
@@ -49,7 +50,7 @@ def parse_size(text: str) -> int:
 @click.argument("prompts", metavar="PROMPTS.jsonl", type=click.Path(allow_dash=True, dir_okay=False))
 @click.option("-o", "--output", default="-", show_default=True, metavar="OUT.jsonl",
               type=click.Path(allow_dash=True, dir_okay=False), help="Output JSONL ('-' = stdout).")
-@click.option("--model", default=None, help="HF model dir, .gguf file, or 'default' (SmolLM2-135M-Instruct).")
+@click.option("-m", "--model", default=None, help="HF model dir, .gguf file, or 'default' (SmolLM2-135M-Instruct).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "float64"]), default=None)
 @click.option("--max-num-seqs", type=int, default=256, show_default=True)
@@ -62,6 +63,12 @@ def parse_size(text: str) -> int:
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay decode-only steps from CUDA graphs (CUDA, float16).")
+@click.option("--async-scheduling/--sync-scheduling", "async_scheduling", default=None,
+              help="Overlap scheduling with the device step (default: on for CUDA, off on the CPU).")
+@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
+              help="Fraction of free GPU memory the weights' leftovers may give the KV cache.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Jinja chat template file for 'messages' lines (instead of the model's own).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Engine seed (for unseeded requests).")
 @click.option("--max-logprobs", type=click.IntRange(min=0), default=20, show_default=True,
               help="Most logprobs / prompt_logprobs a line may ask for.")
@@ -83,10 +90,29 @@ def parse_size(text: str) -> int:
 @click.option("--frequency-penalty", type=float, default=None)
 @click.option("--n", "n", type=int, default=None)
 @click.option("--logprobs", type=int, default=None)
+@click.option("--prompt-logprobs", type=int, default=None, help="Default prompt_logprobs (top-k per prompt token).")
 @click.option("--stop", multiple=True, help="Default stop string (repeatable).")
+@click.option("--stop-token-ids", default=None, metavar="ID[,ID...]", help="Default stop_token_ids, comma-separated.")
 @click.option("--ignore-eos", is_flag=True, default=None)
 def generate(prompts: str, output: str, **options: Any) -> None:
-    """Generate completions for every line of PROMPTS.jsonl; one JSON line per request in OUT."""
+    """Generate completions for every line of PROMPTS.jsonl; one JSON line per request in OUT.
+
+    \b
+    Input lines (one JSON object each; blank lines are skipped):
+      {"id": "a", "prompt": "text", ...sampling fields}      plain completion
+      {"id": "b", "messages": [{"role": "user", ...}]}       chat (the model's template)
+      {"id": "c", "prompt_token_ids": [1, 2, 3]}             token ids
+      {"id": "d", "context": "...", "continuation": "..."}   score: loglikelihood, is_greedy
+      {"custom_id": "e", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+                                                              OpenAI Batch (/v1/completions too)
+    Sampling fields use vLLM's names (max_tokens, temperature, top_p, n, stop, logprobs, ...);
+    the flags below set defaults that a line's own values override.
+
+    \b
+    Exit codes: 0 every line succeeded; 1 some lines have error records (a bad line never stops
+    the job); 2 could not start, or the output could not be written mid-run (disk full);
+    130 interrupted. Running the same command again resumes: finished ids are skipped.
+    """
     with _sigterm_interrupts():  # until the job loop takes over: SIGTERM during load exits 130
         defaults = _sampling_defaults(options)
         _check_paths(prompts, output, options["stats_json"])
@@ -131,6 +157,8 @@ def _sampling_defaults(options: dict[str, Any]) -> dict[str, Any]:
         defaults["stop"] = list(options["stop"])
     if options["ignore_eos"]:
         defaults["ignore_eos"] = True
+    if options["stop_token_ids"] is not None:
+        defaults["stop_token_ids"] = _int_list("--stop-token-ids", options["stop_token_ids"])
     try:
         SamplingParams.from_dict(defaults)
     except ValueError as exc:
@@ -194,13 +222,37 @@ def _build_engine(options: dict[str, Any]):
             max_num_batched_tokens=options["max_num_batched_tokens"], seed=options["seed"],
             enable_prefix_caching=not options["no_prefix_caching"],
             preemption_mode=options["preemption"], cuda_graphs=options["cuda_graphs"],
-            max_logprobs=options["max_logprobs"])
+            max_logprobs=options["max_logprobs"], async_scheduling=options["async_scheduling"],
+            gpu_memory_utilization=options["gpu_memory_utilization"])
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    template = _read_chat_template(options["chat_template"])
     try:
-        return LLMEngine(config)
+        engine = LLMEngine(config)
     except (ValueError, OSError, RuntimeError) as exc:
         _fatal(f"cannot start the engine: {exc}")
+    if template is not None:
+        engine.tokenizer.chat_template = template
+    return engine
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of token ids", param_hint=flag) from None
+
+
+def _read_chat_template(path: str | None):
+    """The --chat-template file as a ChatTemplate (read before the model loads: a bad file costs nothing)."""
+    if path is None:
+        return None
+    from offline_paged.models.chat_template import ChatTemplate
+
+    try:
+        return ChatTemplate(Path(path).read_text(encoding="utf-8"), origin=path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise click.BadParameter(f"{path}: {exc}", param_hint="--chat-template") from None
 
 
 @contextmanager
