@@ -35,6 +35,7 @@ class _Worker:
     outstanding: dict[str, WorkRequest] = field(default_factory=dict)  # dealt, not yet handed back
     stats: EngineStats | None = None
     max_model_len: int = 0
+    num_dealt: int = 0  # requests ever dealt to it (re-dealt ones count again)
     alive: bool = True
 
 
@@ -240,6 +241,7 @@ class DataParallelCoordinator:
                 break
             request = self._backlog.popleft()
             worker.outstanding[request.request_id] = request
+            worker.num_dealt += 1
             batches.setdefault(worker, []).append(request)
         for worker, requests in batches.items():
             self._send(worker, ("add", requests))
