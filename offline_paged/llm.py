@@ -7,7 +7,7 @@ from typing import Any
 
 from offline_paged.config import EngineConfig
 from offline_paged.engine import LLMEngine
-from offline_paged.outputs import EngineStats, RequestOutput
+from offline_paged.outputs import EngineStats, RequestError, RequestOutput
 from offline_paged.sampling_params import SamplingParams
 
 Prompt = str | list[int] | Mapping[str, Any]
@@ -20,13 +20,30 @@ class LLM:
     max_num_seqs, max_num_batched_tokens, max_model_len, seed, enable_prefix_caching,
     preemption_mode, swap_space, num_cpu_blocks, gpu_memory_utilization, ...).
     `loaded_model` skips loading (an already-loaded model, e.g. a tiny random one).
+    `data_parallel_size=N` runs N engine processes (one per GPU; processes on the CPU too), each
+    loading the model itself; a prompt a worker refuses raises ValueError from `generate` once the
+    others are done. `close()` (or leaving a `with LLM(...)` block) stops them.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | None = None,
-                 *, loaded_model=None, **engine_kwargs: Any) -> None:
+                 *, loaded_model=None, data_parallel_size: int = 1, **engine_kwargs: Any) -> None:
         config = EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs)
-        self.engine = LLMEngine(config, loaded_model=loaded_model)
+        if data_parallel_size == 1:
+            self.engine = LLMEngine(config, loaded_model=loaded_model)
+        else:
+            self.engine = _coordinator(config, loaded_model, data_parallel_size)
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the data-parallel worker processes (nothing to do for one in-process engine)."""
+        if hasattr(self.engine, "close"):
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -103,7 +120,20 @@ class LLM:
             for request_id in wanted - done.keys():
                 self.engine.abort_request(request_id)
             raise
+        refused = [i for i, r in enumerate(request_ids) if isinstance(done[r], RequestError)]
+        if refused:
+            raise ValueError(f"prompt {refused[0]}: {done[request_ids[refused[0]]].message}")
         return [done[request_id] for request_id in request_ids]
+
+
+def _coordinator(config: EngineConfig, loaded_model, data_parallel_size: int):
+    from offline_paged.dp_coordinator import DataParallelCoordinator
+    from offline_paged.dp_worker import WorkerSpec
+
+    if loaded_model is not None:
+        raise ValueError("loaded_model cannot be combined with data_parallel_size > 1: every worker "
+                         "process loads the model itself; pass model= a path instead")
+    return DataParallelCoordinator(WorkerSpec(config), data_parallel_size)
 
 
 def _encode_chat(tokenizer, text: str) -> list[int]:

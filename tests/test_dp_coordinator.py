@@ -146,3 +146,25 @@ def test_a_request_a_worker_refuses_comes_back_as_an_error(config):
     by_id = {r.request_id: r for r in results}
     assert isinstance(by_id["bad"], RequestError) and "prompt_token_ids" in by_id["bad"].message
     assert not isinstance(by_id["ok"], RequestError)
+
+
+def test_llm_with_data_parallel_size_2_equals_one_engine(config):
+    from offline_paged.llm import LLM
+
+    kwargs = dict(device="cpu", dtype="float64", block_size=4, num_kv_blocks=64, max_num_seqs=2)
+    prompts = [f"prompt {i}" for i in range(6)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(6)]
+    want = LLM(config.model, **kwargs).generate(prompts, params)
+    with LLM(config.model, data_parallel_size=2, **kwargs) as llm:
+        got = llm.generate(prompts, params)
+        assert [o.request_id for o in got] == [o.request_id for o in want]  # input order kept
+        assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+        with pytest.raises(ValueError, match="prompt 1: prompt_token_ids must be integers"):
+            llm.generate([[1, 2], [10 ** 6]], SamplingParams(max_tokens=2))
+
+
+def test_llm_data_parallel_refuses_an_already_loaded_model(config):
+    from offline_paged.llm import LLM
+
+    with pytest.raises(ValueError, match="loaded_model cannot be combined with data_parallel_size"):
+        LLM(device="cpu", loaded_model=object(), data_parallel_size=2)
