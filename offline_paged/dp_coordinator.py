@@ -18,6 +18,7 @@ from multiprocessing.connection import wait
 from offline_paged.dp_worker import WorkerSpec, WorkRequest, run_worker
 from offline_paged.engine_stats import combine_stats
 from offline_paged.outputs import EngineStats, RequestError, RequestOutput
+from offline_paged.random_stream import unseeded_request_seed
 from offline_paged.sampling_params import SamplingParams
 
 _POLL_S = 0.25  # step() returns empty-handed after this long, so the job loop can see Ctrl-C
@@ -108,6 +109,7 @@ class DataParallelCoordinator:
         self._backlog: deque[WorkRequest] = deque()
         self._done: list[RequestOutput | RequestError] = []
         self._attempts: dict[str, int] = {}
+        self._num_arrivals = 0
         self.num_workers_lost = 0
         self._workers: list[_Worker] = []
         try:
@@ -197,12 +199,16 @@ class DataParallelCoordinator:
                     prompt_token_ids: list[int] | None = None,
                     params: SamplingParams | None = None) -> None:
         """Queue a request for the next deal. A request a worker refuses (ValueError there) comes
-        back from step() as a RequestError."""
+        back from step() as a RequestError. An unseeded request is given the seed one engine would
+        have drawn for it here (else workers would draw the same seeds for their k-th requests)."""
         if prompt is None and prompt_token_ids is None:
             raise ValueError("a request needs a prompt or prompt_token_ids")
+        params = params or SamplingParams()
+        if params.seed is None:
+            params = replace(params, seed=unseeded_request_seed(self.spec.config.seed, self._num_arrivals))
+        self._num_arrivals += 1
         request = WorkRequest(request_id, prompt,
-                              None if prompt_token_ids is None else list(prompt_token_ids),
-                              params or SamplingParams())
+                              None if prompt_token_ids is None else list(prompt_token_ids), params)
         self._backlog.append(request)
 
     def abort_request(self, request_id: str) -> bool:

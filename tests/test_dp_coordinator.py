@@ -152,13 +152,17 @@ def test_llm_with_data_parallel_size_2_equals_one_engine(config):
     from offline_paged.llm import LLM
 
     kwargs = dict(device="cpu", dtype="float64", block_size=4, num_kv_blocks=64, max_num_seqs=2)
-    prompts = [f"prompt {i}" for i in range(6)]
-    params = [SamplingParams(max_tokens=8, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(6)]
+    # greedy, seeded and unseeded sampled; two identical unseeded prompts must still differ, as in
+    # one engine (the coordinator draws their seeds, not each worker from its own arrival count)
+    prompts = [f"prompt {i}" for i in range(6)] + ["same"] * 2
+    params = [SamplingParams(max_tokens=8, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(6)] \
+        + [SamplingParams(max_tokens=8, temperature=1.0)] * 2
     want = LLM(config.model, **kwargs).generate(prompts, params)
     with LLM(config.model, data_parallel_size=2, **kwargs) as llm:
         got = llm.generate(prompts, params)
         assert [o.request_id for o in got] == [o.request_id for o in want]  # input order kept
         assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+        assert got[-1].outputs[0].token_ids != got[-2].outputs[0].token_ids
         with pytest.raises(ValueError, match="prompt 1: prompt_token_ids must be integers"):
             llm.generate([[1, 2], [10 ** 6]], SamplingParams(max_tokens=2))
 
