@@ -186,3 +186,16 @@ def test_coordinator_sigkilled_then_resumed_every_id_once_and_workers_exit(model
     got = _by_key(out)
     assert got.keys() == want.keys()
     assert all(_content(got[k]) == _content(want[k]) for k in want)
+
+
+def test_a_worker_that_cannot_load_the_model_fails_the_start_with_its_reason(tmp_path):
+    broken = write_tiny_model(tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")  # the tokenizer still loads
+    job = _write_job(tmp_path / "job.jsonl", [{"prompt": "x"}])
+    out = tmp_path / "o.jsonl"
+    result = CliRunner().invoke(cli, ["generate", str(job), "-o", str(out), "--model", str(broken),
+                                      *ENGINE_FLAGS, "--data-parallel-size", "2"])
+    assert result.exit_code == 2
+    assert "cannot start the engine: data-parallel worker" in result.output
+    assert "model.safetensors" in result.output
+    assert out.read_text() == ""

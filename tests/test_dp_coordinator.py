@@ -172,3 +172,16 @@ def test_llm_data_parallel_refuses_an_already_loaded_model(config):
 
     with pytest.raises(ValueError, match="loaded_model cannot be combined with data_parallel_size"):
         LLM(device="cpu", loaded_model=object(), data_parallel_size=2)
+
+
+def test_when_every_worker_is_dead_step_raises_workers_lost(config):
+    from offline_paged.dp_coordinator import WorkersLostError
+
+    with DataParallelCoordinator(WorkerSpec(config), 1, max_attempts=3, log=lambda line: None) as dp:
+        for request_id, prompt, params in _requests(3):
+            dp.add_request(request_id, prompt=prompt, params=params)
+        dp._deal()
+        os.kill(dp.worker_pids[0], signal.SIGKILL)
+        with pytest.raises(WorkersLostError, match="all 1 data-parallel workers died with 3 request"):
+            while dp.has_unfinished_requests():
+                dp.step()
