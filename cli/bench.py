@@ -261,10 +261,10 @@ class _NamedBackend:
     """What the report needs to know of a backend the coordinator never built (no CUDA here)."""
 
     def __init__(self, device: str, dtype: str | None) -> None:
-        import numpy as np
+        from types import SimpleNamespace
 
         self.name = device
-        self.dtype = np.dtype(dtype or ("float16" if device == "cuda" else "float32"))
+        self.dtype = SimpleNamespace(name=dtype or ("float16" if device == "cuda" else "float32"))
         self.xp = None
 
 
