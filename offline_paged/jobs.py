@@ -2,7 +2,8 @@
 
 `JobRunner(engine, writer, ...).run(lines) -> JobSummary`. The engine is injected (anything with
 add_request / step / has_unfinished_requests / stats / tokenizer), so the loop is tested with a
-fake one. Lines are read lazily, keeping at most `max_pending` requests inside the engine, so stdin
+fake one and runs a DataParallelCoordinator unchanged; step() may hand back a RequestError (a
+request refused after add_request returned), which becomes the line's error record. Lines are read lazily, keeping at most `max_pending` requests inside the engine, so stdin
 and very large files stream. Bad lines never stop the job: each gets one error record. Lines whose
 key is in `done_keys` (from a previous run's output) are skipped, which is how resume works.
 """
