@@ -185,3 +185,21 @@ def test_when_every_worker_is_dead_step_raises_workers_lost(config):
         with pytest.raises(WorkersLostError, match="all 1 data-parallel workers died with 3 request"):
             while dp.has_unfinished_requests():
                 dp.step()
+
+
+@pytest.mark.slow
+def test_real_smollm2_data_parallel_equals_one_engine():
+    """The real default model (pulled once into the cache), fp64 so batch composition cannot move a
+    near-tie: two workers give one engine's greedy and seeded completions."""
+    from offline_paged.llm import LLM
+
+    chats = [[{"role": "user", "content": c}] for c in
+             ("What is 2+2?", "Name a colour.", "Write a haiku about the sea.", "def add(a, b):")]
+    params = [SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(4)]
+    kwargs = dict(device="cpu", dtype="float64", max_num_seqs=4, kv_cache_memory=64 << 20,
+                  max_model_len=256)
+    want = LLM(**kwargs).chat(chats, params)
+    with LLM(data_parallel_size=2, **kwargs) as llm:
+        got = llm.chat(chats, params)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
