@@ -30,7 +30,7 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.command("bench")
 @click.option("--model", default=None, help="HF model dir or .gguf file (not with --dummy-weights).")
 @click.option("--dummy-weights", "dummy_preset", default=None, metavar="PRESET",
-              help="Random weights of a shape preset: smollm2-135m, llama-3.2-1b, llama-3.1-8b.")
+              help="Random weights of a shape preset: smollm2-135m, llama-3.2-1b, llama-3.1-8b, tiny.")
 @click.option("--weights-seed", type=int, default=0, show_default=True)
 @click.option("--workload", type=click.Choice(["random", "file"]), default="random", show_default=True)
 @click.option("--input-file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -61,6 +61,10 @@ def _size(ctx, param, value: str | None) -> int | None:
               help="Replay decode-only steps from CUDA graphs (CUDA, float16).")
 @click.option("--async-scheduling/--sync-scheduling", "async_scheduling", default=None,
               help="Overlap scheduling with the device step (default: on for CUDA, off on the CPU).")
+@click.option("--data-parallel-size", type=int, default=1, show_default=True,
+              help="Engine processes, one per GPU; the workload is dealt to them dynamically.")
+@click.option("--compare-single", is_flag=True,
+              help="With --data-parallel-size N: first run the same workload on one engine process.")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
 @click.option("--roofline/--no-roofline", default=True, show_default=True,
               help="Measure copy bandwidth and matmul rate and estimate the floor.")
@@ -71,6 +75,9 @@ def _size(ctx, param, value: str | None) -> int | None:
 def bench(**options: Any) -> None:
     """Measure generation throughput on a random or file workload."""
     _check_options(options)
+    if options["data_parallel_size"] != 1:
+        _bench_data_parallel(options)
+        return
     from offline_paged.backend import select_backend
     from offline_paged.bench import random_workload
 
@@ -97,6 +104,11 @@ def _check_options(options: dict) -> None:
         raise click.UsageError("--workload file needs --input-file JOB.jsonl")
     if options["workload"] == "random" and options["input_file"]:
         raise click.UsageError("--input-file is only read with --workload file")
+    if options["compare_single"] and options["data_parallel_size"] == 1:
+        raise click.UsageError("--compare-single needs --data-parallel-size N with N > 1")
+    if options["data_parallel_size"] != 1 and (options["plot"] or options["json_steps"]):
+        raise click.UsageError("--plot and --json-steps need per-step series, which data-parallel "
+                               "runs do not record")
     if options["json_steps"] and not options["as_json"]:
         raise click.UsageError("--json-steps needs --json")
     if options["plot"]:
@@ -159,10 +171,109 @@ def _run_all(options: dict, backend, loaded, requests) -> list:
     return results
 
 
+def _bench_data_parallel(options: dict) -> None:
+    """The workload through N worker processes (and first through one when --compare-single); the
+    model is loaded only in the workers, the tokenizer and config here for the workload."""
+    from offline_paged.dp_coordinator import worker_devices
+
+    try:
+        device, _ = worker_devices(options["device"], options["data_parallel_size"])
+    except ValueError as exc:
+        raise click.UsageError(f"--data-parallel-size: {exc}") from None
+    vocab_size, tokenizer = _vocab_and_tokenizer(options)
+    requests = _workload(options, vocab_size, tokenizer)
+    sizes = ([1] if options["compare_single"] else []) + [options["data_parallel_size"]]
+    results = []
+    for layout in options["kv_layouts"] or ("paged",):
+        for block_size in options["block_sizes"] or (16,):
+            for size in sizes:
+                results.append(_run_data_parallel(options, device, tokenizer, requests, layout,
+                                                  block_size, size))
+    _emit(options, results, _NamedBackend(device, options["dtype"]))
+
+
+def _run_data_parallel(options: dict, device: str, tokenizer, requests, layout: str, block_size: int,
+                       size: int):
+    from offline_paged.bench import max_total_len
+    from offline_paged.dp_bench import run_data_parallel_bench
+    from offline_paged.dp_coordinator import DataParallelCoordinator
+    from offline_paged.dp_worker import WorkerSpec
+
+    try:
+        spec = WorkerSpec(_engine_config(options, device, layout, block_size,
+                                         options["max_model_len"] or max_total_len(requests)),
+                          options["dummy_preset"], options["weights_seed"], warm_up=options["warmup"])
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    label = (f"{size} engine" + ("s" if size > 1 else "")) + ("" if len(options["block_sizes"] or (16,)) == 1
+                                                            else f" {layout} B={block_size}")
+    print(f"starting {size} engine process(es) for {label} ...", file=sys.stderr, flush=True)
+    try:
+        with DataParallelCoordinator(spec, size, tokenizer=tokenizer) as coordinator:
+            print(f"running {label} ...", file=sys.stderr, flush=True)
+            return run_data_parallel_bench(coordinator, requests, label=label, kv_layout=layout,
+                                           block_size=block_size)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _engine_config(options: dict, device: str, layout: str, block_size: int, max_model_len: int):
+    from offline_paged.config import EngineConfig
+
+    return EngineConfig(
+        model=options["model"], device=device, dtype=options["dtype"], block_size=block_size,
+        kv_cache_memory=options["kv_cache_memory"], num_kv_blocks=options["num_kv_blocks"],
+        max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
+        max_model_len=max_model_len, enable_prefix_caching=not options["no_prefix_caching"],
+        preemption_mode=options["preemption"], gpu_memory_utilization=options["gpu_memory_utilization"],
+        kv_layout=layout, seed=options["seed"], cuda_graphs=options["cuda_graphs"],
+        async_scheduling=options["async_scheduling"])
+
+
+def _vocab_and_tokenizer(options: dict):
+    if options["dummy_preset"]:
+        from offline_paged.models.dummy_weights import DummyTokenizer, preset_config
+
+        config = preset_config(options["dummy_preset"])
+        return config.vocab_size, DummyTokenizer(config.eos_token_ids)
+    from offline_paged.models.loader import load_tokenizer
+
+    try:
+        config, tokenizer = load_tokenizer(options["model"])
+    except (ValueError, OSError) as exc:
+        raise click.UsageError(f"cannot load the model: {exc}") from None
+    return config.vocab_size, tokenizer
+
+
+def _workload(options: dict, vocab_size: int, tokenizer):
+    from offline_paged.bench import file_workload, random_workload
+
+    if options["workload"] == "random":
+        return random_workload(options["num_requests"], options["input_len"], options["output_len"],
+                               vocab_size, options["seed"], options["temperature"])
+    try:
+        return file_workload(options["input_file"], tokenizer)
+    except (ValueError, OSError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+class _NamedBackend:
+    """What the report needs to know of a backend the coordinator never built (no CUDA here)."""
+
+    def __init__(self, device: str, dtype: str | None) -> None:
+        from types import SimpleNamespace
+
+        self.name = device
+        self.dtype = SimpleNamespace(name=dtype or ("float16" if device == "cuda" else "float32"))
+        self.xp = None
+
+
 def _emit(options: dict, results: list, backend) -> None:
     from offline_paged.bench_report import format_report, plot_kv
 
     source = options["dummy_preset"] and f"dummy weights {options['dummy_preset']}" or options["model"] or "default model"
+    if options["data_parallel_size"] != 1:
+        source += f", data parallel {options['data_parallel_size']}"
     header = (f"offline-paged bench: {source}, {backend.name} {backend.dtype.name}, workload "
               f"{options['workload']}" + (f" N={options['num_requests']} in={_span(options['input_len'])} "
                                           f"out={_span(options['output_len'])}" if options["workload"] == "random" else ""))
@@ -203,9 +314,23 @@ def _git_commit() -> str | None:
 
 
 def _device_name(backend) -> str:
+    if backend.name == "cuda" and backend.xp is None:  # data parallel: no CUDA in this process
+        return _nvidia_smi_name()
     if backend.name != "cuda":
         import platform
 
         return f"cpu {platform.processor() or platform.machine()}"
     props = backend.xp.cuda.runtime.getDeviceProperties(backend.xp.cuda.Device().id)
     return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+
+def _nvidia_smi_name() -> str:
+    import subprocess
+
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "cuda"
+    names = [n.strip() for n in names if n.strip()]
+    return f"{len(names)} x {names[0]}" if names else "cuda"

@@ -20,6 +20,7 @@ from typing import IO, Any
 import click
 
 from offline_paged.job_file import JsonlWriter, OutputWriteError, ResumeState, open_output
+from offline_paged.dp_coordinator import WorkersLostError
 from offline_paged.job_input import read_lines
 from offline_paged.jobs import JobRunner, JobSummary
 from offline_paged.sampling_params import SamplingParams
@@ -70,6 +71,9 @@ def parse_size(text: str) -> int:
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Jinja chat template file for 'messages' lines (instead of the model's own).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Engine seed (for unseeded requests).")
+@click.option("--data-parallel-size", type=int, default=1, show_default=True,
+              help="Engine processes, one per GPU (on the CPU: processes too); this process deals "
+                   "requests out and alone writes OUT.")
 @click.option("--max-logprobs", type=click.IntRange(min=0), default=20, show_default=True,
               help="Most logprobs / prompt_logprobs a line may ask for.")
 @click.option("--resume/--no-resume", default=True, show_default=True,
@@ -117,6 +121,7 @@ def generate(prompts: str, output: str, **options: Any) -> None:
         defaults = _sampling_defaults(options)
         _check_paths(prompts, output, options["stats_json"])
         writer, resume = _open_output(output, options)
+        engine = None
         try:
             stats_file = _open_stats(options["stats_json"])
             engine = _build_engine(options)
@@ -129,6 +134,8 @@ def generate(prompts: str, output: str, **options: Any) -> None:
             raise
         finally:
             writer.close()
+            if hasattr(engine, "close"):  # data parallel: stop the worker processes
+                engine.close()
     _report(summary, stats_file)
     sys.exit(summary.exit_code)
 
@@ -137,15 +144,19 @@ def _run(engine, writer: JsonlWriter, resume: ResumeState, prompts: str,
          defaults: dict[str, Any], options: dict[str, Any]) -> JobSummary:
     progress = _progress(options["progress"], _count_lines(prompts))
     stop = _StopFlag()
+    # data parallel: read ahead enough to keep every worker full while results come back
+    max_pending = max(options["max_pending"], 2 * getattr(engine, "capacity", 0))
     try:
         with _input_lines(prompts) as lines, stop.installed():
             runner = JobRunner(engine, writer, defaults=defaults, model_name=options["model"] or "default",
                                done_keys=resume.done_keys, num_failed_before=resume.num_errors,
-                               max_pending=options["max_pending"], progress=progress,
+                               max_pending=max_pending, progress=progress,
                                should_stop=stop.is_set)
             return runner.run(lines)
     except OutputWriteError as exc:
         _fatal(str(exc))
+    except WorkersLostError as exc:
+        _fatal(f"{exc}; the records written are complete, rerun to resume")
     finally:
         if progress is not None:
             progress.close()
@@ -227,12 +238,15 @@ def _build_engine(options: dict[str, Any]):
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     template = _read_chat_template(options["chat_template"])
-    try:
-        engine = LLMEngine(config)
-    except (ValueError, OSError, RuntimeError) as exc:
-        _fatal(f"cannot start the engine: {exc}")
-    if template is not None:
-        engine.tokenizer.chat_template = template
+    if options["data_parallel_size"] != 1:
+        engine = _build_coordinator(config, options["data_parallel_size"])
+    else:
+        try:
+            engine = LLMEngine(config)
+        except (ValueError, OSError, RuntimeError) as exc:
+            _fatal(f"cannot start the engine: {exc}")
+    if template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = template  # chat lines are rendered here, in this process
     return engine
 
 
@@ -253,6 +267,20 @@ def _read_chat_template(path: str | None):
         return ChatTemplate(Path(path).read_text(encoding="utf-8"), origin=path)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise click.BadParameter(f"{path}: {exc}", param_hint="--chat-template") from None
+
+
+def _build_coordinator(config, data_parallel_size: int):
+    from offline_paged.dp_coordinator import DataParallelCoordinator, worker_devices
+    from offline_paged.dp_worker import WorkerSpec
+
+    try:
+        worker_devices(config.device, data_parallel_size)
+    except ValueError as exc:
+        raise click.UsageError(f"--data-parallel-size: {exc}") from None
+    try:
+        return DataParallelCoordinator(WorkerSpec(config), data_parallel_size)
+    except (ValueError, OSError, RuntimeError) as exc:
+        _fatal(f"cannot start the engine: {exc}")
 
 
 @contextmanager

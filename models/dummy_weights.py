@@ -42,6 +42,12 @@ PRESETS: dict[str, LlamaConfig] = {
         rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 8.0, **_LLAMA3_ROPE),
         max_position_embeddings=131072, tie_word_embeddings=False,
         bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
+    # not a published model: a toy shape for tests and CPU smoke runs of the benchmark's plumbing
+    "tiny": LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_ids=(2,)),
 }
 
 

@@ -46,6 +46,29 @@ def load_model(name_or_path: str | Path | None = None) -> LoadedModel:
                             "*.safetensors + tokenizer.json), a .gguf file, or 'default'")
 
 
+def load_tokenizer(name_or_path: str | Path | None = None) -> tuple[LlamaConfig, Tokenizer]:
+    """The config and tokenizer of what `load_model` would load, without reading any weights (a
+    data-parallel coordinator renders chat templates and decodes while its workers hold the model)."""
+    if name_or_path is None or str(name_or_path) == "default":
+        from .default_model import ensure_default_model
+
+        name_or_path = ensure_default_model()
+    path = Path(name_or_path)
+    if path.suffix == ".gguf":
+        from .gguf_import import GgufMetadata, config_from_metadata, open_gguf
+        from .gguf_tokenizer import build_tokenizer
+
+        reader = open_gguf(path)
+        metadata = GgufMetadata(reader, path)
+        config = config_from_metadata(metadata, any(t.name == "output.weight" for t in reader.tensors))
+        return config, build_tokenizer(metadata, config)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such model; expected an HF model directory (config.json + "
+                                "*.safetensors + tokenizer.json), a .gguf file, or 'default'")
+    config = LlamaConfig.from_file(path / "config.json")
+    return config, Tokenizer.from_dir(path, extra_eos_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
+
+
 def load_hf_dir(directory: str | Path) -> LoadedModel:
     directory = Path(directory)
     config = LlamaConfig.from_file(directory / "config.json")

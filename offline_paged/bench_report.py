@@ -35,7 +35,7 @@ def format_details(r: BenchResult) -> list[str]:
         f"KV utilization {r.kv_utilization:.1%} (filled slots / held slots, mean over steps)  "
         f"block usage {r.kv_block_usage:.1%} of the pool  max concurrent seqs {r.max_concurrent_seqs}  "
         f"preemptions {r.num_preemptions}",
-        _format_split(split),
+        _format_split(split) if r.steps else "per step: not recorded (the steps ran in worker processes)",
     ]
     roof = r.roofline()
     if roof is not None:

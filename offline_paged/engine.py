@@ -20,7 +20,7 @@ from offline_paged.engine_stats import StatsTracker
 from offline_paged.launched_step import LaunchedStep
 from offline_paged.output_processor import OutputProcessor
 from offline_paged.outputs import CompletionOutput, EngineStats, RequestOutput
-from offline_paged.random_stream import random_bits, stream_seed
+from offline_paged.random_stream import stream_seed, unseeded_request_seed
 from offline_paged.runner import (DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner, kv_block_bytes,
                                   profile_step_memory)
 from offline_paged.sampler import Sampler
@@ -33,7 +33,6 @@ from offline_paged.stop_checker import StopChecker
 if TYPE_CHECKING:
     from offline_paged.models.loader import LoadedModel
 
-_UNSEEDED_INDEX = 0x5EED  # stream index used to derive an unseeded request's seed
 
 
 class LLMEngine:
@@ -273,7 +272,7 @@ class LLMEngine:
         if params.seed is not None:
             base = params.seed
         else:
-            base = int(random_bits(self.config.seed, arrival, _UNSEEDED_INDEX))
+            base = unseeded_request_seed(self.config.seed, arrival)
         return [stream_seed(base, i) for i in range(params.num_samples)]
 
     def abort_request(self, request_id: str) -> bool:

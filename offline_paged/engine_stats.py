@@ -104,3 +104,37 @@ def slot_utilization(manager, resident) -> float:
     ref_count = manager.gpu_allocator.ref_count
     empty = sum(bs - fill for block_id, (fill, count) in tails.items() if count == ref_count(block_id))
     return (held * bs - empty) / (held * bs)
+
+
+def combine_stats(snapshots: list[EngineStats]) -> EngineStats:
+    """Several engines' stats as one (data parallel): counts and pools add up; rates and
+    occupancies are averaged over engines, peaks take the largest; the hit rate is recomputed."""
+    if not snapshots:
+        return EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
+
+    def total(name: str) -> int:
+        return sum(getattr(s, name) for s in snapshots)
+
+    def mean(name: str) -> float:
+        return sum(getattr(s, name) for s in snapshots) / len(snapshots)
+
+    looked_up = sum(s.num_cached_prompt_tokens / s.prefix_cache_hit_rate
+                    for s in snapshots if s.prefix_cache_hit_rate)
+    return EngineStats(
+        num_requests_finished=total("num_requests_finished"),
+        num_prompt_tokens=total("num_prompt_tokens"),
+        num_generated_tokens=total("num_generated_tokens"),
+        num_cached_prompt_tokens=total("num_cached_prompt_tokens"),
+        prefix_cache_hit_rate=total("num_cached_prompt_tokens") / looked_up if looked_up else 0.0,
+        num_preemptions_recompute=total("num_preemptions_recompute"),
+        num_preemptions_swap=total("num_preemptions_swap"),
+        kv_utilization_current=mean("kv_utilization_current"),
+        kv_utilization_average=mean("kv_utilization_average"),
+        kv_block_usage_current=mean("kv_block_usage_current"),
+        kv_block_usage_average=mean("kv_block_usage_average"),
+        kv_block_usage_peak=max(s.kv_block_usage_peak for s in snapshots),
+        num_gpu_blocks=total("num_gpu_blocks"),
+        num_cpu_blocks=total("num_cpu_blocks"),
+        block_size=snapshots[0].block_size,
+        num_steps=max(s.num_steps for s in snapshots),
+    )

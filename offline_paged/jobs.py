@@ -2,7 +2,8 @@
 
 `JobRunner(engine, writer, ...).run(lines) -> JobSummary`. The engine is injected (anything with
 add_request / step / has_unfinished_requests / stats / tokenizer), so the loop is tested with a
-fake one. Lines are read lazily, keeping at most `max_pending` requests inside the engine, so stdin
+fake one and runs a DataParallelCoordinator unchanged; step() may hand back a RequestError (a
+request refused after add_request returned), which becomes the line's error record. Lines are read lazily, keeping at most `max_pending` requests inside the engine, so stdin
 and very large files stream. Bad lines never stop the job: each gets one error record. Lines whose
 key is in `done_keys` (from a previous run's output) are skipped, which is how resume works.
 """
@@ -17,6 +18,7 @@ from offline_paged.job_file import JsonlWriter
 from offline_paged.job_input import (NATIVE, SCORE, JobRequest, LineError, parse_line,
                                      score_tokens)
 from offline_paged.job_output import error_record, success_record
+from offline_paged.outputs import RequestError, RequestOutput
 
 EXIT_OK = 0
 EXIT_SOME_FAILED = 1
@@ -152,13 +154,19 @@ class JobRunner:
                                     prompt_token_ids=token_ids, params=request.params)
         except Exception as exc:  # noqa: BLE001 - whatever one line does, the others still run
             reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-            self._fail(LineError(request.line_number, request.request_id, "rejected",
-                                 f"line {request.line_number}: {_cut(reason)}", _is_openai(request)))
+            self._reject(request, reason)
             return
         self._pending[request.request_id] = request
 
-    def _finish(self, output) -> None:
+    def _reject(self, request: JobRequest, reason: str) -> None:
+        self._fail(LineError(request.line_number, request.request_id, "rejected",
+                             f"line {request.line_number}: {_cut(reason)}", _is_openai(request)))
+
+    def _finish(self, output: RequestOutput | RequestError) -> None:
         request = self._pending.pop(output.request_id)
+        if isinstance(output, RequestError):  # refused later, by a data-parallel worker
+            self._reject(request, output.message)
+            return
         decode = self.engine.tokenizer.decode
         self.writer.write(success_record(request, output, self.model_name,
                                          lambda t: decode([t], skip_special_tokens=False),

@@ -17,8 +17,8 @@ from offline_paged.generation_config import sampling_defaults
 from offline_paged.hf_tokenizer import HFTokenizer, render_chat
 from offline_paged.inputs import prompt_fields
 from offline_paged.llm_args import engine_kwargs
-from offline_paged.outputs import (BeamSearchOutput, BeamSearchSequence, EngineStats, RequestOutput,
-                                   to_logprob_dicts)
+from offline_paged.outputs import (BeamSearchOutput, BeamSearchSequence, EngineStats, RequestError,
+                                   RequestOutput, to_logprob_dicts)
 from offline_paged.progress import RequestProgress
 from offline_paged.sampling_params import SamplingParams
 
@@ -33,16 +33,34 @@ class LLM:
     preemption_mode, swap_space, num_cpu_blocks, gpu_memory_utilization, ...) plus the vLLM
     spellings llm_args.py translates; anything else raises ValueError naming it.
     `loaded_model` skips loading (an already-loaded model, e.g. a tiny random one).
+    `data_parallel_size=N` runs N engine processes (one per GPU; processes on the CPU too), each
+    loading the model itself; a prompt a worker refuses raises ValueError from `generate` once the
+    others are done. `close()` (or leaving a `with LLM(...)` block) stops them.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | None = "auto",
-                 *, loaded_model=None, **kwargs: Any) -> None:
+                 *, loaded_model=None, data_parallel_size: int = 1, **kwargs: Any) -> None:
         config_kwargs, generation_config = engine_kwargs(model, dtype, kwargs)
-        self.engine = LLMEngine(EngineConfig(device=device, **config_kwargs), loaded_model=loaded_model)
+        config = EngineConfig(device=device, **config_kwargs)
+        if data_parallel_size == 1:
+            self.engine = LLMEngine(config, loaded_model=loaded_model)
+        else:
+            self.engine = _coordinator(config, loaded_model, data_parallel_size)
         source = getattr(loaded_model, "source", None) if loaded_model is not None else self._source(model)
         self._default_sampling = sampling_defaults(source, generation_config)
         self._tokenizer = HFTokenizer(self.engine.tokenizer)
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the data-parallel worker processes (nothing to do for one in-process engine)."""
+        if hasattr(self.engine, "close"):
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @staticmethod
     def _source(model: str | None) -> str | None:
@@ -158,6 +176,9 @@ class LLM:
             raise
         finally:
             progress.close()
+        refused = [i for i, r in enumerate(request_ids) if isinstance(done[r], RequestError)]
+        if refused:
+            raise ValueError(f"prompt {refused[0]}: {done[request_ids[refused[0]]].message}")
         return [done[request_id] for request_id in request_ids]
 
     def _vllm_output(self, out: RequestOutput, params: SamplingParams) -> RequestOutput:
@@ -177,6 +198,16 @@ class LLM:
                 cache[token_id] = decode([token_id], skip_special_tokens=False)
             return cache[token_id]
         return decode_token
+
+
+def _coordinator(config: EngineConfig, loaded_model, data_parallel_size: int):
+    from offline_paged.dp_coordinator import DataParallelCoordinator
+    from offline_paged.dp_worker import WorkerSpec
+
+    if loaded_model is not None:
+        raise ValueError("loaded_model cannot be combined with data_parallel_size > 1: every worker "
+                         "process loads the model itself; pass model= a path instead")
+    return DataParallelCoordinator(WorkerSpec(config), data_parallel_size)
 
 
 def _refuse(**arguments: Any) -> None:

@@ -124,3 +124,12 @@ class EngineStats:
 
     def to_dict(self) -> dict[str, float | int]:
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """A request that an engine handed back without running it (a data-parallel worker refused it,
+    or it was on workers that died). `step()` returns it in place of a RequestOutput, once."""
+
+    request_id: str
+    message: str

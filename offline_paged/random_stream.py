@@ -67,3 +67,12 @@ def stream_seed(seed: int, sample_index: int) -> int:
         return int(seed) & _MASK64
     x = np.asarray((int(seed) + sample_index * _SAMPLE_MULT) & _MASK64, dtype=np.uint64)
     return int(mix64(x))
+
+
+_UNSEEDED_INDEX = 0x5EED  # stream index used to derive an unseeded request's seed
+
+
+def unseeded_request_seed(engine_seed: int, arrival: int) -> int:
+    """The seed of a request that gave none: drawn from the engine seed at the request's arrival
+    index (a data-parallel coordinator draws it from its own count, so workers never share one)."""
+    return int(random_bits(engine_seed, arrival, _UNSEEDED_INDEX))

@@ -385,3 +385,39 @@ def test_openai_response_ids_are_unique_per_run_and_broken_lines_get_the_envelop
     ids = [r["id"] for r in first + second] + [r["response"]["request_id"] for r in first + second]
     assert len(set(ids)) == len(ids)
     assert {record_key(r) for r in first} == {record_key(r) for r in second}  # resume still works
+
+
+class DeferredRefusalEngine(FakeEngine):
+    """Refuses long prompts one step after add_request accepted them, as a data-parallel worker does."""
+
+    def __init__(self) -> None:
+        super().__init__(max_model_len=1000)
+        self._refused: list[str] = []
+
+    def add_request(self, request_id, prompt=None, prompt_token_ids=None, params=None) -> None:
+        if prompt is not None and len(prompt) > 10:
+            self._refused.append(request_id)
+            return
+        super().add_request(request_id, prompt, prompt_token_ids, params)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._refused) or super().has_unfinished_requests()
+
+    def step(self):
+        from offline_paged.outputs import RequestError
+
+        refused, self._refused = self._refused, []
+        return [RequestError(r, f"prompt of request {r} too long") for r in refused] + super().step()
+
+
+def test_a_request_refused_after_it_was_added_gets_one_error_record():
+    summary, records, _, _ = _run([{"id": "ok", "prompt": "ab"}, {"id": "long", "prompt": "x" * 20},
+                                   {"custom_id": "oa", "method": "POST", "url": "/v1/completions",
+                                    "body": {"model": "m", "prompt": "y" * 20}}],
+                                  engine=DeferredRefusalEngine())
+    by_key = {record_key(r): r for r in records}
+    assert len(records) == 3 and set(by_key) == {"ok", "long", "oa"}
+    assert by_key["long"]["error"] == {"type": "rejected",
+                                       "message": "line 2: prompt of request long too long"}
+    assert by_key["oa"]["response"]["status_code"] >= 400  # the OpenAI envelope, as for any refusal
+    assert (summary.num_succeeded, summary.num_failed, summary.exit_code) == (1, 2, EXIT_SOME_FAILED)
