@@ -112,14 +112,18 @@ def test_engine_greedy_equals_transformers_generate(tiny):
         hf64.generation_config.eos_token_id = eos
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_bfloat16_checkpoint_matches_transformers(tmp_path, family):
-    """A bf16 save_pretrained (biases and q/k norms in bf16 too) loads, widened, to transformers' logits."""
+@pytest.mark.parametrize("family,tied", [("qwen2", False), ("qwen3", True)])
+def test_bfloat16_checkpoint_matches_transformers(tmp_path, family, tied):
+    """A bf16 save_pretrained (biases and q/k norms in bf16 too) loads, widened, to transformers' logits;
+    the Qwen3 one ties its embeddings, as Qwen3-0.6B does."""
     import torch
 
-    hf_model = make_tiny_hf_model(tmp_path, seed=78, family=family, dtype=torch.bfloat16)
+    hf_model = make_tiny_hf_model(tmp_path, seed=78, family=family, dtype=torch.bfloat16,
+                                  tie_word_embeddings=tied)
+    assert hf_model.config.tie_word_embeddings == tied
     write_tiny_tokenizer(tmp_path, hf_model.config.vocab_size)
     loaded = load_model(tmp_path)
+    assert loaded.config.tie_word_embeddings == tied
     prompt = random_prompts(6, [14], loaded.config.vocab_size)[0]
     logits = _runner(loaded).step([(0, prompt)], all_logits=True)[0]
     np.testing.assert_allclose(logits, hf_logits(hf_model, prompt), atol=ATOL, rtol=0)
