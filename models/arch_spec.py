@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class ArchSpec:
+    """One architecture's differences from Llama, as flags the decoder and the weight list read."""
+
     architecture: str  # the `architectures` entry of config.json
     model_type: str
     qkv_bias: bool = False  # q/k/v projections carry biases (o_proj and the MLP never do)

@@ -7,9 +7,9 @@ The architecture (Llama, Mistral, Qwen2, Qwen3) picks an `ArchSpec` (models/arch
 biases, q/k norm and the transformers defaults of keys config.json may leave out.
 Everything the config asks for that this decoder does not compute (another `hidden_act`, a
 `quantization_config`, biases the architecture does not have, a sliding window, partial RoPE) is
-refused by name, and every value
-is type- and range-checked (positive sizes under generous limits, finite positive eps and theta,
-token ids inside the vocabulary), so a bad config fails at load, never as NaN logits later.
+refused by name, and every value is type- and range-checked (positive sizes under generous limits,
+finite positive eps and theta, token ids inside the vocabulary), so a bad config fails at load, never
+as NaN logits later.
 """
 from __future__ import annotations
 

@@ -89,7 +89,8 @@ class Llama:
             post_norm=upload(weights[p + "post_attention_layernorm.weight"]),
             gate_up=linear("mlp.gate_proj.weight", "mlp.up_proj.weight"),
             down=linear("mlp.down_proj.weight"),
-            qkv_bias=linear(*(n + ".bias" for n in qkv_names)) if spec.qkv_bias else None,
+            qkv_bias=upload(xp.concatenate([xp.asarray(weights[p + n + ".bias"], dtype=self.dtype)
+                                            for n in qkv_names])) if spec.qkv_bias else None,
             q_norm=upload(weights[p + "self_attn.q_norm.weight"]) if spec.qk_norm else None,
             k_norm=upload(weights[p + "self_attn.k_norm.weight"]) if spec.qk_norm else None,
         )
