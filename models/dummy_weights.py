@@ -47,7 +47,7 @@ PRESETS: dict[str, LlamaConfig] = {
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
-        architecture="Qwen3ForCausalLM", bos_token_id=151643, eos_token_ids=(151645,)),
+        architecture="Qwen3ForCausalLM", bos_token_id=151643, eos_token_ids=(151645, 151643)),
     # Qwen2.5-7B-Instruct: q/k/v biases, untied.
     "qwen2.5-7b": LlamaConfig(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

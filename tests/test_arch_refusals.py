@@ -162,3 +162,33 @@ def test_wrong_bias_shape_is_named(saved, tmp_path):
     with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.self_attn\.v_proj\.bias has shape \(48,\), "
                                          r"expected \(16,\)"):
         load_model(directory)
+
+
+# --------------------------------------------------------------------------- published configs
+# config.json of Qwen/Qwen2.5-7B-Instruct and Qwen/Qwen3-0.6B as published (a window is present but off).
+QWEN25_7B_INSTRUCT = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2",
+    "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+    "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960,
+    "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+
+
+@pytest.mark.parametrize("raw,preset", [(QWEN25_7B_INSTRUCT, "qwen2.5-7b"), (QWEN3_06B, "qwen3-0.6b")])
+def test_published_configs_load_as_the_bench_presets(raw, preset):
+    import dataclasses
+
+    from offline_paged.models.dummy_weights import PRESETS
+
+    config = LlamaConfig.from_dict(raw)
+    # The presets also stop on generation_config.json's extra end-of-sequence ids.
+    assert dataclasses.replace(config, eos_token_ids=PRESETS[preset].eos_token_ids) == PRESETS[preset]
