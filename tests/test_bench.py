@@ -115,8 +115,10 @@ def test_dummy_presets_match_their_published_sizes():
 @pytest.mark.parametrize("preset,extra", [("qwen3-0.6b", "model.layers.0.self_attn.k_norm.weight"),
                                           ("qwen2.5-7b", "model.layers.0.self_attn.k_proj.bias")])
 def test_qwen_presets_draw_their_extra_tensors_and_run(preset, extra):
-    """One layer and a small vocabulary of the preset's shapes: the extra tensors are drawn, the
-    config survives config.json, and a forward gives finite logits."""
+    """The preset's heads and head_dim with one layer and small hidden, intermediate and vocabulary
+    sizes (the full layer would lift this process's peak RSS by GBs, and with it every later
+    subprocess's ru_maxrss): the extra tensors are drawn, the config survives config.json, and a
+    forward gives finite logits."""
     import dataclasses
 
     from offline_paged.models.config import LlamaConfig
@@ -124,8 +126,8 @@ def test_qwen_presets_draw_their_extra_tensors_and_run(preset, extra):
     from offline_paged.models.ops_numpy import NumpyOps
     from offline_paged.models.simple_runner import SimpleRunner
 
-    config = dataclasses.replace(PRESETS[preset], num_hidden_layers=1, vocab_size=1024,
-                                 bos_token_id=1, eos_token_ids=(2,))
+    config = dataclasses.replace(PRESETS[preset], num_hidden_layers=1, vocab_size=1024, hidden_size=256,
+                                 intermediate_size=512, bos_token_id=1, eos_token_ids=(2,))
     assert LlamaConfig.from_dict(config.to_dict()) == config
     weights = random_weights(config, np, np.float32, seed=1)
     assert extra in weights and np.all(weights.get("model.layers.0.self_attn.k_norm.weight", 1) == 1)
