@@ -3,10 +3,13 @@
 Both RoPE spellings are accepted: the old one (`rope_theta` + `rope_scaling`) and the new one
 (`rope_parameters` with `rope_type`/`rope_theta`). RoPE scaling of type `llama3` and `linear` is
 supported; anything else is refused with a message naming the file and the type.
+The architecture (Llama, Mistral, Qwen2, Qwen3) picks an `ArchSpec` (models/arch_spec.py): its
+biases, q/k norm and the transformers defaults of keys config.json may leave out.
 Everything the config asks for that this decoder does not compute (another `hidden_act`, a
-`quantization_config`, biases, a sliding window, partial RoPE) is refused by name, and every value
-is type- and range-checked (positive sizes under generous limits, finite positive eps and theta,
-token ids inside the vocabulary), so a bad config fails at load, never as NaN logits later.
+`quantization_config`, biases the architecture does not have, a sliding window, partial RoPE) is
+refused by name, and every value is type- and range-checked (positive sizes under generous limits,
+finite positive eps and theta, token ids inside the vocabulary), so a bad config fails at load, never
+as NaN logits later.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+from .arch_spec import ARCHITECTURE_OF_MODEL_TYPE, SUPPORTED_ARCHITECTURES, ArchSpec, arch_spec
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -53,7 +57,8 @@ SIZE_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size
 
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
-    """Shapes and constants of a Llama-layout decoder (also Mistral without sliding window)."""
+    """Shapes and constants of a Llama-layout decoder: Llama, Mistral without sliding window,
+    Qwen2/Qwen2.5 and Qwen3 (`spec` says what the architecture adds)."""
 
     vocab_size: int
     hidden_size: int
@@ -89,9 +94,11 @@ class LlamaConfig:
             if bad:
                 raise ValueError(f"{name} {bad[0]!r} is not a token id of the vocabulary "
                                  f"(vocab_size {self.vocab_size})")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.architecture!r} "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        arch_spec(self.architecture)
+
+    @property
+    def spec(self) -> ArchSpec:
+        return arch_spec(self.architecture)
 
     @classmethod
     def from_file(cls, path: str | Path) -> LlamaConfig:
@@ -114,14 +121,16 @@ class LlamaConfig:
         config asks for that this decoder does not compute is refused, never ignored."""
         if not isinstance(raw, dict):
             raise ValueError(f"the config must be a JSON object, got {type(raw).__name__}")
-        architecture = _architecture(raw)
-        _refuse_what_we_do_not_compute(raw, architecture)
+        spec = arch_spec(_architecture(raw))
+        _refuse_what_we_do_not_compute(raw)
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in raw]
         if missing:
             raise ValueError(f"missing required keys: {', '.join(missing)}")
+        _refuse_sliding_window(raw, spec)
         num_heads = _int(raw, "num_attention_heads")
         hidden = _int(raw, "hidden_size")
+        default_head_dim = spec.default_head_dim or (hidden // num_heads if num_heads > 0 else 0)
         rope_theta, rope_scaling = _rope(raw)
         return cls(
             vocab_size=_int(raw, "vocab_size"),
@@ -130,13 +139,13 @@ class LlamaConfig:
             num_hidden_layers=_int(raw, "num_hidden_layers"),
             num_attention_heads=num_heads,
             num_key_value_heads=_int(raw, "num_key_value_heads", num_heads),
-            head_dim=_int(raw, "head_dim", hidden // num_heads if num_heads > 0 else 0),
-            rms_norm_eps=_float(raw, "rms_norm_eps", 1e-5),
+            head_dim=_int(raw, "head_dim", default_head_dim),
+            rms_norm_eps=_float(raw, "rms_norm_eps", 1e-6),  # transformers' default for all four
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_int(raw, "max_position_embeddings", 4096),
-            tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
-            architecture=architecture,
+            max_position_embeddings=_int(raw, "max_position_embeddings", spec.default_max_position_embeddings),
+            tie_word_embeddings=_bool(raw, "tie_word_embeddings", spec.default_tie_word_embeddings),
+            architecture=spec.architecture,
             bos_token_id=_int(raw, "bos_token_id", None),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
         )
@@ -145,7 +154,7 @@ class LlamaConfig:
         """An HF-style config dict (old rope spelling, which every transformers version reads)."""
         out: dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": "mistral" if self.architecture == "MistralForCausalLM" else "llama",
+            "model_type": self.spec.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -163,6 +172,8 @@ class LlamaConfig:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+        if self.spec.window_switch is not None:
+            out |= {"sliding_window": None, "use_sliding_window": False}
         if self.rope_scaling is not None:
             s = self.rope_scaling
             out["rope_scaling"] = {"rope_type": s.rope_type, "factor": s.factor}
@@ -183,7 +194,7 @@ def _architecture(raw: dict[str, Any]) -> str:
         raise ValueError(f"architectures must be a list of names, got {str(archs)[:60]!r}")
     if not archs:
         model_type = raw.get("model_type")
-        archs = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"]}.get(model_type, [])
+        archs = [ARCHITECTURE_OF_MODEL_TYPE[model_type]] if model_type in ARCHITECTURE_OF_MODEL_TYPE else []
         if not archs:
             raise ValueError(f"no 'architectures' and unknown model_type {model_type!r} "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -193,7 +204,7 @@ def _architecture(raw: dict[str, Any]) -> str:
     raise ValueError(f"unsupported architecture {archs} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
-def _refuse_what_we_do_not_compute(raw: dict[str, Any], architecture: str) -> None:
+def _refuse_what_we_do_not_compute(raw: dict[str, Any]) -> None:
     quantization = raw.get("quantization_config")
     if quantization is not None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
@@ -204,9 +215,42 @@ def _refuse_what_we_do_not_compute(raw: dict[str, Any], architecture: str) -> No
         raise ValueError(f"hidden_act {act!r} is not supported (this decoder computes silu)")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias are not supported")
-    if architecture == "MistralForCausalLM" and raw.get("sliding_window") is not None:
-        raise ValueError("MistralForCausalLM with sliding_window is not supported "
-                         f"(sliding_window={raw['sliding_window']})")
+
+
+def _refuse_sliding_window(raw: dict[str, Any], spec: ArchSpec) -> None:
+    """The paged kernels attend to the whole context: any layer with a window is refused by name."""
+    if spec.window_switch == "sliding_window":
+        window = raw.get("sliding_window", spec.default_sliding_window)
+        if window is not None:
+            why = "" if "sliding_window" in raw else ", transformers' default when config.json has none"
+            raise ValueError(f"{spec.architecture} with sliding_window is not supported (sliding_window="
+                             f"{window}{why}); only a config with sliding_window null is computed")
+    elif spec.window_switch == "use_sliding_window":
+        sliding = _sliding_layers(raw, spec)
+        if sliding:
+            raise ValueError(f"sliding-window attention is not supported: {sliding}")
+
+
+def _sliding_layers(raw: dict[str, Any], spec: ArchSpec) -> str:
+    """Which layers transformers' Qwen2/Qwen3 give a window, and why ("" for none)."""
+    num_layers = _int(raw, "num_hidden_layers")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        kinds = ("full_attention", "sliding_attention")
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(
+                t not in kinds for t in layer_types):
+            raise ValueError(f"layer_types must list {' or '.join(kinds)} for each of the "
+                             f"{num_layers} layers, got {str(layer_types)[:60]!r}")
+        sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+        return f"layer_types marks layers {sliding} as sliding_attention" if sliding else ""
+    window = raw.get("sliding_window", spec.default_sliding_window)
+    if not _bool(raw, "use_sliding_window", False) or window is None:
+        return ""
+    first = _int(raw, "max_window_layers", 28)  # transformers' Qwen2Config / Qwen3Config default
+    if first >= num_layers:
+        return ""
+    return (f"use_sliding_window is true, so layers {max(first, 0)}..{num_layers - 1} (max_window_layers "
+            f"{first}) would attend within sliding_window {window}")
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:

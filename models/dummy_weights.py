@@ -7,7 +7,7 @@ the shapes, not on the values. Weights are drawn from a seed with the backend's 
 each is reproducible on its own.
 
 Values follow the HF initialisation (linear and embedding weights ~ N(0, 0.02), norm weights 1), so
-activations stay finite in float16 through every layer.
+activations stay finite in float16 through every layer; biases (Qwen2) are drawn like the weights.
 """
 from __future__ import annotations
 
@@ -48,6 +48,18 @@ PRESETS: dict[str, LlamaConfig] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
         rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True,
         bos_token_id=1, eos_token_ids=(2,)),
+    # nano-vllm's benchmark model: per-head q/k norm, head_dim 128 (not hidden / heads), tied.
+    "qwen3-0.6b": LlamaConfig(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
+        architecture="Qwen3ForCausalLM", bos_token_id=151643, eos_token_ids=(151645, 151643)),
+    # Qwen2.5-7B-Instruct: q/k/v biases, untied.
+    "qwen2.5-7b": LlamaConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+        architecture="Qwen2ForCausalLM", bos_token_id=151643, eos_token_ids=(151645, 151643)),
 }
 
 

@@ -1,5 +1,8 @@
 """Llama: the decoder forward over a paged KV cache, written once against `ops` / `ops.xp`.
 
+One decoder for every supported family; the config's `ArchSpec` (models/arch_spec.py) switches on
+what a family adds: q/k/v biases (Qwen2), RMSNorm of each q and k head before RoPE (Qwen3).
+
 Legend for shape comments:
     T  tokens in the batch (all sequences' new tokens, concatenated)   K  rows that need logits
     E  hidden size   I  intermediate size   V  vocab size
@@ -32,6 +35,9 @@ class LlamaLayer:
     post_norm: Any  # [E]
     gate_up: Any  # [E, 2 I]
     down: Any  # [I, E]
+    qkv_bias: Any = None  # [(H + 2 Hkv) D] (Qwen2)
+    q_norm: Any = None  # [D] (Qwen3)
+    k_norm: Any = None  # [D] (Qwen3)
 
 
 class Llama:
@@ -74,6 +80,8 @@ class Llama:
             parts = [xp.asarray(weights[p + n], dtype=self.dtype) for n in names]
             return upload(xp.concatenate(parts, axis=0).T)
 
+        spec = self.config.spec
+        qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         return LlamaLayer(
             input_norm=upload(weights[p + "input_layernorm.weight"]),
             qkv=linear("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -81,6 +89,10 @@ class Llama:
             post_norm=upload(weights[p + "post_attention_layernorm.weight"]),
             gate_up=linear("mlp.gate_proj.weight", "mlp.up_proj.weight"),
             down=linear("mlp.down_proj.weight"),
+            qkv_bias=upload(xp.concatenate([xp.asarray(weights[p + n + ".bias"], dtype=self.dtype)
+                                            for n in qkv_names])) if spec.qkv_bias else None,
+            q_norm=upload(weights[p + "self_attn.q_norm.weight"]) if spec.qk_norm else None,
+            k_norm=upload(weights[p + "self_attn.k_norm.weight"]) if spec.qk_norm else None,
         )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int):
@@ -116,10 +128,20 @@ class Llama:
         q_dim = c.num_attention_heads * c.head_dim
         kv_dim = c.num_key_value_heads * c.head_dim
         qkv = matmul(hidden, layer.qkv)  # [T, (H + 2 Hkv) D]
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias  # [T, (H + 2 Hkv) D]
         q = qkv[:, :q_dim].reshape(num_tokens, c.num_attention_heads, c.head_dim)  # [T, H, D]
         k = qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
         v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
+        if layer.q_norm is not None:
+            q, k = self._head_norm(q, layer.q_norm), self._head_norm(k, layer.k_norm)
         q, k = self.ops.rope(q, k, positions, self.cos_sin_cache)
         self.ops.write_kv(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
         out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale)  # [T, H, D]
         return matmul(out.reshape(num_tokens, q_dim), layer.o_proj)  # [T, E]
+
+    def _head_norm(self, x, weight):
+        """RMSNorm of every head over D (Qwen3's q_norm / k_norm): [T, heads, D] -> [T, heads, D]."""
+        rows = x.reshape(-1, x.shape[-1])  # [T heads, D] (a copy when x is a strided slice of qkv)
+        normed, _ = self.ops.rms_norm(rows, weight, self.config.rms_norm_eps)  # [T heads, D]
+        return normed.reshape(x.shape)

@@ -1,4 +1,7 @@
-"""The HF tensor names and shapes a Llama-layout checkpoint must contain (used by Llama and the loader)."""
+"""The HF tensor names and shapes a Llama-layout checkpoint must contain (used by Llama and the loader).
+
+The architecture's `ArchSpec` adds q/k/v biases (Qwen2) or per-head q/k norm weights (Qwen3); a tensor
+outside this list is refused by the loader, so a checkpoint of another family never loads silently."""
 from __future__ import annotations
 
 import re
@@ -64,7 +67,21 @@ def expected_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
         }
+        shapes |= _arch_extras(config, p)
     return shapes
+
+
+def _arch_extras(config: LlamaConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of layer prefix `p` that the architecture adds to the Llama layout."""
+    spec, head_dim = config.spec, config.head_dim
+    extras: dict[str, tuple[int, ...]] = {}
+    if spec.qkv_bias:
+        extras |= {p + "self_attn.q_proj.bias": (config.num_attention_heads * head_dim,),
+                   p + "self_attn.k_proj.bias": (config.num_key_value_heads * head_dim,),
+                   p + "self_attn.v_proj.bias": (config.num_key_value_heads * head_dim,)}
+    if spec.qk_norm:
+        extras |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+    return extras
 
 
 def check_weights(config: LlamaConfig, shapes: dict[str, tuple[int, ...]], where: str = "weights") -> None:

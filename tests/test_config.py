@@ -48,7 +48,7 @@ HOSTILE = {
     "max_positions_zero": ({"max_position_embeddings": 0}, r"max_position_embeddings must be an integer in"),
     "odd_head_dim": ({"head_dim": 7}, r"head_dim must be even"),
     "architectures_string": ({"architectures": 5}, r"architectures must be a list of names"),
-    "unknown_architecture": ({"architectures": ["Qwen2ForCausalLM"]}, r"unsupported architecture"),
+    "unknown_architecture": ({"architectures": ["GemmaForCausalLM"]}, r"unsupported architecture"),
 }
 
 

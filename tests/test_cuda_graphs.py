@@ -9,7 +9,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from test_cuda_ops import SMOLLM2_SHAPE, random_weights  # noqa: E402
+from test_cuda_ops import QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
 from test_gpu_engine import engine, prompts, random_model  # noqa: E402
 from tiny_engine import run_to_completion  # noqa: E402
 
@@ -76,8 +76,9 @@ def eager_decode(model, kv_cache, ids, positions, slots, tables):
     return model.forward(i32(ids), i32(positions), kv_cache, meta, i32(np.arange(num_seqs))).get()
 
 
-def test_graph_decode_matches_eager_across_buckets_with_padding_rows():
-    config = LlamaConfig(**SMOLLM2_SHAPE | dict(num_hidden_layers=4))
+@pytest.mark.parametrize("shape", [SMOLLM2_SHAPE, QWEN2_SHAPE, QWEN3_SHAPE], ids=["llama", "qwen2", "qwen3"])
+def test_graph_decode_matches_eager_across_buckets_with_padding_rows(shape):
+    config = LlamaConfig(**shape | dict(num_hidden_layers=4))
     model = Llama(config, random_weights(config, seed=7), CudaOps(), np.float16)
     block_size, rng = 16, np.random.default_rng(0)
     kv_cache = model.allocate_kv_cache(1024, block_size)  # [L, 2, N, B, Hkv, D]

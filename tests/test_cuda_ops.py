@@ -22,6 +22,13 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
 GQA4_D128_SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
                        num_attention_heads=16, num_key_value_heads=4, head_dim=128, rope_theta=5e5,
                        max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5)
+# Qwen2: q/k/v biases. Qwen3: per-head q/k RMSNorm, head_dim 128 != hidden / heads, tied.
+QWEN2_SHAPE = dict(architecture="Qwen2ForCausalLM", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                   num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2, head_dim=64,
+                   rope_theta=1e6, max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6)
+QWEN3_SHAPE = dict(architecture="Qwen3ForCausalLM", vocab_size=32000, hidden_size=1024, intermediate_size=3072,
+                   num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                   rope_theta=1e6, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6)
 
 
 def rel_error(actual, expected) -> float:
@@ -86,13 +93,16 @@ def random_weights(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
         w = rng.standard_normal(shape, dtype=np.float32)
         if name.endswith("norm.weight"):
             w = 1 + 0.1 * w
+        elif name.endswith(".bias"):
+            w *= 0.5
         elif "embed_tokens" not in name and name != "lm_head.weight":
             w /= np.sqrt(shape[-1])
         weights[name] = w
     return weights
 
 
-@pytest.mark.parametrize("shape", [SMOLLM2_SHAPE, GQA4_D128_SHAPE], ids=["smollm2-d64-gqa3", "d128-gqa4"])
+@pytest.mark.parametrize("shape", [SMOLLM2_SHAPE, GQA4_D128_SHAPE, QWEN2_SHAPE, QWEN3_SHAPE],
+                         ids=["smollm2-d64-gqa3", "d128-gqa4", "qwen2-bias", "qwen3-qk-norm"])
 def test_llama_gpu_fp16_matches_cpu_fp32_teacher_forced(shape):
     config = LlamaConfig(**shape)
     weights = random_weights(config, seed=7)

@@ -1,4 +1,5 @@
-"""Test helper: a tiny random Llama saved as a real HF directory, and transformers' logits for it."""
+"""Test helper: a tiny random Llama (or Mistral, Qwen2, Qwen3) saved as a real HF directory, built
+with transformers' own config and model classes, and transformers' logits for it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,25 +11,46 @@ TINY = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_laye
             rms_norm_eps=1e-5, rope_theta=500.0, tie_word_embeddings=False)
 
 
-def make_tiny_hf_model(path: Path, seed: int = 0, **overrides):
-    """Build LlamaForCausalLM from `seed`, widen its weights so activations are O(1) (the default
-    0.02-std init would make every logit nearly equal and hide bugs), save it as safetensors."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+# family -> (transformers config class, model class, overrides of TINY)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    # head_dim 12 != hidden_size / heads (8): Qwen3 takes head_dim from the config, as the real ones do.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 12}),
+}
 
+
+def make_tiny_hf_model(path: Path, seed: int = 0, family: str = "llama", dtype=None, **overrides):
+    """Build the family's *ForCausalLM from `seed`, widen its weights so activations are O(1) (the
+    default 0.02-std init would make every logit nearly equal and hide bugs), save it as safetensors
+    (in `dtype`, e.g. torch.bfloat16, when given). Returns the float32 model."""
+    import torch
+    import transformers
+
+    config_name, model_name, family_overrides = FAMILIES[family]
     torch.manual_seed(seed)
-    config = LlamaConfig(**(TINY | overrides), attn_implementation="eager")
-    model = LlamaForCausalLM(config).float().eval()
+    config = getattr(transformers, config_name)(**(TINY | family_overrides | overrides),
+                                                 attn_implementation="eager")
+    model = getattr(transformers, model_name)(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * torch.randn_like(param))
             else:
                 param.copy_(torch.randn_like(param) * (0.5 / param.shape[-1] ** 0.5 if param.ndim == 2 else 1))
             if "embed_tokens" in name:
                 param.mul_(param.shape[-1] ** 0.5)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    if dtype is None:
+        model.save_pretrained(path, safe_serialization=True)
+        return model
+    # Read back in float32, so the returned model holds exactly what was saved (rounded weights) and
+    # fresh float32 buffers (a round trip through `dtype` would also round the RoPE frequencies).
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
+    return getattr(transformers, model_name).from_pretrained(path, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
 
 
 def hf_logits(model, token_ids: list[int]) -> np.ndarray:
