@@ -37,6 +37,8 @@ for name in $RUNS; do
     1b_eager) run $name --dummy-weights llama-3.2-1b --no-cuda-graphs ;;
     8b_graphs) run $name --dummy-weights llama-3.1-8b --cuda-graphs ;;
     1b_graphs_n1024) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024 ;;
+    qwen3_0.6b) run $name --dummy-weights qwen3-0.6b --cuda-graphs ;;
+    qwen2.5_7b) run $name --dummy-weights qwen2.5-7b --cuda-graphs ;;
   esac
 done
 
