@@ -169,7 +169,8 @@ class LLM:
                 for output in self.engine.step():
                     if output.request_id in wanted:
                         done[output.request_id] = output
-                        progress.update(output)
+                        if not isinstance(output, RequestError):  # a worker refused it
+                            progress.update(output)
         except BaseException:
             for request_id in wanted - done.keys():
                 self.engine.abort_request(request_id)

@@ -23,7 +23,8 @@ if [ "$WHAT" != bench ]; then
 fi
 [ "$WHAT" = tests ] && exit 0
 
-for name in ${RUNS:-"1b 8b"}; do
+RUNS=${RUNS:-1b 8b}
+for name in $RUNS; do
   case $name in
     1b) preset=llama-3.2-1b ;;
     8b) preset=llama-3.1-8b ;;
