@@ -8,6 +8,8 @@ without ever emitting half a multi-byte character.
 """
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 
@@ -44,6 +46,30 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for: from the byte-level vocabulary (so a token holding half
+        of a UTF-8 character gives that half, not the bytes of U+FFFD); an added/special token's
+        text; otherwise the UTF-8 of its decoded text."""
+        token = self.backend.id_to_token(int(token_id))
+        if token is None:
+            return b""
+        if self._byte_level and int(token_id) not in self._added_ids:
+            try:
+                return bytes(_UNICODE_TO_BYTE[c] for c in token)
+            except KeyError:  # not a byte-level symbol after all
+                pass
+        if int(token_id) in self._added_ids:
+            return token.encode("utf-8")
+        return self.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return type(self.backend.decoder).__name__ == "ByteLevel"
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None) -> str:
@@ -159,3 +185,19 @@ def _chat_template(directory: Path, tok_config: dict) -> ChatTemplate | None:
     if source is None or source == "":
         return None
     return ChatTemplate(source, origin=f"{origin} (chat_template)")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE's symbol for each byte, inverted: printable Latin-1 bytes stand for
+    themselves; the other 68 bytes map, in byte order, to the code points from 256 upward."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    symbol_of = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in symbol_of:
+            symbol_of[b] = chr(256 + extra)
+            extra += 1
+    return {symbol: b for b, symbol in symbol_of.items()}
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()

@@ -15,15 +15,36 @@ body's own. Completions with echo lead with the prompt (its first token has no l
 chat top_logprobs hold exactly the top_logprobs asked for.
 Log-probabilities are the raw model's (see sampling_params); -inf is written as -9999.0.
 """
+import codecs
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from offline_paged.job_input import CHAT, NATIVE, SCORE, JobRequest, LineError, duplicate_key
 from offline_paged.outputs import CompletionOutput, RequestOutput
 
-DecodeToken = Callable[[int], str]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStrings:
+    """How a token shows in OpenAI log-probabilities: its decoded text, and its raw bytes (the
+    byte-level vocabulary's, so half a UTF-8 character is that half, not the bytes of U+FFFD)."""
+
+    text: Callable[[int], str]
+    raw: Callable[[int], bytes]
+
+    @classmethod
+    def of(cls, tokenizer) -> "TokenStrings":
+        def text(token_id: int) -> str:
+            return tokenizer.decode([token_id], skip_special_tokens=False)
+
+        raw = getattr(tokenizer, "token_bytes", None) or (lambda token_id: text(token_id).encode("utf-8"))
+        return cls(text, raw)
+
+
+DecodeToken = TokenStrings  # what success_record / openai_record take to show tokens
 _FLOOR_LOGPROB = -9999.0  # OpenAI's stand-in for a log-probability of -inf
 
 
@@ -157,20 +178,18 @@ def _completion_choice(c: CompletionOutput, decode_token: DecodeToken, request: 
     if request.echo:
         prompt_ids = list(output.prompt_token_ids)
         prompt_text = request.prompt if request.prompt is not None else \
-            "".join(decode_token(t) for t in prompt_ids)
+            "".join(decode_token.text(t) for t in prompt_ids)
         text, token_ids = prompt_text + text, prompt_ids + token_ids
         rows = list(output.prompt_logprobs or [None] * len(prompt_ids)) + rows
     logprobs = None
     if c.logprobs is not None:
-        tokens = [decode_token(t) for t in token_ids]
-        offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
-        logprobs = {"tokens": tokens,
+        logprobs = {"tokens": [decode_token.text(t) for t in token_ids],
                     "token_logprobs": [None if d is None else _finite(d.get(t))
                                        for t, d in zip(token_ids, rows)],
                     "top_logprobs": [None if d is None else
-                                     {decode_token(t): _finite(lp) for t, lp in _ranked(d)}
+                                     {decode_token.text(t): _finite(lp) for t, lp in _ranked(d)}
                                      for d in rows],
-                    "text_offset": offsets}
+                    "text_offset": _text_offsets(token_ids, decode_token)}
     return {"index": c.index, "text": text, "logprobs": logprobs,
             "finish_reason": _openai_finish(c)}
 
@@ -189,8 +208,19 @@ def _chat_choice(c: CompletionOutput, decode_token: DecodeToken,
 
 
 def _chat_token(token_id: int, logprob: float | None, decode_token: DecodeToken) -> dict[str, Any]:
-    text = decode_token(token_id)
-    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+    return {"token": decode_token.text(token_id), "logprob": _finite(logprob),
+            "bytes": list(decode_token.raw(token_id))}
+
+
+def _text_offsets(token_ids: list[int], tokens: TokenStrings) -> list[int]:
+    """Character offset in the text where each token starts: the characters its predecessors' bytes
+    complete (a character split over tokens belongs to the token that completes it)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, at = [], 0
+    for token_id in token_ids:
+        offsets.append(at)
+        at += len(decoder.decode(tokens.raw(token_id)))
+    return offsets
 
 
 def _ranked(top: dict[int, float]) -> list[tuple[int, float]]:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from offline_paged.job_file import JsonlWriter
 from offline_paged.job_input import (NATIVE, SCORE, JobRequest, LineError, parse_line,
                                      score_tokens)
-from offline_paged.job_output import error_record, success_record
+from offline_paged.job_output import TokenStrings, error_record, success_record
 from offline_paged.outputs import RequestError, RequestOutput
 
 EXIT_OK = 0
@@ -90,6 +90,7 @@ class JobRunner:
         self._seen_ids: set[str] = set()
         self.run_id = secrets.token_hex(6)  # in OpenAI response ids: unique per run
         self._openai_seen = False  # an OpenAI-format file: broken lines get its envelope too
+        self._token_strings = TokenStrings.of(engine.tokenizer) if engine.tokenizer is not None else None
 
     def run(self, lines: Iterable[str]) -> JobSummary:
         """Run every line; returns when all are written or should_stop() turns true."""
@@ -167,10 +168,7 @@ class JobRunner:
         if isinstance(output, RequestError):  # refused later, by a data-parallel worker
             self._reject(request, output.message)
             return
-        decode = self.engine.tokenizer.decode
-        self.writer.write(success_record(request, output, self.model_name,
-                                         lambda t: decode([t], skip_special_tokens=False),
-                                         self.run_id))
+        self.writer.write(success_record(request, output, self.model_name, self._token_strings, self.run_id))
         self.summary.num_succeeded += 1
         self.summary.num_prompt_tokens += len(output.prompt_token_ids)
         self.summary.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)

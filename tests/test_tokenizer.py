@@ -42,3 +42,19 @@ def test_streaming_skips_special_tokens(tokenizer):
     stream = IncrementalDetokenizer(tokenizer)
     ids = tokenizer.encode("hi") + [2]
     assert "".join(stream.push([i]) for i in ids) == "hi"
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_token_bytes_are_the_vocabularys_raw_bytes(tokenizer, text):
+    """Joined, they are the text's UTF-8; a token holding part of a character gives that part."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    if any(ord(ch) > 0xFFFF for ch in text):
+        assert any(p and p != p.decode("utf-8", errors="replace").encode() for p in pieces), \
+            "expected a token holding part of a 4-byte character"
+    assert b"\xef\xbf\xbd" not in b"".join(pieces)  # never the bytes of U+FFFD
+
+
+def test_token_bytes_of_a_special_token_is_its_text(tokenizer):
+    assert tokenizer.token_bytes(2) == b"<|im_end|>"
