@@ -353,7 +353,9 @@ class _TqdmProgress:
     def update(self, summary: JobSummary, engine_stats: Any) -> None:
         done = summary.num_succeeded + summary.num_failed + summary.num_skipped
         self._bar.update(done - self._bar.n)
-        rate = summary.num_generated_tokens / max(summary.elapsed_s, 1e-9)
+        # the engine counts tokens every step: the rate shows from the first step, not the first finish
+        generated = getattr(engine_stats, "num_generated_tokens", summary.num_generated_tokens)
+        rate = generated / max(summary.elapsed_s, 1e-9)
         kv = getattr(engine_stats, "kv_block_usage_current", 0.0)
         self._bar.set_postfix_str(f"{rate:.1f} tok/s, KV {kv:.0%}, failed {summary.num_failed}",
                                   refresh=False)

@@ -81,3 +81,17 @@ def test_short_help_flag_shows_input_formats_and_exit_codes():
     result = CliRunner().invoke(cli, ["generate", "-h"])
     assert result.exit_code == 0
     assert "Exit codes" in result.output and "custom_id" in result.output and "-m, --model" in result.output
+
+
+def test_progress_shows_tokens_per_second_before_any_request_finishes():
+    from types import SimpleNamespace
+
+    from offline_paged.cli.generate import _TqdmProgress
+    from offline_paged.jobs import JobSummary
+
+    progress = _TqdmProgress(total=3)
+    summary = JobSummary()
+    summary.elapsed_s = 2.0  # nothing finished yet: the summary has counted no tokens
+    progress.update(summary, SimpleNamespace(num_generated_tokens=50, kv_block_usage_current=0.25))
+    assert "25.0 tok/s" in progress._bar.postfix and "KV 25%" in progress._bar.postfix
+    progress.close()
