@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from offline_paged.cli.errors import CouldNotStart
 from offline_paged.cli.generate import parse_size
 
 
@@ -135,7 +136,7 @@ def _load(options: dict, backend):
     try:
         return load_model(options["model"])
     except (ValueError, OSError) as exc:
-        raise click.UsageError(f"cannot load the model: {exc}") from None
+        raise CouldNotStart(f"cannot load the model: {exc}") from None
 
 
 def _run_all(options: dict, backend, loaded, requests) -> list:
@@ -215,7 +216,7 @@ def _run_data_parallel(options: dict, device: str, tokenizer, requests, layout: 
             return run_data_parallel_bench(coordinator, requests, label=label, kv_layout=layout,
                                            block_size=block_size)
     except RuntimeError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CouldNotStart(str(exc)) from None
 
 
 def _engine_config(options: dict, device: str, layout: str, block_size: int, max_model_len: int):
@@ -242,7 +243,7 @@ def _vocab_and_tokenizer(options: dict):
     try:
         config, tokenizer = load_tokenizer(options["model"])
     except (ValueError, OSError) as exc:
-        raise click.UsageError(f"cannot load the model: {exc}") from None
+        raise CouldNotStart(f"cannot load the model: {exc}") from None
     return config.vocab_size, tokenizer
 
 

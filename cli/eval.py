@@ -12,7 +12,7 @@ import sys
 
 import click
 
-EXIT_FATAL = 2
+from offline_paged.cli.errors import CouldNotStart
 
 
 @click.command("eval", context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
@@ -25,8 +25,7 @@ def eval_command(lm_eval_args: tuple[str, ...]) -> None:
         import offline_paged.lm_eval  # noqa: F401  (registers the "offline-paged" model type)
         from lm_eval.__main__ import cli_evaluate
     except ImportError as exc:
-        click.echo(f"error: lm-eval is not installed ({exc}); pip install 'offline-paged[eval]'", err=True)
-        sys.exit(EXIT_FATAL)
+        raise CouldNotStart(f"lm-eval is not installed ({exc}); pip install 'offline-paged[eval]'") from None
     args = list(lm_eval_args)
     if "--help" in args or "-h" in args:
         click.echo(eval_command.help + "\n\nlm-eval's run flags:\n")

@@ -19,13 +19,13 @@ from typing import IO, Any
 
 import click
 
+from offline_paged.cli.errors import CouldNotStart
 from offline_paged.job_file import JsonlWriter, OutputWriteError, ResumeState, open_output
 from offline_paged.dp_coordinator import WorkersLostError
 from offline_paged.job_input import read_lines
 from offline_paged.jobs import JobRunner, JobSummary
 from offline_paged.sampling_params import SamplingParams
 
-EXIT_FATAL = 2
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
 # CLI flag -> SamplingParams field; only flags given on the command line become job defaults
@@ -404,5 +404,4 @@ def _write_stats(stats_file: IO[str], summary: dict[str, Any]) -> None:
 
 
 def _fatal(message: str):
-    click.echo(f"error: {message}", err=True)
-    sys.exit(EXIT_FATAL)
+    raise CouldNotStart(message)

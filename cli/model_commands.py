@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import click
 
+from offline_paged.cli.errors import CouldNotStart
+
 
 @click.command()
 @click.option("--force", is_flag=True, help="Convert again even if the cache already holds the model.")
@@ -14,7 +16,7 @@ def pull(force: bool) -> None:
     try:
         path = pull_default(force=force)
     except (RuntimeError, ValueError, OSError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CouldNotStart(str(exc)) from None
     click.echo(str(path))
 
 
@@ -29,5 +31,5 @@ def convert(gguf_path: str, out_dir: str) -> None:
     try:
         path = convert_gguf(gguf_path, out_dir)
     except (ValueError, OSError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CouldNotStart(str(exc)) from None
     click.echo(str(path))
