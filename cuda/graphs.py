@@ -20,6 +20,7 @@ import numpy as np
 
 _OP_N, _OP_T = 0, 1
 _CUDA_R_16F = 2
+_CUDA_R_32F = 0
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 << 20  # what PyTorch gives cuBLAS on Hopper
@@ -68,8 +69,9 @@ class CublasGemm:
         self._one = np.ones(1, dtype=np.float32)  # host scalars: cuBLAS reads them when the call is made
         self._zero = np.zeros(1, dtype=np.float32)
 
-    def __call__(self, x, w):
-        """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous), fp16; returns a new [T, N] fp16."""
+    def __call__(self, x, w, out_dtype=np.float16):
+        """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous), fp16; returns a new [T, N] of
+        `out_dtype`: float16, or float32 (the fp32 accumulator written as is: the LM head's logits)."""
         for name, a in (("x", x), ("w", w)):
             if not isinstance(a, cupy.ndarray) or a.dtype != np.float16 or a.ndim != 2:
                 raise ValueError(f"{name} must be a 2-D float16 cupy.ndarray, got {getattr(a, 'dtype', type(a))}")
@@ -84,14 +86,17 @@ class CublasGemm:
             op_w, ld_w = _OP_T, inner
         else:
             raise ValueError(f"w must be C- or F-contiguous (shape {w.shape}, strides {w.strides})")
-        out = cupy.empty((num_rows, num_out), dtype=cupy.float16)  # [T, N]
+        out_type = {np.dtype(np.float16): _CUDA_R_16F, np.dtype(np.float32): _CUDA_R_32F}.get(np.dtype(out_dtype))
+        if out_type is None:
+            raise ValueError(f"out_dtype must be float16 or float32, got {out_dtype}")
+        out = cupy.empty((num_rows, num_out), dtype=out_dtype)  # [T, N]
         if out.size == 0:
             return out
         _check(self._lib.cublasGemmEx(
             self._handle, op_w, _OP_N, num_out, num_rows, inner,
             self._one.ctypes.data, w.data.ptr, _CUDA_R_16F, ld_w,
             x.data.ptr, _CUDA_R_16F, inner,
-            self._zero.ctypes.data, out.data.ptr, _CUDA_R_16F, num_out,
+            self._zero.ctypes.data, out.data.ptr, out_type, num_out,
             _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
         return out
 

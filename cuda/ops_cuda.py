@@ -27,6 +27,9 @@ class CudaOps:
 
     xp = cupy
 
+    def __init__(self) -> None:
+        self._logits_gemm = None  # CublasGemm on the null stream, made on first use
+
     def rms_norm(self, x, weight, eps: float, residual=None):
         """RMSNorm with vLLM's residual convention; returns (normed [T, E], residual [T, E])."""
         return launchers.rms_norm(cupy.ascontiguousarray(x), weight, eps,
@@ -44,6 +47,17 @@ class CudaOps:
         return launchers.paged_attention(
             cupy.ascontiguousarray(q), k_cache, v_cache, _int32(meta.block_tables), _int32(meta.context_lens),
             _int32(meta.query_start_loc), int(meta.max_query_len), int(meta.max_context_len), scale)
+
+    def logits(self, hidden, lm_head):
+        """hidden [K, E] @ lm_head [E, V] -> [K, V] float32: for fp16 the GEMM writes its fp32
+        accumulator (no rounding of the logits to fp16 first); other dtypes matmul, then cast."""
+        if hidden.dtype != cupy.float16 or lm_head.dtype != cupy.float16:
+            return (hidden @ lm_head).astype(cupy.float32)
+        if self._logits_gemm is None:
+            from offline_paged.cuda.graphs import CublasGemm
+
+            self._logits_gemm = CublasGemm(cupy.cuda.Stream.null)  # the eager steps' stream
+        return self._logits_gemm(cupy.ascontiguousarray(hidden), lm_head, out_dtype=np.float32)
 
     def silu_mul(self, gate_up):
         """silu(gate) * up for gate_up = concat(gate, up); [T, 2I] -> [T, I]."""

@@ -102,11 +102,12 @@ class Llama:
         return self.ops.xp.zeros(shape, dtype=self.dtype)
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices=None,
-                matmul=operator.matmul):
+                matmul=operator.matmul, logits_matmul=None):
         """Run the batch's new tokens through the model, writing their K/V into `kv_cache` by
         `meta.slot_mapping`. input_ids, positions: [T]; logits_indices: [K] rows of T (None: all
-        rows). `matmul(x, W)` does every projection (the decode CUDA graphs pass a capture-safe GEMM).
-        Returns float32 logits [K, V]."""
+        rows). `matmul(x, W)` does every projection (the decode CUDA graphs pass a capture-safe GEMM);
+        `logits_matmul(x, lm_head)` the LM head, returning float32 (None: ops.logits, which on CUDA
+        writes the fp32 accumulator instead of rounding logits to fp16). Returns float32 logits [K, V]."""
         ops, eps = self.ops, self.config.rms_norm_eps
         hidden = ops.xp.take(self.embed, input_ids, axis=0)  # [T, E]
         residual = None
@@ -119,7 +120,9 @@ class Llama:
             # The final norm is per row, so only the rows that need logits go through it.
             hidden, residual = hidden[logits_indices], residual[logits_indices]  # [K, E]
         hidden, _ = ops.rms_norm(hidden, self.final_norm, eps, residual)
-        return matmul(hidden, self.lm_head).astype(ops.xp.float32)  # [K, V]
+        if logits_matmul is None:
+            return ops.logits(hidden, self.lm_head)  # [K, V] float32
+        return logits_matmul(hidden, self.lm_head)  # [K, V] float32
 
     def _attention(self, layer: LlamaLayer, hidden, positions, layer_cache, meta: AttentionMetadata,
                    matmul):

@@ -46,6 +46,10 @@ class NumpyOps:
         """Paged causal GQA attention; [T, H, D] -> [T, H, D]."""
         return self._attention(np, q, k_cache, v_cache, meta, scale)
 
+    def logits(self, hidden, lm_head):
+        """hidden [K, E] @ lm_head [E, V] -> [K, V] float32 (computed in the model's dtype)."""
+        return (hidden @ lm_head).astype(np.float32)
+
     def silu_mul(self, gate_up):
         """SwiGLU activation: silu(gate) * up for gate_up = concat(gate, up); [T, 2I] -> [T, I]."""
         inter = gate_up.shape[-1] // 2

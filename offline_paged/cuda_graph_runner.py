@@ -10,7 +10,7 @@ Rows S..b are padding: token 0 at position 0, slot -1 (no KV write), context len
 (whatever is there; their logits are never read).
 
 The captured forward is Llama.forward itself, given a capture-safe GEMM (cuda/graphs.py) as its matmul
-and no logits_indices, so it computes logits for every row (a decode step samples every row). Attention plans its key
+(and for the LM head, the same GEMM writing fp32) and no logits_indices, so it computes logits for every row (a decode step samples every row). Attention plans its key
 splits for max_context_len = max_model_len, a static bound, so the captured launch stays valid for
 every replay. Everything the forward allocates comes from a private CuPy pool used only while warming
 up and capturing; the output of each bucket is kept referenced, so no later capture or eager step can
@@ -144,4 +144,9 @@ class DecodeGraphs:
         ids, pos, slots, ctx, qsl, tables = bucket.views(bucket.device)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx,
                                  query_start_loc=qsl, max_query_len=1, max_context_len=self.max_model_len)
-        return self.model.forward(ids, pos, self.kv_cache, meta, None, matmul=self._gemm)
+        return self.model.forward(ids, pos, self.kv_cache, meta, None, matmul=self._gemm,
+                                  logits_matmul=self._logits_gemm)
+
+    def _logits_gemm(self, hidden, lm_head):
+        """The LM head through the same capture-safe handle, writing its fp32 accumulator."""
+        return self._gemm(hidden, lm_head, out_dtype=np.float32)

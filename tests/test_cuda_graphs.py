@@ -49,6 +49,30 @@ def test_gemm_matches_cupy_matmul_eagerly_and_replayed(num_rows):
         assert rel_error(out.get(), (x @ w).get()) < 2e-3
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_writes_the_fp32_accumulator(tied):
+    """Logits for evaluation: fp16 inputs, fp32 accumulate, fp32 out. Against float64 on the same fp16
+    values the error is far below what rounding the logits to fp16 costs (eager CudaOps and the
+    capture-safe GEMM alike)."""
+    from offline_paged.cuda.ops_cuda import CudaOps
+
+    rng = np.random.default_rng(5)
+    x = cupy.asarray(rng.standard_normal((48, 576)).astype(np.float16))  # [K, E]
+    w = rng.standard_normal((2000, 576)).astype(np.float16)  # [V, E]
+    w_dev = cupy.asarray(w).T if tied else cupy.asarray(np.ascontiguousarray(w.T))  # [E, V]
+    truth = x.get().astype(np.float64) @ w.T.astype(np.float64)  # [K, V]
+    rounded = rel_error((x @ w_dev).get(), truth)  # the fp16 output path
+    eager = CudaOps().logits(x, w_dev)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        captured = CublasGemm(stream)(x, w_dev, out_dtype=np.float32)
+        stream.synchronize()
+    for logits in (eager, captured):
+        assert logits.dtype == cupy.float32 and logits.shape == (48, 2000)
+        error = rel_error(logits.get(), truth)
+        assert error < 2e-5 and error * 10 < rounded, (error, rounded)
+
+
 def decode_inputs(rng, num_seqs: int, free_blocks: list[int], block_size: int):
     """Sequences of random context length (some past one attention split) on disjoint blocks; the step
     computes each one's last position. Returns (ids, positions, slots, tables) on the host."""

@@ -171,6 +171,12 @@ def test_all_rows_and_an_injected_matmul_equal_the_default_path(tiny):
         calls.append(w.shape)
         return x @ w
 
-    injected = model.forward(*args, model.allocate_kv_cache(40, block_size), meta, None, matmul=counting_matmul)
+    def counting_logits(x, w):
+        calls.append(("lm_head", w.shape))
+        return (x @ w).astype(np.float32)
+
+    injected = model.forward(*args, model.allocate_kv_cache(40, block_size), meta, None, matmul=counting_matmul,
+                             logits_matmul=counting_logits)
     np.testing.assert_array_equal(injected, default)
     assert len(calls) == 4 * config.num_hidden_layers + 1  # qkv, o_proj, gate_up, down per layer + LM head
+    assert calls[-1][0] == "lm_head"
