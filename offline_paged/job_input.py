@@ -63,6 +63,7 @@ class JobRequest:
     model: str | None = None  # an OpenAI body's "model", echoed in its response
     echo: bool = False  # OpenAI completions: the prompt (and its logprobs) lead the choice
     generate: bool = True  # False for OpenAI max_tokens 0: one token runs, none is returned
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables of a chat line
 
     @property
     def key(self) -> str:
@@ -209,9 +210,24 @@ def _parse_native(line_number: int, request_id: str, obj: dict,
     if len(given) != 1:
         raise ValueError(f"a line needs exactly one of {', '.join(_PROMPT_KEYS)} "
                          f"(got {', '.join(given) or 'none'})")
-    fields = {k: v for k, v in obj.items() if k not in ("id", given[0])}
+    fields = {k: v for k, v in obj.items() if k not in ("id", given[0], "chat_template_kwargs")}
     params = SamplingParams.from_dict({**defaults, **fields})
-    return JobRequest(line_number, request_id, NATIVE, params, **_prompt(given[0], obj[given[0]]))
+    kwargs = _template_kwargs(obj, given[0])
+    return JobRequest(line_number, request_id, NATIVE, params, **_prompt(given[0], obj[given[0]]),
+                      chat_template_kwargs=kwargs)
+
+
+def _template_kwargs(obj: dict, prompt_kind: str = "messages") -> dict[str, Any] | None:
+    """A chat line's `chat_template_kwargs` (vLLM's name, e.g. {"enable_thinking": false}): an object,
+    only next to messages."""
+    value = obj.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if prompt_kind != "messages":
+        raise ValueError("chat_template_kwargs applies to messages only")
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"chat_template_kwargs must be an object, got {str(value)[:60]!r}")
+    return value
 
 
 def _score_request(line_number: int, request_id: str, obj: dict) -> JobRequest:
@@ -358,7 +374,7 @@ def _chat_request(line_number: int, custom_id: str, body: dict,
                   defaults: Mapping[str, Any]) -> JobRequest:
     _reject_unsupported(body)
     _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + ("messages", "max_completion_tokens",
-                    "logprobs", "top_logprobs", "stream", "logit_bias"))
+                    "logprobs", "top_logprobs", "stream", "logit_bias", "chat_template_kwargs"))
     fields = _common_fields(body)
     if body.get("max_completion_tokens") is not None:
         fields["max_tokens"] = body["max_completion_tokens"]
@@ -368,7 +384,8 @@ def _chat_request(line_number: int, custom_id: str, body: dict,
         fields["logprobs"] = body.get("top_logprobs") or 0
     params = SamplingParams.from_dict({**defaults, **fields})
     return JobRequest(line_number, custom_id, CHAT, params,
-                      messages=_check_messages(body.get("messages")), model=_model(body))
+                      messages=_check_messages(body.get("messages")), model=_model(body),
+                      chat_template_kwargs=_template_kwargs(body))
 
 
 def _common_fields(body: dict) -> dict[str, Any]:

@@ -146,7 +146,8 @@ class JobRunner:
         try:
             prompt, token_ids = request.prompt, request.prompt_token_ids
             if request.messages is not None:
-                prompt, token_ids = _render_chat(self.engine.tokenizer, request.messages)
+                prompt, token_ids = _render_chat(self.engine.tokenizer, request.messages,
+                                                 request.chat_template_kwargs)
             if request.api == SCORE:
                 token_ids, num_scored = score_tokens(self.engine.tokenizer.encode, request.prompt,
                                                      request.continuation)
@@ -198,7 +199,12 @@ def _is_openai(parsed: JobRequest | LineError) -> bool:
     return parsed.openai if isinstance(parsed, LineError) else parsed.api not in (NATIVE, SCORE)
 
 
-def _render_chat(tokenizer, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+def _render_chat(tokenizer, messages: list[dict[str, Any]],
+                 template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """Template text and its ids; the template writes its own special tokens, so none are added."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if template_kwargs:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             chat_template_kwargs=template_kwargs)
+    else:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return text, tokenizer.encode(text, add_special_tokens=False)

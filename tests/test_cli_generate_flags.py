@@ -95,3 +95,26 @@ def test_progress_shows_tokens_per_second_before_any_request_finishes():
     progress.update(summary, SimpleNamespace(num_generated_tokens=50, kv_block_usage_current=0.25))
     assert "25.0 tok/s" in progress._bar.postfix and "KV 25%" in progress._bar.postfix
     progress.close()
+
+
+def test_chat_template_kwargs_reach_the_template_in_native_and_openai_lines(tmp_path, model_dir):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ flavour }}:{{ messages[0]['content'] }}|")
+    messages = [{"role": "user", "content": "Hi"}]
+    lines = [{"id": "native", "messages": messages, "max_tokens": 1, "chat_template_kwargs": {"flavour": "abc"}},
+             {"id": "on-prompt", "prompt": "x", "chat_template_kwargs": {"flavour": "abc"}},
+             {"id": "not-object", "messages": messages, "chat_template_kwargs": ["abc"]}]
+    result, records = _run(tmp_path, model_dir, lines, "--chat-template", str(template))
+    assert result.exit_code == 1, result.output
+    assert records["native"]["usage"]["prompt_tokens"] == len("abc:Hi|")
+    assert "messages only" in records["on-prompt"]["error"]["message"]
+    assert "must be an object" in records["not-object"]["error"]["message"]
+    openai = {"custom_id": "oa", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": messages, "max_tokens": 1, "chat_template_kwargs": {"flavour": "z"}}}
+    source, out = tmp_path / "oa.jsonl", tmp_path / "oa-out.jsonl"
+    source.write_text(json.dumps(openai) + "\n")
+    result = CliRunner().invoke(cli, ["generate", str(source), "-o", str(out), "-m", str(model_dir), *FLAGS,
+                                      "--chat-template", str(template)])
+    assert result.exit_code == 0, result.output
+    (record,) = map(json.loads, out.read_text().splitlines())
+    assert record["response"]["body"]["usage"]["prompt_tokens"] == len("z:Hi|")
