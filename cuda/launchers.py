@@ -15,6 +15,16 @@ import numpy as np
 from .modules import kernel
 
 HEAD_DIMS = (64, 128)  # what the attention kernel is instantiated for
+# Every (source, entry point) these launchers may launch: tests/test_cuda_compile.py checks each is
+# defined in its compiled source, and _kernel refuses to launch anything not listed here.
+KERNELS = (
+    ("attention.cu", "paged_attention_d64_keysplit"), ("attention.cu", "paged_attention_d64_rowsplit"),
+    ("attention.cu", "paged_attention_d128_keysplit"), ("attention.cu", "paged_attention_d128_rowsplit"),
+    ("attention.cu", "merge_partials"),
+    ("cache.cu", "write_kv"), ("cache.cu", "copy_blocks"),
+    ("layer.cu", "rms_norm"), ("layer.cu", "rope_f16_cache"), ("layer.cu", "rope_f32_cache"),
+    ("layer.cu", "silu_mul"),
+)
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 WARPS = 4
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
@@ -50,6 +60,12 @@ def _check_rows(name: str, a, ndim: int) -> int:
 @functools.cache
 def _num_sms() -> int:
     return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def _kernel(filename: str, name: str):
+    if (filename, name) not in KERNELS:
+        raise RuntimeError(f"{filename}:{name} is not declared in launchers.KERNELS")
+    return kernel(filename, name)
 
 
 def plan_splits(num_ctas: int, max_context_len: int, partial_row_bytes: int) -> tuple[int, int]:
@@ -108,7 +124,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     else:
         partial_o = partial_ml = out  # never read or written with one split
     name = f"paged_attention_d{head_dim}_{'rowsplit' if row_split else 'keysplit'}"
-    kernel("attention.cu", name)(
+    _kernel("attention.cu", name)(
         (grid_x, num_kv_heads * num_splits, num_seqs), (WARPS * 32,),
         (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
          np.int32(num_tokens), np.int32(num_kv_heads), np.int32(group), np.int32(block_size),
@@ -116,7 +132,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
          np.float32(scale * math.log2(math.e)),
          np.int32(block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1)))
     if num_splits > 1:
-        kernel("attention.cu", "merge_partials")(
+        _kernel("attention.cu", "merge_partials")(
             (num_tokens * num_heads,), (head_dim,),
             (partial_o, partial_ml, out, np.int32(num_splits), np.int32(num_tokens * num_heads), np.int32(head_dim)))
     return out
@@ -137,7 +153,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     _require(row_elems % 8 == 0, f"Hkv * D = {row_elems} must be a multiple of 8 (16-byte vectors)")
     if k.shape[0] == 0:
         return
-    kernel("cache.cu", "write_kv")(
+    _kernel("cache.cu", "write_kv")(
         (k.shape[0],), (min(128, row_elems // 8),),
         (k, v, k_cache, v_cache, slot_mapping, np.int64(k_stride), np.int64(v_stride), np.int32(row_elems)))
 
@@ -154,7 +170,7 @@ def copy_blocks(kv_cache, src_ids, dst_ids) -> None:
     _require(block_elems % 8 == 0, f"a block holds {block_elems} elements, not a multiple of 8")
     if src_ids.shape[0] == 0:
         return
-    kernel("cache.cu", "copy_blocks")(
+    _kernel("cache.cu", "copy_blocks")(
         (src_ids.shape[0], num_layers * 2), (128,),
         (kv_cache, src_ids, dst_ids, np.int64(num_blocks), np.int32(block_elems)))
 
@@ -170,7 +186,7 @@ def rms_norm(x, weight, eps: float, residual=None):
     out = cupy.empty_like(x)
     residual_out = cupy.empty_like(x)
     if x.shape[0]:
-        kernel("layer.cu", "rms_norm")(
+        _kernel("layer.cu", "rms_norm")(
             (x.shape[0],), (256,),
             (x, residual if residual is not None else np.uint64(0), weight, out, residual_out,
              np.int32(x.shape[1]), np.float32(eps)))
@@ -193,7 +209,7 @@ def rope(q, k, positions, cos_sin):
     k_out = cupy.empty(k.shape, dtype=cupy.float16)
     if num_tokens:
         name = "rope_f16_cache" if cos_sin.dtype == np.float16 else "rope_f32_cache"
-        kernel("layer.cu", name)(
+        _kernel("layer.cu", name)(
             (num_tokens,), (128,),
             (q, k, positions, cos_sin, q_out, k_out, np.int64(q_stride), np.int64(k_stride),
              np.int32(num_heads), np.int32(k.shape[1]), np.int32(head_dim)))
@@ -209,5 +225,5 @@ def silu_mul(gate_up):
     total = num_tokens * inter
     if total:
         blocks = min(math.ceil(total / 256), 8 * _num_sms() * 8)
-        kernel("layer.cu", "silu_mul")((blocks,), (256,), (gate_up, out, np.int64(num_tokens), np.int32(inter)))
+        _kernel("layer.cu", "silu_mul")((blocks,), (256,), (gate_up, out, np.int64(num_tokens), np.int32(inter)))
     return out

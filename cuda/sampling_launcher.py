@@ -12,9 +12,21 @@ import numpy as np
 from .modules import kernel
 
 SOURCE = "sampling.cu"
+# Every (source, entry point) launched here (checked against the compiled source by
+# tests/test_cuda_compile.py; _kernel refuses anything else).
+KERNELS = (
+    ("sampling.cu", "prepare_rows"), ("sampling.cu", "count_tokens"), ("sampling.cu", "apply_penalties"),
+    ("sampling.cu", "ban_tokens"), ("sampling.cu", "top_cut"), ("sampling.cu", "race"),
+)
 BLOCK = 1024  # threads per row block (sampling.cu's BLOCK)
 PARAMS_WIDTH = 8
 _GRID_STRIDE_BLOCKS = 256
+
+
+def _kernel(filename: str, name: str):
+    if (filename, name) not in KERNELS:
+        raise RuntimeError(f"{filename}:{name} is not declared in sampling_launcher.KERNELS")
+    return kernel(filename, name)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -39,7 +51,7 @@ def prepare_rows(logits, rows, adjusted, raw_stats) -> None:
     _check("adjusted", adjusted, np.float64, (num_rows, vocab))
     _check("raw_stats", raw_stats, np.float64, (num_rows, 2))
     if num_rows:
-        kernel(SOURCE, "prepare_rows")((num_rows,), (BLOCK,), (logits, rows, adjusted, raw_stats, np.int32(vocab)))
+        _kernel(SOURCE, "prepare_rows")((num_rows,), (BLOCK,), (logits, rows, adjusted, raw_stats, np.int32(vocab)))
 
 
 def count_tokens(tokens, seen, counts) -> None:
@@ -49,7 +61,7 @@ def count_tokens(tokens, seen, counts) -> None:
     _check("counts", counts, np.int32, seen.shape)
     if tokens.shape[0]:
         blocks = min(_GRID_STRIDE_BLOCKS, -(-tokens.shape[0] // 256))
-        kernel(SOURCE, "count_tokens")((blocks,), (256,), (tokens, seen, counts, np.int32(tokens.shape[0]),
+        _kernel(SOURCE, "count_tokens")((blocks,), (256,), (tokens, seen, counts, np.int32(tokens.shape[0]),
                                                            np.int32(seen.shape[1])))
 
 
@@ -62,7 +74,7 @@ def apply_penalties(adjusted, penalty_rows, penalties, seen, counts) -> None:
     _check("seen", seen, np.int32, (num_slots, vocab))
     _check("counts", counts, np.int32, (num_slots, vocab))
     if num_slots:
-        kernel(SOURCE, "apply_penalties")((-(-vocab // 256), num_slots), (256,),
+        _kernel(SOURCE, "apply_penalties")((-(-vocab // 256), num_slots), (256,),
                                           (adjusted, penalty_rows, penalties, seen, counts, np.int32(vocab)))
 
 
@@ -72,7 +84,7 @@ def ban_tokens(adjusted, pairs) -> None:
     _check("pairs", pairs, np.int32, (None, 2))
     if pairs.shape[0]:
         blocks = min(_GRID_STRIDE_BLOCKS, -(-pairs.shape[0] // 256))
-        kernel(SOURCE, "ban_tokens")((blocks,), (256,), (adjusted, pairs, np.int32(pairs.shape[0]),
+        _kernel(SOURCE, "ban_tokens")((blocks,), (256,), (adjusted, pairs, np.int32(pairs.shape[0]),
                                                          np.int32(adjusted.shape[1])))
 
 
@@ -83,7 +95,7 @@ def top_cut(sorted_rows, cut_rows, params, cut) -> None:
     _check("params", params, np.float64, (None, PARAMS_WIDTH))
     _check("cut", cut, np.float64, (params.shape[0],))
     if sorted_rows.shape[0]:
-        kernel(SOURCE, "top_cut")((sorted_rows.shape[0],), (BLOCK,),
+        _kernel(SOURCE, "top_cut")((sorted_rows.shape[0],), (BLOCK,),
                                   (sorted_rows, cut_rows, params, cut, np.int32(sorted_rows.shape[1])))
 
 
@@ -100,5 +112,5 @@ def race(adjusted, cut, raw_stats, logits, rows, params, seeds, positions, out) 
     _check("positions", positions, np.uint64, (num_rows,))
     _check("out", out, np.float64, (num_rows, 2))
     if num_rows:
-        kernel(SOURCE, "race")((num_rows,), (BLOCK,), (adjusted, cut, raw_stats, logits, rows, params, seeds,
+        _kernel(SOURCE, "race")((num_rows,), (BLOCK,), (adjusted, cut, raw_stats, logits, rows, params, seeds,
                                                        positions, out, np.int32(vocab)))

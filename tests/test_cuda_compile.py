@@ -1,6 +1,7 @@
 """Every cuda/*.cu source compiles for sm_90 with nvcc (CPU-only: surfaces syntax errors in CI)."""
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -10,7 +11,6 @@ import pytest
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
 SOURCES = sorted(CUDA_DIR.glob("*.cu"))
-LAUNCHERS = CUDA_DIR / "launchers.py"
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None,
                                 reason="nvcc is not on PATH, so the .cu sources cannot be compile-checked")
@@ -28,17 +28,66 @@ def test_source_compiles_for_sm90(source, tmp_path):
     assert result.returncode == 0, f"{source.name} does not compile:\n{result.stderr}"
 
 
+def _launcher_modules() -> list[Path]:
+    """The launcher modules: every cuda/*.py that imports `kernel` from .modules."""
+    found = []
+    for path in sorted(CUDA_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(isinstance(node, ast.ImportFrom) and node.module == "modules" and node.level == 1
+               and any(alias.name == "kernel" for alias in node.names) for node in ast.walk(tree)):
+            found.append(path)
+    return found
+
+
+def _declared_and_called(path: Path) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+    """(KERNELS as the module declares it, the (source, name) pairs of its _kernel calls whose
+    arguments are literals or module-level string constants)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    constants, declared = {}, None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name == "KERNELS":
+                declared = set(ast.literal_eval(node.value))
+            elif isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                constants[name] = node.value.value
+    assert declared, f"{path.name} launches kernels but declares no KERNELS"
+
+    def value(arg):
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value
+        return constants.get(arg.id) if isinstance(arg, ast.Name) else None
+
+    called = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_kernel":
+            source, name = (value(a) for a in node.args[:2])
+            if source is not None and name is not None:
+                called.add((source, name))
+    return declared, called
+
+
+def test_launchers_are_found_and_call_only_declared_kernels():
+    modules = _launcher_modules()
+    assert {p.name for p in modules} >= {"launchers.py", "sampling_launcher.py"}
+    for path in modules:
+        declared, called = _declared_and_called(path)
+        assert called, f"{path.name}: no literal _kernel calls found (is the scan still right?)"
+        assert called <= declared, f"{path.name} launches undeclared kernels: {sorted(called - declared)}"
+
+
 @needs_nvcc
-def test_every_kernel_a_launcher_names_is_defined(tmp_path):
-    """The names launchers.py asks CuPy for exist as extern "C" entry points in the compiled PTX."""
-    text = LAUNCHERS.read_text(encoding="utf-8")
-    wanted = set(re.findall(r'kernel\("(\w+\.cu)", "(\w+)"\)', text))
-    wanted |= {("attention.cu", f"paged_attention_d{d}_{mode}") for d in (64, 128) for mode in ("keysplit", "rowsplit")}
-    entries: dict[str, str] = {}
+def test_every_declared_kernel_is_defined_and_every_entry_point_is_launched(tmp_path):
+    """KERNELS of every launcher module exist as extern "C" entry points in the compiled PTX, and
+    every entry point of a launched source is declared by some launcher (no orphaned kernels)."""
+    wanted = set().union(*(_declared_and_called(p)[0] for p in _launcher_modules()))
+    entries: dict[str, set[str]] = {}
     for source in {name for name, _ in wanted}:
         ptx = tmp_path / (source + ".ptx")
         subprocess.run(["nvcc", "-arch=sm_90", "--std=c++17", "--ptx", str(CUDA_DIR / source), "-o", str(ptx)],
                        check=True, capture_output=True, timeout=300)
-        entries[source] = ptx.read_text(encoding="utf-8")
-    missing = [(s, n) for s, n in sorted(wanted) if f".entry {n}(" not in entries[s]]
-    assert not missing, f"launchers name kernels that the sources do not define: {missing}"
+        entries[source] = set(re.findall(r"\.entry (\w+)\(", ptx.read_text(encoding="utf-8")))
+    missing = sorted((s, n) for s, n in wanted if n not in entries[s])
+    assert not missing, f"launchers declare kernels that the sources do not define: {missing}"
+    orphans = sorted((s, n) for s, names in entries.items() for n in names if (s, n) not in wanted)
+    assert not orphans, f"kernels no launcher declares: {orphans}"
