@@ -119,7 +119,7 @@ def main() -> None:
     timer = Timer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "_prepare", "runner._prepare")
-    timer.wrap(engine.runner, "execute", "runner.execute")
+    timer.wrap(engine.runner, "launch", "runner.launch")
     timer.wrap(engine.runner.gpu_sampler, "sample", "gpu_sampler host part")
     timer.wrap(engine.output_processor, "process", "postprocess")
     timer.wrap(engine._stats, "record_schedule", "stats.record_schedule")

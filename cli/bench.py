@@ -141,7 +141,6 @@ def _load(options: dict, backend):
 
 def _run_all(options: dict, backend, loaded, requests) -> list:
     from offline_paged.bench import max_total_len, measure_ceilings, release_device_memory, run_bench, warm_up
-    from offline_paged.config import EngineConfig
     from offline_paged.engine import LLMEngine
 
     ceilings = measure_ceilings(backend) if options["roofline"] else None
@@ -152,14 +151,7 @@ def _run_all(options: dict, backend, loaded, requests) -> list:
     for layout in layouts:
         for block_size in block_sizes:
             try:
-                config = EngineConfig(
-                    device=backend.name, dtype=options["dtype"], block_size=block_size,
-                    kv_cache_memory=options["kv_cache_memory"], num_kv_blocks=options["num_kv_blocks"],
-                    max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
-                    max_model_len=max_model_len, enable_prefix_caching=not options["no_prefix_caching"],
-                    preemption_mode=options["preemption"], gpu_memory_utilization=options["gpu_memory_utilization"],
-                    kv_layout=layout, seed=options["seed"], cuda_graphs=options["cuda_graphs"],
-                    async_scheduling=options["async_scheduling"])
+                config = _engine_config(options, backend.name, layout, block_size, max_model_len)
                 engine = LLMEngine(config, loaded_model=loaded)
             except ValueError as exc:
                 raise click.UsageError(str(exc)) from None

@@ -324,8 +324,9 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         timers.append(report.forward_timer)
         memory.sample()
     wall = time.perf_counter() - start
+    no_forward = 0.0 if engine.backend.name == "cuda" else None  # a GPU step without a forward took 0 s
     for step, timer in zip(steps, timers):
-        step.forward_s = timer.elapsed_s() if timer is not None else (None if step.forward_s is None else 0.0)
+        step.forward_s = no_forward if timer is None else timer.elapsed_s()
     return BenchResult(
         label=label or kv_layout, kv_layout=kv_layout, block_size=manager.block_size,
         num_requests=len(requests), num_prompt_tokens=num_prompt, num_output_tokens=num_output,
@@ -344,9 +345,8 @@ def _record(end_s, wall_s, report, engine, manager, roofline: RooflineModel,
     if ceilings is not None:
         bytes_moved, flops = roofline.step_cost(scheduled)
         floor = max(bytes_moved / ceilings.bandwidth, flops / ceilings.matmul_flops) if scheduled else 0.0
-    forward_s = 0.0 if engine.backend.name == "cuda" else None  # the device time is filled in after the run
     return StepRecord(end_s, wall_s, report.schedule_s, report.execute_s, report.postprocess_s,
-                      forward_s, report.used_cuda_graph, len(scheduled),
+                      None, report.used_cuda_graph, len(scheduled),  # forward_s: set after the run
                       sum(s.num_new_tokens for s in scheduled), held,
                       stats.kv_utilization_current * held, floor)
 

@@ -1,8 +1,8 @@
 """LLMEngine: add requests, then step() until done. One step = schedule -> execute -> postprocess.
 
 The engine owns the layers below it: a Backend (numpy/cupy + ops), the Llama model, a BlockManager,
-the Scheduler, the ModelRunner and the OutputProcessor. It turns prompts into SequenceGroups, decides each sample's
-random-stream seed, checks stop conditions (with a StopChecker) and builds RequestOutputs.
+the Scheduler, the ModelRunner and the OutputProcessor. It turns prompts into SequenceGroups, decides
+each sample's random-stream seed, checks stop conditions (with a StopChecker) and builds RequestOutputs.
 """
 from __future__ import annotations
 
@@ -188,6 +188,9 @@ class LLMEngine:
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < the vocabulary size ({vocab_size}), "
                              f"got {max(params.stop_token_ids)}")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(t >= vocab_size for t in ids):
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.config.max_logprobs:
@@ -197,14 +200,9 @@ class LLMEngine:
             raise ValueError(f"the request needs {params.num_samples} parallel samples (n / best_of) "
                              f"but max_num_seqs is {self.config.max_num_seqs}")
 
-
     def _runner_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
-        """Check token ids against the vocabulary, tokenize bad_words (vLLM's way: with and without a
-        leading space), and turn max_tokens=0 into one discarded greedy token (`_finish` drops it)."""
-        vocab_size = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            if any(t >= vocab_size for t in ids):
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
+        """Tokenize bad_words (vLLM's way: with and without a leading space), and turn max_tokens=0
+        into one discarded greedy token (`_finish` drops it)."""
         if params.bad_words:
             params = dataclasses.replace(params, _bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         if params.max_tokens == 0:
@@ -300,7 +298,8 @@ class LLMEngine:
         runs on the device. Its sequences were scheduled again before their tokens were known (the
         token is fed to the next step on the device); one that turns out finished has its extra token
         dropped by the output processor and its blocks freed. A step whose next inputs need its tokens
-        on the host (beam search, n > 1 forks, penalties) is processed at once, as in the sync loop.
+        on the host (beam search, n > 1 forks, penalties, bad words) is processed at once, as in the
+        sync loop.
         """
         t0 = time.perf_counter()
         output = self.scheduler.schedule()

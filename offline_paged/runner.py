@@ -21,7 +21,7 @@ import numpy as np
 from offline_paged.block_table_rows import BlockTableRows
 from offline_paged.models.attention import AttentionMetadata
 from offline_paged.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
-from offline_paged.launched_step import ExecuteOutput, LaunchedStep, ReadySamples
+from offline_paged.launched_step import LaunchedStep, ReadySamples
 from offline_paged.sequence import SequenceResult
 from offline_paged.step_report import DeviceTimer
 
@@ -111,12 +111,8 @@ class ModelRunner:
     # ----------------------------------------------------------------- one step
     def execute(self, output) -> list[SequenceResult]:
         """Perform the step's block moves, run the forward and sample. One result per scheduled
-        sequence, in order."""
-        return self.execute_timed(output).results
-
-    def execute_timed(self, output) -> ExecuteOutput:
-        """`execute`, also reporting the forward's device timer (CUDA) and whether a graph replayed."""
-        return self.launch(output).wait()
+        sequence, in order (`launch` + `wait`)."""
+        return self.launch(output).wait().results
 
     def launch(self, output, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's block moves, forward and sampling; the sampled ids stay on the device until
@@ -164,9 +160,7 @@ class ModelRunner:
         tables = self.table_rows.tables[rows]  # [S, M'] int32, zero-padded
         skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
         input_ids = np.fromiter((_input_token(item) for item in scheduled), np.int64, num_seqs)  # [S]
-        blocks = tables[np.arange(num_seqs), starts // block_size].astype(np.int64)  # [S]
-        slots = blocks * block_size + starts % block_size  # [S]
-        slots[starts < skips] = -1  # cached K/V recomputed for scores only: don't rewrite
+        slots = _slot_mapping(tables, np.arange(num_seqs), starts, skips, block_size)  # [S]
         logits = graphs.run(input_ids, starts, slots, tables, timer, fill)  # [b, V] float32 (device)
         return logits, list(range(num_seqs))
 
@@ -207,21 +201,20 @@ class ModelRunner:
         logits_rows, offsets = _logits_rows(scheduled, query_start_loc)
         owner = np.repeat(np.arange(num_seqs), query_lens)  # [T] sequence of each token
         positions = np.arange(num_tokens) - query_start_loc[owner] + starts[owner]  # [T]
-        slots = block_tables[owner, positions // block_size] * block_size + positions % block_size  # [T]
-        slots[positions < skips[owner]] = -1  # cached K/V recomputed for scores only: don't rewrite
+        slots = _slot_mapping(block_tables, owner, positions, skips[owner], block_size)  # [T]
         parts = [input_ids, positions, slots, context_lens, query_start_loc, logits_rows, block_tables.ravel()]
         packed = self._upload(np.concatenate(parts).astype(np.int32))  # [sum of part sizes] int32
         views, at = [], 0
         for part in parts:
             views.append(packed[at:at + part.size])
             at += part.size
-        ids, pos, slot_mapping, ctx, qsl, rows, tables = views
+        ids, pos, slot_mapping, ctx, qsl, logits_indices, tables = views
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, block_tables=tables.reshape(block_tables.shape),
             context_lens=ctx, query_start_loc=qsl,
             max_query_len=int(query_lens.max()), max_context_len=int(context_lens.max()),
         )
-        return _Batch(ids, pos, meta, rows, offsets)
+        return _Batch(ids, pos, meta, logits_indices, offsets)
 
     # ----------------------------------------------------------------- outputs
     def _launch_sampling(self, output, logits, offsets: list[int], timer, used_graph: bool) -> LaunchedStep:
@@ -247,6 +240,15 @@ class ModelRunner:
             samples = ReadySamples(self.sampler.sample(logits[rows], requests))
         prompt = [_prompt_logprobs(item, logits, offsets[i], self.backend.to_host) for i, item in enumerate(scheduled)]
         return LaunchedStep(output, samples, sample_index, owners, prompt, timer, used_graph)
+
+
+def _slot_mapping(block_tables: np.ndarray, owner: np.ndarray, positions: np.ndarray,
+                  skip_below: np.ndarray, block_size: int) -> np.ndarray:
+    """[T] KV slot of each token: block `positions // B` of its sequence's row `owner` in block_tables,
+    offset `positions % B`; -1 below `skip_below` (cached K/V recomputed for scores only: not rewritten)."""
+    slots = block_tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots[positions < skip_below] = -1
+    return slots
 
 
 def _input_token(item) -> int:

@@ -302,7 +302,7 @@ class Scheduler:
         # step fills may be reused by a prompt admitted later in the same step: a batch job's shared
         # system prompt is computed once, not once per request of the first step. Blocks holding a
         # pending token are registered when the token is known (record_computed).
-        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, min(start + num_new, seq.num_known_tokens))
+        self._register_computed(seq, start + num_new)
 
     # ----------------------------------------------------------------- preemption
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
@@ -346,8 +346,11 @@ class Scheduler:
         tokens are now known with the prefix cache. Nothing to do for a sequence preempted or swapped
         out since that step was scheduled (async scheduling)."""
         if seq.status is SequenceStatus.RUNNING:
-            self.block_manager.mark_computed(seq.seq_id, seq.token_ids,
-                                             min(num_computed_tokens, seq.num_known_tokens))
+            self._register_computed(seq, num_computed_tokens)
+
+    def _register_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Prefix-cache registration of seq's computed positions whose tokens are known."""
+        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, min(num_computed_tokens, seq.num_known_tokens))
 
     def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """seq is done: its blocks go back at once."""

@@ -43,13 +43,5 @@ class StepReport:
     used_cuda_graph: bool
 
     @property
-    def wall_s(self) -> float:
-        return self.schedule_s + self.execute_s + self.postprocess_s
-
-    @property
     def num_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.scheduled)
-
-    def forward_device_s(self) -> float | None:
-        """GPU time of the forward (waits for it); None on the CPU."""
-        return None if self.forward_timer is None else self.forward_timer.elapsed_s()

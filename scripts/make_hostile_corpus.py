@@ -14,7 +14,7 @@ DEEP = 10_000
 
 
 def _line(obj: dict) -> bytes:
-    return json.dumps(obj).encode()  # ensure_ascii: a lone surrogate becomes a \\udXXX escape
+    return json.dumps(obj).encode()  # ensure_ascii: a lone surrogate becomes a \\ud800-style escape
 
 
 def _native(name: str, **fields) -> bytes:

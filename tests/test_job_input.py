@@ -40,7 +40,7 @@ plausible = st.builds(  # near-valid requests (a few small fields), so many line
     st.text(min_size=1, max_size=8), st.dictionaries(st.sampled_from(FIELD_NAMES), small, max_size=2))
 deep = st.integers(1, 30_000).map(lambda depth: b"[" * depth + b"]" * depth)
 raw_lines = st.one_of(
-    (objects | prompted | plausible | scoring | values).map(lambda v: json.dumps(v).encode()),  # surrogates as \\udXXX
+    (objects | prompted | plausible | scoring | values).map(lambda v: json.dumps(v).encode()),  # surrogates as \\ud800-style escapes
     deep,
     st.binary(max_size=64),
 )
