@@ -103,19 +103,30 @@ def test_engine_greedy_equals_transformers_generate(tiny):
                                     max_num_seqs=4, max_num_batched_tokens=8), loaded_model=loaded)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     got = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    want = _hf_greedy(hf_model, prompts, 10)
+    for i in range(len(prompts)):
+        assert got[str(i)].outputs[0].token_ids == want[i]
+
+
+def _hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' `generate`, greedy in float64, no EOS stop; the model is back in float32 after."""
+    import torch
+
     hf64 = hf_model.to(torch.float64)
     eos = hf64.generation_config.eos_token_id
     hf64.generation_config.eos_token_id = None  # like ignore_eos (min_new_tokens would mask EOS instead)
+    outputs = []
     try:
-        for i, prompt in enumerate(prompts):
+        for prompt in prompts:
             ids = torch.tensor([prompt])
             with torch.no_grad():  # an explicit mask: generate would mask prompt tokens equal to pad_token_id
-                out = hf64.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                out = hf64.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                     do_sample=False, pad_token_id=0)
-            assert got[str(i)].outputs[0].token_ids == out[0, len(prompt):].tolist()
+            outputs.append(out[0, len(prompt):].tolist())
     finally:
         hf_model.to(torch.float32)
         hf64.generation_config.eos_token_id = eos
+    return outputs
 
 
 @pytest.mark.parametrize("family,tied,overrides", [("qwen2", False, {}), ("qwen3", True, {}),
@@ -183,3 +194,20 @@ def test_window_chunked_prefill_and_decode_over_several_windows(windowed, block_
             got[i].append(row[None])
     for i, ref in enumerate(refs):
         np.testing.assert_allclose(np.concatenate(got[i]), ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_window_engine_under_preemption_equals_generate(windowed, mode):
+    """Prompts 2-4 windows long, two sharing a 16-token prefix (prefix-cache hits), through a pool too
+    small for all of them (preemption by `mode`): greedy output equal to transformers' generate."""
+    hf_model, loaded = windowed
+    prompts = random_prompts(9, [20, 25, 30, 17], loaded.config.vocab_size)
+    prompts[1][:16] = prompts[0][:16]
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float64", block_size=4, num_kv_blocks=24,
+                                    num_cpu_blocks=64, preemption_mode=mode, max_num_seqs=4,
+                                    max_num_batched_tokens=16), loaded_model=loaded)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    assert engine.stats.num_preemptions > 0
+    want = _hf_greedy(hf_model, prompts, 12)
+    assert [got[str(i)].outputs[0].token_ids for i in range(len(prompts))] == want
