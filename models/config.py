@@ -7,11 +7,10 @@ The architecture (Llama, Mistral, Qwen2, Qwen3) picks an `ArchSpec` (models/arch
 biases, q/k norm, sliding window and the transformers defaults of keys config.json may leave out.
 Mistral's `sliding_window` is computed (null: none; absent: MistralConfig's default, 4096).
 Everything the config asks for that this decoder does not compute (another `hidden_act`, a
-`quantization_config`, biases the architecture does not have, Qwen2/Qwen3 per-layer sliding
-windows, partial RoPE) is
-refused by name, and every value is type- and range-checked (positive sizes under generous limits,
-finite positive eps and theta, token ids inside the vocabulary), so a bad config fails at load, never
-as NaN logits later.
+`quantization_config`, biases the architecture does not have, Qwen2/Qwen3 per-layer sliding windows,
+partial RoPE) is refused by name, and every value is type- and range-checked (positive sizes under
+generous limits, finite positive eps and theta, token ids inside the vocabulary), so a bad config
+fails at load, never as NaN logits later.
 """
 from __future__ import annotations
 
