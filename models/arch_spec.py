@@ -5,11 +5,12 @@ The decoder (models/llama.py), the expected tensors (models/weight_spec.py) and 
 transformers' own class defaults, used when config.json leaves a key out (older transformers wrote
 only the keys that differed from them).
 
-Sliding windows are not computed (the paged kernels read the whole context). `window_switch` names
-the config key that turns a window on, so that a config asking for one is refused by name:
-- "sliding_window": Mistral, a window unless the key is null (the class default is 4096);
+`window_switch` names the config key that turns a sliding window on:
+- "sliding_window": Mistral, the same window on every layer unless the key is null (the class
+  default is 4096). Computed: LlamaConfig.sliding_window bounds what the attention reads.
 - "use_sliding_window": Qwen2/Qwen3, a window on layers >= max_window_layers when true, or on every
-  layer that `layer_types` marks "sliding_attention".
+  layer that `layer_types` marks "sliding_attention". Not computed (a per-layer window): a config
+  asking for one is refused by name.
 """
 from __future__ import annotations
 

@@ -16,6 +16,10 @@ Sequence i has context_lens[i] tokens in its cache after this step's K/V are wri
 queries sit at positions context_lens[i] - q_len ... context_lens[i] - 1 and attend causally,
 so a decode step is q_len == 1 and a prefill chunk attends to the cached prefix plus causally
 within the chunk.
+
+Sliding window (Mistral): with `sliding_window` w, the query at position p reads only the keys at
+positions p - w < k <= p, itself and the w - 1 before it (transformers' convention: its mask keeps
+kv_idx > q_idx - w). None means the whole causal context.
 """
 from __future__ import annotations
 
@@ -54,12 +58,22 @@ def write_kv_reference(xp, k, v, k_cache, v_cache, slot_mapping) -> None:
     v_cache.reshape(num_blocks * block_size, *v_cache.shape[2:])[slots] = v[keep]
 
 
-def paged_attention_reference(xp, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+def check_sliding_window(sliding_window) -> None:
+    """ValueError unless `sliding_window` is None or a positive int (the attention ops' keyword)."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+
+
+def paged_attention_reference(xp, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                              sliding_window: int | None = None):
     """Causal grouped-query attention reading K/V through block tables. Returns [T, H, D].
+    With `sliding_window` w, a query at position p sees only keys p - w < k <= p.
 
     Plain per-sequence loop on purpose: this is the readable definition the kernels must match.
     Softmax is computed in float32 at least (float64 inputs stay float64).
     """
+    check_sliding_window(sliding_window)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -83,7 +97,7 @@ def paged_attention_reference(xp, q, k_cache, v_cache, meta: AttentionMetadata, 
         scores = xp.einsum("qhd,khd->hqk", qs, k) * scale  # [H, q_len, C]
         query_pos = xp.arange(context_len - q_len, context_len)[:, None]  # [q_len, 1]
         key_pos = xp.arange(context_len)[None, :]  # [1, C]
-        scores = xp.where(key_pos <= query_pos, scores, -xp.inf)
+        scores = xp.where(_visible(key_pos, query_pos, sliding_window), scores, -xp.inf)
         scores = scores - scores.max(axis=-1, keepdims=True)
         probs = xp.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -91,7 +105,13 @@ def paged_attention_reference(xp, q, k_cache, v_cache, meta: AttentionMetadata, 
     return out
 
 
-def dense_causal_attention(xp, q, k, v, scale: float):
+def _visible(key_pos, query_pos, sliding_window: int | None):
+    """Which keys each query reads: causal, and inside the window when there is one."""
+    causal = key_pos <= query_pos
+    return causal if sliding_window is None else causal & (key_pos > query_pos - sliding_window)
+
+
+def dense_causal_attention(xp, q, k, v, scale: float, sliding_window: int | None = None):
     """Plain causal GQA attention for one sequence held contiguously (the "paged == dense" check).
 
     q: [L, H, D]; k, v: [L, Hkv, D]. Returns [L, H, D].
@@ -102,7 +122,8 @@ def dense_causal_attention(xp, q, k, v, scale: float):
     v = xp.repeat(v.astype(acc_dtype), group, axis=1)  # [L, H, D]
     scores = xp.einsum("qhd,khd->hqk", q.astype(acc_dtype), k) * scale  # [H, L, L]
     length = q.shape[0]
-    mask = xp.tril(xp.ones((length, length), dtype=bool))
+    positions = xp.arange(length)
+    mask = _visible(positions[None, :], positions[:, None], sliding_window)  # [L, L]
     scores = xp.where(mask, scores, -xp.inf)
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = xp.exp(scores)

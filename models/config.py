@@ -4,12 +4,13 @@ Both RoPE spellings are accepted: the old one (`rope_theta` + `rope_scaling`) an
 (`rope_parameters` with `rope_type`/`rope_theta`). RoPE scaling of type `llama3` and `linear` is
 supported; anything else is refused with a message naming the file and the type.
 The architecture (Llama, Mistral, Qwen2, Qwen3) picks an `ArchSpec` (models/arch_spec.py): its
-biases, q/k norm and the transformers defaults of keys config.json may leave out.
+biases, q/k norm, sliding window and the transformers defaults of keys config.json may leave out.
+Mistral's `sliding_window` is computed (null: none; absent: MistralConfig's default, 4096).
 Everything the config asks for that this decoder does not compute (another `hidden_act`, a
-`quantization_config`, biases the architecture does not have, a sliding window, partial RoPE) is
-refused by name, and every value is type- and range-checked (positive sizes under generous limits,
-finite positive eps and theta, token ids inside the vocabulary), so a bad config fails at load, never
-as NaN logits later.
+`quantization_config`, biases the architecture does not have, Qwen2/Qwen3 per-layer sliding windows,
+partial RoPE) is refused by name, and every value is type- and range-checked (positive sizes under
+generous limits, finite positive eps and theta, token ids inside the vocabulary), so a bad config
+fails at load, never as NaN logits later.
 """
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ SIZE_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size
 
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
-    """Shapes and constants of a Llama-layout decoder: Llama, Mistral without sliding window,
-    Qwen2/Qwen2.5 and Qwen3 (`spec` says what the architecture adds)."""
+    """Shapes and constants of a Llama-layout decoder: Llama, Mistral, Qwen2/Qwen2.5 and Qwen3
+    (`spec` says what the architecture adds). `sliding_window` w (Mistral only): every layer's query
+    at position p attends to keys p - w < k <= p; None: the whole causal context."""
 
     vocab_size: int
     hidden_size: int
@@ -75,6 +77,7 @@ class LlamaConfig:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name, limit in SIZE_LIMITS.items():
@@ -94,7 +97,13 @@ class LlamaConfig:
             if bad:
                 raise ValueError(f"{name} {bad[0]!r} is not a token id of the vocabulary "
                                  f"(vocab_size {self.vocab_size})")
-        arch_spec(self.architecture)
+        spec = arch_spec(self.architecture)
+        if self.sliding_window is not None:
+            if spec.window_switch != "sliding_window":
+                raise ValueError(f"sliding_window is not computed for {self.architecture} (only Mistral's "
+                                 f"every-layer window is), got {self.sliding_window!r}")
+            if _not_int(self.sliding_window) or self.sliding_window < 1:
+                raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
 
     @property
     def spec(self) -> ArchSpec:
@@ -127,7 +136,7 @@ class LlamaConfig:
                                "num_attention_heads") if k not in raw]
         if missing:
             raise ValueError(f"missing required keys: {', '.join(missing)}")
-        _refuse_sliding_window(raw, spec)
+        _refuse_qwen_sliding_window(raw, spec)
         num_heads = _int(raw, "num_attention_heads")
         hidden = _int(raw, "hidden_size")
         default_head_dim = spec.default_head_dim or (hidden // num_heads if num_heads > 0 else 0)
@@ -148,6 +157,7 @@ class LlamaConfig:
             architecture=spec.architecture,
             bos_token_id=_int(raw, "bos_token_id", None),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+            sliding_window=_mistral_window(raw, spec),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,7 +183,7 @@ class LlamaConfig:
             "torch_dtype": "float32",
         }
         if self.spec.window_switch is not None:
-            out |= {"sliding_window": None, "use_sliding_window": False}
+            out |= {"sliding_window": self.sliding_window, "use_sliding_window": False}
         if self.rope_scaling is not None:
             s = self.rope_scaling
             out["rope_scaling"] = {"rope_type": s.rope_type, "factor": s.factor}
@@ -217,15 +227,21 @@ def _refuse_what_we_do_not_compute(raw: dict[str, Any]) -> None:
         raise ValueError("attention_bias / mlp_bias are not supported")
 
 
-def _refuse_sliding_window(raw: dict[str, Any], spec: ArchSpec) -> None:
-    """The paged kernels attend to the whole context: any layer with a window is refused by name."""
-    if spec.window_switch == "sliding_window":
-        window = raw.get("sliding_window", spec.default_sliding_window)
-        if window is not None:
-            why = "" if "sliding_window" in raw else ", transformers' default when config.json has none"
-            raise ValueError(f"{spec.architecture} with sliding_window is not supported (sliding_window="
-                             f"{window}{why}); only a config with sliding_window null is computed")
-    elif spec.window_switch == "use_sliding_window":
+def _mistral_window(raw: dict[str, Any], spec: ArchSpec) -> int | None:
+    """Mistral's window on every layer: config.json's `sliding_window` (null: none), or transformers'
+    class default when the key is absent. None for the other architectures."""
+    if spec.window_switch != "sliding_window":
+        return None
+    window = raw.get("sliding_window", spec.default_sliding_window)
+    if window is not None and (_not_int(window) or window < 1):
+        raise ValueError(f"sliding_window must be a positive integer or null, got {str(window)[:40]!r}")
+    return window
+
+
+def _refuse_qwen_sliding_window(raw: dict[str, Any], spec: ArchSpec) -> None:
+    """Qwen2/Qwen3 windows apply to some layers only (max_window_layers, layer_types): not computed,
+    so any layer with a window is refused by name."""
+    if spec.window_switch == "use_sliding_window":
         sliding = _sliding_layers(raw, spec)
         if sliding:
             raise ValueError(f"sliding-window attention is not supported: {sliding}")

@@ -1,7 +1,8 @@
 """Llama: the decoder forward over a paged KV cache, written once against `ops` / `ops.xp`.
 
 One decoder for every supported family; the config's `ArchSpec` (models/arch_spec.py) switches on
-what a family adds: q/k/v biases (Qwen2), RMSNorm of each q and k head before RoPE (Qwen3).
+what a family adds: q/k/v biases (Qwen2), RMSNorm of each q and k head before RoPE (Qwen3), a
+sliding attention window on every layer (Mistral; `config.sliding_window`, passed to ops.attention).
 
 Legend for shape comments:
     T  tokens in the batch (all sequences' new tokens, concatenated)   K  rows that need logits
@@ -140,7 +141,8 @@ class Llama:
             q, k = self._head_norm(q, layer.q_norm), self._head_norm(k, layer.k_norm)
         q, k = self.ops.rope(q, k, positions, self.cos_sin_cache)
         self.ops.write_kv(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
-        out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale)  # [T, H, D]
+        out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale,
+                                 sliding_window=c.sliding_window)  # [T, H, D]
         return matmul(out.reshape(num_tokens, q_dim), layer.o_proj)  # [T, E]
 
     def _head_norm(self, x, weight):

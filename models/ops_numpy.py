@@ -42,9 +42,11 @@ class NumpyOps:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv_reference(np, k, v, k_cache, v_cache, slot_mapping)
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        """Paged causal GQA attention; [T, H, D] -> [T, H, D]."""
-        return self._attention(np, q, k_cache, v_cache, meta, scale)
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  sliding_window: int | None = None):
+        """Paged causal GQA attention; [T, H, D] -> [T, H, D]. With `sliding_window` w, a query at
+        position p reads only keys p - w < k <= p (None: the whole context)."""
+        return self._attention(np, q, k_cache, v_cache, meta, scale, sliding_window)
 
     def logits(self, hidden, lm_head):
         """hidden [K, E] @ lm_head [E, V] -> [K, V] float32 (computed in the model's dtype)."""

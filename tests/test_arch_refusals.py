@@ -40,10 +40,10 @@ BAD_CONFIGS = {
     "qwen3_gelu": (QWEN3 | {"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
     "qwen2_quantized": (QWEN2 | {"quantization_config": {"quant_method": "awq"}},
                         r"quantization_config \(quant_method 'awq'\) is not supported"),
-    "mistral_window": (MISTRAL | {"sliding_window": 4096},
-                       r"MistralForCausalLM with sliding_window is not supported \(sliding_window=4096\)"),
-    "mistral_window_by_default": ({k: v for k, v in MISTRAL.items() if k != "sliding_window"},
-                                  r"sliding_window=4096, transformers' default when config\.json has none"),
+    "mistral_window_zero": (MISTRAL | {"sliding_window": 0}, r"sliding_window must be a positive integer or null, got '0'"),
+    "mistral_window_string": (MISTRAL | {"sliding_window": "4096"},
+                              r"sliding_window must be a positive integer or null, got '4096'"),
+    "mistral_window_float": (MISTRAL | {"sliding_window": 8.5}, r"sliding_window must be a positive integer"),
     "unknown_model_type": ({k: v for k, v in QWEN2.items() if k != "architectures"} | {"model_type": "gemma"},
                            r"no 'architectures' and unknown model_type 'gemma'"),
 }
@@ -74,8 +74,27 @@ def test_windows_that_no_layer_uses_are_accepted():
     assert LlamaConfig.from_dict(QWEN2 | {"use_sliding_window": False, "sliding_window": 131072})
 
 
+def test_mistral_window_is_read_with_transformers_default():
+    """Mistral's window is computed now: the key's value, none for null, MistralConfig's 4096 when absent."""
+    assert LlamaConfig.from_dict(MISTRAL | {"sliding_window": 8}).sliding_window == 8
+    assert LlamaConfig.from_dict(MISTRAL).sliding_window is None
+    absent = LlamaConfig.from_dict({k: v for k, v in MISTRAL.items() if k != "sliding_window"})
+    assert absent.sliding_window == 4096
+
+
+def test_a_window_on_another_architecture_is_refused():
+    """Only Mistral's every-layer window is computed; a Llama or Qwen config object cannot carry one."""
+    import dataclasses
+
+    for raw in (TINY | {"architectures": ["LlamaForCausalLM"]}, QWEN2):
+        with pytest.raises(ValueError, match=r"sliding_window is not computed for (Llama|Qwen2)ForCausalLM"):
+            dataclasses.replace(LlamaConfig.from_dict(raw), sliding_window=8)
+    # Llama's config.json has no window key: a stray one is not read (transformers' Llama ignores it too).
+    assert LlamaConfig.from_dict(TINY | {"architectures": ["LlamaForCausalLM"], "sliding_window": 8}).sliding_window is None
+
+
 def test_config_round_trips_per_architecture():
-    for raw in (QWEN2, QWEN3, MISTRAL):
+    for raw in (QWEN2, QWEN3, MISTRAL, MISTRAL | {"sliding_window": 8}):
         config = LlamaConfig.from_dict(raw)
         assert LlamaConfig.from_dict(config.to_dict()) == config
 
@@ -192,3 +211,18 @@ def test_published_configs_load_as_the_bench_presets(raw, preset):
     config = LlamaConfig.from_dict(raw)
     # The presets also stop on generation_config.json's extra end-of-sequence ids.
     assert dataclasses.replace(config, eos_token_ids=PRESETS[preset].eos_token_ids) == PRESETS[preset]
+
+
+# config.json of mistralai/Mistral-7B-v0.1 as published: a 4096-token window on every layer.
+MISTRAL_7B_V01 = {
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000}
+
+
+def test_published_mistral_config_reads_its_window():
+    config = LlamaConfig.from_dict(MISTRAL_7B_V01)
+    assert (config.sliding_window, config.head_dim, config.max_position_embeddings) == (4096, 128, 32768)
+    assert (config.bos_token_id, config.eos_token_ids, config.tie_word_embeddings) == (1, (2,), False)

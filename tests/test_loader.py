@@ -160,13 +160,13 @@ def test_old_rope_spelling_reads_like_new():
     assert old == new and old.rope_theta == 5e5 and old.rope_scaling.factor == 8.0
 
 
-def test_mistral_sliding_window_is_refused():
+def test_mistral_sliding_window_is_read():
     from offline_paged.models.config import LlamaConfig
 
-    with pytest.raises(ValueError, match="sliding_window"):
-        LlamaConfig.from_dict(dict(architectures=["MistralForCausalLM"], vocab_size=10, hidden_size=8,
-                                   intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                   sliding_window=4096))
+    config = LlamaConfig.from_dict(dict(architectures=["MistralForCausalLM"], vocab_size=10, hidden_size=8,
+                                        intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                        sliding_window=4096))
+    assert config.sliding_window == 4096
 
 
 # --------------------------------------------------------------------------- refuse what we do not compute
