@@ -12,6 +12,10 @@ Legend for shape comments:
 Weights are kept [in, out] so every projection is `x @ W`; q/k/v are fused into one [E, (H+2Hkv)D]
 matrix and gate/up into one [E, 2I] matrix, so a layer is four matmuls.
 KV cache: [L, 2, N, B, Hkv, D] (kv[l, 0] = K, kv[l, 1] = V); see models/attention.py.
+
+Tensor parallel (`tp`, a models/tp_shard.py TensorParallelShard): the config and weights are one rank's
+shard (H, Hkv, I divided by N, V its padded vocabulary slice); the forward all-reduces the embedding
+and the outputs of o_proj and down, and all-gathers the logits to the full vocabulary.
 """
 from __future__ import annotations
 
@@ -47,10 +51,11 @@ class Llama:
     the engine builds it only as long as its max_model_len (`set_max_positions`)."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], ops, dtype=np.float32,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, tp=None):
         check_weights(config, {name: np.shape(w) for name, w in weights.items()})
         self.config = config
         self.ops = ops
+        self.tp = tp
         xp = ops.xp
         self.dtype = xp.dtype(dtype)
 
@@ -109,20 +114,46 @@ class Llama:
         `logits_matmul(x, lm_head)` the LM head, returning float32 (None: ops.logits, which on CUDA
         writes the fp32 accumulator instead of rounding logits to fp16). Returns float32 logits [K, V]."""
         ops, eps = self.ops, self.config.rms_norm_eps
-        hidden = ops.xp.take(self.embed, input_ids, axis=0)  # [T, E]
+        hidden = self._embed(input_ids)  # [T, E]
         residual = None
         for layer, layer_cache in zip(self.layers, kv_cache):
             hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             hidden = self._attention(layer, hidden, positions, layer_cache, meta, matmul)
             hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            hidden = matmul(ops.silu_mul(matmul(hidden, layer.gate_up)), layer.down)  # [T, E]
+            hidden = self._all_reduce(matmul(ops.silu_mul(matmul(hidden, layer.gate_up)), layer.down))  # [T, E]
         if logits_indices is not None:
             # The final norm is per row, so only the rows that need logits go through it.
             hidden, residual = hidden[logits_indices], residual[logits_indices]  # [K, E]
         hidden, _ = ops.rms_norm(hidden, self.final_norm, eps, residual)
         if logits_matmul is None:
-            return ops.logits(hidden, self.lm_head)  # [K, V] float32
-        return logits_matmul(hidden, self.lm_head)  # [K, V] float32
+            return self._gather_logits(ops.logits(hidden, self.lm_head))  # [K, V] float32
+        return self._gather_logits(logits_matmul(hidden, self.lm_head))  # [K, V] float32
+
+    def _embed(self, input_ids):
+        """Embedding rows of `input_ids` [T] -> [T, E]; under tensor parallelism each rank looks up
+        the ids inside its vocabulary slice (zeros elsewhere) and the all-reduce sums the ranks."""
+        xp = self.ops.xp
+        if self.tp is None:
+            return xp.take(self.embed, input_ids, axis=0)  # [T, E]
+        local_ids = input_ids - self.tp.vocab_start  # [T]
+        inside = (local_ids >= 0) & (local_ids < self.tp.vocab_per_rank)  # [T]
+        hidden = xp.take(self.embed, xp.where(inside, local_ids, 0), axis=0)  # [T, E]
+        hidden *= inside[:, None].astype(self.dtype)
+        return self._all_reduce(hidden)
+
+    def _all_reduce(self, partial):
+        """Sum a row-parallel output [T, E] over the ranks, in place (identity without tp)."""
+        if self.tp is not None:
+            self.tp.communicator.all_reduce(partial)
+        return partial
+
+    def _gather_logits(self, logits):
+        """[K, V/N] float32 of this rank's vocabulary slice -> [K, V] of the full vocabulary."""
+        if self.tp is None:
+            return logits
+        gathered = self.tp.communicator.all_gather(logits)  # [N, K, V/N]
+        full = self.ops.xp.moveaxis(gathered, 0, 1).reshape(logits.shape[0], -1)  # [K, N V/N]
+        return self.ops.xp.ascontiguousarray(full[:, :self.tp.vocab_size])  # [K, V]
 
     def _attention(self, layer: LlamaLayer, hidden, positions, layer_cache, meta: AttentionMetadata,
                    matmul):
@@ -141,7 +172,7 @@ class Llama:
         q, k = self.ops.rope(q, k, positions, self.cos_sin_cache)
         self.ops.write_kv(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
         out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale)  # [T, H, D]
-        return matmul(out.reshape(num_tokens, q_dim), layer.o_proj)  # [T, E]
+        return self._all_reduce(matmul(out.reshape(num_tokens, q_dim), layer.o_proj))  # [T, E]
 
     def _head_norm(self, x, weight):
         """RMSNorm of every head over D (Qwen3's q_norm / k_norm): [T, heads, D] -> [T, heads, D]."""
