@@ -106,3 +106,57 @@ def run_ranks(fn: Callable[[int, ThreadCommunicator], Any], world_size: int, tim
         rank, exc = real[0]
         raise RuntimeError(f"tensor-parallel rank {rank} failed: {exc!r}") from exc
     return results
+
+
+class PipeCommunicator:
+    """One rank of a CPU group of processes over multiprocessing pipes (a star through rank 0).
+
+    Rank 0 holds one connection per other rank (`conns[r - 1]`); every other rank holds its one
+    connection to rank 0. Rank 0 sums in rank order and sends the total back, so all ranks get the
+    same values (and the same as `ThreadGroup`). A peer that died shows up as EOFError/OSError on
+    the pipe, raised here as a RuntimeError naming the rank."""
+
+    def __init__(self, rank: int, world_size: int, conns: list):
+        expected = world_size - 1 if rank == 0 else 1
+        if len(conns) != expected:
+            raise ValueError(f"rank {rank} of {world_size} needs {expected} connections, got {len(conns)}")
+        self.rank, self.world_size, self.conns = rank, world_size, conns
+
+    def _recv(self, index: int):
+        try:
+            return self.conns[index].recv()
+        except (EOFError, OSError) as exc:
+            peer = index + 1 if self.rank == 0 else 0
+            raise RuntimeError(f"tensor-parallel rank {peer} is gone ({type(exc).__name__})") from None
+
+    def _gather_to_root(self, x) -> list | None:
+        """Rank 0: every rank's x in rank order; other ranks: send x, return None."""
+        if self.rank != 0:
+            self.conns[0].send(np.asarray(x))
+            return None
+        return [np.asarray(x)] + [self._recv(i) for i in range(self.world_size - 1)]
+
+    def _from_root(self, value):
+        if self.rank == 0:
+            for conn in self.conns:
+                conn.send(value)
+            return value
+        return self._recv(0)
+
+    def all_reduce(self, x) -> None:
+        parts = self._gather_to_root(x)
+        total = None
+        if parts is not None:
+            total = parts[0].copy()
+            for part in parts[1:]:
+                total += part
+        x[...] = self._from_root(total)
+
+    def all_gather(self, x):
+        parts = self._gather_to_root(x)
+        return self._from_root(None if parts is None else np.stack(parts))  # [N, *x.shape]
+
+    def broadcast(self, x, root: int = 0) -> None:
+        if root != 0:
+            raise ValueError("PipeCommunicator.broadcast: only root 0 is supported")
+        x[...] = self._from_root(np.array(x, copy=True) if self.rank == 0 else None)

@@ -1,0 +1,70 @@
+"""Tensor-parallel engine plumbing on the CPU: rank 0 (this process) runs the scheduler and sends each
+step's inputs to a spawned rank over a pipe; the collectives run over pipes too. Outputs must equal
+the one-process engine's: greedy, seeded sampling, n>1, prefix hits, logprobs, and preemption under
+a small pool (recompute and swap, so block copies and swaps cross to the other rank too)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from offline_paged.config import EngineConfig
+from offline_paged.engine import LLMEngine
+from offline_paged.sampling_params import SamplingParams
+from tests.tiny_engine import run_to_completion, tiny_model
+
+
+def _requests(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(4, 260, size=9).tolist()
+    requests = {}
+    for i in range(8):
+        prompt = (prefix if i % 2 else []) + rng.integers(4, 260, size=int(rng.integers(3, 30))).tolist()
+        params = (SamplingParams(max_tokens=16, temperature=0.0, logprobs=2) if i % 3 == 0 else
+                  SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=i, n=2 if i == 4 else 1))
+        requests[f"r{i}"] = (prompt, params)
+    return requests
+
+
+def _run(tensor_parallel_size: int, **overrides) -> dict:
+    settings = dict(device="cpu", dtype="float64", block_size=4, num_kv_blocks=24, max_num_seqs=8,
+                    max_num_batched_tokens=48, tensor_parallel_size=tensor_parallel_size) | overrides
+    engine = LLMEngine(EngineConfig(**settings), loaded_model=tiny_model())
+    try:
+        results = run_to_completion(engine, _requests())
+        return {rid: [(c.token_ids, c.logprobs) for c in out.outputs] for rid, out in results.items()}, engine
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_two_cpu_ranks_give_the_single_process_outputs(preemption_mode):
+    single, _ = _run(1, preemption_mode=preemption_mode, num_cpu_blocks=64)
+    sharded, engine = _run(2, preemption_mode=preemption_mode, num_cpu_blocks=64)
+    assert engine.runner.kv_cache.shape[4] == 1  # 2 KV heads over 2 ranks
+    assert engine.stats.num_preemptions > 0  # the small pool really preempted
+    assert set(sharded) == set(single)
+    for rid in single:
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(sharded[rid], single[rid], strict=True):
+            assert tokens == want_tokens, rid
+            if want_logprobs:
+                for got, want in zip(logprobs, want_logprobs):
+                    assert got.keys() == want.keys()
+                    # float32 logits (the forward's output dtype): sums split over ranks round apart
+                    np.testing.assert_allclose(list(got.values()), list(want.values()), atol=1e-5)
+
+
+def test_tensor_parallel_refuses_a_split_that_does_not_divide():
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide num_attention_heads"):
+        LLMEngine(EngineConfig(device="cpu", tensor_parallel_size=3, num_kv_blocks=8), loaded_model=tiny_model())
+
+
+def test_tensor_parallel_refuses_async_scheduling():
+    config = EngineConfig(device="cpu", dtype="float64", tensor_parallel_size=2, num_kv_blocks=16,
+                          async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling is not supported with tensor_parallel_size"):
+        LLMEngine(config, loaded_model=tiny_model())
+
+
+def test_tensor_parallel_size_is_validated():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(tensor_parallel_size=0)
