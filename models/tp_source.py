@@ -46,6 +46,9 @@ class CheckpointSource:
 
     name_or_path: str | None
 
+    def __reduce__(self):  # only the path crosses to the other ranks, never the cached tokenizer
+        return CheckpointSource, (self.name_or_path,)
+
     @cached_property
     def _meta(self):
         from .loader import load_tokenizer
