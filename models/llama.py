@@ -51,8 +51,11 @@ class Llama:
     the engine builds it only as long as its max_model_len (`set_max_positions`)."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], ops, dtype=np.float32,
-                 max_positions: int | None = None, tp=None):
+                 max_positions: int | None = None, tp=None, consume_weights: bool = False):
         check_weights(config, {name: np.shape(w) for name, w in weights.items()})
+        # consume_weights: pop each tensor from `weights` once uploaded, so a device-resident source
+        # (a tensor-parallel shard of a 70B shape) is freed as it goes instead of held twice.
+        read = weights.pop if consume_weights else weights.__getitem__
         self.config = config
         self.ops = ops
         self.tp = tp
@@ -62,13 +65,13 @@ class Llama:
         def upload(array) -> Any:  # host numpy or already on the device (e.g. dummy weights)
             return xp.ascontiguousarray(xp.asarray(array, dtype=self.dtype))
 
-        self.embed = upload(weights["model.embed_tokens.weight"])  # [V, E]
+        self.embed = upload(read("model.embed_tokens.weight"))  # [V, E]
         if config.tie_word_embeddings:
             self.lm_head = self.embed.T  # [E, V] (a transposed view; BLAS reads it without a copy)
         else:
-            self.lm_head = upload(xp.asarray(weights["lm_head.weight"], dtype=self.dtype).T)  # [E, V]
-        self.final_norm = upload(weights["model.norm.weight"])  # [E]
-        self.layers = [self._layer(weights, i, upload) for i in range(config.num_hidden_layers)]
+            self.lm_head = upload(xp.asarray(read("lm_head.weight"), dtype=self.dtype).T)  # [E, V]
+        self.final_norm = upload(read("model.norm.weight"))  # [E]
+        self.layers = [self._layer(read, i, upload) for i in range(config.num_hidden_layers)]
         self._upload = upload
         self.set_max_positions(max_positions or config.max_position_embeddings)
         self.scale = config.head_dim ** -0.5
@@ -77,27 +80,28 @@ class Llama:
         """(Re)build the RoPE table for positions [0, max_positions)."""
         self.cos_sin_cache = self._upload(cos_sin_cache(self.config, self.dtype, max_positions))  # [P, D]
 
-    def _layer(self, weights, i: int, upload) -> LlamaLayer:
+    def _layer(self, read, i: int, upload) -> LlamaLayer:
+        """Layer i from `read(name) -> tensor`."""
         p = f"model.layers.{i}."
         xp = self.ops.xp
 
         def linear(*names: str):
-            parts = [xp.asarray(weights[p + n], dtype=self.dtype) for n in names]
+            parts = [xp.asarray(read(p + n), dtype=self.dtype) for n in names]
             return upload(xp.concatenate(parts, axis=0).T)
 
         spec = self.config.spec
         qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         return LlamaLayer(
-            input_norm=upload(weights[p + "input_layernorm.weight"]),
+            input_norm=upload(read(p + "input_layernorm.weight")),
             qkv=linear("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
             o_proj=linear("self_attn.o_proj.weight"),
-            post_norm=upload(weights[p + "post_attention_layernorm.weight"]),
+            post_norm=upload(read(p + "post_attention_layernorm.weight")),
             gate_up=linear("mlp.gate_proj.weight", "mlp.up_proj.weight"),
             down=linear("mlp.down_proj.weight"),
-            qkv_bias=upload(xp.concatenate([xp.asarray(weights[p + n + ".bias"], dtype=self.dtype)
+            qkv_bias=upload(xp.concatenate([xp.asarray(read(p + n + ".bias"), dtype=self.dtype)
                                             for n in qkv_names])) if spec.qkv_bias else None,
-            q_norm=upload(weights[p + "self_attn.q_norm.weight"]) if spec.qk_norm else None,
-            k_norm=upload(weights[p + "self_attn.k_norm.weight"]) if spec.qk_norm else None,
+            q_norm=upload(read(p + "self_attn.q_norm.weight")) if spec.qk_norm else None,
+            k_norm=upload(read(p + "self_attn.k_norm.weight")) if spec.qk_norm else None,
         )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int):

@@ -115,7 +115,8 @@ class LLMEngine:
         self.tp_group = group = TensorParallelGroup(self.config, source, self.backend)
         try:
             model = Llama(group.local_config, group.weights, self.backend.ops, self.backend.dtype,
-                          max_positions=self.config.max_num_batched_tokens, tp=group.shard)
+                          max_positions=self.config.max_num_batched_tokens, tp=group.shard,
+                          consume_weights=True)
         except BaseException:
             group.close()
             raise

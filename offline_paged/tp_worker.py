@@ -83,7 +83,7 @@ def _serve(spec: TPWorkerSpec, control, collective, backend, local_config, weigh
     tp = TensorParallelShard(spec.rank, config.tensor_parallel_size, spec.source.config.vocab_size,
                              _communicator(spec, collective))
     model = Llama(local_config, weights, backend.ops, backend.dtype, max_positions=config.max_num_batched_tokens,
-                  tp=tp)
+                  tp=tp, consume_weights=True)  # a 70B shard is not held twice
     del weights
     runner = None
     while True:

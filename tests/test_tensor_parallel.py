@@ -153,3 +153,13 @@ def test_a_failing_rank_does_not_hang_the_others():
 
     with pytest.raises(RuntimeError, match="rank 1 failed.*planted"):
         run_ranks(rank_fn, 2, timeout=30)
+
+
+def test_consume_weights_empties_the_shard_dict_and_changes_nothing():
+    config, weights = random_model()
+    shard = shard_weights(config, weights, 0, 2)
+    keep = Llama(shard_config(config, 2), dict(shard), NumpyOps())
+    consumed = Llama(shard_config(config, 2), shard, NumpyOps(), consume_weights=True)
+    assert shard == {}
+    np.testing.assert_array_equal(consumed.layers[1].gate_up, keep.layers[1].gate_up)
+    assert len(weights) == len(expected_weight_shapes(config))  # the source itself is untouched

@@ -12,7 +12,7 @@ import pytest
 from offline_paged.config import EngineConfig
 from offline_paged.engine import LLMEngine
 from offline_paged.sampling_params import SamplingParams
-from tests.tiny_engine import run_to_completion, tiny_model
+from tiny_engine import run_to_completion, tiny_model
 
 
 def _requests(seed: int = 0) -> dict:
@@ -90,7 +90,7 @@ def test_cli_generate_with_tensor_parallel_size(tmp_path):
     from click.testing import CliRunner
 
     from offline_paged.cli.main import cli
-    from tests.tiny_llama import make_tiny_hf_model, write_tiny_tokenizer
+    from tiny_llama import make_tiny_hf_model, write_tiny_tokenizer
 
     model_dir = tmp_path / "model"
     make_tiny_hf_model(model_dir)
