@@ -113,7 +113,7 @@ def _shard(config: LlamaConfig, name: str, view, rank: int, world_size: int):
     if leaf in ("o_proj", "down_proj"):  # row-parallel: input features are its columns
         n = per_q if leaf == "o_proj" else per_i
         return view[:, rank * n:(rank + 1) * n]
-    return view  # RMSNorm weights, Qwen3 q/k norms: replicated
+    return view[...]  # RMSNorm weights, Qwen3 q/k norms: replicated (read whole)
 
 
 def _vocab_rows(view, vocab_size: int, rank: int, world_size: int):

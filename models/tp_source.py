@@ -64,11 +64,23 @@ class CheckpointSource:
         return self._meta[1]
 
     def shard(self, rank: int, world_size: int, xp=np, dtype=np.float32):
-        from .loader import load_model
+        """An HF directory: memory-mapped views, sliced (only this rank's slices are read). A GGUF file
+        is dequantized whole first (its blocks do not slice), then sliced."""
+        from pathlib import Path
 
-        loaded = load_model(self.name_or_path)
-        return shard_config(loaded.config, world_size), shard_weights(loaded.config, loaded.weights, rank,
-                                                                      world_size)
+        from .default_model import ensure_default_model
+        from .tp_views import checkpoint_views
+
+        config = self.config
+        name = self.name_or_path
+        path = ensure_default_model() if name is None or str(name) == "default" else Path(name)
+        if Path(path).suffix == ".gguf":
+            from .loader import load_model
+
+            views = load_model(path).weights
+        else:
+            views = checkpoint_views(path, config)
+        return shard_config(config, world_size), shard_weights(config, views, rank, world_size)
 
 
 @dataclass(frozen=True)
