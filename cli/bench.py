@@ -32,7 +32,7 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--model", default=None, help="HF model dir or .gguf file (not with --dummy-weights).")
 @click.option("--dummy-weights", "dummy_preset", default=None, metavar="PRESET",
               help="Random weights of a shape preset: smollm2-135m, llama-3.2-1b, llama-3.1-8b, "
-                   "qwen3-0.6b, qwen2.5-7b, tiny.")
+                   "qwen3-0.6b, qwen2.5-7b, llama-3.1-70b (TP), tiny.")
 @click.option("--weights-seed", type=int, default=0, show_default=True)
 @click.option("--workload", type=click.Choice(["random", "file"]), default="random", show_default=True)
 @click.option("--input-file", type=click.Path(exists=True, dir_okay=False), default=None,
