@@ -32,7 +32,7 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--model", default=None, help="HF model dir or .gguf file (not with --dummy-weights).")
 @click.option("--dummy-weights", "dummy_preset", default=None, metavar="PRESET",
               help="Random weights of a shape preset: smollm2-135m, llama-3.2-1b, llama-3.1-8b, "
-                   "qwen3-0.6b, qwen2.5-7b, tiny.")
+                   "qwen3-0.6b, qwen2.5-7b, llama-3.1-70b (TP), tiny.")
 @click.option("--weights-seed", type=int, default=0, show_default=True)
 @click.option("--workload", type=click.Choice(["random", "file"]), default="random", show_default=True)
 @click.option("--input-file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -65,8 +65,11 @@ def _size(ctx, param, value: str | None) -> int | None:
               help="Overlap scheduling with the device step (default: on for CUDA, off on the CPU).")
 @click.option("--data-parallel-size", type=int, default=1, show_default=True,
               help="Engine processes, one per GPU; the workload is dealt to them dynamically.")
+@click.option("--tensor-parallel-size", type=int, default=1, show_default=True,
+              help="Shard the model over N GPUs (one process each, NCCL); rank 0 schedules.")
 @click.option("--compare-single", is_flag=True,
-              help="With --data-parallel-size N: first run the same workload on one engine process.")
+              help="With --data-parallel-size N or --tensor-parallel-size N: first run the same "
+                   "workload on one engine process (one GPU).")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
 @click.option("--roofline/--no-roofline", default=True, show_default=True,
               help="Measure copy bandwidth and matmul rate and estimate the floor.")
@@ -84,19 +87,45 @@ def bench(**options: Any) -> None:
     from offline_paged.bench import random_workload
 
     backend = select_backend(options["device"], options["dtype"])
-    loaded = _load(options, backend)
+    tensor_parallel_size = options["tensor_parallel_size"]
+    if tensor_parallel_size == 1:
+        loaded = _load(options, backend)
+        vocab_size, tokenizer = loaded.config.vocab_size, loaded.tokenizer
+    else:
+        vocab_size, tokenizer = _vocab_and_tokenizer(options)
     if options["workload"] == "random":
         requests = random_workload(options["num_requests"], options["input_len"], options["output_len"],
-                                   loaded.config.vocab_size, options["seed"], options["temperature"])
+                                   vocab_size, options["seed"], options["temperature"])
     else:
         from offline_paged.bench import file_workload
 
         try:
-            requests = file_workload(options["input_file"], loaded.tokenizer)
+            requests = file_workload(options["input_file"], tokenizer)
         except (ValueError, OSError) as exc:
             raise click.UsageError(str(exc)) from None
-    results = _run_all(options, backend, loaded, requests)
+    if tensor_parallel_size == 1:
+        results = _run_all(options, backend, loaded, requests)
+    else:
+        results = _bench_tensor_parallel(options, backend, requests)
     _emit(options, results, backend)
+
+
+def _bench_tensor_parallel(options: dict, backend, requests) -> list:
+    """The workload at TP=1 first (with --compare-single), then at TP=N; each rank loads its own
+    shard (dummy weights are drawn per shard on its GPU, so a 70B shape never exists whole)."""
+    from offline_paged.bench import release_device_memory
+    from offline_paged.models.tp_source import CheckpointSource, DummySource
+
+    results = []
+    if options["compare_single"]:
+        loaded = _load(options, backend)
+        results += _run_all(options, backend, loaded, requests, tensor_parallel_size=1)
+        del loaded
+        release_device_memory(backend)
+    size = options["tensor_parallel_size"]
+    source = (DummySource(options["dummy_preset"], options["weights_seed"]) if options["dummy_preset"]
+              else CheckpointSource(options["model"]))
+    return results + _run_all(options, backend, source, requests, tensor_parallel_size=size)
 
 
 def _check_options(options: dict) -> None:
@@ -106,8 +135,13 @@ def _check_options(options: dict) -> None:
         raise click.UsageError("--workload file needs --input-file JOB.jsonl")
     if options["workload"] == "random" and options["input_file"]:
         raise click.UsageError("--input-file is only read with --workload file")
-    if options["compare_single"] and options["data_parallel_size"] == 1:
-        raise click.UsageError("--compare-single needs --data-parallel-size N with N > 1")
+    if options["tensor_parallel_size"] < 1:
+        raise click.BadParameter("must be a positive integer", param_hint="--tensor-parallel-size")
+    if options["tensor_parallel_size"] != 1 and options["data_parallel_size"] != 1:
+        raise click.UsageError("--tensor-parallel-size and --data-parallel-size cannot be combined yet")
+    if options["compare_single"] and options["data_parallel_size"] == 1 and options["tensor_parallel_size"] == 1:
+        raise click.UsageError("--compare-single needs --data-parallel-size N or --tensor-parallel-size N "
+                               "with N > 1")
     if options["data_parallel_size"] != 1 and (options["plot"] or options["json_steps"]):
         raise click.UsageError("--plot and --json-steps need per-step series, which data-parallel "
                                "runs do not record")
@@ -139,7 +173,7 @@ def _load(options: dict, backend):
         raise CouldNotStart(f"cannot load the model: {exc}") from None
 
 
-def _run_all(options: dict, backend, loaded, requests) -> list:
+def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int = 1) -> list:
     from offline_paged.bench import max_total_len, measure_ceilings, release_device_memory, run_bench, warm_up
     from offline_paged.engine import LLMEngine
 
@@ -151,15 +185,21 @@ def _run_all(options: dict, backend, loaded, requests) -> list:
     for layout in layouts:
         for block_size in block_sizes:
             try:
-                config = _engine_config(options, backend.name, layout, block_size, max_model_len)
+                config = _engine_config(options, backend.name, layout, block_size, max_model_len,
+                                        tensor_parallel_size)
                 engine = LLMEngine(config, loaded_model=loaded)
             except ValueError as exc:
                 raise click.UsageError(str(exc)) from None
+            except RuntimeError as exc:  # a tensor-parallel rank failed to start
+                raise CouldNotStart(str(exc)) from None
             if options["warmup"]:
                 warm_up(engine, loaded.config.vocab_size)
             label = layout if len(block_sizes) == 1 else f"{layout} B={block_size}"
+            if options["tensor_parallel_size"] != 1:
+                label += f" TP={tensor_parallel_size}"
             print(f"running {label} ...", file=sys.stderr, flush=True)
             results.append(run_bench(engine, requests, label=label, kv_layout=layout, ceilings=ceilings))
+            engine.close()
             del engine
             release_device_memory(backend)
     return results
@@ -211,7 +251,8 @@ def _run_data_parallel(options: dict, device: str, tokenizer, requests, layout: 
         raise CouldNotStart(str(exc)) from None
 
 
-def _engine_config(options: dict, device: str, layout: str, block_size: int, max_model_len: int):
+def _engine_config(options: dict, device: str, layout: str, block_size: int, max_model_len: int,
+                   tensor_parallel_size: int = 1):
     from offline_paged.config import EngineConfig
 
     return EngineConfig(
@@ -221,7 +262,8 @@ def _engine_config(options: dict, device: str, layout: str, block_size: int, max
         max_model_len=max_model_len, enable_prefix_caching=not options["no_prefix_caching"],
         preemption_mode=options["preemption"], gpu_memory_utilization=options["gpu_memory_utilization"],
         kv_layout=layout, seed=options["seed"], cuda_graphs=options["cuda_graphs"],
-        async_scheduling=options["async_scheduling"])
+        async_scheduling=options["async_scheduling"] if tensor_parallel_size == 1 else False,
+        tensor_parallel_size=tensor_parallel_size)
 
 
 def _vocab_and_tokenizer(options: dict):
@@ -268,6 +310,8 @@ def _emit(options: dict, results: list, backend) -> None:
     source = options["dummy_preset"] and f"dummy weights {options['dummy_preset']}" or options["model"] or "default model"
     if options["data_parallel_size"] != 1:
         source += f", data parallel {options['data_parallel_size']}"
+    if options["tensor_parallel_size"] != 1:
+        source += f", tensor parallel {options['tensor_parallel_size']}"
     header = (f"offline-paged bench: {source}, {backend.name} {backend.dtype.name}, workload "
               f"{options['workload']}" + (f" N={options['num_requests']} in={_span(options['input_len'])} "
                                           f"out={_span(options['output_len'])}" if options["workload"] == "random" else ""))

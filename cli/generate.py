@@ -74,6 +74,9 @@ def parse_size(text: str) -> int:
 @click.option("--data-parallel-size", type=int, default=1, show_default=True,
               help="Engine processes, one per GPU (on the CPU: processes too); this process deals "
                    "requests out and alone writes OUT.")
+@click.option("--tensor-parallel-size", type=int, default=1, show_default=True,
+              help="Shard the model over N GPUs (one process each, NCCL; on the CPU: processes over "
+                   "pipes); N must divide the attention heads, KV heads and intermediate size.")
 @click.option("--max-logprobs", type=click.IntRange(min=0), default=20, show_default=True,
               help="Most logprobs / prompt_logprobs a line may ask for.")
 @click.option("--resume/--no-resume", default=True, show_default=True,
@@ -234,9 +237,12 @@ def _build_engine(options: dict[str, Any]):
             enable_prefix_caching=not options["no_prefix_caching"],
             preemption_mode=options["preemption"], cuda_graphs=options["cuda_graphs"],
             max_logprobs=options["max_logprobs"], async_scheduling=options["async_scheduling"],
-            gpu_memory_utilization=options["gpu_memory_utilization"])
+            gpu_memory_utilization=options["gpu_memory_utilization"],
+            tensor_parallel_size=options["tensor_parallel_size"])
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if config.tensor_parallel_size != 1 and options["data_parallel_size"] != 1:
+        raise click.UsageError("--tensor-parallel-size and --data-parallel-size cannot be combined yet")
     template = _read_chat_template(options["chat_template"])
     if options["data_parallel_size"] != 1:
         engine = _build_coordinator(config, options["data_parallel_size"])

@@ -42,6 +42,13 @@ PRESETS: dict[str, LlamaConfig] = {
         rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 8.0, **_LLAMA3_ROPE),
         max_position_embeddings=131072, tie_word_embeddings=False,
         bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
+    # Too big for one H200 in bf16 (~141 GB): the tensor-parallel shape (TP=2 shards it).
+    "llama-3.1-70b": LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 8.0, **_LLAMA3_ROPE),
+        max_position_embeddings=131072, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
     # not a published model: a toy shape for tests and CPU smoke runs of the benchmark's plumbing
     "tiny": LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -13,6 +13,10 @@ Legend for shape comments:
 Weights are kept [in, out] so every projection is `x @ W`; q/k/v are fused into one [E, (H+2Hkv)D]
 matrix and gate/up into one [E, 2I] matrix, so a layer is four matmuls.
 KV cache: [L, 2, N, B, Hkv, D] (kv[l, 0] = K, kv[l, 1] = V); see models/attention.py.
+
+Tensor parallel (`tp`, a models/tp_shard.py TensorParallelShard): the config and weights are one rank's
+shard (H, Hkv, I divided by N, V its padded vocabulary slice); the forward all-reduces the embedding
+and the outputs of o_proj and down, and all-gathers the logits to the full vocabulary.
 """
 from __future__ import annotations
 
@@ -48,23 +52,27 @@ class Llama:
     the engine builds it only as long as its max_model_len (`set_max_positions`)."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], ops, dtype=np.float32,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, tp=None, consume_weights: bool = False):
         check_weights(config, {name: np.shape(w) for name, w in weights.items()})
+        # consume_weights: pop each tensor from `weights` once uploaded, so a device-resident source
+        # (a tensor-parallel shard of a 70B shape) is freed as it goes instead of held twice.
+        read = weights.pop if consume_weights else weights.__getitem__
         self.config = config
         self.ops = ops
+        self.tp = tp
         xp = ops.xp
         self.dtype = xp.dtype(dtype)
 
         def upload(array) -> Any:  # host numpy or already on the device (e.g. dummy weights)
             return xp.ascontiguousarray(xp.asarray(array, dtype=self.dtype))
 
-        self.embed = upload(weights["model.embed_tokens.weight"])  # [V, E]
+        self.embed = upload(read("model.embed_tokens.weight"))  # [V, E]
         if config.tie_word_embeddings:
             self.lm_head = self.embed.T  # [E, V] (a transposed view; BLAS reads it without a copy)
         else:
-            self.lm_head = upload(xp.asarray(weights["lm_head.weight"], dtype=self.dtype).T)  # [E, V]
-        self.final_norm = upload(weights["model.norm.weight"])  # [E]
-        self.layers = [self._layer(weights, i, upload) for i in range(config.num_hidden_layers)]
+            self.lm_head = upload(xp.asarray(read("lm_head.weight"), dtype=self.dtype).T)  # [E, V]
+        self.final_norm = upload(read("model.norm.weight"))  # [E]
+        self.layers = [self._layer(read, i, upload) for i in range(config.num_hidden_layers)]
         self._upload = upload
         self.set_max_positions(max_positions or config.max_position_embeddings)
         self.scale = config.head_dim ** -0.5
@@ -73,27 +81,28 @@ class Llama:
         """(Re)build the RoPE table for positions [0, max_positions)."""
         self.cos_sin_cache = self._upload(cos_sin_cache(self.config, self.dtype, max_positions))  # [P, D]
 
-    def _layer(self, weights, i: int, upload) -> LlamaLayer:
+    def _layer(self, read, i: int, upload) -> LlamaLayer:
+        """Layer i from `read(name) -> tensor`."""
         p = f"model.layers.{i}."
         xp = self.ops.xp
 
         def linear(*names: str):
-            parts = [xp.asarray(weights[p + n], dtype=self.dtype) for n in names]
+            parts = [xp.asarray(read(p + n), dtype=self.dtype) for n in names]
             return upload(xp.concatenate(parts, axis=0).T)
 
         spec = self.config.spec
         qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         return LlamaLayer(
-            input_norm=upload(weights[p + "input_layernorm.weight"]),
+            input_norm=upload(read(p + "input_layernorm.weight")),
             qkv=linear("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
             o_proj=linear("self_attn.o_proj.weight"),
-            post_norm=upload(weights[p + "post_attention_layernorm.weight"]),
+            post_norm=upload(read(p + "post_attention_layernorm.weight")),
             gate_up=linear("mlp.gate_proj.weight", "mlp.up_proj.weight"),
             down=linear("mlp.down_proj.weight"),
-            qkv_bias=upload(xp.concatenate([xp.asarray(weights[p + n + ".bias"], dtype=self.dtype)
+            qkv_bias=upload(xp.concatenate([xp.asarray(read(p + n + ".bias"), dtype=self.dtype)
                                             for n in qkv_names])) if spec.qkv_bias else None,
-            q_norm=upload(weights[p + "self_attn.q_norm.weight"]) if spec.qk_norm else None,
-            k_norm=upload(weights[p + "self_attn.k_norm.weight"]) if spec.qk_norm else None,
+            q_norm=upload(read(p + "self_attn.q_norm.weight")) if spec.qk_norm else None,
+            k_norm=upload(read(p + "self_attn.k_norm.weight")) if spec.qk_norm else None,
         )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int):
@@ -110,20 +119,46 @@ class Llama:
         `logits_matmul(x, lm_head)` the LM head, returning float32 (None: ops.logits, which on CUDA
         writes the fp32 accumulator instead of rounding logits to fp16). Returns float32 logits [K, V]."""
         ops, eps = self.ops, self.config.rms_norm_eps
-        hidden = ops.xp.take(self.embed, input_ids, axis=0)  # [T, E]
+        hidden = self._embed(input_ids)  # [T, E]
         residual = None
         for layer, layer_cache in zip(self.layers, kv_cache):
             hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             hidden = self._attention(layer, hidden, positions, layer_cache, meta, matmul)
             hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            hidden = matmul(ops.silu_mul(matmul(hidden, layer.gate_up)), layer.down)  # [T, E]
+            hidden = self._all_reduce(matmul(ops.silu_mul(matmul(hidden, layer.gate_up)), layer.down))  # [T, E]
         if logits_indices is not None:
             # The final norm is per row, so only the rows that need logits go through it.
             hidden, residual = hidden[logits_indices], residual[logits_indices]  # [K, E]
         hidden, _ = ops.rms_norm(hidden, self.final_norm, eps, residual)
         if logits_matmul is None:
-            return ops.logits(hidden, self.lm_head)  # [K, V] float32
-        return logits_matmul(hidden, self.lm_head)  # [K, V] float32
+            return self._gather_logits(ops.logits(hidden, self.lm_head))  # [K, V] float32
+        return self._gather_logits(logits_matmul(hidden, self.lm_head))  # [K, V] float32
+
+    def _embed(self, input_ids):
+        """Embedding rows of `input_ids` [T] -> [T, E]; under tensor parallelism each rank looks up
+        the ids inside its vocabulary slice (zeros elsewhere) and the all-reduce sums the ranks."""
+        xp = self.ops.xp
+        if self.tp is None:
+            return xp.take(self.embed, input_ids, axis=0)  # [T, E]
+        local_ids = input_ids - self.tp.vocab_start  # [T]
+        inside = (local_ids >= 0) & (local_ids < self.tp.vocab_per_rank)  # [T]
+        hidden = xp.take(self.embed, xp.where(inside, local_ids, 0), axis=0)  # [T, E]
+        hidden *= inside[:, None].astype(self.dtype)
+        return self._all_reduce(hidden)
+
+    def _all_reduce(self, partial):
+        """Sum a row-parallel output [T, E] over the ranks, in place (identity without tp)."""
+        if self.tp is not None:
+            self.tp.communicator.all_reduce(partial)
+        return partial
+
+    def _gather_logits(self, logits):
+        """[K, V/N] float32 of this rank's vocabulary slice -> [K, V] of the full vocabulary."""
+        if self.tp is None:
+            return logits
+        gathered = self.tp.communicator.all_gather(logits)  # [N, K, V/N]
+        full = self.ops.xp.moveaxis(gathered, 0, 1).reshape(logits.shape[0], -1)  # [K, N V/N]
+        return self.ops.xp.ascontiguousarray(full[:, :self.tp.vocab_size])  # [K, V]
 
     def _attention(self, layer: LlamaLayer, hidden, positions, layer_cache, meta: AttentionMetadata,
                    matmul):
@@ -143,7 +178,7 @@ class Llama:
         self.ops.write_kv(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
         out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale,
                                  sliding_window=c.sliding_window)  # [T, H, D]
-        return matmul(out.reshape(num_tokens, q_dim), layer.o_proj)  # [T, E]
+        return self._all_reduce(matmul(out.reshape(num_tokens, q_dim), layer.o_proj))  # [T, E]
 
     def _head_norm(self, x, weight):
         """RMSNorm of every head over D (Qwen3's q_norm / k_norm): [T, heads, D] -> [T, heads, D]."""

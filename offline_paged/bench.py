@@ -10,7 +10,9 @@ The roofline estimate counts, per step, the bytes the step must move at least (e
 the K/V of every context token once, the new K/V, the fp32 logits) and the FLOPs it must do (the
 matmuls, attention, the LM head), and divides by the copy bandwidth and matmul rate measured in the
 same process (`measure_ceilings`). The floor of a step is the larger of the two times; the sum over
-steps is the fastest the workload could run on this device with this schedule.
+steps is the fastest the workload could run on this device with this schedule. Under tensor
+parallelism of N each GPU moves and computes 1/N of it at the same time, so the floor is divided by N
+(the all-reduces are not counted: the floor stays a lower bound).
 """
 from __future__ import annotations
 
@@ -153,9 +155,10 @@ def _median_time(fn, cuda: bool, xp, repeats: int = 5) -> float:
 class RooflineModel:
     """Least bytes moved and FLOPs done by one step of a Llama-layout model (see module doc)."""
 
-    def __init__(self, config, itemsize: int) -> None:
+    def __init__(self, config, itemsize: int, tensor_parallel_size: int = 1) -> None:
         c = config
         self.itemsize = itemsize
+        self.tensor_parallel_size = tensor_parallel_size
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         per_layer = c.hidden_size * (q_dim + 2 * kv_dim) + q_dim * c.hidden_size \
             + 3 * c.hidden_size * c.intermediate_size
@@ -179,7 +182,8 @@ class RooflineModel:
                        + num_tokens * self.kv_bytes_per_token + rows * self.vocab_size * 4)
         flops = (2 * num_tokens * self.linear_params + 2 * rows * self.head_params
                  + keys * self.attention_flops_per_key)
-        return float(bytes_moved), float(flops)
+        n = self.tensor_parallel_size  # per GPU: each holds 1/N of the weights, KV heads and vocabulary
+        return float(bytes_moved) / n, float(flops) / n
 
 
 # --------------------------------------------------------------------------------- one run
@@ -214,6 +218,7 @@ class BenchResult:
     peak_device_memory: int | None  # bytes in use on the device (total - free), peak over steps
     ceilings: Ceilings | None
     steps: list[StepRecord] = field(default_factory=list)
+    tensor_parallel_size: int = 1
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -269,6 +274,8 @@ class BenchResult:
         """Everything but the per-step series, as plain JSON-able values."""
         return {
             "label": self.label, "kv_layout": self.kv_layout, "block_size": self.block_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "kv_capacity_tokens": self.num_gpu_blocks * self.block_size,
             "num_requests": self.num_requests, "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": self.num_output_tokens, "wall_s": self.wall_s,
             "output_tokens_per_s": self.output_tokens_per_s, "total_tokens_per_s": self.total_tokens_per_s,
@@ -303,7 +310,8 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
               ceilings: Ceilings | None = None) -> BenchResult:
     """Add every request, step until done, record each step. The engine should be warm."""
     manager = engine.block_manager
-    roofline = RooflineModel(engine.model_config, np.dtype(engine.backend.dtype).itemsize)
+    tensor_parallel_size = engine.config.tensor_parallel_size
+    roofline = RooflineModel(engine.model_config, np.dtype(engine.backend.dtype).itemsize, tensor_parallel_size)
     preemptions_before = engine.stats.num_preemptions
     for index, request in enumerate(requests):
         engine.add_request(f"bench-{index}", prompt_token_ids=request.prompt_token_ids,
@@ -332,7 +340,8 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         num_requests=len(requests), num_prompt_tokens=num_prompt, num_output_tokens=num_output,
         wall_s=wall, num_gpu_blocks=manager.num_gpu_blocks, max_model_len=engine.max_model_len,
         num_preemptions=engine.stats.num_preemptions - preemptions_before,
-        peak_device_memory=memory.peak, ceilings=ceilings, steps=steps)
+        peak_device_memory=memory.peak, ceilings=ceilings, steps=steps,
+        tensor_parallel_size=tensor_parallel_size)
 
 
 def _record(end_s, wall_s, report, engine, manager, roofline: RooflineModel,

@@ -58,6 +58,9 @@ class EngineConfig:
     # on the device and its outputs are processed one step late. None = on for CUDA, off on the CPU.
     async_scheduling: bool | None = None
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's default)
+    # Shard the model over N processes (one GPU each on CUDA, NCCL; pipes on the CPU); rank 0 runs the
+    # scheduler. N must divide the heads, KV heads and intermediate size (models/tp_shard.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:
@@ -91,6 +94,7 @@ class EngineConfig:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
                 or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+        _require_positive("tensor_parallel_size", self.tensor_parallel_size)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
 

@@ -42,27 +42,29 @@ class LLMEngine:
     (anything with .config, .weights, .tokenizer, e.g. a tiny random one in tests) is given.
     Requests are identified by caller-chosen string ids; `step()` returns each request once, in the
     step it finishes.
+    With `tensor_parallel_size` N > 1 this process is rank 0 (scheduler, block manager, sampling, shard
+    0) and a TensorParallelGroup runs ranks 1..N-1; `loaded_model` may then also be a shard source
+    (models/tp_source.py, e.g. a DummySource), and steps run synchronously. `close()` stops the ranks.
     """
 
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
-        from offline_paged.models.llama import Llama
-
-        if loaded_model is None:
-            from offline_paged.models.loader import load_model
-
-            loaded_model = load_model(config.model)
         self.config = config
         self.backend = select_backend(config.device, config.dtype)
+        self.tp_group = None
+        if config.tensor_parallel_size > 1 and config.async_scheduling:
+            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 (the other "
+                             "ranks would need the sampled ids on their devices); leave it unset or False")
+        if config.tensor_parallel_size > 1:
+            model, loaded_model = self._start_tensor_parallel(loaded_model)
+        else:
+            model, loaded_model = self._build_model(loaded_model)
         self.model_config = loaded_model.config
-        self._tokenizer = loaded_model.tokenizer
-        # RoPE for the profiling step only (its positions stay below the token budget); rebuilt for
-        # max_model_len below, so a config's max_position_embeddings never sizes a table by itself.
-        model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype,
-                      max_positions=config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids(loaded_model)
         self.profiled_activation_bytes: int | None = None  # set when the KV pool is sized by profiling
         self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools(model)
         model.set_max_positions(self.max_model_len)
+        if self.tp_group is not None:
+            self.tp_group.init_runners(num_gpu_blocks, num_cpu_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
                                           config.watermark, config.enable_prefix_caching,
                                           self.max_model_len if config.kv_layout == "contiguous" else None)
@@ -70,22 +72,66 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.preemption, self.max_model_len)
         self.runner = ModelRunner(model, self.backend, num_gpu_blocks, num_cpu_blocks,
                                   config.block_size, Sampler(self.eos_token_ids),
-                                  cuda_graphs=config.cuda_graphs, max_model_len=self.max_model_len)
+                                  cuda_graphs=config.cuda_graphs, max_model_len=self.max_model_len,
+                                  mirror=self.tp_group)
+        if self.tp_group is not None:
+            self.tp_group.wait_ready()
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)
         self.output_processor = OutputProcessor(self.scheduler, self.stop_checker)
         self._stats = StatsTracker(num_gpu_blocks, num_cpu_blocks, config.block_size)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.backend.name == "cuda")
+        if self.tp_group is not None:
+            self.async_scheduling = False  # the other ranks would need the sampled ids on their devices
         self._in_flight: LaunchedStep | None = None  # launched, outputs not yet processed
         self._groups: dict[str, SequenceGroup] = {}
         self._scoring_only: set[str] = set()  # max_tokens=0 requests: their one sampled token is dropped
         self._arrivals = itertools.count()
 
     # ----------------------------------------------------------------- set-up
+    def _build_model(self, loaded_model):
+        """(Llama, loaded model) of one process. RoPE for the profiling step only (its positions stay
+        below the token budget); rebuilt for max_model_len later, so a config's max_position_embeddings
+        never sizes a table by itself."""
+        from offline_paged.models.llama import Llama
+
+        if loaded_model is None:
+            from offline_paged.models.loader import load_model
+
+            loaded_model = load_model(self.config.model)
+        self._tokenizer = loaded_model.tokenizer
+        model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype,
+                      max_positions=self.config.max_num_batched_tokens)
+        return model, loaded_model
+
+    def _start_tensor_parallel(self, loaded_model):
+        """(rank 0's Llama over shard 0, the shard source): spawns the other ranks first."""
+        from offline_paged.models.llama import Llama
+        from offline_paged.models.tp_source import as_source
+        from offline_paged.tp_group import TensorParallelGroup
+
+        source = as_source(loaded_model, self.config.model)
+        self._tokenizer = source.tokenizer
+        self.tp_group = group = TensorParallelGroup(self.config, source, self.backend)
+        try:
+            model = Llama(group.local_config, group.weights, self.backend.ops, self.backend.dtype,
+                          max_positions=self.config.max_num_batched_tokens, tp=group.shard,
+                          consume_weights=True)
+        except BaseException:
+            group.close()
+            raise
+        group.weights = None
+        return model, source
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do for one process)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+
     def _size_kv_pools(self, model) -> tuple[int, int, int]:
         """(max_model_len, device blocks, CPU blocks); see EngineConfig for the rules."""
         config = self.config
-        block_bytes = kv_block_bytes(self.model_config, config.block_size, self.backend.dtype)
+        block_bytes = kv_block_bytes(model.config, config.block_size, self.backend.dtype)  # per rank
         model_len = config.max_model_len or self.model_config.max_position_embeddings
         num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, model_len, model)
         if config.num_cpu_blocks is not None:
@@ -108,10 +154,15 @@ class LLMEngine:
         the activations of the largest step (measured by a profiling forward, `profile_step_memory`)."""
         config = self.config
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * model_len)
+        if self.tp_group is not None:  # the profiling forward has collectives: every rank runs it
+            self.tp_group.start_profile(num_tokens, config.max_num_seqs, config.block_size)
         activations = profile_step_memory(model, self.backend, num_tokens, config.max_num_seqs,
                                           config.block_size, self.eos_token_ids)
         self.profiled_activation_bytes = activations
-        return int(self.backend.free_memory_bytes() * config.gpu_memory_utilization) - activations
+        usable = int(self.backend.free_memory_bytes() * config.gpu_memory_utilization) - activations
+        if self.tp_group is not None:
+            usable = min(usable, self.tp_group.finish_profile())
+        return usable
 
     def _blocks_from_memory(self, block_bytes: int, model_len: int, model) -> int:
         config = self.config

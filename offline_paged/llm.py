@@ -36,12 +36,17 @@ class LLM:
     `data_parallel_size=N` runs N engine processes (one per GPU; processes on the CPU too), each
     loading the model itself; a prompt a worker refuses raises ValueError from `generate` once the
     others are done. `close()` (or leaving a `with LLM(...)` block) stops them.
+    `tensor_parallel_size=N` shards the model over N processes (one GPU each; rank 0 is this process's
+    engine); N must divide the attention heads, KV heads and intermediate size.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | None = "auto",
-                 *, loaded_model=None, data_parallel_size: int = 1, **kwargs: Any) -> None:
+                 *, loaded_model=None, data_parallel_size: int = 1, tensor_parallel_size: int = 1,
+                 **kwargs: Any) -> None:
         config_kwargs, generation_config = engine_kwargs(model, dtype, kwargs)
-        config = EngineConfig(device=device, **config_kwargs)
+        config = EngineConfig(device=device, tensor_parallel_size=tensor_parallel_size, **config_kwargs)
+        if tensor_parallel_size != 1 and data_parallel_size != 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size cannot be combined yet")
         if data_parallel_size == 1:
             self.engine = LLMEngine(config, loaded_model=loaded_model)
         else:
@@ -52,7 +57,7 @@ class LLM:
         self._next_id = 0
 
     def close(self) -> None:
-        """Stop the data-parallel worker processes (nothing to do for one in-process engine)."""
+        """Stop the data-parallel worker or tensor-parallel rank processes (nothing to do otherwise)."""
         if hasattr(self.engine, "close"):
             self.engine.close()
 

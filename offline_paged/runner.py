@@ -8,6 +8,11 @@ in this very step), then swap-ins, then copy-on-write copies, then the forward. 
 host once per step, and only the rows that are sampled or scored. On CUDA the GpuSampler samples on the
 device (only the sampled ids and requested log-probabilities come back); logits cross only for rows whose
 prompt log-probabilities are asked for.
+
+Tensor parallel: rank 0's runner is given a `mirror` (offline_paged/tp_group.py) and sends it each
+step's block moves and packed forward inputs right before its own forward; the runner of every other
+rank replays them with `run_mirrored` (same block ids, same buckets), so the collectives inside the
+forwards pair up. Only rank 0 samples.
 """
 from __future__ import annotations
 
@@ -69,13 +74,16 @@ class ModelRunner:
 
     def __init__(self, model, backend, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  sampler: Sampler | None = None, device_sampling: bool | None = None,
-                 cuda_graphs: bool = False, max_model_len: int | None = None) -> None:
+                 cuda_graphs: bool = False, max_model_len: int | None = None, mirror=None) -> None:
         """device_sampling: sample on the GPU (None: whenever the backend is CUDA; False: on the host with
         `sampler`, the reference; True on the CPU backend is a ValueError).
         cuda_graphs: replay decode-only steps from CUDA graphs (offline_paged/cuda_graph_runner.py) where
         the backend is CUDA and the model float16; needs max_model_len (the attention's static bound).
-        Ignored on the CPU."""
+        Ignored on the CPU.
+        mirror: tensor parallel, rank 0 only: `mirror.send_step(moves, forward)` gets every step's
+        inputs before the forward (see run_mirrored)."""
         self.model = model
+        self.mirror = mirror
         self.backend = backend
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
@@ -118,22 +126,24 @@ class ModelRunner:
         """Queue the step's block moves, forward and sampling; the sampled ids stay on the device until
         `wait()`. A sequence whose input token is still pending (async scheduling) gets it from
         `previous`, the step that samples it, on the device. RuntimeError if that step is not given."""
-        self.swap_out(output.blocks_to_swap_out)
-        self.swap_in(output.blocks_to_swap_in)
-        self.copy_blocks(output.blocks_to_copy)
+        moves = (output.blocks_to_swap_out, output.blocks_to_swap_in, output.blocks_to_copy)
+        self._move_blocks(moves)
         self.table_rows.release(output.freed_seq_ids)
         if not output.scheduled:
+            self._send_mirror(moves, None)
             return LaunchedStep(output, ReadySamples([]), {}, [], [], None, False)
         rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
         fill = _pending_inputs(output.scheduled, previous, self._pending_upload)
         # CUDA events around the forward, never inside a capture (DecodeGraphs captures on its own
         # stream); started after the host-side input packing so that they time the device's work.
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
-        replayed = self._replay_decode(output.scheduled, rows, timer, fill)
+        replayed = self._replay_decode(output.scheduled, rows, timer, fill, moves)
         if replayed is not None:
             logits, offsets = replayed  # [b, V] float32 (device), row i = sequence i
         else:
-            batch = self._prepare(output.scheduled, rows)
+            packed, layout = self._pack(output.scheduled, rows)
+            self._send_mirror(moves, ("eager", packed, layout))
+            batch = self._unpack(packed, layout)
             if fill is not None:
                 fill(batch.input_ids)
             if timer is not None:
@@ -147,7 +157,7 @@ class ModelRunner:
             logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
         return self._launch_sampling(output, logits, offsets, timer, replayed is not None)
 
-    def _replay_decode(self, scheduled, rows: np.ndarray, timer=None, fill=None):
+    def _replay_decode(self, scheduled, rows: np.ndarray, timer=None, fill=None, moves=None):
         """(logits [b, V], offsets) from a CUDA graph when every sequence computes one token and the
         step fits a bucket; None otherwise (the eager forward runs). rows [S]: block-table rows."""
         graphs = self.decode_graphs
@@ -161,10 +171,37 @@ class ModelRunner:
         skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
         input_ids = np.fromiter((_input_token(item) for item in scheduled), np.int64, num_seqs)  # [S]
         slots = _slot_mapping(tables, np.arange(num_seqs), starts, skips, block_size)  # [S]
+        self._send_mirror(moves, ("graph", input_ids, starts, slots, tables))
         logits = graphs.run(input_ids, starts, slots, tables, timer, fill)  # [b, V] float32 (device)
         return logits, list(range(num_seqs))
 
+    # ----------------------------------------------------------------- tensor parallel
+    def _send_mirror(self, moves, forward) -> None:
+        if self.mirror is not None:
+            self.mirror.send_step(moves, forward)
+
+    def run_mirrored(self, moves, forward) -> None:
+        """Tensor-parallel ranks > 0: perform the block moves and the forward rank 0 sent (its
+        `_send_mirror` arguments), on this rank's shard and KV pool. The logits are not used: the
+        forward runs for its collectives and the K/V it writes. forward: None (no tokens this step),
+        ("eager", packed int32 inputs, layout) or ("graph", input_ids, positions, slots, tables)."""
+        self._move_blocks(moves)
+        if forward is None:
+            return
+        kind, *args = forward
+        if kind == "graph":
+            self.decode_graphs.run(*args)
+            return
+        batch = self._unpack(*args)
+        self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_indices)
+
     # ----------------------------------------------------------------- block moves
+    def _move_blocks(self, moves) -> None:
+        swap_out, swap_in, copies = moves
+        self.swap_out(swap_out)
+        self.swap_in(swap_in)
+        self.copy_blocks(copies)
+
     # Block ids stay on the host: the swapper and copy_blocks take host ids, so no move syncs the device.
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -184,7 +221,11 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- inputs
     def _prepare(self, scheduled, rows: np.ndarray) -> _Batch:
-        """Pack the step's index arrays into one int32 host array, upload it once, slice views.
+        return self._unpack(*self._pack(scheduled, rows))
+
+    def _pack(self, scheduled, rows: np.ndarray) -> tuple[np.ndarray, tuple]:
+        """The step's index arrays packed into one int32 host array, and its layout (part sizes, block
+        table shape, max query and context lengths, logits offsets) for `_unpack`.
         Per-sequence Python is limited to reading each item's fields once; the rest is numpy.
         rows [S]: the sequences' rows in `table_rows` (synced for this step)."""
         block_size, num_seqs = self.block_size, len(scheduled)
@@ -203,16 +244,23 @@ class ModelRunner:
         positions = np.arange(num_tokens) - query_start_loc[owner] + starts[owner]  # [T]
         slots = _slot_mapping(block_tables, owner, positions, skips[owner], block_size)  # [T]
         parts = [input_ids, positions, slots, context_lens, query_start_loc, logits_rows, block_tables.ravel()]
-        packed = self._upload(np.concatenate(parts).astype(np.int32))  # [sum of part sizes] int32
+        layout = (tuple(part.size for part in parts), block_tables.shape, int(query_lens.max()),
+                  int(context_lens.max()), offsets)
+        return np.concatenate(parts).astype(np.int32), layout  # [sum of part sizes] int32
+
+    def _unpack(self, host_packed: np.ndarray, layout: tuple) -> _Batch:
+        """Upload a `_pack`ed step once and slice its views."""
+        sizes, table_shape, max_query_len, max_context_len, offsets = layout
+        packed = self._upload(host_packed)  # [sum of part sizes] int32 (device)
         views, at = [], 0
-        for part in parts:
-            views.append(packed[at:at + part.size])
-            at += part.size
+        for size in sizes:
+            views.append(packed[at:at + size])
+            at += size
         ids, pos, slot_mapping, ctx, qsl, logits_indices, tables = views
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, block_tables=tables.reshape(block_tables.shape),
+            slot_mapping=slot_mapping, block_tables=tables.reshape(table_shape),
             context_lens=ctx, query_start_loc=qsl,
-            max_query_len=int(query_lens.max()), max_context_len=int(context_lens.max()),
+            max_query_len=max_query_len, max_context_len=max_context_len,
         )
         return _Batch(ids, pos, meta, logits_indices, offsets)
 

@@ -60,7 +60,7 @@ def test_detokenize_false_gives_ids_only(llm):
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
-    (dict(quantization="awq"), "quantization"), (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(quantization="awq"), "quantization"), (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
     (dict(trust_remote_code=True), "trust_remote_code"), (dict(speculative_config={}), "speculative_config"),
     (dict(tokenizer="/elsewhere"), "tokenizer"),
 ])
