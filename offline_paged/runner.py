@@ -21,6 +21,7 @@ import numpy as np
 from offline_paged.block_table_rows import BlockTableRows
 from offline_paged.models.attention import AttentionMetadata
 from offline_paged.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
+from offline_paged.sampling_rows import SamplingRows
 from offline_paged.launched_step import LaunchedStep, ReadySamples
 from offline_paged.sequence import SequenceResult
 from offline_paged.step_report import DeviceTimer
@@ -100,6 +101,10 @@ class ModelRunner:
             from offline_paged.cuda_graph_runner import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, block_size, max_model_len)
+        # Per-row sampling parameters for the decode graph's sampler (rows = table_rows' rows).
+        self.sampling_rows = None
+        if self.decode_graphs is not None and self.gpu_sampler is not None:
+            self.sampling_rows = SamplingRows(self.sampler.eos_token_ids)
 
     @property
     def swapper(self):
@@ -131,7 +136,12 @@ class ModelRunner:
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
         replayed = self._replay_decode(output.scheduled, rows, timer, fill)
         if replayed is not None:
-            logits, offsets = replayed  # [b, V] float32 (device), row i = sequence i
+            logits, offsets, graph_samples = replayed  # [b, V] float32 (device), row i = sequence i
+            if graph_samples is not None:  # sampled inside the graph: every row drew one token
+                timer.stop()
+                sample_index = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
+                return LaunchedStep(output, graph_samples, sample_index, list(range(len(offsets))),
+                                    [None] * len(offsets), timer, True)
         else:
             batch = self._prepare(output.scheduled, rows)
             if fill is not None:
@@ -148,8 +158,10 @@ class ModelRunner:
         return self._launch_sampling(output, logits, offsets, timer, replayed is not None)
 
     def _replay_decode(self, scheduled, rows: np.ndarray, timer=None, fill=None):
-        """(logits [b, V], offsets) from a CUDA graph when every sequence computes one token and the
-        step fits a bucket; None otherwise (the eager forward runs). rows [S]: block-table rows."""
+        """(logits [b, V], offsets, samples) from a CUDA graph when every sequence computes one token and
+        the step fits a bucket; None otherwise (the eager forward runs). samples: the graph's own draws
+        (PendingSamples) when every row can be sampled there, else None (the eager sampler samples the
+        logits). rows [S]: block-table rows."""
         graphs = self.decode_graphs
         if graphs is None or any(item.num_new_tokens != 1 for item in scheduled):
             return None
@@ -161,8 +173,32 @@ class ModelRunner:
         skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
         input_ids = np.fromiter((_input_token(item) for item in scheduled), np.int64, num_seqs)  # [S]
         slots = _slot_mapping(tables, np.arange(num_seqs), starts, skips, block_size)  # [S]
-        logits = graphs.run(input_ids, starts, slots, tables, timer, fill)  # [b, V] float32 (device)
-        return logits, list(range(num_seqs))
+        sample_positions = self._graph_sample_positions(scheduled, rows)
+        if sample_positions is None:
+            logits = graphs.run(input_ids, starts, slots, tables, timer, fill)  # [b, V] float32 (device)
+            return logits, list(range(num_seqs)), None
+        logits, samples = graphs.run_and_sample(input_ids, starts, slots, tables, rows, sample_positions,
+                                                self.sampling_rows, timer, fill)
+        return logits, list(range(num_seqs)), samples
+
+    def _graph_sample_positions(self, scheduled, rows: np.ndarray) -> np.ndarray | None:
+        """[S] output positions to sample in the decode graph, or None when some row needs the eager
+        sampler (penalties, logprobs, constraints, a min_tokens ban, a fork, prompt logprobs). Rows are
+        repacked in `sampling_rows` only when their sequence changed."""
+        if self.sampling_rows is None:
+            return None
+        num_seqs = len(scheduled)
+        if any(item.num_samples != 1 or item.prompt_logprobs is not None for item in scheduled):
+            return None
+        seq_ids = np.fromiter((item.seq.seq_id for item in scheduled), np.int64, num_seqs)  # [S]
+
+        def describe(i: int):
+            seq = scheduled[i].seq
+            return seq.group.params, seq.sampling_seed, seq.group.beam is not None
+
+        self.sampling_rows.update(rows, seq_ids, describe)
+        sample_positions = np.fromiter((item.sample_position for item in scheduled), np.int64, num_seqs)  # [S]
+        return sample_positions if self.sampling_rows.graph_ready(rows, sample_positions) else None
 
     # ----------------------------------------------------------------- block moves
     # Block ids stay on the host: the swapper and copy_blocks take host ids, so no move syncs the device.
@@ -367,7 +403,7 @@ def profile_step_memory(model, backend, num_tokens: int, num_seqs: int, block_si
 
     Runs one dummy prefill of `num_tokens` tokens spread over `num_seqs` sequences (the token and
     sequence budgets of a step) against a scratch KV cache just big enough for it, then samples every
-    sequence's last row on the device with top-p (the sampler's sorting path, its largest). CuPy's pool
+    sequence's last row on the device with top-p (top_cut and the race over an [S, V] float64 copy). CuPy's pool
     keeps freed blocks, so its growth over the step plus the free bytes it held at the start (which the
     step may have reused) bounds the step's high-water mark from above. The pool is emptied first, but
     free_all_blocks keeps split blocks, so in a process that ran other work the bound is loose (safe).
