@@ -101,7 +101,8 @@ class ModelRunner:
             from offline_paged.cuda_graph_runner import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, block_size, max_model_len)
-        # Per-row sampling parameters for the decode graph's sampler (rows = table_rows' rows).
+        # Per-row sampling parameters for the decode graph's sampler (rows = table_rows' rows); None: the
+        # graph never samples and the eager GpuSampler samples its logits (the reference in tests).
         self.sampling_rows = None
         if self.decode_graphs is not None and self.gpu_sampler is not None:
             self.sampling_rows = SamplingRows(self.sampler.eos_token_ids)
