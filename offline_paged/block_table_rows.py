@@ -13,7 +13,7 @@ Step inputs then come from numpy fancy indexing of `tables` (one C-level gather 
 walking every table in Python. A device mirror (the decode graphs' block tables) is kept in step by
 `take_changes()`: the (row, column, value) entries that changed since the last call, so a steady decode
 step uploads only the block ids that are new (one per sequence every block_size steps) or replaced by
-copy-on-write. `generation` counts reallocations (more rows or columns): a mirror of another generation
+copy-on-write (recorded only when `track_changes` is set). `generation` counts reallocations (more rows or columns): a mirror of another generation
 must copy `tables` whole. Entries past a row's length are not reported (nothing reads them).
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ class BlockTableRows:
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._changed: list[tuple[int, int, int]] = []  # (row, first column, end column) written since take
+        self.track_changes = False  # only a device mirror needs the change feed
         self.generation = 0
 
     @property
@@ -71,10 +72,12 @@ class BlockTableRows:
         for col in range(first_written, last_written):  # usually one block
             if tables[row, col] != table[col]:
                 tables[row, col] = table[col]
-                self._changed.append((row, col, col + 1))
+                if self.track_changes:
+                    self._changed.append((row, col, col + 1))
         if num_entries > synced:
             tables[row, synced:num_entries] = table[synced:num_entries]
-            self._changed.append((row, synced, num_entries))
+            if self.track_changes:
+                self._changed.append((row, synced, num_entries))
         self.lens[row] = num_entries
         return row
 

@@ -101,6 +101,7 @@ class ModelRunner:
             from offline_paged.cuda_graph_runner import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, block_size, max_model_len)
+            self.table_rows.track_changes = True  # the graphs mirror the rows on the device
         # Per-row sampling parameters for the decode graph's sampler (rows = table_rows' rows); None: the
         # graph never samples and the eager GpuSampler samples its logits (the reference in tests).
         self.sampling_rows = None
@@ -166,19 +167,18 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is None or any(item.num_new_tokens != 1 for item in scheduled):
             return None
-        num_seqs, block_size = len(scheduled), self.block_size
+        num_seqs = len(scheduled)
         starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
         if not graphs.fits(num_seqs, int(starts.max()) + 1, int(self.table_rows.lens[rows].max())):
             return None
-        tables = self.table_rows.tables[rows]  # [S, M'] int32, zero-padded
         skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
         input_ids = np.fromiter((_input_token(item) for item in scheduled), np.int64, num_seqs)  # [S]
-        slots = _slot_mapping(tables, np.arange(num_seqs), starts, skips, block_size)  # [S]
+        writes = starts >= skips  # [S] (the slot mapping is computed on the device from the table rows)
         sample_positions = self._graph_sample_positions(scheduled, rows)
         if sample_positions is None:
-            logits = graphs.run(input_ids, starts, slots, tables, timer, fill)  # [b, V] float32 (device)
+            logits = graphs.run(input_ids, starts, rows, writes, self.table_rows, timer, fill)  # [b, V] float32
             return logits, list(range(num_seqs)), None
-        logits, samples = graphs.run_and_sample(input_ids, starts, slots, tables, rows, sample_positions,
+        logits, samples = graphs.run_and_sample(input_ids, starts, rows, writes, self.table_rows, sample_positions,
                                                 self.sampling_rows, timer, fill)
         return logits, list(range(num_seqs)), samples
 

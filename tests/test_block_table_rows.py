@@ -30,6 +30,7 @@ class Mirror:
 
 def test_a_steady_decode_step_reports_only_new_and_replaced_blocks():
     rows = BlockTableRows(BLOCK, max_blocks=8, num_rows=4)
+    rows.track_changes = True
     a, b = [5, 6], [7]
     rows.sync([_item(1, a, 5), _item(2, b, 2)])
     assert sorted(map(tuple, rows.take_changes().tolist())) == [(0, 0, 5), (0, 1, 6), (1, 0, 7)]
@@ -41,11 +42,18 @@ def test_a_steady_decode_step_reports_only_new_and_replaced_blocks():
     assert sorted(map(tuple, rows.take_changes().tolist())) == [(0, 2, 9), (1, 0, 11)]
 
 
+def test_no_change_feed_unless_asked():
+    rows = BlockTableRows(BLOCK, max_blocks=8, num_rows=4)
+    rows.sync([_item(1, [5, 6], 5)])
+    assert rows.take_changes().shape == (0, 3)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["grow", "cow", "new", "release"]), st.integers(0, 5),
                           st.integers(0, 1000)), min_size=1, max_size=60))
 def test_mirror_follows_the_rows(ops):
     rows = BlockTableRows(BLOCK, max_blocks=2, num_rows=2)  # tiny: widening and growth are exercised
+    rows.track_changes = True
     mirror = Mirror()
     tables: dict[int, list[int]] = {}
     for op, seq, value in ops:

@@ -14,6 +14,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from graph_rows import StepRows  # noqa: E402
 from test_cuda_ops import SMOLLM2_SHAPE, random_weights  # noqa: E402
 from test_gpu_engine import engine, random_model  # noqa: E402
 
@@ -54,30 +55,32 @@ def graphs():
 def test_graph_samples_equal_the_eager_sampler_on_the_same_logits(graphs):
     rng = np.random.default_rng(0)
     sampling_rows = SamplingRows(eos_token_ids=(2,), num_rows=4)  # grows below: the sampling graphs recapture
+    step_rows = StepRows(16, max_blocks=32)
     free_blocks = rng.permutation(4096).tolist()
-    owner_params, next_seq = {}, 0
-    # Steps 0-1 use rows < 8; step 2 grows the rows to 120 (bucket 4's sampling graph must be recaptured
-    # at step 3, or it would read the old buffers).
+    owner_params, live = {}, []
+    # Bucket 4 twice, then 16 (rows grow past 4: bucket 4's sampling graph must be recaptured at step 3,
+    # or it reads the old buffers), 4 again, 64, 16. About half the sequences stay from step to step
+    # (their rows are not repacked), the rest are new.
     for step, num_seqs in enumerate((3, 4, 13, 4, 40, 13)):
         ids, positions, slots, tables = _decode_step(rng, num_seqs, free_blocks, 16)
-        rows = rng.choice(8 if step < 2 else 120, num_seqs, replace=False).astype(np.int64)  # scattered rows
-        seq_ids = sampling_rows.owners[rows].copy()
-        fresh = (seq_ids < 0) | (rng.random(num_seqs) < 0.3)  # new sequences take some rows over
-        for i in np.flatnonzero(fresh):
-            seq_ids[i], next_seq = next_seq, next_seq + 1
-            owner_params[int(seq_ids[i])] = (MIXED[int(rng.integers(len(MIXED)))], int(rng.integers(0, 2**63)))
-        sampling_rows.update(rows, seq_ids, lambda i: (*owner_params[int(seq_ids[i])], False))
+        kept = [s for s in live if rng.random() < 0.5][:num_seqs]
+        seq_ids = kept + list(range(10_000 * (step + 1), 10_000 * (step + 1) + num_seqs - len(kept)))
+        for s in seq_ids[len(kept):]:
+            owner_params[s] = (MIXED[int(rng.integers(len(MIXED)))], int(rng.integers(0, 2**63)))
+        live = seq_ids
+        rows = step_rows.step(tables, positions, seq_ids)  # [S]
+        sampling_rows.update(rows, np.asarray(seq_ids, np.int64), lambda i: (*owner_params[seq_ids[i]], False))
         sample_positions = rng.integers(0, 3000, num_seqs)  # [S]
-        logits, samples = graphs.run_and_sample(ids, positions, slots, tables, rows, sample_positions,
-                                                sampling_rows)
+        logits, samples = graphs.run_and_sample(ids, positions, rows, np.ones(num_seqs, bool), step_rows.table_rows,
+                                                sample_positions, sampling_rows)
         got = samples.results()
-        requests = [SamplingRequest(*owner_params[int(s)], int(p), (), ()) for s, p in zip(seq_ids, sample_positions)]
+        requests = [SamplingRequest(*owner_params[s], int(p), (), ()) for s, p in zip(seq_ids, sample_positions)]
         expected = GpuSampler((2,)).sample(logits[:num_seqs], list(range(num_seqs)), requests)
         assert [r.token_id for r in got] == [r.token_id for r in expected], step
         assert [r.logprob for r in got] == [r.logprob for r in expected], step  # same kernels, same bits
         assert samples.token_ids.get().tolist() == [r.token_id for r in got]
         assert all(r.top_logprobs is None for r in got)
-    assert sampling_rows.num_rows >= 120
+    assert sampling_rows.num_rows >= 40
     assert graphs.num_sampled_replays == 6
 
 
@@ -86,13 +89,15 @@ def test_a_planted_seed_change_changes_the_draw(graphs):
     rng = np.random.default_rng(5)
     free_blocks = rng.permutation(4096).tolist()
     ids, positions, slots, tables = _decode_step(rng, 16, free_blocks, 16)
-    rows, sample_positions = np.arange(16), np.full(16, 7)
+    step_rows = StepRows(16, max_blocks=32)
+    rows, sample_positions = step_rows.step(tables, positions), np.full(16, 7)
+    writes = np.zeros(16, bool)  # no K/V writes: every replay sees the same cache
     draws = []
     for seed in (1, 2):
         sampling_rows = SamplingRows(num_rows=16)
         sampling_rows.update(rows, np.arange(16) + 100 * seed, lambda i: (SamplingParams(temperature=1.5), seed, False))
-        for _ in range(2):  # the same seed twice: the same draw (kv writes are idempotent for one step)
-            draws.append(graphs.run_and_sample(ids, positions, slots, tables, rows, sample_positions,
+        for _ in range(2):  # the same seed twice: the same draw
+            draws.append(graphs.run_and_sample(ids, positions, rows, writes, step_rows.table_rows, sample_positions,
                                                sampling_rows)[1].token_ids.get().tolist())
     assert draws[0] == draws[1] and draws[2] == draws[3]
     assert draws[0] != draws[2]
