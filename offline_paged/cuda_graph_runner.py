@@ -234,12 +234,14 @@ class DecodeGraphs:
 
     def _capture_sampling(self, bucket: _Bucket) -> None:
         """Capture the bucket's sampling graph (warmed up once first: kernels compile outside the capture).
-        Its temporaries come from the private pool, like the forward's; `sampled` and `token_ids` stay."""
+        Its temporaries come from the private pool, like the forward's. `sampled` and `token_ids` outlive
+        the step (the download, the next step's input ids), so they come from the default pool: no
+        graph's temporaries can ever share their memory."""
+        if bucket.sampled is None:
+            bucket.sampled = cupy.zeros((bucket.size, 2), dtype=cupy.float64)  # [b, 2]
+            bucket.token_ids = cupy.zeros(bucket.size, dtype=cupy.int32)  # [b]
         cupy.cuda.Device().synchronize()
         with cupy.cuda.using_allocator(self._pool.malloc), self._stream:
-            if bucket.sampled is None:
-                bucket.sampled = cupy.zeros((bucket.size, 2), dtype=cupy.float64)  # [b, 2]
-                bucket.token_ids = cupy.zeros(bucket.size, dtype=cupy.int32)  # [b]
             self._sample(bucket)
             self._stream.synchronize()
             self._stream.begin_capture()

@@ -95,18 +95,23 @@ class ModelRunner:
         max_blocks = 64 if max_model_len is None else -(-max_model_len // block_size)
         self.table_rows = BlockTableRows(block_size, max_blocks=max_blocks)  # rows live across steps
         self.decode_graphs = None
+        self.sampling_rows = None
         if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype) == np.float16:
             if max_model_len is None:
                 raise ValueError("cuda_graphs needs max_model_len (the static attention bound)")
             from offline_paged.cuda_graph_runner import DecodeGraphs
 
-            self.decode_graphs = DecodeGraphs(model, self.kv_cache, block_size, max_model_len)
-            self.table_rows.track_changes = True  # the graphs mirror the rows on the device
-        # Per-row sampling parameters for the decode graph's sampler (rows = table_rows' rows); None: the
-        # graph never samples and the eager GpuSampler samples its logits (the reference in tests).
-        self.sampling_rows = None
-        if self.decode_graphs is not None and self.gpu_sampler is not None:
-            self.sampling_rows = SamplingRows(self.sampler.eos_token_ids)
+            self.attach_decode_graphs(DecodeGraphs(model, self.kv_cache, block_size, max_model_len),
+                                      sample_in_graph=self.gpu_sampler is not None)
+
+    def attach_decode_graphs(self, graphs, sample_in_graph: bool = True) -> None:
+        """Replay decode-only steps through `graphs` (DecodeGraphs' interface: fits, run, run_and_sample),
+        which mirror `table_rows` (and, when sampling in the graph, `sampling_rows`: per-row parameters
+        for the graph's sampler, rows = table_rows' rows). sample_in_graph=False: the eager sampler
+        samples the graph's logits (the reference in tests)."""
+        self.decode_graphs = graphs
+        self.table_rows.track_changes = True  # the graphs mirror the rows on the device
+        self.sampling_rows = SamplingRows(self.sampler.eos_token_ids) if sample_in_graph else None
 
     @property
     def swapper(self):
@@ -140,7 +145,8 @@ class ModelRunner:
         if replayed is not None:
             logits, offsets, graph_samples = replayed  # [b, V] float32 (device), row i = sequence i
             if graph_samples is not None:  # sampled inside the graph: every row drew one token
-                timer.stop()
+                if timer is not None:
+                    timer.stop()
                 sample_index = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
                 return LaunchedStep(output, graph_samples, sample_index, list(range(len(offsets))),
                                     [None] * len(offsets), timer, True)

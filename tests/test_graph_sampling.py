@@ -122,8 +122,8 @@ def _requests(vocab, fallback: str | None):
 def _run(model, requests, async_scheduling: bool, graph_sampling: bool):
     eng = engine(model, "cuda", dtype="float16", max_model_len=160, cuda_graphs=True,
                  async_scheduling=async_scheduling, max_num_seqs=16)
-    if not graph_sampling:
-        eng.runner.sampling_rows = None  # documented switch: the eager sampler samples the graph's logits
+    if not graph_sampling:  # the eager sampler samples the same graphs' logits
+        eng.runner.attach_decode_graphs(eng.runner.decode_graphs, sample_in_graph=False)
     for request_id, (prompt, params) in requests.items():
         eng.add_request(request_id, prompt_token_ids=prompt, params=params)
     results = {}
