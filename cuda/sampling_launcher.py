@@ -2,7 +2,8 @@
 raises ValueError saying what is wrong, then launches on the current CuPy stream without synchronising.
 
 Legend: R sampled rows, K logits rows, V vocab, Rp penalty rows, P penalty tokens, Q banned pairs,
-b bucket slots of a decode graph. `params` rows are PARAMS_WIDTH float64: (temperature, min_p, greedy, top_p, top_k, 0, 0, 0).
+b bucket slots of a decode graph. `params` rows are PARAMS_WIDTH float64:
+(temperature, min_p, greedy, top_p, top_k, 0, 0, 0).
 """
 from __future__ import annotations
 

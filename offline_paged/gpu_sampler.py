@@ -3,10 +3,11 @@ log-probabilities) cross to the host: one upload of the step's per-row parameter
 
 Same order of operations as offline_paged/sampler.py, in float64 on the GPU (cuda/sampling.cu):
 penalties -> EOS/stop ban before min_tokens -> temperature -> top-k -> top-p -> min-p -> greedy argmax or
-the exponential race with random_stream's uniforms. Rows with top-k or top-p find their threshold without a
-sort (sampling.cu's top_cut, a bitwise descent), so the decode graph's sampler (cuda_graph_runner.py) runs
-the very same kernels on the same packed rows (sampling_rows.pack_params) and draws the same tokens. Tokens match the NumPy sampler except
-where two candidates' keys agree to the last bits (CUDA's exp/log vs NumPy's, summation order).
+the exponential race with random_stream's uniforms. Rows with top-k or top-p find their threshold
+without a sort (sampling.cu's top_cut, a bitwise descent), so the decode graph's sampler
+(cuda_graph_runner.py) runs the very same kernels on the same packed rows (sampling_rows.pack_params) and
+draws the same tokens. Tokens match the NumPy sampler except where two candidates' keys agree to the last
+bits (CUDA's exp/log vs NumPy's, summation order).
 
 Legend: R sampled rows, K logits rows, V vocab, Rp penalty rows, Ra top-logprob rows.
 """

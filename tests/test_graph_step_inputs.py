@@ -30,7 +30,8 @@ MODEL = tiny_model(seed=3)
 class NumpyDecodeGraphs:
     def __init__(self, model, kv_cache, block_size: int, max_model_len: int, buckets=(1, 2, 4, 8)) -> None:
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
-        self.max_model_len, self.max_blocks, self.buckets = max_model_len, math.ceil(max_model_len / block_size), buckets
+        self.max_model_len, self.buckets = max_model_len, buckets
+        self.max_blocks = math.ceil(max_model_len / block_size)
         self.tables, self.tables_key = None, None  # [R, Mr] the mirror
         self.params, self.seeds, self.rows_source = None, None, None
         self.num_replays = self.num_sampled_replays = 0

@@ -87,7 +87,8 @@ def test_rows_grow_and_keep_what_they_held():
 
 def test_graph_ready_follows_samplable_and_min_tokens():
     rows = SamplingRows(eos_token_ids=(2,), num_rows=4)
-    table = [(SamplingParams(min_tokens=3), 1, False), (SamplingParams(), 2, False), (SamplingParams(logprobs=1), 3, False)]
+    table = [(SamplingParams(min_tokens=3), 1, False), (SamplingParams(), 2, False),
+             (SamplingParams(logprobs=1), 3, False)]
     rows.update(np.array([0, 1, 2]), np.array([10, 11, 12]), _describer(table))
     assert not rows.graph_ready(np.array([0, 1]), np.array([2, 9]))  # row 0 still under min_tokens
     assert rows.graph_ready(np.array([0, 1]), np.array([3, 9]))
