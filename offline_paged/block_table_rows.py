@@ -14,7 +14,8 @@ walking every table in Python. A device mirror (the decode graphs' block tables)
 `take_changes()`: the (row, column, value) entries that changed since the last call, so a steady decode
 step uploads only the block ids that are new (one per sequence every block_size steps) or replaced by
 copy-on-write (recorded only when `track_changes` is set). `generation` counts reallocations (more
-rows or columns): a mirror of another generation must copy `tables` whole. Entries past a row's length are not reported (nothing reads them).
+rows or columns): a mirror of another generation must copy `tables` whole. Entries past a row's
+length are not reported (nothing reads them).
 """
 from __future__ import annotations
 
