@@ -7,7 +7,11 @@ Order inside one step matters: swap-outs first (their device blocks may be hande
 in this very step), then swap-ins, then copy-on-write copies, then the forward. Logits cross to the
 host once per step, and only the rows that are sampled or scored. On CUDA the GpuSampler samples on the
 device (only the sampled ids and requested log-probabilities come back); logits cross only for rows whose
-prompt log-probabilities are asked for.
+prompt log-probabilities are asked for. Decode-only steps that fit a bucket replay a CUDA graph
+(cuda_graph_runner.py) whose inputs are derived on the device from the persistent rows; when every row
+is greedy or temperature / top-k / top-p / min-p only, the graph samples too (same kernels, per-row
+parameters in device buffers written once per row), else the GpuSampler samples its logits. Step inputs
+are built in step_inputs.py.
 """
 from __future__ import annotations
 
@@ -188,7 +192,6 @@ class ModelRunner:
             self.backend.ops.copy_blocks(self.kv_cache, np.asarray(src_ids, dtype=np.int64),
                                          np.asarray(dst_ids, dtype=np.int64))
 
-    # ----------------------------------------------------------------- inputs
     # ----------------------------------------------------------------- inputs
     def _prepare(self, scheduled, rows: np.ndarray) -> EagerBatch:
         """The eager step's device inputs (step_inputs.eager_batch). rows [S]: rows in `table_rows`."""
