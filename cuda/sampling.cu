@@ -26,11 +26,11 @@
 //
 // top_cut (every row; rows without top-k / top-p, and greedy rows, get -inf). No sort, so it can be captured
 //   adjusted [R, V] fp64; params [R, 8] fp64 (see race); cut [R] fp64 (out): the race keeps x >= cut
-//   x_j = adjusted_j / temperature. top-k: kth = the k-th largest x (ties kept), found by a bit-by-bit descent
-//   over order_key(x) (64 counting passes). top-p on the survivors x >= kth: p_j = exp((x_j - max) - lse);
-//   a value stays when the mass strictly above it is < top_p (NumPy's descending-cumsum rule), i.e. the cut is
-//   the largest key t with sum(p_j : key_j >= t) >= top_p (65 passes); all survivors stay when the whole mass
-//   rounds below top_p. Sums are block reductions in a fixed order: the same bits on every launch.
+//   x_j = adjusted_j / temperature. top-k: kth = (the k-th largest adjusted value) / temperature (ties kept),
+//   found by a bit-by-bit descent over order_key(adjusted) (64 counting passes). top-p on the survivors
+//   x >= kth: p_j = exp((x_j - max) - lse); a value stays when the mass strictly above it is < top_p (NumPy's
+//   descending-cumsum rule), i.e. the cut is the largest key t with sum(p_j : key(x_j) >= t) >= top_p
+//   (65 passes); all survivors stay when the whole mass rounds below top_p. Sums are block reductions in a fixed order: the same bits on every launch.
 //   Grid: x = row; block: 1024 threads striding over V.
 //
 // gather_row_params (the sampling graph's prologue)
@@ -184,17 +184,18 @@ extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjust
     return;
   }
   const double* a = adjusted + (size_t)r * vocab;
-  // top-k: the largest key with at least k entries >= it is the key of the k-th largest x (ties kept).
+  // top-k: the largest key with at least k entries >= it is the key of the k-th largest adjusted value
+  // (ties kept); dividing by temperature > 0 keeps the order, so kth = that value / temperature.
   double kth = NEG_INF;
   if (has_k) {
     unsigned long long prefix = 0;
     for (int bit = 63; bit >= 0; --bit) {
       const unsigned long long candidate = prefix | (1ULL << bit);
       double n = 0.0;
-      for (int i = threadIdx.x; i < vocab; i += BLOCK) n += order_key(__ddiv_rn(a[i], temperature)) >= candidate ? 1.0 : 0.0;
+      for (int i = threadIdx.x; i < vocab; i += BLOCK) n += order_key(a[i]) >= candidate ? 1.0 : 0.0;
       if (block_sum(n, scratch) >= (double)top_k) prefix = candidate;
     }
-    kth = key_value(prefix);
+    kth = __ddiv_rn(key_value(prefix), temperature);
   }
   double result = kth;
   if (top_p < 1.0) {
