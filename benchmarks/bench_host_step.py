@@ -2,11 +2,14 @@
 sampler's kernels are stubbed out, so what is timed is the Python the GPU path runs every step
 (schedule, input packing, the device sampler's host-side packing and unpacking, postprocess, stats).
 
-    python benchmarks/bench_host_step.py [--num-requests 256] [--output-len 128] [--profile]
+    python benchmarks/bench_host_step.py [--num-requests 256] [--output-len 128] [--graphs] [--profile]
 
 The workload is the `bench` random one scaled down in output length: prompts 100..1024, every request
 decodes exactly --output-len tokens, max_num_batched_tokens 8192, so most steps are 256-sequence
 decodes like the H200 run's. Prints mean ms per step for the whole step and for each part.
+--graphs times the CUDA-graph decode path instead (the GPU bench's default): decode steps go through a
+HostOnlyDecodeGraphs that does DecodeGraphs' host part (the five-int-per-slot pack, the block-table change
+feed, the dirty sampling rows) and samples in the "graph" (no eager sampler packing on those steps).
 """
 from __future__ import annotations
 
@@ -76,7 +79,45 @@ class HostOnlySampler:
         return mod._results(host, top_ks, asking, k_max, [r.params.logprobs is not None for r in requests])
 
 
-def build_engine(num_requests: int):
+class HostOnlyDecodeGraphs:
+    """DecodeGraphs' host-side work per replay, without a device (cuda_graph_runner.py: _Bucket.pack,
+    _sync_tables, _sync_rows); logits are zeros and every graph-sampled token is 7."""
+
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+    def __init__(self, vocab: int, block_size: int, max_model_len: int) -> None:
+        self.vocab, self.max_model_len = vocab, max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self._hosts = {b: np.zeros(5 * b, dtype=np.int32) for b in self.buckets}
+
+    def fits(self, num_seqs: int, max_context_len: int, max_table_len: int) -> bool:
+        return (0 < num_seqs <= self.buckets[-1] and max_context_len <= self.max_model_len
+                and max_table_len <= self.max_blocks)
+
+    def run(self, input_ids, positions, slot_rows, writes, table_rows, timer=None, fill=None, sample_positions=None):
+        num_seqs = len(slot_rows)
+        size = next(b for b in self.buckets if b >= num_seqs)
+        host = self._hosts[size]
+        ids, rows, sample_pos, pos, write = (host[i * size:(i + 1) * size] for i in range(5))
+        ids[:num_seqs], ids[num_seqs:] = input_ids, 0
+        rows[:num_seqs], rows[num_seqs:] = slot_rows, -1
+        sample_pos[:num_seqs], sample_pos[num_seqs:] = 0 if sample_positions is None else sample_positions, 0
+        pos[:num_seqs], pos[num_seqs:] = positions, 0
+        write[:num_seqs], write[num_seqs:] = writes, 0
+        table_rows.take_changes()
+        return np.zeros((size, self.vocab), dtype=np.float32)  # [b, V]
+
+    def run_and_sample(self, input_ids, positions, slot_rows, writes, table_rows, sample_positions, sampling_rows,
+                       timer=None, fill=None):
+        dirty = sampling_rows.take_dirty()
+        if dirty.size:
+            np.concatenate([dirty.astype(np.uint64), sampling_rows.seeds[dirty],
+                            sampling_rows.params[dirty].ravel().view(np.uint64)])
+        logits = self.run(input_ids, positions, slot_rows, writes, table_rows, timer, fill, sample_positions)
+        return logits, ReadySamples([SampleResult(7, -1.0, None)] * len(slot_rows))
+
+
+def build_engine(num_requests: int, graphs: bool = False):
     model = tiny_model(max_position_embeddings=4096)
     config = EngineConfig(device="cpu", num_kv_blocks=num_requests * 2200 // 16 + 64, max_num_seqs=256,
                           max_num_batched_tokens=8192, max_model_len=4096)
@@ -89,6 +130,8 @@ def build_engine(num_requests: int):
 
     runner.model.forward = forward
     runner.gpu_sampler = HostOnlySampler(_gpu_sampler_host_part())
+    if graphs:
+        runner.attach_decode_graphs(HostOnlyDecodeGraphs(vocab, config.block_size, config.max_model_len))
     return engine
 
 
@@ -113,9 +156,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--graphs", action="store_true", help="time the CUDA-graph decode path's host part")
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile by own time")
     args = parser.parse_args()
-    engine = build_engine(args.num_requests)
+    engine = build_engine(args.num_requests, args.graphs)
     timer = Timer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "_prepare", "runner._prepare")

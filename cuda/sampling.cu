@@ -24,12 +24,22 @@
 // ban_tokens
 //   adjusted [R, V] fp64 (in place); pairs [Q, 2] int32 (row, token): set to -inf. Grid-stride over Q.
 //
-// top_cut (rows with top-k or top-p; the threshold the race keeps x >= cut by)
-//   sorted [Rs, V] fp64: each selected row of adjusted sorted ascending; cut_rows [Rs] int32 (its row)
-//   params [R, 8] fp64 (see race); cut [R] fp64 (out, written for the selected rows only)
-//   x_j = sorted_j / temperature. top-k: kth = x_{V-k} (ties kept); top-p on the survivors, NumPy's rule:
-//   p_j = exp((x_j - max) - log S) in descending order, mass_before_j = cumsum_j - p_j, n = #(mass_before < p),
-//   keep p >= p_(max(n,1)-1). Grid: x = selected row; block: 1024 threads, chunked block scan of the descent.
+// top_cut (every row; rows without top-k / top-p, and greedy rows, get -inf). No sort, so it can be captured
+//   adjusted [R, V] fp64; params [R, 8] fp64 (see race); cut [R] fp64 (out): the race keeps x >= cut
+//   x_j = adjusted_j / temperature. top-k: kth = (the k-th largest adjusted value) / temperature (ties kept),
+//   found by a bit-by-bit descent over order_key(adjusted) (64 counting passes). top-p on the survivors
+//   x >= kth: p_j = exp((x_j - max) - lse); a value stays when the mass strictly above it is < top_p (NumPy's
+//   descending-cumsum rule), i.e. the cut is the largest key t with sum(p_j : key(x_j) >= t) >= top_p
+//   (65 passes); all survivors stay when the whole mass rounds below top_p. Sums are block reductions in a fixed order: the same bits on every launch.
+//   Grid: x = row; block: 1024 threads striding over V.
+//
+// gather_row_params (the sampling graph's prologue)
+//   slot_rows [b] int32 (persistent row of each bucket slot, -1 = padding); sample_positions [b] int32
+//   row_params [Rp, 8] fp64, row_seeds [Rp] uint64: written when a row is added, not every step
+//   params [b, 8] fp64, seeds [b] uint64, positions [b] uint64 (out); padding slots are greedy.
+//   One thread per slot.
+//
+// chosen_ids: out [R, 2] fp64 (race's output) -> token_ids [R] int32. One thread per row.
 //
 // race
 //   adjusted [R, V] fp64; cut [R] fp64 (-inf: no top-k / top-p); raw_stats [R, 2] fp64; logits, rows as above
@@ -152,72 +162,91 @@ extern "C" __global__ void ban_tokens(double* adjusted, const int* pairs, int nu
   }
 }
 
-// Inclusive block scan of one value per thread (Hillis-Steele over warps, then over warp totals).
-__device__ double block_inclusive_scan(double v, double* scratch, double& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int o = 1; o < 32; o <<= 1) {
-    const double n = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v = __dadd_rn(v, n);
-  }
-  __syncthreads();
-  if (lane == 31) scratch[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    double w = lane < WARPS ? scratch[lane] : 0.0;
-    for (int o = 1; o < 32; o <<= 1) {
-      const double n = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w = __dadd_rn(w, n);
-    }
-    if (lane < WARPS) scratch[lane] = w;
-  }
-  __syncthreads();
-  if (warp > 0) v = __dadd_rn(v, scratch[warp - 1]);
-  total = scratch[WARPS - 1];
-  return v;
+// Monotone map of a double onto uint64 (x < y  <=>  key(x) < key(y) for non-NaN, -0.0 just below +0.0).
+__device__ __forceinline__ unsigned long long order_key(double x) {
+  const unsigned long long u = (unsigned long long)__double_as_longlong(x);
+  return (u >> 63) ? ~u : (u | 0x8000000000000000ULL);
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* sorted, const int* cut_rows, const double* params, double* cut,
-                                   int vocab) {
+__device__ __forceinline__ double key_value(unsigned long long k) {
+  return __longlong_as_double((long long)((k >> 63) ? (k & 0x7fffffffffffffffULL) : ~k));
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjusted, const double* params, double* cut,
+                                                          int vocab) {
   __shared__ double scratch[WARPS];
-  const int row = cut_rows[blockIdx.x];
-  const double* x = sorted + (size_t)blockIdx.x * vocab;
-  const double temperature = params[8 * row], top_p = params[8 * row + 3];
-  const int top_k = (int)params[8 * row + 4];
+  const int r = blockIdx.x;
+  const double temperature = params[8 * r], top_p = params[8 * r + 3];
+  const int top_k = (int)params[8 * r + 4];
+  const bool has_k = top_k > 0 && top_k < vocab;
+  if (params[8 * r + 2] != 0.0 || !(has_k || top_p < 1.0)) {  // greedy, or nothing to cut: uniform exit
+    if (threadIdx.x == 0) cut[r] = NEG_INF;
+    return;
+  }
+  const double* a = adjusted + (size_t)r * vocab;
+  // top-k: the largest key with at least k entries >= it is the key of the k-th largest adjusted value
+  // (ties kept); dividing by temperature > 0 keeps the order, so kth = that value / temperature.
   double kth = NEG_INF;
-  if (top_k > 0 && top_k < vocab) kth = __ddiv_rn(x[vocab - top_k], temperature);
-  // survivors of top-k: indices lo..vocab-1 of the ascending row (ties with kth included)
-  double below = 0.0;
-  for (int j = threadIdx.x; j < vocab; j += BLOCK) below += __ddiv_rn(x[j], temperature) < kth ? 1.0 : 0.0;
-  const int lo = (int)block_sum(below, scratch);
+  if (has_k) {
+    unsigned long long prefix = 0;
+    for (int bit = 63; bit >= 0; --bit) {
+      const unsigned long long candidate = prefix | (1ULL << bit);
+      double n = 0.0;
+      for (int i = threadIdx.x; i < vocab; i += BLOCK) n += order_key(a[i]) >= candidate ? 1.0 : 0.0;
+      if (block_sum(n, scratch) >= (double)top_k) prefix = candidate;
+    }
+    kth = __ddiv_rn(key_value(prefix), temperature);
+  }
   double result = kth;
   if (top_p < 1.0) {
-    const double m = __ddiv_rn(x[vocab - 1], temperature);
+    double m = NEG_INF;
+    for (int i = threadIdx.x; i < vocab; i += BLOCK) {
+      const double x = __ddiv_rn(a[i], temperature);
+      if (x >= kth) m = fmax(m, x);
+    }
+    m = block_max(m, scratch);
     double s = 0.0;
-    for (int j = lo + threadIdx.x; j < vocab; j += BLOCK) s = __dadd_rn(s, exp(__dsub_rn(__ddiv_rn(x[j], temperature), m)));
+    for (int i = threadIdx.x; i < vocab; i += BLOCK) {
+      const double x = __ddiv_rn(a[i], temperature);
+      if (x >= kth) s = __dadd_rn(s, exp(__dsub_rn(x, m)));
+    }
     const double lse = log(block_sum(s, scratch));
-    // descending walk d = 0, 1, ... over j = vocab-1-d; chunked scan; count mass_before < top_p
-    const int num = vocab - lo;
-    double carry = 0.0, kept = 0.0;
-    for (int base = 0; base < num; base += BLOCK) {
-      const int d = base + threadIdx.x;
-      const double p = d < num ? exp(__dsub_rn(__dsub_rn(__ddiv_rn(x[vocab - 1 - d], temperature), m), lse)) : 0.0;
-      double total;
-      const double inclusive = __dadd_rn(carry, block_inclusive_scan(p, scratch, total));
-      if (d < num && __dsub_rn(inclusive, p) < top_p) kept += 1.0;
-      carry = __dadd_rn(carry, total);
-      __syncthreads();
+    // H(t) = mass of the survivors with key >= t. The kept set is every value v whose mass strictly
+    // above it is < top_p: the cut is the largest key t with H(t) >= top_p (if the whole mass reaches it).
+    unsigned long long prefix = 0;
+    for (int bit = 64; bit >= 0; --bit) {  // bit 64: H(0), the whole mass
+      const unsigned long long candidate = bit == 64 ? 0ULL : prefix | (1ULL << bit);
+      double h = 0.0;
+      for (int i = threadIdx.x; i < vocab; i += BLOCK) {
+        const double x = __ddiv_rn(a[i], temperature);
+        if (x >= kth && order_key(x) >= candidate) h = __dadd_rn(h, exp(__dsub_rn(__dsub_rn(x, m), lse)));
+      }
+      const bool reached = block_sum(h, scratch) >= top_p;
+      if (bit == 64 && !reached) break;  // rounding left the mass below top_p: keep every survivor
+      if (bit < 64 && reached) prefix = candidate;
+      if (bit == 0) result = fmax(kth, key_value(prefix));
     }
-    const int num_kept = max((int)block_sum(kept, scratch), 1);
-    const double smallest = exp(__dsub_rn(__dsub_rn(__ddiv_rn(x[vocab - num_kept], temperature), m), lse));
-    // every survivor whose probability rounds to >= smallest stays (NumPy compares probabilities)
-    double count = 0.0;
-    for (int j = lo + threadIdx.x; j < vocab; j += BLOCK) {
-      count += exp(__dsub_rn(__dsub_rn(__ddiv_rn(x[j], temperature), m), lse)) >= smallest ? 1.0 : 0.0;
-    }
-    const int total_kept = (int)block_sum(count, scratch);
-    result = fmax(kth, __ddiv_rn(x[vocab - total_kept], temperature));
   }
-  if (threadIdx.x == 0) cut[row] = result;
+  if (threadIdx.x == 0) cut[r] = result;
+}
+
+// Graph sampling: each bucket slot's sampling inputs from the persistent per-row buffers.
+extern "C" __global__ void gather_row_params(const int* slot_rows, const int* sample_positions,
+                                             const double* row_params, const unsigned long long* row_seeds,
+                                             double* params, unsigned long long* seeds,
+                                             unsigned long long* positions, int num_slots) {
+  const int slot = blockIdx.x * blockDim.x + threadIdx.x;
+  if (slot >= num_slots) return;
+  const int row = slot_rows[slot];
+  for (int j = 0; j < 8; ++j) params[8 * slot + j] = row >= 0 ? row_params[8 * (size_t)row + j] : (j == 2 ? 1.0 : 0.0);
+  seeds[slot] = row >= 0 ? row_seeds[row] : 0ULL;
+  positions[slot] = row >= 0 ? (unsigned long long)sample_positions[slot] : 0ULL;
+}
+
+// out [R, 2] fp64 (token id, logprob) -> token_ids [R] int32 (the next step's input ids).
+extern "C" __global__ void chosen_ids(const double* out, int* token_ids, int num_rows) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r < num_rows) token_ids[r] = (int)out[2 * r];
 }
 
 __device__ __forceinline__ double uniform(unsigned long long seed, unsigned long long position, unsigned long long i) {

@@ -1,8 +1,9 @@
 """Thin typed launchers for cuda/sampling.cu, one per kernel: each checks dtypes, contiguity and shapes,
 raises ValueError saying what is wrong, then launches on the current CuPy stream without synchronising.
 
-Legend: R sampled rows, K logits rows, V vocab, Rp penalty rows, Rs top-k/top-p rows, P penalty tokens,
-Q banned pairs. `params` rows are PARAMS_WIDTH float64: (temperature, min_p, greedy, top_p, top_k, 0, 0, 0).
+Legend: R sampled rows, K logits rows, V vocab, Rp penalty rows, P penalty tokens, Q banned pairs,
+b bucket slots of a decode graph. `params` rows are PARAMS_WIDTH float64:
+(temperature, min_p, greedy, top_p, top_k, 0, 0, 0).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ SOURCE = "sampling.cu"
 KERNELS = (
     ("sampling.cu", "prepare_rows"), ("sampling.cu", "count_tokens"), ("sampling.cu", "apply_penalties"),
     ("sampling.cu", "ban_tokens"), ("sampling.cu", "top_cut"), ("sampling.cu", "race"),
+    ("sampling.cu", "gather_row_params"), ("sampling.cu", "chosen_ids"),
 )
 BLOCK = 1024  # threads per row block (sampling.cu's BLOCK)
 PARAMS_WIDTH = 8
@@ -88,15 +90,38 @@ def ban_tokens(adjusted, pairs) -> None:
                                                          np.int32(adjusted.shape[1])))
 
 
-def top_cut(sorted_rows, cut_rows, params, cut) -> None:
-    """cut[cut_rows[j]] = the scaled-logit threshold of top-k then top-p for the ascending row sorted_rows[j]."""
-    _check("sorted_rows", sorted_rows, np.float64, (None, None))
-    _check("cut_rows", cut_rows, np.int32, (sorted_rows.shape[0],))
-    _check("params", params, np.float64, (None, PARAMS_WIDTH))
-    _check("cut", cut, np.float64, (params.shape[0],))
-    if sorted_rows.shape[0]:
-        _kernel(SOURCE, "top_cut")((sorted_rows.shape[0],), (BLOCK,),
-                                  (sorted_rows, cut_rows, params, cut, np.int32(sorted_rows.shape[1])))
+def top_cut(adjusted, params, cut) -> None:
+    """cut[r] = the scaled-logit threshold of top-k then top-p of row r of adjusted [R, V] (-inf where the
+    row is greedy or has neither). No sort and no allocation: capturable in a CUDA graph."""
+    _check("adjusted", adjusted, np.float64, (None, None))
+    num_rows, vocab = adjusted.shape
+    _check("params", params, np.float64, (num_rows, PARAMS_WIDTH))
+    _check("cut", cut, np.float64, (num_rows,))
+    if num_rows:
+        _kernel(SOURCE, "top_cut")((num_rows,), (BLOCK,), (adjusted, params, cut, np.int32(vocab)))
+
+
+def gather_row_params(slot_rows, sample_positions, row_params, row_seeds, params, seeds, positions) -> None:
+    """Bucket slot i's (params, seed, position) from persistent row slot_rows[i] (-1: a greedy padding slot)."""
+    _check("slot_rows", slot_rows, np.int32, (None,))
+    num_slots = slot_rows.shape[0]
+    _check("sample_positions", sample_positions, np.int32, (num_slots,))
+    _check("row_params", row_params, np.float64, (None, PARAMS_WIDTH))
+    _check("row_seeds", row_seeds, np.uint64, (row_params.shape[0],))
+    _check("params", params, np.float64, (num_slots, PARAMS_WIDTH))
+    _check("seeds", seeds, np.uint64, (num_slots,))
+    _check("positions", positions, np.uint64, (num_slots,))
+    if num_slots:
+        _kernel(SOURCE, "gather_row_params")((-(-num_slots // 256),), (256,), (
+            slot_rows, sample_positions, row_params, row_seeds, params, seeds, positions, np.int32(num_slots)))
+
+
+def chosen_ids(out, token_ids) -> None:
+    """token_ids[r] = int(out[r, 0]): the race's chosen ids as the next step's int32 input ids."""
+    _check("out", out, np.float64, (None, 2))
+    _check("token_ids", token_ids, np.int32, (out.shape[0],))
+    if out.shape[0]:
+        _kernel(SOURCE, "chosen_ids")((-(-out.shape[0] // 256),), (256,), (out, token_ids, np.int32(out.shape[0])))
 
 
 def race(adjusted, cut, raw_stats, logits, rows, params, seeds, positions, out) -> None:

@@ -10,7 +10,12 @@ schedule starts a fresh row. A table list that is not the one a row was synced f
 Padding entries are 0.
 
 Step inputs then come from numpy fancy indexing of `tables` (one C-level gather per step) instead of
-walking every table in Python.
+walking every table in Python. A device mirror (the decode graphs' block tables) is kept in step by
+`take_changes()`: the (row, column, value) entries that changed since the last call, so a steady decode
+step uploads only the block ids that are new (one per sequence every block_size steps) or replaced by
+copy-on-write (recorded only when `track_changes` is set). `generation` counts reallocations (more
+rows or columns): a mirror of another generation must copy `tables` whole. Entries past a row's
+length are not reported (nothing reads them).
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ class BlockTableRows:
         self._sources: list[object] = [None] * num_rows  # the list each row was synced from
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        self._changed: list[tuple[int, int, int]] = []  # (row, first column, end column) written since take
+        self.track_changes = False  # only a device mirror needs the change feed
+        self.generation = 0
 
     @property
     def num_rows_used(self) -> int:
@@ -61,12 +69,31 @@ class BlockTableRows:
         # The blocks this step writes may have been replaced by copy-on-write since the last sync.
         first_written = min(start // self.block_size, synced)
         last_written = min((start + max(num_new, 1) - 1) // self.block_size + 1, synced)
-        if last_written > first_written:
-            self.tables[row, first_written:last_written] = table[first_written:last_written]
+        tables = self.tables
+        for col in range(first_written, last_written):  # usually one block
+            if tables[row, col] != table[col]:
+                tables[row, col] = table[col]
+                if self.track_changes:
+                    self._changed.append((row, col, col + 1))
         if num_entries > synced:
-            self.tables[row, synced:num_entries] = table[synced:num_entries]
+            tables[row, synced:num_entries] = table[synced:num_entries]
+            if self.track_changes:
+                self._changed.append((row, synced, num_entries))
         self.lens[row] = num_entries
         return row
+
+    def take_changes(self) -> np.ndarray:
+        """[n, 3] int32 (row, column, block id) of the entries written since the last call (then forgotten);
+        the values are the current ones."""
+        if not self._changed:
+            return np.zeros((0, 3), dtype=np.int32)
+        spans = np.array(self._changed, dtype=np.int64)  # [k, 3] (row, first column, end column)
+        self._changed.clear()
+        widths = spans[:, 2] - spans[:, 1]  # [k]
+        rows = np.repeat(spans[:, 0], widths)  # [n]
+        firsts = np.repeat(spans[:, 1] - (np.cumsum(widths) - widths), widths)  # [n]
+        cols = np.arange(int(widths.sum())) + firsts  # [n]
+        return np.stack([rows, cols, self.tables[rows, cols]], axis=1).astype(np.int32)  # [n, 3]
 
     def _take_row(self, seq_id: int) -> int:
         if not self._free_rows:
@@ -81,9 +108,11 @@ class BlockTableRows:
         self.lens = np.concatenate([self.lens, np.zeros_like(self.lens)])  # [2R]
         self._sources += [None] * old
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
+        self.generation += 1
 
     def _widen(self, num_entries: int) -> None:
         width = max(num_entries, 2 * self.tables.shape[1])
         wider = np.zeros((self.tables.shape[0], width), dtype=np.int32)  # [R, M']
         wider[:, :self.tables.shape[1]] = self.tables
         self.tables = wider
+        self.generation += 1

@@ -3,11 +3,13 @@ log-probabilities) cross to the host: one upload of the step's per-row parameter
 
 Same order of operations as offline_paged/sampler.py, in float64 on the GPU (cuda/sampling.cu):
 penalties -> EOS/stop ban before min_tokens -> temperature -> top-k -> top-p -> min-p -> greedy argmax or
-the exponential race with random_stream's uniforms. Rows with top-k or top-p are sorted (cupy.sort) to find
-their threshold; every other row is one pass of the race kernel. Tokens match the NumPy sampler except
-where two candidates' keys agree to the last bits (CUDA's exp/log vs NumPy's, summation order).
+the exponential race with random_stream's uniforms. Rows with top-k or top-p find their threshold
+without a sort (sampling.cu's top_cut, a bitwise descent), so the decode graph's sampler
+(cuda_graph_runner.py) runs the very same kernels on the same packed rows (sampling_rows.pack_params) and
+draws the same tokens. Tokens match the NumPy sampler except where two candidates' keys agree to the last
+bits (CUDA's exp/log vs NumPy's, summation order).
 
-Legend: R sampled rows, K logits rows, V vocab, Rp penalty rows, Rs top-k/top-p rows, Ra top-logprob rows.
+Legend: R sampled rows, K logits rows, V vocab, Rp penalty rows, Ra top-logprob rows.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import numpy as np
 from offline_paged.cuda import sampling_launcher as kernels
 from offline_paged.cuda.pinned import PinnedDownload, PinnedUpload
 from offline_paged.sampler import SampleResult, SamplingRequest, bad_word_bans
+from offline_paged.sampling_rows import pack_params, pack_seeds
 
 
 class GpuSampler:
@@ -52,10 +55,8 @@ class GpuSampler:
             kernels.count_tokens(step["penalty_tokens"], seen, counts)
             kernels.apply_penalties(adjusted, step["penalty_rows"], step["penalties"], seen, counts)
         kernels.ban_tokens(adjusted, step["banned"])
-        cut = cupy.full(num_rows, -np.inf, dtype=cupy.float64)  # [R]
-        if step["cut_rows"].size:
-            sorted_rows = cupy.sort(adjusted[step["cut_rows"]], axis=1)  # [Rs, V] ascending
-            kernels.top_cut(sorted_rows, step["cut_rows"], step["params"], cut)
+        cut = cupy.empty(num_rows, dtype=cupy.float64)  # [R]
+        kernels.top_cut(adjusted, step["params"], cut)  # the decode graph's sampler runs the same kernel
         top_ks = _top_ks(requests, vocab)
         asking = np.flatnonzero(top_ks)  # rows that want a top-k of logprobs
         k_max = int(top_ks.max())
@@ -75,11 +76,20 @@ class PendingSamples:
 
     __slots__ = ("_out", "_download", "_num_rows", "_top_ks", "_asking", "_k_max", "_wants", "_token_ids")
 
-    def __init__(self, out, num_rows: int, top_ks, asking, k_max: int, wants: list[bool]) -> None:
+    def __init__(self, out, num_rows: int, top_ks, asking, k_max: int, wants: list[bool],
+                 token_ids=None) -> None:
         self._out, self._num_rows = out, num_rows
         self._download = PinnedDownload(out) if num_rows else None  # queued right behind the kernels
         self._top_ks, self._asking, self._k_max, self._wants = top_ks, asking, k_max, wants
-        self._token_ids = None
+        self._token_ids = token_ids
+
+    @classmethod
+    def of_graph(cls, out, token_ids) -> PendingSamples:
+        """The decode graph's samples: out [S, 2] float64 (token id, raw logprob) and token_ids [S] int32,
+        views of the bucket's static buffers. Its download is queued now, before the bucket's next replay."""
+        num_rows = out.shape[0]
+        return cls(out.reshape(-1), num_rows, np.zeros(num_rows, np.int64), np.zeros(0, np.int64), 0,
+                   [False] * num_rows, token_ids)
 
     @property
     def token_ids(self):
@@ -121,35 +131,31 @@ def _upload(requests: Sequence[SamplingRequest], rows: Sequence[int], vocab: int
     """Pack the step's per-row inputs into one uint64 and one int32 host array, upload each once, and
     return named device views."""
     num_rows = len(requests)
-    fields = np.array([(p.temperature, p.min_p, p.top_p, p.top_k, p.repetition_penalty, p.frequency_penalty,
-                        p.presence_penalty, r.position < p.min_tokens)
-                       for r in requests for p in (r.params,)], dtype=np.float64).reshape(num_rows, 8)  # [R, 8]
-    temperature, min_p, top_p, top_k = fields[:, 0], fields[:, 1], fields[:, 2], fields[:, 3]
-    params = np.zeros((num_rows, kernels.PARAMS_WIDTH), dtype=np.float64)  # [R, 8]
-    params[:, :5] = np.stack([temperature, min_p, temperature == 0.0, top_p, top_k], axis=1)
-    cut_rows = np.flatnonzero((temperature != 0.0) & (((0 < top_k) & (top_k < vocab)) | (top_p < 1.0)))
-    penalized = (fields[:, 4] != 1.0) | (fields[:, 5] != 0.0) | (fields[:, 6] != 0.0)  # [R]
+    fields = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty, r.position < p.min_tokens)
+                       for r in requests for p in (r.params,)], dtype=np.float64).reshape(num_rows, 4)  # [R, 4]
+    params = pack_params([r.params for r in requests])  # [R, 8], as the decode graph's rows
+    penalized = (fields[:, 0] != 1.0) | (fields[:, 1] != 0.0) | (fields[:, 2] != 0.0)  # [R]
     penalty_rows = np.flatnonzero(penalized)
-    penalties = fields[penalty_rows, 4:7]  # [Rp, 3]
+    penalties = fields[penalty_rows, 0:3]  # [Rp, 3]
     penalty_tokens = [_penalty_tokens(requests[r], slot, vocab) for slot, r in enumerate(penalty_rows)]
     banned = []
-    for r in np.flatnonzero(fields[:, 7]).tolist():  # rows still under min_tokens
+    for r in np.flatnonzero(fields[:, 3]).tolist():  # rows still under min_tokens
         p = requests[r].params
         ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         banned += [(r, t) for t in ids if 0 <= t < vocab]
-    seeds = np.array([r.seed & (2**64 - 1) for r in requests], dtype=np.uint64)  # [R]
+    seeds = pack_seeds([r.seed for r in requests])  # [R]
     positions = np.array([r.position for r in requests], dtype=np.uint64)  # [R]
     wide = [params.ravel().view(np.uint64), seeds, positions,
             np.asarray(penalties, dtype=np.float64).reshape(-1).view(np.uint64)]
     tokens = np.concatenate(penalty_tokens) if penalty_tokens else np.zeros((0, 3), np.int32)  # [P, 3]
     narrow = [np.asarray(rows, dtype=np.int32), np.asarray(penalty_rows, dtype=np.int32), tokens.ravel(),
-              np.asarray(banned, dtype=np.int32).reshape(-1), np.asarray(cut_rows, dtype=np.int32)]
+              np.asarray(banned, dtype=np.int32).reshape(-1)]
     w = _views(to_device(np.concatenate(wide)), [a.size for a in wide])
     n = _views(to_device(np.concatenate(narrow).astype(np.int32)), [a.size for a in narrow])
     return {"params": w[0].view(cupy.float64).reshape(num_rows, kernels.PARAMS_WIDTH), "seeds": w[1],
             "positions": w[2], "penalties": w[3].view(cupy.float64).reshape(-1, 3),
             "rows": n[0], "penalty_rows": n[1], "penalty_tokens": n[2].reshape(-1, 3),
-            "banned": n[3].reshape(-1, 2), "cut_rows": n[4]}
+            "banned": n[3].reshape(-1, 2)}
 
 
 def _views(packed, sizes: list[int]) -> list:

@@ -7,7 +7,11 @@ Order inside one step matters: swap-outs first (their device blocks may be hande
 in this very step), then swap-ins, then copy-on-write copies, then the forward. Logits cross to the
 host once per step, and only the rows that are sampled or scored. On CUDA the GpuSampler samples on the
 device (only the sampled ids and requested log-probabilities come back); logits cross only for rows whose
-prompt log-probabilities are asked for.
+prompt log-probabilities are asked for. Decode-only steps that fit a bucket replay a CUDA graph
+(cuda_graph_runner.py) whose inputs are derived on the device from the persistent rows; when every row
+is greedy or temperature / top-k / top-p / min-p only, the graph samples too (same kernels, per-row
+parameters in device buffers written once per row), else the GpuSampler samples its logits. Step inputs
+are built in step_inputs.py.
 
 Tensor parallel: rank 0's runner is given a `mirror` (offline_paged/tp_group.py) and sends it each
 step's block moves and packed forward inputs right before its own forward; the runner of every other
@@ -18,53 +22,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from offline_paged.block_table_rows import BlockTableRows
 from offline_paged.models.attention import AttentionMetadata
 from offline_paged.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
+from offline_paged.sampling_rows import SamplingRows
+from offline_paged.step_inputs import (EagerBatch, SnapshotRows, StepUpload, decode_fields, eager_batch,
+                                       pack_eager, pending_inputs, synthetic_prefill, unpack_eager)
 from offline_paged.launched_step import LaunchedStep, ReadySamples
 from offline_paged.sequence import SequenceResult
 from offline_paged.step_report import DeviceTimer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
-
-
-@dataclass(slots=True)
-class _Batch:
-    input_ids: Any  # [T] int32 (device)
-    positions: Any  # [T] int32 (device)
-    meta: AttentionMetadata
-    logits_indices: Any  # [K] int32 (device)
-    logits_offsets: list[int]  # per scheduled sequence: its first row in the [K, V] logits
-
-
-class _StepUpload:
-    """One preallocated device int32 buffer that a step's index arrays are packed into, so a step's
-    inputs cross host->device in one copy and live at stable addresses (what CUDA graphs need next).
-    On the CPU the packed host array is used as is."""
-
-    def __init__(self, backend) -> None:
-        self.backend = backend
-        self._buffer = None  # [capacity] int32 (device), grown by doubling
-        self._pinned = None  # cuda PinnedUpload: the copy is queued, the host does not wait for the device
-
-    def __call__(self, host: np.ndarray):
-        if self.backend.name == "cpu":
-            return host
-        if self._pinned is None:
-            from offline_paged.cuda.pinned import PinnedUpload
-
-            self._pinned = PinnedUpload()
-        if self._buffer is None or self._buffer.size < host.size:
-            capacity = max(host.size, 2 * (0 if self._buffer is None else self._buffer.size), 4096)
-            self._buffer = self.backend.xp.empty(capacity, dtype=np.int32)
-        view = self._buffer[:host.size]  # [n] int32 (device)
-        # Stream-ordered after the previous step's kernels (same stream), so reuse is safe.
-        return self._pinned(host.astype(np.int32, copy=False), out=view)
 
 
 class ModelRunner:
@@ -97,17 +68,28 @@ class ModelRunner:
             self.gpu_sampler = GpuSampler(self.sampler.eos_token_ids)
         self.kv_cache = model.allocate_kv_cache(num_gpu_blocks, block_size)  # [L, 2, N, B, Hkv, D]
         self._swapper = None
-        self._upload = _StepUpload(backend)
-        self._pending_upload = _StepUpload(backend)  # where a step's pending input ids come from
+        self._upload = StepUpload(backend)
+        self._pending_upload = StepUpload(backend)  # where a step's pending input ids come from
         max_blocks = 64 if max_model_len is None else -(-max_model_len // block_size)
         self.table_rows = BlockTableRows(block_size, max_blocks=max_blocks)  # rows live across steps
         self.decode_graphs = None
+        self.sampling_rows = None
         if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype) == np.float16:
             if max_model_len is None:
                 raise ValueError("cuda_graphs needs max_model_len (the static attention bound)")
             from offline_paged.cuda_graph_runner import DecodeGraphs
 
-            self.decode_graphs = DecodeGraphs(model, self.kv_cache, block_size, max_model_len)
+            self.attach_decode_graphs(DecodeGraphs(model, self.kv_cache, block_size, max_model_len),
+                                      sample_in_graph=self.gpu_sampler is not None)
+
+    def attach_decode_graphs(self, graphs, sample_in_graph: bool = True) -> None:
+        """Replay decode-only steps through `graphs` (DecodeGraphs' interface: fits, run, run_and_sample),
+        which mirror `table_rows` (and, when sampling in the graph, `sampling_rows`: per-row parameters
+        for the graph's sampler, rows = table_rows' rows). sample_in_graph=False: the eager sampler
+        samples the graph's logits (the reference in tests)."""
+        self.decode_graphs = graphs
+        self.table_rows.track_changes = True  # the graphs mirror the rows on the device
+        self.sampling_rows = SamplingRows(self.sampler.eos_token_ids) if sample_in_graph else None
 
     @property
     def swapper(self):
@@ -133,17 +115,23 @@ class ModelRunner:
             self._send_mirror(moves, None)
             return LaunchedStep(output, ReadySamples([]), {}, [], [], None, False)
         rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
-        fill = _pending_inputs(output.scheduled, previous, self._pending_upload)
+        fill = pending_inputs(output.scheduled, previous, self._pending_upload)
         # CUDA events around the forward, never inside a capture (DecodeGraphs captures on its own
         # stream); started after the host-side input packing so that they time the device's work.
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
         replayed = self._replay_decode(output.scheduled, rows, timer, fill, moves)
         if replayed is not None:
-            logits, offsets = replayed  # [b, V] float32 (device), row i = sequence i
+            logits, offsets, graph_samples = replayed  # [b, V] float32 (device), row i = sequence i
+            if graph_samples is not None:  # sampled inside the graph: every row drew one token
+                if timer is not None:
+                    timer.stop()
+                sample_index = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
+                return LaunchedStep(output, graph_samples, sample_index, list(range(len(offsets))),
+                                    [None] * len(offsets), timer, True)
         else:
-            packed, layout = self._pack(output.scheduled, rows)
+            packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
             self._send_mirror(moves, ("eager", packed, layout))
-            batch = self._unpack(packed, layout)
+            batch = unpack_eager(packed, layout, self._upload)
             if fill is not None:
                 fill(batch.input_ids)
             if timer is not None:
@@ -158,22 +146,45 @@ class ModelRunner:
         return self._launch_sampling(output, logits, offsets, timer, replayed is not None)
 
     def _replay_decode(self, scheduled, rows: np.ndarray, timer=None, fill=None, moves=None):
-        """(logits [b, V], offsets) from a CUDA graph when every sequence computes one token and the
-        step fits a bucket; None otherwise (the eager forward runs). rows [S]: block-table rows."""
+        """(logits [b, V], offsets, samples) from a CUDA graph when every sequence computes one token and
+        the step fits a bucket; None otherwise (the eager forward runs). samples: the graph's own draws
+        (PendingSamples) when every row can be sampled there, else None (the eager sampler samples the
+        logits). rows [S]: block-table rows."""
         graphs = self.decode_graphs
         if graphs is None or any(item.num_new_tokens != 1 for item in scheduled):
             return None
-        num_seqs, block_size = len(scheduled), self.block_size
-        starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
+        num_seqs = len(scheduled)
+        starts, input_ids, writes = decode_fields(scheduled)  # [S] each
         if not graphs.fits(num_seqs, int(starts.max()) + 1, int(self.table_rows.lens[rows].max())):
             return None
-        tables = self.table_rows.tables[rows]  # [S, M'] int32, zero-padded
-        skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
-        input_ids = np.fromiter((_input_token(item) for item in scheduled), np.int64, num_seqs)  # [S]
-        slots = _slot_mapping(tables, np.arange(num_seqs), starts, skips, block_size)  # [S]
-        self._send_mirror(moves, ("graph", input_ids, starts, slots, tables))
-        logits = graphs.run(input_ids, starts, slots, tables, timer, fill)  # [b, V] float32 (device)
-        return logits, list(range(num_seqs))
+        sample_positions = self._graph_sample_positions(scheduled, rows)
+        if self.mirror is not None:  # the other ranks replay the same bucket on a snapshot of the rows
+            self._send_mirror(moves, ("graph", input_ids, starts, writes, self.table_rows.tables[rows]))
+        if sample_positions is None:
+            logits = graphs.run(input_ids, starts, rows, writes, self.table_rows, timer, fill)  # [b, V] float32
+            return logits, list(range(num_seqs)), None
+        logits, samples = graphs.run_and_sample(input_ids, starts, rows, writes, self.table_rows, sample_positions,
+                                                self.sampling_rows, timer, fill)
+        return logits, list(range(num_seqs)), samples
+
+    def _graph_sample_positions(self, scheduled, rows: np.ndarray) -> np.ndarray | None:
+        """[S] output positions to sample in the decode graph, or None when some row needs the eager
+        sampler (penalties, logprobs, constraints, a min_tokens ban, a fork, prompt logprobs). Rows are
+        repacked in `sampling_rows` only when their sequence changed."""
+        if self.sampling_rows is None:
+            return None
+        num_seqs = len(scheduled)
+        if any(item.num_samples != 1 or item.prompt_logprobs is not None for item in scheduled):
+            return None
+        seq_ids = np.fromiter((item.seq.seq_id for item in scheduled), np.int64, num_seqs)  # [S]
+
+        def describe(i: int):
+            seq = scheduled[i].seq
+            return seq.group.params, seq.sampling_seed, seq.group.beam is not None
+
+        self.sampling_rows.update(rows, seq_ids, describe)
+        sample_positions = np.fromiter((item.sample_position for item in scheduled), np.int64, num_seqs)  # [S]
+        return sample_positions if self.sampling_rows.graph_ready(rows, sample_positions) else None
 
     # ----------------------------------------------------------------- tensor parallel
     def _send_mirror(self, moves, forward) -> None:
@@ -190,9 +201,10 @@ class ModelRunner:
             return
         kind, *args = forward
         if kind == "graph":
-            self.decode_graphs.run(*args)
+            input_ids, positions, writes, tables = args
+            self.decode_graphs.run(input_ids, positions, np.arange(len(input_ids)), writes, SnapshotRows(tables))
             return
-        batch = self._unpack(*args)
+        batch = unpack_eager(*args, self._upload)
         self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_indices)
 
     # ----------------------------------------------------------------- block moves
@@ -220,49 +232,9 @@ class ModelRunner:
                                          np.asarray(dst_ids, dtype=np.int64))
 
     # ----------------------------------------------------------------- inputs
-    def _prepare(self, scheduled, rows: np.ndarray) -> _Batch:
-        return self._unpack(*self._pack(scheduled, rows))
-
-    def _pack(self, scheduled, rows: np.ndarray) -> tuple[np.ndarray, tuple]:
-        """The step's index arrays packed into one int32 host array, and its layout (part sizes, block
-        table shape, max query and context lengths, logits offsets) for `_unpack`.
-        Per-sequence Python is limited to reading each item's fields once; the rest is numpy.
-        rows [S]: the sequences' rows in `table_rows` (synced for this step)."""
-        block_size, num_seqs = self.block_size, len(scheduled)
-        starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
-        query_lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, num_seqs)  # [S]
-        skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
-        context_lens = starts + query_lens  # [S]
-        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])  # [S + 1]
-        num_tokens = int(query_start_loc[-1])
-        width = int(self.table_rows.lens[rows].max())
-        block_tables = self.table_rows.tables[rows, :width].astype(np.int64)  # [S, M] zero-padded
-        input_ids = np.fromiter(itertools.chain.from_iterable(map(_input_tokens, scheduled)),
-                                np.int64, num_tokens)  # [T] (0 where the token is pending)
-        logits_rows, offsets = _logits_rows(scheduled, query_start_loc)
-        owner = np.repeat(np.arange(num_seqs), query_lens)  # [T] sequence of each token
-        positions = np.arange(num_tokens) - query_start_loc[owner] + starts[owner]  # [T]
-        slots = _slot_mapping(block_tables, owner, positions, skips[owner], block_size)  # [T]
-        parts = [input_ids, positions, slots, context_lens, query_start_loc, logits_rows, block_tables.ravel()]
-        layout = (tuple(part.size for part in parts), block_tables.shape, int(query_lens.max()),
-                  int(context_lens.max()), offsets)
-        return np.concatenate(parts).astype(np.int32), layout  # [sum of part sizes] int32
-
-    def _unpack(self, host_packed: np.ndarray, layout: tuple) -> _Batch:
-        """Upload a `_pack`ed step once and slice its views."""
-        sizes, table_shape, max_query_len, max_context_len, offsets = layout
-        packed = self._upload(host_packed)  # [sum of part sizes] int32 (device)
-        views, at = [], 0
-        for size in sizes:
-            views.append(packed[at:at + size])
-            at += size
-        ids, pos, slot_mapping, ctx, qsl, logits_indices, tables = views
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping, block_tables=tables.reshape(table_shape),
-            context_lens=ctx, query_start_loc=qsl,
-            max_query_len=max_query_len, max_context_len=max_context_len,
-        )
-        return _Batch(ids, pos, meta, logits_indices, offsets)
+    def _prepare(self, scheduled, rows: np.ndarray) -> EagerBatch:
+        """The eager step's device inputs (step_inputs.eager_batch). rows [S]: rows in `table_rows`."""
+        return eager_batch(scheduled, self.table_rows, rows, self._upload)
 
     # ----------------------------------------------------------------- outputs
     def _launch_sampling(self, output, logits, offsets: list[int], timer, used_graph: bool) -> LaunchedStep:
@@ -288,53 +260,6 @@ class ModelRunner:
             samples = ReadySamples(self.sampler.sample(logits[rows], requests))
         prompt = [_prompt_logprobs(item, logits, offsets[i], self.backend.to_host) for i, item in enumerate(scheduled)]
         return LaunchedStep(output, samples, sample_index, owners, prompt, timer, used_graph)
-
-
-def _slot_mapping(block_tables: np.ndarray, owner: np.ndarray, positions: np.ndarray,
-                  skip_below: np.ndarray, block_size: int) -> np.ndarray:
-    """[T] KV slot of each token: block `positions // B` of its sequence's row `owner` in block_tables,
-    offset `positions % B`; -1 below `skip_below` (cached K/V recomputed for scores only: not rewritten)."""
-    slots = block_tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    slots[positions < skip_below] = -1
-    return slots
-
-
-def _input_token(item) -> int:
-    """A decode row's input token; 0 when it is still pending (filled on the device)."""
-    ids = item.seq.token_ids
-    return ids[item.start] if item.start < len(ids) else 0
-
-
-def _input_tokens(item) -> list[int]:
-    """A chunk's input tokens; zeros for pending ones (filled on the device)."""
-    ids = item.seq.token_ids[item.start:item.start + item.num_new_tokens]
-    missing = item.num_new_tokens - len(ids)
-    return ids + [0] * missing if missing else ids
-
-
-def _pending_inputs(scheduled, previous: LaunchedStep | None, upload):
-    """None when every input token is known; else a function that writes the pending ones into a step's
-    device input ids [T] (or [b] for a graph bucket), gathered from `previous`'s sampled ids."""
-    token_index, dst, src = 0, [], []
-    for item in scheduled:
-        known = len(item.seq.token_ids)
-        for position in range(max(item.start, known), item.start + item.num_new_tokens):
-            if position != known or previous is None or item.seq.seq_id not in previous.sample_index:
-                raise RuntimeError(f"sequence {item.seq.seq_id}: input token at {position} is pending "
-                                   "but no launched step samples it")
-            dst.append(token_index + position - item.start)
-            src.append(previous.sample_index[item.seq.seq_id])
-        token_index += item.num_new_tokens
-    if not dst:
-        return None
-    indices = upload(np.asarray(dst + src, dtype=np.int32))  # [2n] int32 (device)
-    dst_ids, src_ids = indices[:len(dst)], indices[len(dst):]
-    sampled = previous.samples.token_ids  # [R] int32 (device)
-
-    def fill(input_ids) -> None:
-        input_ids[dst_ids] = sampled[src_ids]
-
-    return fill
 
 
 def _sampling_requests(item) -> list[SamplingRequest]:
@@ -387,24 +312,6 @@ def _prompt_logprobs(item, logits, offset: int, to_host) -> list[dict[int, float
     return [top_logprobs(row, item.prompt_logprobs, chosen=t) for row, t in zip(scores, targets)]
 
 
-def _logits_rows(scheduled, query_start_loc: np.ndarray) -> tuple[np.ndarray, list[int]]:
-    """([K] rows of T whose logits are needed, each sequence's first row among them). A sampled
-    sequence needs its last row; one asking for prompt log-probabilities needs all its rows."""
-    if all(item.prompt_logprobs is None for item in scheduled):
-        sampled = np.fromiter((item.num_samples > 0 for item in scheduled), bool, len(scheduled))  # [S]
-        counts = np.cumsum(sampled)  # [S]
-        return query_start_loc[1:][sampled] - 1, (counts - sampled).tolist()
-    rows, offsets = [], []
-    for i, item in enumerate(scheduled):
-        first_row, last_row = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        offsets.append(len(rows))
-        if item.prompt_logprobs is not None:
-            rows += range(first_row, last_row)
-        elif item.num_samples:
-            rows.append(last_row - 1)
-    return np.asarray(rows, dtype=np.int64), offsets
-
-
 def _split_pairs(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
     return [a for a, _ in pairs], [b for _, b in pairs]
 
@@ -415,7 +322,7 @@ def profile_step_memory(model, backend, num_tokens: int, num_seqs: int, block_si
 
     Runs one dummy prefill of `num_tokens` tokens spread over `num_seqs` sequences (the token and
     sequence budgets of a step) against a scratch KV cache just big enough for it, then samples every
-    sequence's last row on the device with top-p (the sampler's sorting path, its largest). CuPy's pool
+    sequence's last row on the device with top-p (top_cut and the race over an [S, V] float64 copy). CuPy's pool
     keeps freed blocks, so its growth over the step plus the free bytes it held at the start (which the
     step may have reused) bounds the step's high-water mark from above. The pool is emptied first, but
     free_all_blocks keeps split blocks, so in a process that ran other work the bound is loose (safe).
@@ -425,29 +332,19 @@ def profile_step_memory(model, backend, num_tokens: int, num_seqs: int, block_si
     from offline_paged.sampling_params import SamplingParams
 
     xp = backend.xp
-    num_seqs = max(1, min(num_seqs, num_tokens))
-    lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)  # [S]
-    lens[:num_tokens % num_seqs] += 1
-    blocks_per_seq = -(-lens // block_size)  # [S]
-    tables = np.zeros((num_seqs, int(blocks_per_seq.max())), dtype=np.int64)  # [S, M]
-    firsts = np.concatenate([[0], np.cumsum(blocks_per_seq)[:-1]])  # [S]
-    for i in range(num_seqs):
-        tables[i, :blocks_per_seq[i]] = firsts[i] + np.arange(blocks_per_seq[i])
-    owner = np.repeat(np.arange(num_seqs), lens)  # [T]
-    query_start_loc = np.concatenate([[0], np.cumsum(lens)])  # [S + 1]
-    positions = np.arange(num_tokens) - query_start_loc[owner]  # [T]
-    slots = tables[owner, positions // block_size] * block_size + positions % block_size  # [T]
+    step = synthetic_prefill(num_tokens, num_seqs, block_size)
+    lens, num_seqs = step["lens"], step["lens"].size
     pool = xp.get_default_memory_pool()
     xp.cuda.Device().synchronize()
     pool.free_all_blocks()
-    kv_cache = model.allocate_kv_cache(int(blocks_per_seq.sum()), block_size)  # [L, 2, N, B, Hkv, D]
+    kv_cache = model.allocate_kv_cache(step["num_blocks"], block_size)  # [L, 2, N, B, Hkv, D]
     meta = AttentionMetadata(
-        slot_mapping=backend.int32(slots), block_tables=backend.int32(tables),
-        context_lens=backend.int32(lens), query_start_loc=backend.int32(query_start_loc),
+        slot_mapping=backend.int32(step["slots"]), block_tables=backend.int32(step["tables"]),
+        context_lens=backend.int32(lens), query_start_loc=backend.int32(step["query_start_loc"]),
         max_query_len=int(lens.max()), max_context_len=int(lens.max()))
     before, reusable = pool.total_bytes(), pool.free_bytes()
-    logits = model.forward(backend.int32(np.zeros(num_tokens)), backend.int32(positions), kv_cache, meta,
-                           backend.int32(query_start_loc[1:] - 1))  # [S, V] float32
+    logits = model.forward(backend.int32(np.zeros(num_tokens)), backend.int32(step["positions"]), kv_cache, meta,
+                           backend.int32(step["query_start_loc"][1:] - 1))  # [S, V] float32
     params = SamplingParams(temperature=1.0, top_p=0.9)
     requests = [SamplingRequest(params, i, 0, (0,), ()) for i in range(num_seqs)]
     GpuSampler(eos_token_ids).sample(logits, list(range(num_seqs)), requests)

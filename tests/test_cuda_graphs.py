@@ -10,10 +10,12 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from test_cuda_ops import QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
+from graph_rows import StepRows  # noqa: E402
 from test_gpu_engine import engine, prompts, random_model  # noqa: E402
 from tiny_engine import run_to_completion  # noqa: E402
 
 from offline_paged.cuda.graphs import CublasGemm  # noqa: E402
+from offline_paged.cuda import step_inputs_launcher  # noqa: E402
 from offline_paged.cuda.ops_cuda import CudaOps  # noqa: E402
 from offline_paged.cuda_graph_runner import DecodeGraphs  # noqa: E402
 from offline_paged.models.attention import AttentionMetadata  # noqa: E402
@@ -109,25 +111,62 @@ def test_graph_decode_matches_eager_across_buckets_with_padding_rows(shape):
     kv_cache[...] = cupy.asarray(rng.standard_normal(kv_cache.shape).astype(np.float16))  # a "cached" past
     graphs = DecodeGraphs(model, kv_cache, block_size, max_model_len=1024)
     free_blocks = rng.permutation(1024).tolist()
+    step_rows = StepRows(block_size, max_blocks=64)
     # 3 -> bucket 4 (one pad row), 4 -> bucket 4 again (its graph replayed on new inputs), 13 -> 16 (three).
+    # The block tables reach the graph through the device mirror of the persistent rows (grown on the way).
     for num_seqs in (3, 4, 13):
         ids, positions, slots, tables = decode_inputs(rng, num_seqs, free_blocks, block_size)
+        writes = np.ones(num_seqs, dtype=bool)
+        writes[1] = False  # a recomputed cached token: its K/V is not rewritten
+        slots = np.where(writes, slots, -1)
+        rows = step_rows.step(tables, positions)
         before = kv_cache.get()
         kv_eager = kv_cache.copy()
         eager = eager_decode(model, kv_eager, ids, positions, slots, tables)  # [S, V]
-        replayed = graphs.run(ids, positions, slots, tables)[:num_seqs].get()  # [S, V]
+        replayed = graphs.run(ids, positions, rows, writes, step_rows.table_rows)[:num_seqs].get()  # [S, V]
         assert rel_error(replayed, eager) < 1e-2
         assert (replayed.argmax(-1) == eager.argmax(-1)).mean() >= 0.9
         after, after_eager = kv_cache.get(), kv_eager.get()
         flat = lambda a: a.reshape(a.shape[0], 2, -1, *a.shape[4:])  # noqa: E731  [L, 2, N*B, Hkv, D]
         written = np.zeros(1024 * block_size, dtype=bool)
-        written[slots] = True
+        written[slots[slots >= 0]] = True
         # Slots nobody wrote are bit-identical (padding rows write nothing); written ones match eager.
         assert np.array_equal(flat(after)[:, :, ~written], flat(before)[:, :, ~written])
         assert rel_error(flat(after)[:, :, written], flat(after_eager)[:, :, written]) < 1e-2
         assert not np.array_equal(flat(after)[:, :, written], flat(before)[:, :, written])
     assert graphs.captured_sizes == (4, 16)
     assert graphs.num_replays == 3
+
+
+def test_decode_inputs_kernel_matches_numpy():
+    """Slot mapping, context lens, query_start_loc and bucket tables from persistent rows, with padding
+    slots, a no-write slot, rows wider and narrower than the bucket, and scattered table changes."""
+    rng = np.random.default_rng(4)
+    block_size, num_rows, row_width, width, b = 16, 9, 12, 10, 8
+    row_tables = rng.integers(0, 5000, (num_rows, row_width)).astype(np.int32)  # [R, Mr]
+    changes = np.array([[2, 0, 77], [5, 3, 88], [2, 1, 99]], dtype=np.int32)  # (row, column, block)
+    device_rows = cupy.asarray(row_tables)
+    step_inputs_launcher.scatter_table_entries(cupy.asarray(changes), device_rows)
+    row_tables[changes[:, 0], changes[:, 1]] = changes[:, 2]
+    np.testing.assert_array_equal(device_rows.get(), row_tables)
+    slot_rows = np.array([2, 5, 0, 8, 3, -1, -1, -1], dtype=np.int32)  # [b]
+    positions = np.array([17, 50, 0, 159, 31, 0, 0, 0], dtype=np.int32)  # [b]
+    writes = np.array([1, 0, 1, 1, 1, 0, 0, 0], dtype=np.int32)  # [b]
+    outs = [cupy.full(n, -7, dtype=cupy.int32) for n in (b, b, b + 1)] + [cupy.full((b, width), -7, dtype=cupy.int32)]
+    step_inputs_launcher.decode_inputs(cupy.asarray(slot_rows), cupy.asarray(positions), cupy.asarray(writes),
+                                       device_rows, *outs, block_size)
+    slots, ctx, qsl, tables = (o.get() for o in outs)
+    real = slot_rows >= 0
+    blocks = row_tables[slot_rows[real], positions[real] // block_size]
+    expected_slots = np.full(b, -1)
+    expected_slots[real] = np.where(writes[real] == 1, blocks * block_size + positions[real] % block_size, -1)
+    np.testing.assert_array_equal(slots, expected_slots)
+    np.testing.assert_array_equal(ctx, positions + 1)
+    np.testing.assert_array_equal(qsl, np.arange(b + 1))
+    for i in range(b):
+        used = min(int(positions[i]) // block_size + 1, width) if real[i] else 0
+        np.testing.assert_array_equal(tables[i, :used], row_tables[slot_rows[i], :used])
+        assert not tables[i, used:].any()
 
 
 def test_engine_with_cuda_graphs_matches_engine_without():
