@@ -45,7 +45,9 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "float64"]), default=None)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16", "float64"]), default="auto",
+              show_default=True, help="auto: float32 on the CPU; on CUDA the checkpoint's torch_dtype "
+                                      "(bfloat16 or float16; float32 checkpoints run in float16).")
 @click.option("--kv-layout", "kv_layouts", type=click.Choice(["paged", "contiguous"]), multiple=True,
               help="Repeat to compare (default: paged). contiguous reserves max_model_len per sequence.")
 @click.option("--block-size", "block_sizes", type=click.IntRange(min=1), multiple=True,
@@ -60,7 +62,7 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True)
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="Replay decode-only steps from CUDA graphs (CUDA, float16).")
+              help="Replay decode-only steps from CUDA graphs (CUDA).")
 @click.option("--async-scheduling/--sync-scheduling", "async_scheduling", default=None,
               help="Overlap scheduling with the device step (default: on for CUDA, off on the CPU).")
 @click.option("--data-parallel-size", type=int, default=1, show_default=True,
@@ -80,10 +82,11 @@ def bench(**options: Any) -> None:
     if options["data_parallel_size"] != 1:
         _bench_data_parallel(options)
         return
-    from offline_paged.backend import select_backend
+    from offline_paged.backend import checkpoint_dtype, select_backend
     from offline_paged.bench import random_workload
 
-    backend = select_backend(options["device"], options["dtype"])
+    backend = select_backend(options["device"], options["dtype"], checkpoint_dtype(options["model"]),
+                             f"{options['model']}/config.json")
     loaded = _load(options, backend)
     if options["workload"] == "random":
         requests = random_workload(options["num_requests"], options["input_len"], options["output_len"],
@@ -183,7 +186,7 @@ def _bench_data_parallel(options: dict) -> None:
             for size in sizes:
                 results.append(_run_data_parallel(options, device, tokenizer, requests, layout,
                                                   block_size, size))
-    _emit(options, results, _NamedBackend(device, options["dtype"]))
+    _emit(options, results, _NamedBackend(device, options["dtype"], options["model"]))
 
 
 def _run_data_parallel(options: dict, device: str, tokenizer, requests, layout: str, block_size: int,
@@ -254,11 +257,15 @@ def _workload(options: dict, vocab_size: int, tokenizer):
 class _NamedBackend:
     """What the report needs to know of a backend the coordinator never built (no CUDA here)."""
 
-    def __init__(self, device: str, dtype: str | None) -> None:
+    def __init__(self, device: str, dtype: str | None, model: str | None = None) -> None:
         from types import SimpleNamespace
 
         self.name = device
-        self.dtype = SimpleNamespace(name=dtype or ("float16" if device == "cuda" else "float32"))
+        if device in ("cpu", "cuda"):
+            from offline_paged.backend import checkpoint_dtype, resolve_dtype
+
+            dtype = resolve_dtype(device, dtype, checkpoint_dtype(model))
+        self.dtype = SimpleNamespace(name=dtype or "auto")
         self.xp = None
 
 

@@ -12,7 +12,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from offline_paged.backend import select_backend
+from offline_paged.backend import checkpoint_dtype, select_backend
 from offline_paged.beam_search import BeamState, runner_top_k
 from offline_paged.block_manager import BlockManager
 from offline_paged.config import EngineConfig
@@ -52,7 +52,9 @@ class LLMEngine:
 
             loaded_model = load_model(config.model)
         self.config = config
-        self.backend = select_backend(config.device, config.dtype)
+        source = getattr(loaded_model, "source", None)  # dtype="auto" reads its config.json's torch_dtype
+        self.backend = select_backend(config.device, config.dtype, checkpoint_dtype(source),
+                                      f"{source}/config.json")
         self.model_config = loaded_model.config
         self._tokenizer = loaded_model.tokenizer
         # RoPE for the profiling step only (its positions stay below the token budget); rebuilt for
