@@ -45,9 +45,10 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16", "float64"]), default="auto",
-              show_default=True, help="auto: float32 on the CPU; on CUDA the checkpoint's torch_dtype "
-                                      "(bfloat16 or float16; float32 checkpoints run in float16).")
+@click.option("--dtype", "dtypes", type=click.Choice(["auto", "float32", "float16", "bfloat16", "float64"]),
+              multiple=True, help="Repeat to compare, e.g. --dtype float16 --dtype bfloat16 (default: auto: "
+                                  "float32 on the CPU; on CUDA the checkpoint's torch_dtype, bfloat16 or "
+                                  "float16; float32 checkpoints and dummy weights run in float16).")
 @click.option("--kv-layout", "kv_layouts", type=click.Choice(["paged", "contiguous"]), multiple=True,
               help="Repeat to compare (default: paged). contiguous reserves max_model_len per sequence.")
 @click.option("--block-size", "block_sizes", type=click.IntRange(min=1), multiple=True,
@@ -79,32 +80,44 @@ def _size(ctx, param, value: str | None) -> int | None:
 def bench(**options: Any) -> None:
     """Measure generation throughput on a random or file workload."""
     _check_options(options)
+    dtypes = options.pop("dtypes") or ("auto",)
+    options["dtype"] = dtypes[0]
     if options["data_parallel_size"] != 1:
         _bench_data_parallel(options)
         return
     from offline_paged.backend import checkpoint_dtype, select_backend
     from offline_paged.bench import random_workload
 
-    backend = select_backend(options["device"], options["dtype"], checkpoint_dtype(options["model"]),
-                             f"{options['model']}/config.json")
-    loaded = _load(options, backend)
-    if options["workload"] == "random":
-        requests = random_workload(options["num_requests"], options["input_len"], options["output_len"],
-                                   loaded.config.vocab_size, options["seed"], options["temperature"])
-    else:
-        from offline_paged.bench import file_workload
-
+    results, backends, requests = [], [], None
+    for dtype in dtypes:  # one backend and one model copy per dtype, run after each other
         try:
-            requests = file_workload(options["input_file"], loaded.tokenizer)
-        except (ValueError, OSError) as exc:
-            raise click.UsageError(str(exc)) from None
-    results = _run_all(options, backend, loaded, requests)
-    _emit(options, results, backend)
+            backend = select_backend(options["device"], dtype, checkpoint_dtype(options["model"]),
+                                     f"{options['model']}/config.json")
+        except ValueError as exc:
+            raise click.UsageError(f"--dtype {dtype}: {exc}") from None
+        loaded = _load(options, backend)
+        if requests is None and options["workload"] == "random":
+            requests = random_workload(options["num_requests"], options["input_len"], options["output_len"],
+                                       loaded.config.vocab_size, options["seed"], options["temperature"])
+        elif requests is None:
+            from offline_paged.bench import file_workload
+
+            try:
+                requests = file_workload(options["input_file"], loaded.tokenizer)
+            except (ValueError, OSError) as exc:
+                raise click.UsageError(str(exc)) from None
+        tag = f" {backend.dtype.name}" if len(dtypes) > 1 else ""
+        results += _run_all(options | {"dtype": dtype}, backend, loaded, requests, tag)
+        backends.append(backend)
+        del loaded
+    _emit(options, results, backends[0], "/".join(b.dtype.name for b in backends))
 
 
 def _check_options(options: dict) -> None:
     if options["model"] and options["dummy_preset"]:
         raise click.UsageError("give --model or --dummy-weights, not both")
+    if len(options["dtypes"]) > 1 and options["data_parallel_size"] != 1:
+        raise click.UsageError("several --dtype values need --data-parallel-size 1 (one run per dtype)")
     if options["workload"] == "file" and not options["input_file"]:
         raise click.UsageError("--workload file needs --input-file JOB.jsonl")
     if options["workload"] == "random" and options["input_file"]:
@@ -142,7 +155,8 @@ def _load(options: dict, backend):
         raise CouldNotStart(f"cannot load the model: {exc}") from None
 
 
-def _run_all(options: dict, backend, loaded, requests) -> list:
+def _run_all(options: dict, backend, loaded, requests, tag: str = "") -> list:
+    """Every (layout, block size) run of one backend and model; `tag` is appended to each label."""
     from offline_paged.bench import max_total_len, measure_ceilings, release_device_memory, run_bench, warm_up
     from offline_paged.engine import LLMEngine
 
@@ -160,7 +174,7 @@ def _run_all(options: dict, backend, loaded, requests) -> list:
                 raise click.UsageError(str(exc)) from None
             if options["warmup"]:
                 warm_up(engine, loaded.config.vocab_size)
-            label = layout if len(block_sizes) == 1 else f"{layout} B={block_size}"
+            label = (layout if len(block_sizes) == 1 else f"{layout} B={block_size}") + tag
             print(f"running {label} ...", file=sys.stderr, flush=True)
             results.append(run_bench(engine, requests, label=label, kv_layout=layout, ceilings=ceilings))
             del engine
@@ -269,13 +283,13 @@ class _NamedBackend:
         self.xp = None
 
 
-def _emit(options: dict, results: list, backend) -> None:
+def _emit(options: dict, results: list, backend, dtype_names: str | None = None) -> None:
     from offline_paged.bench_report import format_report, plot_kv
 
     source = options["dummy_preset"] and f"dummy weights {options['dummy_preset']}" or options["model"] or "default model"
     if options["data_parallel_size"] != 1:
         source += f", data parallel {options['data_parallel_size']}"
-    header = (f"offline-paged bench: {source}, {backend.name} {backend.dtype.name}, workload "
+    header = (f"offline-paged bench: {source}, {backend.name} {dtype_names or backend.dtype.name}, workload "
               f"{options['workload']}" + (f" N={options['num_requests']} in={_span(options['input_len'])} "
                                           f"out={_span(options['output_len'])}" if options["workload"] == "random" else ""))
     if options["as_json"]:
