@@ -1,7 +1,8 @@
 // Paged causal grouped-query attention (decode, prefill, chunked prefill, mixed batches) on tensor cores.
 //
-// Element type T: every kernel exists for fp16 (__half, names ending _f16) and bf16 (__nv_bfloat16, _bf16);
-// the tensor-core products take T operands and accumulate in fp32 either way.
+// Element type T: every kernel exists for fp16 (__half, names ending _f16) and bf16 (bf16_t, _bf16: the
+// bits of a bfloat16, converted with PTX cvt so that no cuda_bf16.h is needed at run time); the
+// tensor-core products take T operands and accumulate in fp32 either way.
 //
 // Buffers (all contiguous, T unless said):
 //   q            [T, H, D]        query rows; sequence s owns rows query_start_loc[s] .. query_start_loc[s+1]-1
@@ -33,8 +34,13 @@
 // With a window, a tile's key range starts at the window start of its first row: splits count from
 // there (rounded down to a multiple of 64), and a warp starts at the 16-key chunk that holds it, so no
 // key block wholly before the window is read (those blocks may already be freed).
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+// A bfloat16 as its 16 bits. NVRTC may not find a cuda_bf16.h matching the cuda_fp16.h CuPy bundles, so
+// the few conversions needed are PTX instructions of sm_80+ (what mma.sync needs anyway).
+struct __align__(2) bf16_t {
+  unsigned short bits;
+};
 
 namespace {
 
@@ -62,7 +68,7 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], unsigned a0, uns
 }
 
 template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], unsigned a0, unsigned a1, unsigned a2,
+__device__ __forceinline__ void mma16816<bf16_t>(float (&c)[4], unsigned a0, unsigned a1, unsigned a2,
                                                         unsigned a3, unsigned b0, unsigned b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -91,13 +97,18 @@ __device__ __forceinline__ unsigned pack_float2<__half>(float lo, float hi) {
 }
 
 template <>
-__device__ __forceinline__ unsigned pack_float2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<unsigned*>(&h);
+__device__ __forceinline__ unsigned pack_float2<bf16_t>(float lo, float hi) {
+  unsigned packed;  // cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  return packed;
 }
 
 __device__ __forceinline__ void store_float(__half* p, float x) { *p = __float2half(x); }
-__device__ __forceinline__ void store_float(__nv_bfloat16* p, float x) { *p = __float2bfloat16(x); }
+__device__ __forceinline__ void store_float(bf16_t* p, float x) {
+  unsigned short bits;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(x));
+  p->bits = bits;
+}
 
 template <typename T>
 __device__ __forceinline__ uint4 load16(const T* p) { return *reinterpret_cast<const uint4*>(p); }
@@ -426,7 +437,7 @@ __device__ void attention_impl(const Params<T>& P) {
   DEFINE_ATTENTION(128, keysplit, false, T, SUFFIX) \
   DEFINE_ATTENTION(128, rowsplit, true, T, SUFFIX)
 DEFINE_ATTENTION_ALL(__half, f16)
-DEFINE_ATTENTION_ALL(__nv_bfloat16, bf16)
+DEFINE_ATTENTION_ALL(bf16_t, bf16)
 
 // merge_partials: out[t, h, :] = sum_s w_s O_s / sum_s w_s l_s with w_s = 2^(m_s - max_s m_s).
 // Grid: one CTA of D threads per (token, head) row; thread = d. Rows of no sequence (padding tokens past
@@ -457,4 +468,4 @@ __device__ void merge_partials_impl(const float* partial_o, const float* partial
     merge_partials_impl<T>(partial_o, partial_ml, out, num_splits, num_rows, D);                         \
   }
 DEFINE_MERGE(__half, f16)
-DEFINE_MERGE(__nv_bfloat16, bf16)
+DEFINE_MERGE(bf16_t, bf16)

@@ -1,6 +1,7 @@
 // The elementwise parts of a decoder layer: fused RMSNorm (+ residual add), RoPE, SiLU * mul.
-// Element type T: every kernel exists for fp16 (__half, names ending _f16) and bf16 (__nv_bfloat16,
-// _bf16). T in and out, fp32 arithmetic inside, each output rounded to T once.
+// Element type T: every kernel exists for fp16 (__half, names ending _f16) and bf16 (bf16_t, _bf16: the
+// bits of a bfloat16, converted with PTX cvt, no cuda_bf16.h needed). T in and out, fp32 arithmetic
+// inside, each output rounded to T once (round to nearest even).
 //
 // rms_norm_{f16,bf16}
 //   x, residual  [T, E] T contiguous (residual may be null); weight [E] T
@@ -17,13 +18,17 @@
 // silu_mul_{f16,bf16}
 //   gate_up [T, 2I] T contiguous (gate = first I columns, up = last I); out [T, I] T
 //   Grid-stride loop over the T*I outputs, one per thread.
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+// A bfloat16 as its 16 bits (see attention.cu: NVRTC may lack a matching cuda_bf16.h).
+struct __align__(2) bf16_t {
+  unsigned short bits;
+};
 
 namespace {
 
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(bf16_t x) { return __uint_as_float((unsigned)x.bits << 16); }
 __device__ __forceinline__ float to_float(float x) { return x; }
 
 template <typename T>
@@ -31,7 +36,19 @@ __device__ __forceinline__ T from_float(float x);
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+__device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
+  bf16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r.bits) : "f"(x));
+  return r;
+}
+
+// a + b rounded once to the type. For bf16 the fp32 sum is exact whenever it can matter: two 8-bit
+// significands whose exponents differ by < 16 fit in fp32's 24 bits, and a smaller addend is below
+// 1/256 ulp of the larger, which both roundings then return.
+__device__ __forceinline__ __half add_rounded(__half a, __half b) { return __hadd(a, b); }
+__device__ __forceinline__ bf16_t add_rounded(bf16_t a, bf16_t b) {
+  return from_float<bf16_t>(to_float(a) + to_float(b));
+}
 
 template <typename T>
 __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T* out, T* residual_out,
@@ -41,7 +58,7 @@ __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T*
   float sum = 0.f;
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
     T h = x[row + i];
-    if (residual != nullptr) h = __hadd(h, residual[row + i]);  // the exact sum rounded once to T
+    if (residual != nullptr) h = add_rounded(h, residual[row + i]);  // the exact sum rounded once to T
     residual_out[row + i] = h;
     const float f = to_float(h);
     sum += f * f;
@@ -117,4 +134,4 @@ __device__ void silu_mul_impl(const T* gate_up, T* out, long long num_tokens, in
     silu_mul_impl<T>(gate_up, out, num_tokens, inter);                                                      \
   }
 DEFINE_LAYER_KERNELS(__half, f16)
-DEFINE_LAYER_KERNELS(__nv_bfloat16, bf16)
+DEFINE_LAYER_KERNELS(bf16_t, bf16)
