@@ -160,6 +160,15 @@ def test_long_context_decode_32k(head_dim, group, dtype):
     assert_close(out, ref, TOL[dtype])
 
 
+def spare_block(case) -> int:
+    """The one pool block no sequence's table uses (make_paged_case with spare_blocks=1): all NaN."""
+    _, k_cache, _, tables, ctx, _ = case
+    used = {int(b) for s, c in enumerate(ctx.tolist()) for b in tables[s, :-(-c // k_cache.shape[1])]}
+    (spare,) = set(range(k_cache.shape[0])) - used
+    assert np.isnan(k_cache[spare].astype(np.float32)).all()
+    return spare
+
+
 def free_blocks_before_windows(case, window, poisoned_block):
     """Point every block-table entry wholly before sequence s's first query's window at
     `poisoned_block` (all NaN): a sliding-window engine may have freed those blocks already, so a kernel
@@ -194,8 +203,7 @@ def test_sliding_window_decode_matches_reference(block_size, window, contexts, h
     rng = np.random.default_rng(hash((block_size, window, head_dim, group)) % 2**32)
     case = make_paged_case(rng, [(1, c) for c in contexts], block_size, 2, head_dim, group, spare_blocks=1,
                            dtype=dtype)
-    poisoned = case[1].shape[0] - 1  # the spare block: never written, all NaN
-    replaced = free_blocks_before_windows(case, window, poisoned)
+    replaced = free_blocks_before_windows(case, window, spare_block(case))
     assert replaced > 0 or max(contexts) <= window
     out, ref = run_attention(case, num_splits=num_splits, window=window)
     assert_close(out, ref, TOL[dtype])
@@ -212,7 +220,7 @@ def test_sliding_window_prefill_and_chunks_in_mixed_batches(head_dim, group, blo
     rng = np.random.default_rng(block_size * 1000 + window + group)
     seqs = [(150, 150), (1, 300), (16, 16), (40, 233), (1, 1), (70, 70), (5, block_size * 9 + 1), (200, 260)]
     case = make_paged_case(rng, seqs, block_size, 2, head_dim, group, spare_blocks=1, dtype=dtype)
-    free_blocks_before_windows(case, window, case[1].shape[0] - 1)
+    free_blocks_before_windows(case, window, spare_block(case))
     for num_splits in (None, 1, 2, 5):
         out, ref = run_attention(case, num_splits=num_splits, window=window)
         assert_close(out, ref, TOL[dtype])
