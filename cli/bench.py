@@ -89,13 +89,16 @@ def bench(**options: Any) -> None:
     from offline_paged.bench import random_workload
 
     results, backends, requests = [], [], None
-    for dtype in dtypes:  # one backend and one model copy per dtype, run after each other
+    # A checkpoint is read once (dtype "auto" follows its config.json); dummy weights are drawn per
+    # dtype, on the device, in that dtype.
+    checkpoint = None if options["dummy_preset"] else _load(options, None)
+    for dtype in dtypes:  # one backend per dtype, run after each other
+        source = getattr(checkpoint, "source", None)
         try:
-            backend = select_backend(options["device"], dtype, checkpoint_dtype(options["model"]),
-                                     f"{options['model']}/config.json")
+            backend = select_backend(options["device"], dtype, checkpoint_dtype(source), f"{source}/config.json")
         except ValueError as exc:
             raise click.UsageError(f"--dtype {dtype}: {exc}") from None
-        loaded = _load(options, backend)
+        loaded = checkpoint or _load(options, backend)
         if requests is None and options["workload"] == "random":
             requests = random_workload(options["num_requests"], options["input_len"], options["output_len"],
                                        loaded.config.vocab_size, options["seed"], options["temperature"])
