@@ -17,7 +17,7 @@ from offline_paged.models.attention import paged_attention_reference, write_kv_r
 from offline_paged.models.ops_numpy import NumpyOps
 
 cupy = pytest.importorskip("cupy")
-ml_dtypes = pytest.importorskip("ml_dtypes")
+import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, not skip)
 pytestmark = pytest.mark.gpu
 
 from offline_paged.cuda import launchers  # noqa: E402  (needs cupy)

@@ -12,7 +12,7 @@ from offline_paged.models.simple_runner import SimpleRunner, build_metadata
 from offline_paged.models.weight_spec import expected_weight_shapes
 
 cupy = pytest.importorskip("cupy")
-ml_dtypes = pytest.importorskip("ml_dtypes")
+import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, not skip)
 pytestmark = pytest.mark.gpu
 
 from test_cuda_kernels import windowed_attention_reference  # noqa: E402
