@@ -45,7 +45,10 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "float64"]), default=None)
+@click.option("--dtype", "dtypes", type=click.Choice(["auto", "float32", "float16", "bfloat16", "float64"]),
+              multiple=True, help="Repeat to compare, e.g. --dtype float16 --dtype bfloat16 (default: auto: "
+                                  "float32 on the CPU; on CUDA the checkpoint's torch_dtype, bfloat16 or "
+                                  "float16; float32 checkpoints and dummy weights run in float16).")
 @click.option("--kv-layout", "kv_layouts", type=click.Choice(["paged", "contiguous"]), multiple=True,
               help="Repeat to compare (default: paged). contiguous reserves max_model_len per sequence.")
 @click.option("--block-size", "block_sizes", type=click.IntRange(min=1), multiple=True,
@@ -60,7 +63,7 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True)
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="Replay decode-only steps from CUDA graphs (CUDA, float16).")
+              help="Replay decode-only steps from CUDA graphs (CUDA).")
 @click.option("--async-scheduling/--sync-scheduling", "async_scheduling", default=None,
               help="Overlap scheduling with the device step (default: on for CUDA, off on the CPU).")
 @click.option("--data-parallel-size", type=int, default=1, show_default=True,
@@ -80,37 +83,51 @@ def _size(ctx, param, value: str | None) -> int | None:
 def bench(**options: Any) -> None:
     """Measure generation throughput on a random or file workload."""
     _check_options(options)
+    dtypes = options.pop("dtypes") or ("auto",)
+    options["dtype"] = dtypes[0]
     if options["data_parallel_size"] != 1:
         _bench_data_parallel(options)
         return
-    from offline_paged.backend import select_backend
+    from offline_paged.backend import checkpoint_dtype, select_backend
     from offline_paged.bench import random_workload
 
-    backend = select_backend(options["device"], options["dtype"])
+    results, backends, requests = [], [], None
     tensor_parallel_size = options["tensor_parallel_size"]
-    if tensor_parallel_size == 1:
-        loaded = _load(options, backend)
-        vocab_size, tokenizer = loaded.config.vocab_size, loaded.tokenizer
-    else:
-        vocab_size, tokenizer = _vocab_and_tokenizer(options)
-    if options["workload"] == "random":
-        requests = random_workload(options["num_requests"], options["input_len"], options["output_len"],
-                                   vocab_size, options["seed"], options["temperature"])
-    else:
-        from offline_paged.bench import file_workload
-
+    # A checkpoint is read once (dtype "auto" follows its config.json); dummy weights are drawn per
+    # dtype, on the device, in that dtype. Under tensor parallel each rank loads its own shard.
+    whole = tensor_parallel_size == 1
+    checkpoint = None if options["dummy_preset"] or not whole else _load(options, None)
+    for dtype in dtypes:  # one backend per dtype, run after each other
+        source = getattr(checkpoint, "source", None) or options["model"]
         try:
-            requests = file_workload(options["input_file"], tokenizer)
-        except (ValueError, OSError) as exc:
-            raise click.UsageError(str(exc)) from None
-    if tensor_parallel_size == 1:
-        results = _run_all(options, backend, loaded, requests)
-    else:
-        results = _bench_tensor_parallel(options, backend, requests)
-    _emit(options, results, backend)
+            backend = select_backend(options["device"], dtype, checkpoint_dtype(source), f"{source}/config.json")
+        except ValueError as exc:
+            raise click.UsageError(f"--dtype {dtype}: {exc}") from None
+        loaded = (checkpoint or _load(options, backend)) if whole else None
+        if requests is None:
+            vocab_size, tokenizer = ((loaded.config.vocab_size, loaded.tokenizer) if whole
+                                     else _vocab_and_tokenizer(options))
+            if options["workload"] == "random":
+                requests = random_workload(options["num_requests"], options["input_len"], options["output_len"],
+                                           vocab_size, options["seed"], options["temperature"])
+            else:
+                from offline_paged.bench import file_workload
+
+                try:
+                    requests = file_workload(options["input_file"], tokenizer)
+                except (ValueError, OSError) as exc:
+                    raise click.UsageError(str(exc)) from None
+        tag = f" {backend.dtype.name}" if len(dtypes) > 1 else ""
+        if whole:
+            results += _run_all(options | {"dtype": dtype}, backend, loaded, requests, tag=tag)
+        else:
+            results += _bench_tensor_parallel(options | {"dtype": dtype}, backend, requests, tag)
+        backends.append(backend)
+        del loaded
+    _emit(options, results, backends[0], "/".join(b.dtype.name for b in backends))
 
 
-def _bench_tensor_parallel(options: dict, backend, requests) -> list:
+def _bench_tensor_parallel(options: dict, backend, requests, tag: str = "") -> list:
     """The workload at TP=1 first (with --compare-single), then at TP=N; each rank loads its own
     shard (dummy weights are drawn per shard on its GPU, so a 70B shape never exists whole)."""
     from offline_paged.bench import release_device_memory
@@ -119,18 +136,20 @@ def _bench_tensor_parallel(options: dict, backend, requests) -> list:
     results = []
     if options["compare_single"]:
         loaded = _load(options, backend)
-        results += _run_all(options, backend, loaded, requests, tensor_parallel_size=1)
+        results += _run_all(options, backend, loaded, requests, tensor_parallel_size=1, tag=tag)
         del loaded
         release_device_memory(backend)
     size = options["tensor_parallel_size"]
     source = (DummySource(options["dummy_preset"], options["weights_seed"]) if options["dummy_preset"]
               else CheckpointSource(options["model"]))
-    return results + _run_all(options, backend, source, requests, tensor_parallel_size=size)
+    return results + _run_all(options, backend, source, requests, tensor_parallel_size=size, tag=tag)
 
 
 def _check_options(options: dict) -> None:
     if options["model"] and options["dummy_preset"]:
         raise click.UsageError("give --model or --dummy-weights, not both")
+    if len(options["dtypes"]) > 1 and options["data_parallel_size"] != 1:
+        raise click.UsageError("several --dtype values need --data-parallel-size 1 (one run per dtype)")
     if options["workload"] == "file" and not options["input_file"]:
         raise click.UsageError("--workload file needs --input-file JOB.jsonl")
     if options["workload"] == "random" and options["input_file"]:
@@ -173,7 +192,8 @@ def _load(options: dict, backend):
         raise CouldNotStart(f"cannot load the model: {exc}") from None
 
 
-def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int = 1) -> list:
+def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int = 1, tag: str = "") -> list:
+    """Every (layout, block size) run of one backend and model; `tag` is appended to each label."""
     from offline_paged.bench import max_total_len, measure_ceilings, release_device_memory, run_bench, warm_up
     from offline_paged.engine import LLMEngine
 
@@ -197,6 +217,7 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
             label = layout if len(block_sizes) == 1 else f"{layout} B={block_size}"
             if options["tensor_parallel_size"] != 1:
                 label += f" TP={tensor_parallel_size}"
+            label += tag
             print(f"running {label} ...", file=sys.stderr, flush=True)
             results.append(run_bench(engine, requests, label=label, kv_layout=layout, ceilings=ceilings))
             engine.close()
@@ -223,7 +244,7 @@ def _bench_data_parallel(options: dict) -> None:
             for size in sizes:
                 results.append(_run_data_parallel(options, device, tokenizer, requests, layout,
                                                   block_size, size))
-    _emit(options, results, _NamedBackend(device, options["dtype"]))
+    _emit(options, results, _NamedBackend(device, options["dtype"], options["model"]))
 
 
 def _run_data_parallel(options: dict, device: str, tokenizer, requests, layout: str, block_size: int,
@@ -296,15 +317,19 @@ def _workload(options: dict, vocab_size: int, tokenizer):
 class _NamedBackend:
     """What the report needs to know of a backend the coordinator never built (no CUDA here)."""
 
-    def __init__(self, device: str, dtype: str | None) -> None:
+    def __init__(self, device: str, dtype: str | None, model: str | None = None) -> None:
         from types import SimpleNamespace
 
         self.name = device
-        self.dtype = SimpleNamespace(name=dtype or ("float16" if device == "cuda" else "float32"))
+        if device in ("cpu", "cuda"):
+            from offline_paged.backend import checkpoint_dtype, resolve_dtype
+
+            dtype = resolve_dtype(device, dtype, checkpoint_dtype(model))
+        self.dtype = SimpleNamespace(name=dtype or "auto")
         self.xp = None
 
 
-def _emit(options: dict, results: list, backend) -> None:
+def _emit(options: dict, results: list, backend, dtype_names: str | None = None) -> None:
     from offline_paged.bench_report import format_report, plot_kv
 
     source = options["dummy_preset"] and f"dummy weights {options['dummy_preset']}" or options["model"] or "default model"
@@ -312,7 +337,7 @@ def _emit(options: dict, results: list, backend) -> None:
         source += f", data parallel {options['data_parallel_size']}"
     if options["tensor_parallel_size"] != 1:
         source += f", tensor parallel {options['tensor_parallel_size']}"
-    header = (f"offline-paged bench: {source}, {backend.name} {backend.dtype.name}, workload "
+    header = (f"offline-paged bench: {source}, {backend.name} {dtype_names or backend.dtype.name}, workload "
               f"{options['workload']}" + (f" N={options['num_requests']} in={_span(options['input_len'])} "
                                           f"out={_span(options['output_len'])}" if options["workload"] == "random" else ""))
     if options["as_json"]:

@@ -53,7 +53,9 @@ def parse_size(text: str) -> int:
               type=click.Path(allow_dash=True, dir_okay=False), help="Output JSONL ('-' = stdout).")
 @click.option("-m", "--model", default=None, help="HF model dir, .gguf file, or 'default' (SmolLM2-135M-Instruct).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "float64"]), default=None)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16", "float64"]), default="auto",
+              show_default=True, help="auto: float32 on the CPU; on CUDA the checkpoint's torch_dtype "
+                                      "(bfloat16 or float16; float32 checkpoints run in float16).")
 @click.option("--max-num-seqs", type=int, default=256, show_default=True)
 @click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
 @click.option("--max-model-len", type=int, default=None)
@@ -63,7 +65,7 @@ def parse_size(text: str) -> int:
 @click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True)
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="Replay decode-only steps from CUDA graphs (CUDA, float16).")
+              help="Replay decode-only steps from CUDA graphs (CUDA).")
 @click.option("--async-scheduling/--sync-scheduling", "async_scheduling", default=None,
               help="Overlap scheduling with the device step (default: on for CUDA, off on the CPU).")
 @click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,

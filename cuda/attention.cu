@@ -1,6 +1,10 @@
 // Paged causal grouped-query attention (decode, prefill, chunked prefill, mixed batches) on tensor cores.
 //
-// Buffers (all contiguous, fp16 unless said):
+// Element type T: every kernel exists for fp16 (__half, names ending _f16) and bf16 (bf16_t, _bf16: the
+// bits of a bfloat16, converted with PTX cvt so that no cuda_bf16.h is needed at run time); the
+// tensor-core products take T operands and accumulate in fp32 either way.
+//
+// Buffers (all contiguous, T unless said):
 //   q            [T, H, D]        query rows; sequence s owns rows query_start_loc[s] .. query_start_loc[s+1]-1
 //   k_cache      [N, B, Hkv, D]   key pool of one layer; token p of sequence s is at
 //   v_cache      [N, B, Hkv, D]   block block_tables[s, p / B], offset p % B
@@ -9,6 +13,8 @@
 //   query_start_loc [S + 1] int32
 //   partial_o    [num_splits, T, H, D] fp32   un-normalised partial outputs (only when num_splits > 1)
 //   partial_ml   [num_splits, T, H, 2] fp32   (running max in log2 units, softmax denominator)
+//   window       sliding window (0 = none): a query at position p attends only to keys at positions
+//                p - window < k <= p (the last `window` positions, itself included; Mistral's rule)
 //
 // Work decomposition. For one (sequence, kv head) the G = H / Hkv query heads and the q_len query tokens
 // form q_len * G "rows" (row f = query token f / G, head kvh * G + f % G): every row of a KV head reads the
@@ -25,7 +31,16 @@
 // A split is a range of partition_size keys (a multiple of 64). With num_splits > 1 every CTA writes its
 // un-normalised partial O with its (max, sum) and merge_partials combines them (flash-decoding), so one
 // long sequence still spreads over the whole GPU.
+// With a window, a tile's key range starts at the window start of its first row: splits count from
+// there (rounded down to a multiple of 64), and a warp starts at the 16-key chunk that holds it, so no
+// key block wholly before the window is read (those blocks may already be freed).
 #include <cuda_fp16.h>
+
+// A bfloat16 as its 16 bits. NVRTC may not find a cuda_bf16.h matching the cuda_fp16.h CuPy bundles, so
+// the few conversions needed are PTX instructions of sm_80+ (what mma.sync needs anyway).
+struct __align__(2) bf16_t {
+  unsigned short bits;
+};
 
 namespace {
 
@@ -37,10 +52,26 @@ constexpr int D64_PIPELINE_DEPTH = 2;  // chunks of K/V requested ahead of the a
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// D = A B + D with fp32 accumulators; A, B are pairs of T packed in 32-bit registers.
+template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
+                                         unsigned b0, unsigned b1);
+
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], unsigned a0, unsigned a1, unsigned a2,
+                                                 unsigned a3, unsigned b0, unsigned b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma16816<bf16_t>(float (&c)[4], unsigned a0, unsigned a1, unsigned a2,
+                                                        unsigned a3, unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -55,18 +86,39 @@ __device__ __forceinline__ unsigned pair_halves(const uint4& a, const uint4& b, 
   return __byte_perm(word_of(a, h >> 1), word_of(b, h >> 1), (h & 1) ? 0x7632 : 0x5410);
 }
 
-__device__ __forceinline__ unsigned pack_float2(float lo, float hi) {
+// Two floats rounded to T (round to nearest even), packed (lo in the low 16 bits).
+template <typename T>
+__device__ __forceinline__ unsigned pack_float2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ unsigned pack_float2<__half>(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<unsigned*>(&h);
 }
 
-__device__ __forceinline__ uint4 load16(const __half* p) { return *reinterpret_cast<const uint4*>(p); }
+template <>
+__device__ __forceinline__ unsigned pack_float2<bf16_t>(float lo, float hi) {
+  unsigned packed;  // cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  return packed;
+}
 
+__device__ __forceinline__ void store_float(__half* p, float x) { *p = __float2half(x); }
+__device__ __forceinline__ void store_float(bf16_t* p, float x) {
+  unsigned short bits;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(x));
+  p->bits = bits;
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 load16(const T* p) { return *reinterpret_cast<const uint4*>(p); }
+
+template <typename T>
 struct Params {
-  const __half* q;
-  const __half* k_cache;
-  const __half* v_cache;
-  __half* out;
+  const T* q;
+  const T* k_cache;
+  const T* v_cache;
+  T* out;
   float* partial_o;
   float* partial_ml;
   const int* block_tables;
@@ -81,18 +133,21 @@ struct Params {
   int num_splits;
   float scale_log2;  // softmax scale * log2(e): scores live in log2 units so exp2 does the exponent
   int block_shift;   // log2(block_size) when it is a power of two, else -1
+  int window;        // sliding window in positions; 0 = none
 };
 
 // Slot of key k0 when its whole 16-key chunk lies in one block (block size a power of two >= 16: chunks
 // start at multiples of 16), else -1. Keys at or past key_end have no table entry to read.
-__device__ __forceinline__ long long chunk_slot(const Params& P, const int* table, int k0, int key_end) {
+template <typename T>
+__device__ __forceinline__ long long chunk_slot(const Params<T>& P, const int* table, int k0, int key_end) {
   if (P.block_shift < 4 || k0 >= key_end) return -1;
   return ((long long)table[k0 >> P.block_shift] << P.block_shift) + (k0 & ((1 << P.block_shift) - 1));
 }
 
 // Element offset of (key p, kv head kvh, dim 0) in the cache; `base` is chunk_slot of the chunk's first
 // key k0 (then no table read per key), or -1 for a table lookup.
-__device__ __forceinline__ size_t cache_offset(const Params& P, const int* table, long long base, int k0, int p,
+template <typename T>
+__device__ __forceinline__ size_t cache_offset(const Params<T>& P, const int* table, long long base, int k0, int p,
                                                int kvh, int D) {
   size_t slot;
   if (base >= 0) {
@@ -107,14 +162,14 @@ __device__ __forceinline__ size_t cache_offset(const Params& P, const int* table
 
 // load_keys: n8 tile n of a chunk holds keys k0 + 8n + g (mma column g); lane (g, t) loads 16 bytes of
 // each 32-d slice (d = 32c + 8t ..), matching the Q permutation. Keys >= key_end load zeros.
-template <int D>
-__device__ __forceinline__ void load_keys(const Params& P, const int* table, long long base, int kvh, int k0,
-                                          int key_end, int g, int t, uint4 (&kf)[2][D / 32]) {
+template <int D, typename T>
+__device__ __forceinline__ void load_keys(const Params<T>& P, const int* table, long long base, int kvh, int k0,
+                                          int key_lo, int key_end, int g, int t, uint4 (&kf)[2][D / 32]) {
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int p = k0 + 8 * n + g;
-    const bool ok = p < key_end;
-    const __half* src = P.k_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
+    const bool ok = p >= key_lo && p < key_end;
+    const T* src = P.k_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load16(src + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
   }
@@ -123,24 +178,25 @@ __device__ __forceinline__ void load_keys(const Params& P, const int* table, lon
 // load_values: the P.V product's k index is the key (lane t holds keys 2t, 2t+1, 8+2t, 9+2t of the chunk,
 // the order S's accumulators come in) and its n index is d, permuted so that in n8 tile j lane g holds
 // d = 64 (j / 8) + 8 g + j % 8: per key, lane g loads D / 64 contiguous 16-byte pieces.
-// Keys >= key_end load zeros: their probability is 0, and 0 * (garbage NaN) would poison O.
-template <int D>
-__device__ __forceinline__ void load_values(const Params& P, const int* table, long long base, int kvh, int k0,
-                                            int key_end, int g, int t, uint4 (&vf)[4][D / 64]) {
+// Keys outside [key_lo, key_end) load zeros: their probability is 0, and 0 * (garbage NaN) would poison
+// O; keys before key_lo (before the window) may sit in freed blocks and are never touched.
+template <int D, typename T>
+__device__ __forceinline__ void load_values(const Params<T>& P, const int* table, long long base, int kvh, int k0,
+                                            int key_lo, int key_end, int g, int t, uint4 (&vf)[4][D / 64]) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int p = k0 + 2 * t + (e & 1) + 8 * (e >> 1);
-    const bool ok = p < key_end;
-    const __half* src = P.v_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
+    const bool ok = p >= key_lo && p < key_end;
+    const T* src = P.v_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
 #pragma unroll
     for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load16(src + 64 * c + 8 * g) : make_uint4(0, 0, 0, 0);
   }
 }
 
 // Combine `num_parts` (max, sum, O) partial results per row held in shared memory and write them out:
-// normalised fp16 when there is one split, else un-normalised fp32 partials for merge_partials.
-template <int D>
-__device__ void finish_rows(const Params& P, const float* so, const float* sm, const float* sl, int num_parts,
+// normalised T when there is one split, else un-normalised fp32 partials for merge_partials.
+template <int D, typename T>
+__device__ void finish_rows(const Params<T>& P, const float* so, const float* sm, const float* sl, int num_parts,
                             int tid, int num_threads, int row0, int num_rows, int q_start, int kvh, int split) {
   const int H = P.num_kv_heads * P.group;
   for (int idx = tid; idx < ROWS * D; idx += num_threads) {
@@ -161,7 +217,7 @@ __device__ void finish_rows(const Params& P, const float* so, const float* sm, c
     const int head = kvh * P.group + row % P.group;
     const size_t th = (size_t)token * H + head;
     if (P.num_splits == 1) {
-      P.out[th * D + d] = __float2half(l > 0.f ? o / l : 0.f);
+      store_float(P.out + th * D + d, l > 0.f ? o / l : 0.f);
     } else {
       const size_t base = (size_t)split * P.num_tokens * H;
       P.partial_o[(base + th) * D + d] = o;
@@ -173,8 +229,8 @@ __device__ void finish_rows(const Params& P, const float* so, const float* sm, c
   }
 }
 
-template <int D, bool ROW_SPLIT>
-__device__ void attention_impl(const Params& P) {
+template <int D, bool ROW_SPLIT, typename T>
+__device__ void attention_impl(const Params<T>& P) {
   static_assert(D == 64 || D == 128, "head dim must be 64 or 128");
   __shared__ float s_o[WARPS * ROWS * (D + PAD)];
   __shared__ float s_m[WARPS * ROWS];
@@ -199,7 +255,10 @@ __device__ void attention_impl(const Params& P) {
   const int row_lo = row0 + g, row_hi = row0 + g + 8;
   const int pos_lo = first_pos + row_lo / P.group, pos_hi = first_pos + row_hi / P.group;
   const int last_row = min(row0 + ROWS, num_rows) - 1;
-  const int key_begin = split * P.partition_size;
+  // The window starts at key_lo for this tile's first (earliest) row; later rows mask more keys below.
+  const int window = P.window > 0 ? P.window : (1 << 30);
+  const int key_lo = P.window > 0 ? max(0, first_pos + row0 / P.group - window + 1) : 0;
+  const int key_begin = (key_lo & ~63) + split * P.partition_size;  // splits count from the window start
   const int key_end = min(min(key_begin + P.partition_size, context_len), first_pos + last_row / P.group + 1);
   const int* table = P.block_tables + (size_t)seq * P.max_blocks_per_seq;
 
@@ -208,8 +267,8 @@ __device__ void attention_impl(const Params& P) {
   // K's B fragments use the same permutation, and a dot product does not care about the order of d.
   unsigned qa[D / 16][4];
   {
-    const __half* q_lo = P.q + ((size_t)(q_start + row_lo / P.group) * H + kvh * P.group + row_lo % P.group) * D;
-    const __half* q_hi = P.q + ((size_t)(q_start + row_hi / P.group) * H + kvh * P.group + row_hi % P.group) * D;
+    const T* q_lo = P.q + ((size_t)(q_start + row_lo / P.group) * H + kvh * P.group + row_lo % P.group) * D;
+    const T* q_hi = P.q + ((size_t)(q_start + row_hi / P.group) * H + kvh * P.group + row_hi % P.group) * D;
     const bool valid_lo = row_lo < num_rows, valid_hi = row_hi < num_rows;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
@@ -233,24 +292,25 @@ __device__ void attention_impl(const Params& P) {
   constexpr bool PREFETCH_V = D == 64;
   constexpr int DEPTH = PREFETCH_V ? D64_PIPELINE_DEPTH : 1;
   const int stride = ROW_SPLIT ? CHUNK : CHUNK * WARPS;
-  const int first_key = key_begin + (ROW_SPLIT ? 0 : warp * CHUNK);
+  const int start_key = max(key_begin, key_lo & ~(CHUNK - 1));  // the chunk holding the window start
+  const int first_key = start_key + (ROW_SPLIT ? 0 : warp * CHUNK);
   uint4 kf[2][D / 32], vf[4][D / 64];
   uint4 ka[2][D / 32], va[4][D / 64];  // the chunk after the next (DEPTH 2)
   long long base = chunk_slot(P, table, first_key, key_end);
-  load_keys<D>(P, table, base, kvh, first_key, key_end, g, t, kf);
-  if (PREFETCH_V) load_values<D>(P, table, base, kvh, first_key, key_end, g, t, vf);
+  load_keys<D>(P, table, base, kvh, first_key, key_lo, key_end, g, t, kf);
+  if (PREFETCH_V) load_values<D>(P, table, base, kvh, first_key, key_lo, key_end, g, t, vf);
   if (DEPTH == 2) {
     const long long ahead = chunk_slot(P, table, first_key + stride, key_end);
-    load_keys<D>(P, table, ahead, kvh, first_key + stride, key_end, g, t, ka);
-    load_values<D>(P, table, ahead, kvh, first_key + stride, key_end, g, t, va);
+    load_keys<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, ka);
+    load_values<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, va);
   }
   for (int k0 = first_key; k0 < key_end; k0 += stride) {
     uint4 kn[2][D / 32], vn[4][D / 64];
     const int next_key = k0 + DEPTH * stride;
     const long long next_base = chunk_slot(P, table, next_key, key_end);
-    if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_end, g, t, vf);
-    load_keys<D>(P, table, next_base, kvh, next_key, key_end, g, t, kn);
-    if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, next_key, key_end, g, t, vn);
+    if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_lo, key_end, g, t, vf);
+    load_keys<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, kn);
+    if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, vn);
 
     float s[2][4];
 #pragma unroll
@@ -258,12 +318,12 @@ __device__ void attention_impl(const Params& P) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
       for (int c = 0; c < D / 32; ++c) {
-        mma16816(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], kf[n][c].x, kf[n][c].y);
-        mma16816(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], kf[n][c].z,
+        mma16816<T>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], kf[n][c].x, kf[n][c].y);
+        mma16816<T>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], kf[n][c].z,
                  kf[n][c].w);
       }
     }
-    // Scale, causal mask (key position <= the row's query position) and range mask.
+    // Scale, causal mask (key position <= the row's query position), window mask and range mask.
     float mx_lo = neg_inf(), mx_hi = neg_inf();
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
@@ -271,7 +331,7 @@ __device__ void attention_impl(const Params& P) {
       for (int e = 0; e < 4; ++e) {
         const int p = k0 + 8 * n + 2 * t + (e & 1);
         const int pos = e < 2 ? pos_lo : pos_hi;
-        s[n][e] = (p < key_end && p <= pos) ? s[n][e] * P.scale_log2 : neg_inf();
+        s[n][e] = (p < key_end && p <= pos && p > pos - window) ? s[n][e] * P.scale_log2 : neg_inf();
       }
       mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
       mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
@@ -297,14 +357,14 @@ __device__ void attention_impl(const Params& P) {
     l_lo = l_lo * alpha_lo + s[0][0] + s[0][1] + s[1][0] + s[1][1];  // per-lane partial; quad-summed later
     l_hi = l_hi * alpha_hi + s[0][2] + s[0][3] + s[1][2] + s[1][3];
     // S accumulators of the two n8 tiles are exactly the A fragment of P for a k16 step.
-    const unsigned pa0 = pack_float2(s[0][0], s[0][1]), pa1 = pack_float2(s[0][2], s[0][3]);
-    const unsigned pa2 = pack_float2(s[1][0], s[1][1]), pa3 = pack_float2(s[1][2], s[1][3]);
+    const unsigned pa0 = pack_float2<T>(s[0][0], s[0][1]), pa1 = pack_float2<T>(s[0][2], s[0][3]);
+    const unsigned pa2 = pack_float2<T>(s[1][0], s[1][1]), pa3 = pack_float2<T>(s[1][2], s[1][3]);
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
       o[j][0] *= alpha_lo; o[j][1] *= alpha_lo; o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
       const unsigned b0 = pair_halves(vf[0][j / 8], vf[1][j / 8], j % 8);
       const unsigned b1 = pair_halves(vf[2][j / 8], vf[3][j / 8], j % 8);
-      mma16816(o[j], pa0, pa1, pa2, pa3, b0, b1);
+      mma16816<T>(o[j], pa0, pa1, pa2, pa3, b0, b1);
     }
 #pragma unroll
     for (int n = 0; n < 2; ++n)
@@ -349,38 +409,43 @@ __device__ void attention_impl(const Params& P) {
   }
   if (ROW_SPLIT) {
     __syncwarp();
-    finish_rows<D>(P, my_o, s_m + warp * ROWS, s_l + warp * ROWS, 1, lane, 32, row0, num_rows, q_start, kvh,
+    finish_rows<D, T>(P, my_o, s_m + warp * ROWS, s_l + warp * ROWS, 1, lane, 32, row0, num_rows, q_start, kvh,
                    split);
   } else {
     __syncthreads();
-    finish_rows<D>(P, s_o, s_m, s_l, WARPS, threadIdx.x, blockDim.x, row0, num_rows, q_start, kvh, split);
+    finish_rows<D, T>(P, s_o, s_m, s_l, WARPS, threadIdx.x, blockDim.x, row0, num_rows, q_start, kvh, split);
   }
 }
 
 }  // namespace
 
 // One CTA of 128 threads per (row tile or 4 row tiles, kv head x split, sequence); see the top comment.
-#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT)                                                                  \
-  extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D##_##MODE(                          \
-      const __half* q, const __half* k_cache, const __half* v_cache, __half* out, float* partial_o,         \
-      float* partial_ml, const int* block_tables, const int* context_lens, const int* query_start_loc,      \
-      int num_tokens, int num_kv_heads, int group, int block_size, int max_blocks_per_seq,                  \
-      int partition_size, int num_splits, float scale_log2, int block_shift) {                              \
-    const Params p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,             \
-                   query_start_loc, num_tokens, num_kv_heads, group, block_size, max_blocks_per_seq,        \
-                   partition_size, num_splits, scale_log2, block_shift};                                    \
-    attention_impl<D, ROW_SPLIT>(p);                                                                        \
+#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, T, SUFFIX)                                                       \
+  extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX(               \
+      const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_o, float* partial_ml,           \
+      const int* block_tables, const int* context_lens, const int* query_start_loc, int num_tokens,          \
+      int num_kv_heads, int group, int block_size, int max_blocks_per_seq, int partition_size,               \
+      int num_splits, float scale_log2, int block_shift, int window) {                                       \
+    const Params<T> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,           \
+                      query_start_loc, num_tokens, num_kv_heads, group, block_size, max_blocks_per_seq,      \
+                      partition_size, num_splits, scale_log2, block_shift, window};                          \
+    attention_impl<D, ROW_SPLIT, T>(p);                                                                      \
   }
-DEFINE_ATTENTION(64, keysplit, false)
-DEFINE_ATTENTION(64, rowsplit, true)
-DEFINE_ATTENTION(128, keysplit, false)
-DEFINE_ATTENTION(128, rowsplit, true)
+#define DEFINE_ATTENTION_ALL(T, SUFFIX)            \
+  DEFINE_ATTENTION(64, keysplit, false, T, SUFFIX)  \
+  DEFINE_ATTENTION(64, rowsplit, true, T, SUFFIX)   \
+  DEFINE_ATTENTION(128, keysplit, false, T, SUFFIX) \
+  DEFINE_ATTENTION(128, rowsplit, true, T, SUFFIX)
+DEFINE_ATTENTION_ALL(__half, f16)
+DEFINE_ATTENTION_ALL(bf16_t, bf16)
 
 // merge_partials: out[t, h, :] = sum_s w_s O_s / sum_s w_s l_s with w_s = 2^(m_s - max_s m_s).
 // Grid: one CTA of D threads per (token, head) row; thread = d. Rows of no sequence (padding tokens past
 // query_start_loc[S]) were never written: the launcher zeroes partial_ml, so their sums are 0 and out = 0.
-extern "C" __global__ void merge_partials(const float* partial_o, const float* partial_ml, __half* out,
-                                          int num_splits, int num_rows, int D) {
+// Splits that saw no key in range (wholly before a sliding window) have max -inf and weight 0.
+template <typename T>
+__device__ void merge_partials_impl(const float* partial_o, const float* partial_ml, T* out, int num_splits,
+                                    int num_rows, int D) {
   const int row = blockIdx.x;  // token * H + head
   const int d = threadIdx.x;
   float m = neg_inf();
@@ -394,5 +459,13 @@ extern "C" __global__ void merge_partials(const float* partial_o, const float* p
       l += w * partial_ml[i * 2 + 1];
     }
   }
-  out[(size_t)row * D + d] = __float2half(l > 0.f ? o / l : 0.f);
+  store_float(out + (size_t)row * D + d, l > 0.f ? o / l : 0.f);
 }
+
+#define DEFINE_MERGE(T, SUFFIX)                                                                          \
+  extern "C" __global__ void merge_partials_##SUFFIX(const float* partial_o, const float* partial_ml,    \
+                                                     T* out, int num_splits, int num_rows, int D) {      \
+    merge_partials_impl<T>(partial_o, partial_ml, out, num_splits, num_rows, D);                         \
+  }
+DEFINE_MERGE(__half, f16)
+DEFINE_MERGE(bf16_t, bf16)

@@ -1,20 +1,21 @@
 // KV-cache maintenance: writing new K/V rows by slot, and copy-on-write block copies across all layers.
+// Both only move bytes, so one kernel serves every 2-byte element type (fp16 and bf16): `elem16` below.
 //
 // write_kv
-//   k, v         [T, Hkv, D] fp16; row t starts at k + t * k_row_stride (elements; a view into the fused
+//   k, v         [T, Hkv, D] fp16 or bf16; row t starts at k + t * k_row_stride (elements; a view into the fused
 //                qkv projection is fine), the [Hkv, D] part is contiguous; 16-byte aligned rows
-//   k_cache, v_cache [N, B, Hkv, D] fp16 contiguous; slot s = block * B + offset is row s of [N*B, Hkv, D]
+//   k_cache, v_cache [N, B, Hkv, D] same type, contiguous; slot s = block * B + offset is row s of [N*B, Hkv, D]
 //   slot_mapping [T] int32; a negative slot means "padding, skip"
 //   Grid: x = token (T CTAs); block: 128 threads striding over the row's Hkv*D/8 16-byte vectors.
 //
 // copy_blocks
-//   kv_cache     [L, 2, N, E] fp16 contiguous, E = B * Hkv * D elements per block (a multiple of 8)
+//   kv_cache     [L, 2, N, E] fp16 or bf16 contiguous, E = B * Hkv * D elements per block (a multiple of 8)
 //   src_ids, dst_ids [P] int32: block dst <- block src in every layer, K and V
 //   Grid: x = pair, y = layer * 2 + (0 K | 1 V); block: 128 threads striding over E/8 16-byte vectors.
 //   The launcher guarantees no dst is also a src, so the order of the copies does not matter.
-#include <cuda_fp16.h>
+typedef unsigned short elem16;  // the bits of one fp16 or bf16 element
 
-extern "C" __global__ void write_kv(const __half* k, const __half* v, __half* k_cache, __half* v_cache,
+extern "C" __global__ void write_kv(const elem16* k, const elem16* v, elem16* k_cache, elem16* v_cache,
                                     const int* slot_mapping, long long k_row_stride, long long v_row_stride,
                                     int row_elems) {
   const int token = blockIdx.x;
@@ -30,7 +31,7 @@ extern "C" __global__ void write_kv(const __half* k, const __half* v, __half* k_
   }
 }
 
-extern "C" __global__ void copy_blocks(__half* kv_cache, const int* src_ids, const int* dst_ids,
+extern "C" __global__ void copy_blocks(elem16* kv_cache, const int* src_ids, const int* dst_ids,
                                        long long num_blocks, int block_elems) {
   const int pair = blockIdx.x;
   const size_t plane = (size_t)blockIdx.y * num_blocks * block_elems;  // start of kv_cache[l, kind]

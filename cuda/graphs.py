@@ -1,4 +1,4 @@
-"""CublasGemm: an fp16 x @ W that can be captured into a CUDA graph.
+"""CublasGemm: an fp16 or bf16 x @ W (fp32 accumulation) that can be captured into a CUDA graph.
 
 CuPy's matmul refuses stream capture, and CuPy's low-level `cublas.gemmEx` resets the handle's stream
 before every call (which also drops a user workspace). So this calls libcuBLAS through ctypes on a
@@ -20,6 +20,7 @@ import numpy as np
 
 _OP_N, _OP_T = 0, 1
 _CUDA_R_16F = 2
+_CUDA_R_16BF = 14
 _CUDA_R_32F = 0
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
@@ -46,13 +47,23 @@ def _libcublas() -> ctypes.CDLL:
     return lib
 
 
+def _cuda_type(dtype) -> int | None:
+    """cudaDataType of a float16 / bfloat16 / float32 numpy dtype, None for anything else."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return _CUDA_R_16F
+    if dtype == np.float32:
+        return _CUDA_R_32F
+    return _CUDA_R_16BF if dtype.name == "bfloat16" else None  # ml_dtypes.bfloat16
+
+
 def _check(status: int, what: str) -> None:
     if status != 0:
         raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
 
 class CublasGemm:
-    """fp16 GEMMs with fp32 accumulation on `stream` only (a handle and workspace of its own).
+    """fp16 / bf16 GEMMs with fp32 accumulation (CUBLAS_COMPUTE_32F) on `stream` only (a handle and workspace of its own).
 
     Call it inside `with stream:` so the output allocation is ordered on the same stream."""
 
@@ -69,12 +80,17 @@ class CublasGemm:
         self._one = np.ones(1, dtype=np.float32)  # host scalars: cuBLAS reads them when the call is made
         self._zero = np.zeros(1, dtype=np.float32)
 
-    def __call__(self, x, w, out_dtype=np.float16):
-        """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous), fp16; returns a new [T, N] of
-        `out_dtype`: float16, or float32 (the fp32 accumulator written as is: the LM head's logits)."""
+    def __call__(self, x, w, out_dtype=None):
+        """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous), both float16 or both bfloat16;
+        returns a new [T, N] of `out_dtype`: None = x's dtype, or float32 (the fp32 accumulator
+        written as is: the LM head's logits)."""
         for name, a in (("x", x), ("w", w)):
-            if not isinstance(a, cupy.ndarray) or a.dtype != np.float16 or a.ndim != 2:
-                raise ValueError(f"{name} must be a 2-D float16 cupy.ndarray, got {getattr(a, 'dtype', type(a))}")
+            if not isinstance(a, cupy.ndarray) or a.ndim != 2 or _cuda_type(a.dtype) in (None, _CUDA_R_32F):
+                raise ValueError(f"{name} must be a 2-D float16 or bfloat16 cupy.ndarray, got "
+                                 f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")
+        if w.dtype != x.dtype:
+            raise ValueError(f"x is {x.dtype.name} but w is {w.dtype.name}")
+        in_type = _cuda_type(x.dtype)
         if not x.flags.c_contiguous:
             raise ValueError(f"x must be C-contiguous (shape {x.shape}, strides {x.strides})")
         (num_rows, inner), (w_inner, num_out) = x.shape, w.shape
@@ -86,16 +102,17 @@ class CublasGemm:
             op_w, ld_w = _OP_T, inner
         else:
             raise ValueError(f"w must be C- or F-contiguous (shape {w.shape}, strides {w.strides})")
-        out_type = {np.dtype(np.float16): _CUDA_R_16F, np.dtype(np.float32): _CUDA_R_32F}.get(np.dtype(out_dtype))
-        if out_type is None:
-            raise ValueError(f"out_dtype must be float16 or float32, got {out_dtype}")
+        out_dtype = x.dtype if out_dtype is None else np.dtype(out_dtype)
+        if out_dtype not in (x.dtype, np.dtype(np.float32)):
+            raise ValueError(f"out_dtype must be {x.dtype.name} (the input dtype) or float32, got {out_dtype}")
+        out_type = _cuda_type(out_dtype)
         out = cupy.empty((num_rows, num_out), dtype=out_dtype)  # [T, N]
         if out.size == 0:
             return out
         _check(self._lib.cublasGemmEx(
             self._handle, op_w, _OP_N, num_out, num_rows, inner,
-            self._one.ctypes.data, w.data.ptr, _CUDA_R_16F, ld_w,
-            x.data.ptr, _CUDA_R_16F, inner,
+            self._one.ctypes.data, w.data.ptr, in_type, ld_w,
+            x.data.ptr, in_type, inner,
             self._zero.ctypes.data, out.data.ptr, out_type, num_out,
             _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
         return out

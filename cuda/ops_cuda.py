@@ -1,7 +1,7 @@
 """CudaOps: the GPU backend of the model's ops, method for method the semantics of NumpyOps.
 
-fp16 activations and KV cache, fp32 accumulation inside every kernel; matmuls stay with cuBLAS through
-`xp` (cupy). Every method enqueues work on the current stream and returns without synchronising.
+fp16 or bf16 activations and KV cache (the model's dtype; the launchers pick the kernels from the arrays'
+dtype), fp32 accumulation inside every kernel; matmuls stay with cuBLAS through `xp` (cupy). Every method enqueues work on the current stream and returns without synchronising.
 Legend: T tokens, H query heads, Hkv KV heads, D head dim, I intermediate size, N blocks, B block size.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _int32(values):
 
 
 class CudaOps:
-    """Backend ops on cupy arrays (fp16 only: launchers raise ValueError for other dtypes)."""
+    """Backend ops on cupy arrays (float16 or bfloat16: launchers raise ValueError for other dtypes)."""
 
     xp = cupy
 
@@ -42,16 +42,19 @@ class CudaOps:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         launchers.write_kv(k, v, k_cache, v_cache, _int32(slot_mapping))
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        """Paged causal GQA attention; [T, H, D] -> [T, H, D]."""
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  sliding_window: int | None = None):
+        """Paged causal GQA attention; [T, H, D] -> [T, H, D]. sliding_window: a query at position p
+        sees only keys at positions > p - sliding_window (None or 0: the whole causal context)."""
         return launchers.paged_attention(
             cupy.ascontiguousarray(q), k_cache, v_cache, _int32(meta.block_tables), _int32(meta.context_lens),
-            _int32(meta.query_start_loc), int(meta.max_query_len), int(meta.max_context_len), scale)
+            _int32(meta.query_start_loc), int(meta.max_query_len), int(meta.max_context_len), scale,
+            window=int(sliding_window or 0))
 
     def logits(self, hidden, lm_head):
-        """hidden [K, E] @ lm_head [E, V] -> [K, V] float32: for fp16 the GEMM writes its fp32
-        accumulator (no rounding of the logits to fp16 first); other dtypes matmul, then cast."""
-        if hidden.dtype != cupy.float16 or lm_head.dtype != cupy.float16:
+        """hidden [K, E] @ lm_head [E, V] -> [K, V] float32: for fp16 and bf16 the GEMM writes its fp32
+        accumulator (no rounding of the logits to fp16/bf16 first); other dtypes matmul, then cast."""
+        if hidden.dtype != lm_head.dtype or hidden.dtype not in launchers.ELEMENT_SUFFIX:
             return (hidden @ lm_head).astype(cupy.float32)
         if self._logits_gemm is None:
             from offline_paged.cuda.graphs import CublasGemm

@@ -16,7 +16,7 @@ class PreemptionMode(Enum):
 
 _DEVICES = ("auto", "cpu", "cuda")
 KV_LAYOUTS = ("paged", "contiguous")
-_DTYPES = (None, "float32", "float16", "bfloat16", "float64")
+_DTYPES = ("auto", None, "float32", "float16", "bfloat16", "float64")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +31,17 @@ class EngineConfig:
     `kv_layout="contiguous"` is the baseline paging is measured against: every sequence reserves
     blocks for max_model_len tokens when it is admitted (same pool, same kernels).
     `cuda_graphs`: steps where every sequence computes one token replay a captured forward per batch
-    bucket (offline_paged/cuda_graph_runner.py); ignored on the CPU and for dtypes other than float16.
+    bucket (offline_paged/cuda_graph_runner.py); ignored on the CPU (CUDA runs float16 or bfloat16).
+    `dtype`: "auto" (the default; None means the same) is float32 on the CPU and the checkpoint's
+    torch_dtype on CUDA (bfloat16 / float16; a float32 checkpoint runs in float16, as in vLLM); see
+    offline_paged/backend.py. float32 and float64 are CPU-only.
     `async_scheduling`: overlap the host's scheduling and output processing with the device's step
     (outputs are identical to the synchronous loop; see LLMEngine.step_with_report).
     """
 
     model: str | None = None  # HF dir / GGUF path / name; None = the default model
     device: str = "auto"  # "auto" | "cpu" | "cuda"
-    dtype: str | None = None  # None = backend default (float32 on CPU, float16 on CUDA)
+    dtype: str | None = "auto"  # "auto"/None: float32 on CPU, the checkpoint's torch_dtype on CUDA
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the device KV pool
     num_kv_blocks: int | None = None
@@ -53,7 +56,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
     kv_layout: str = "paged"  # "paged" | "contiguous" (reserve max_model_len at admission)
-    cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (used on CUDA with float16 only)
+    cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
     # Schedule and launch step N+1 while step N runs on the device; N's sampled ids reach N+1's inputs
     # on the device and its outputs are processed one step late. None = on for CUDA, off on the CPU.
     async_scheduling: bool | None = None
@@ -66,7 +69,7 @@ class EngineConfig:
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES[1:]} or None, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {tuple(d for d in _DTYPES if d)} or None, got {self.dtype!r}")
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -90,14 +90,18 @@ class _Bucket:
         write[:num_seqs], write[num_seqs:] = writes, 0
 
 
+GRAPH_DTYPES = ("float16", "bfloat16")  # model dtypes the capture-safe GEMM and kernels take
+
+
 class DecodeGraphs:
     """Captures lazily, on a bucket's first use. `run` replays on the current stream.
 
-    model: a Llama on CudaOps in float16; kv_cache [L, 2, N, B, Hkv, D] (its address is captured)."""
+    model: a Llama on CudaOps in float16 or bfloat16; kv_cache [L, 2, N, B, Hkv, D] (its address is
+    captured)."""
 
     def __init__(self, model, kv_cache, block_size: int, max_model_len: int, buckets=BUCKETS) -> None:
-        if model.dtype != np.float16:
-            raise ValueError(f"CUDA graphs need a float16 model, got {model.dtype}")
+        if np.dtype(model.dtype).name not in GRAPH_DTYPES:
+            raise ValueError(f"CUDA graphs need a float16 or bfloat16 model, got {model.dtype}")
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size

@@ -12,7 +12,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from offline_paged.backend import select_backend
+from offline_paged.backend import checkpoint_dtype, select_backend
 from offline_paged.beam_search import BeamState, runner_top_k
 from offline_paged.block_manager import BlockManager
 from offline_paged.config import EngineConfig
@@ -49,7 +49,14 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
         self.config = config
-        self.backend = select_backend(config.device, config.dtype)
+        # dtype="auto" reads the checkpoint's config.json torch_dtype (before loading: loads convert on the way)
+        source = getattr(loaded_model, "source", None) or config.model
+        if loaded_model is None and config.model is None:
+            from offline_paged.models.default_model import default_model_dir
+
+            source = default_model_dir()
+        self.backend = select_backend(config.device, config.dtype, checkpoint_dtype(source),
+                                      f"{source}/config.json")
         self.tp_group = None
         if config.tensor_parallel_size > 1 and config.async_scheduling:
             raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 (the other "

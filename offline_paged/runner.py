@@ -49,7 +49,7 @@ class ModelRunner:
         """device_sampling: sample on the GPU (None: whenever the backend is CUDA; False: on the host with
         `sampler`, the reference; True on the CPU backend is a ValueError).
         cuda_graphs: replay decode-only steps from CUDA graphs (offline_paged/cuda_graph_runner.py) where
-        the backend is CUDA and the model float16; needs max_model_len (the attention's static bound).
+        the backend is CUDA and the model float16 or bfloat16; needs max_model_len (the attention's static bound).
         Ignored on the CPU.
         mirror: tensor parallel, rank 0 only: `mirror.send_step(moves, forward)` gets every step's
         inputs before the forward (see run_mirrored)."""
@@ -74,7 +74,7 @@ class ModelRunner:
         self.table_rows = BlockTableRows(block_size, max_blocks=max_blocks)  # rows live across steps
         self.decode_graphs = None
         self.sampling_rows = None
-        if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype) == np.float16:
+        if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype).name in ("float16", "bfloat16"):
             if max_model_len is None:
                 raise ValueError("cuda_graphs needs max_model_len (the static attention bound)")
             from offline_paged.cuda_graph_runner import DecodeGraphs

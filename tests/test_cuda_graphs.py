@@ -1,12 +1,13 @@
 """CUDA graphs for decode steps: the capture-safe GEMM against cupy.matmul (eagerly and replayed from a
 graph), graph-replayed decode logits and KV writes against the eager forward across buckets with
-padding rows, and the engine with graphs against the engine without. Needs a GPU."""
+padding rows, and the engine with graphs against the engine without; in fp16 and bf16. Needs a GPU."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy")
+import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, not skip)
 pytestmark = pytest.mark.gpu
 
 from test_cuda_ops import QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
@@ -24,46 +25,73 @@ from offline_paged.models.llama import Llama  # noqa: E402
 from offline_paged.sampling_params import SamplingParams  # noqa: E402
 
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="bf16")]
+# One rounding of an O(1)-relative result to the dtype (half an ulp: 2^-11 fp16, 2^-8 bf16), with room.
+ROUNDING = {np.dtype(np.float16): 2e-3, BF16: 1e-2}
+
+
 def rel_error(a, b) -> float:
-    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max() / np.abs(b).max())
+    b = np.asarray(b, np.float64)
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
 
 
+def host_matmul(x, w) -> np.ndarray:
+    """float64 product of the device operands' exact values (the truth a GEMM rounds once)."""
+    return x.get().astype(np.float64) @ w.get().astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows", [1, 5, 64])
-def test_gemm_matches_cupy_matmul_eagerly_and_replayed(num_rows):
+def test_gemm_matches_float64_eagerly_and_replayed(num_rows, dtype):
     rng = np.random.default_rng(num_rows)
     stream = cupy.cuda.Stream(non_blocking=True)
     gemm = CublasGemm(stream)
-    w_c = cupy.asarray(rng.standard_normal((576, 1000)).astype(np.float16))  # [K, N] C-contiguous
-    w_f = cupy.asarray(rng.standard_normal((1000, 576)).astype(np.float16)).T  # [K, N] F-contiguous (tied head)
-    x = cupy.asarray(rng.standard_normal((num_rows, 576)).astype(np.float16))  # [T, K]
+    w_c = cupy.asarray(rng.standard_normal((576, 1000)).astype(dtype))  # [K, N] C-contiguous
+    w_f = cupy.asarray(rng.standard_normal((1000, 576)).astype(dtype)).T  # [K, N] F-contiguous (tied head)
+    x = cupy.asarray(rng.standard_normal((num_rows, 576)).astype(dtype))  # [T, K]
     with stream:
         for w in (w_c, w_f):
-            assert rel_error(gemm(x, w).get(), (x @ w).get()) < 2e-3
+            out = gemm(x, w)
+            assert out.dtype == dtype
+            assert rel_error(out.get(), host_matmul(x, w)) < ROUNDING[dtype]
         stream.synchronize()
         stream.begin_capture()
         outs = [gemm(x, w) for w in (w_c, w_f)]  # [T, N] each, written only by the replay
         graph = stream.end_capture()
-    x[...] = cupy.asarray(rng.standard_normal((num_rows, 576)).astype(np.float16))  # new inputs, same address
+    x[...] = cupy.asarray(rng.standard_normal((num_rows, 576)).astype(dtype))  # new inputs, same address
     cupy.cuda.Device().synchronize()
     graph.launch(stream)
     stream.synchronize()
     for out, w in zip(outs, (w_c, w_f)):
-        assert rel_error(out.get(), (x @ w).get()) < 2e-3
+        assert rel_error(out.get(), host_matmul(x, w)) < ROUNDING[dtype]
 
 
+def test_gemm_refuses_mixed_or_unsupported_dtypes():
+    gemm = CublasGemm(cupy.cuda.Stream(non_blocking=True))
+    x16, xb = cupy.ones((2, 8), cupy.float16), cupy.ones((2, 8), BF16)
+    with pytest.raises(ValueError, match="x is bfloat16 but w is float16"):
+        gemm(xb, x16.T.copy())
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        gemm(cupy.ones((2, 8), cupy.float32), cupy.ones((8, 2), cupy.float32))
+    with pytest.raises(ValueError, match="out_dtype must be bfloat16"):
+        gemm(xb, cupy.ones((8, 2), BF16), out_dtype=np.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tied", [False, True])
-def test_lm_head_writes_the_fp32_accumulator(tied):
-    """Logits for evaluation: fp16 inputs, fp32 accumulate, fp32 out. Against float64 on the same fp16
-    values the error is far below what rounding the logits to fp16 costs (eager CudaOps and the
-    capture-safe GEMM alike)."""
+def test_lm_head_writes_the_fp32_accumulator(tied, dtype):
+    """Logits for evaluation: fp16 / bf16 inputs, fp32 accumulate, fp32 out. Against float64 on the same
+    input values the error is far below what rounding the logits to the dtype costs (eager CudaOps and
+    the capture-safe GEMM alike)."""
     from offline_paged.cuda.ops_cuda import CudaOps
 
     rng = np.random.default_rng(5)
-    x = cupy.asarray(rng.standard_normal((48, 576)).astype(np.float16))  # [K, E]
-    w = rng.standard_normal((2000, 576)).astype(np.float16)  # [V, E]
+    x = cupy.asarray(rng.standard_normal((48, 576)).astype(dtype))  # [K, E]
+    w = rng.standard_normal((2000, 576)).astype(dtype)  # [V, E]
     w_dev = cupy.asarray(w).T if tied else cupy.asarray(np.ascontiguousarray(w.T))  # [E, V]
     truth = x.get().astype(np.float64) @ w.T.astype(np.float64)  # [K, V]
-    rounded = rel_error((x @ w_dev).get(), truth)  # the fp16 output path
+    rounded = rel_error((x @ w_dev).get(), truth)  # the output rounded to the dtype
     eager = CudaOps().logits(x, w_dev)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
@@ -102,13 +130,15 @@ def eager_decode(model, kv_cache, ids, positions, slots, tables):
     return model.forward(i32(ids), i32(positions), kv_cache, meta, i32(np.arange(num_seqs))).get()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [SMOLLM2_SHAPE, QWEN2_SHAPE, QWEN3_SHAPE], ids=["llama", "qwen2", "qwen3"])
-def test_graph_decode_matches_eager_across_buckets_with_padding_rows(shape):
+def test_graph_decode_matches_eager_across_buckets_with_padding_rows(shape, dtype):
     config = LlamaConfig(**shape | dict(num_hidden_layers=4))
-    model = Llama(config, random_weights(config, seed=7), CudaOps(), np.float16)
+    model = Llama(config, random_weights(config, seed=7), CudaOps(), dtype)
     block_size, rng = 16, np.random.default_rng(0)
     kv_cache = model.allocate_kv_cache(1024, block_size)  # [L, 2, N, B, Hkv, D]
-    kv_cache[...] = cupy.asarray(rng.standard_normal(kv_cache.shape).astype(np.float16))  # a "cached" past
+    assert kv_cache.dtype == dtype
+    kv_cache[...] = cupy.asarray(rng.standard_normal(kv_cache.shape).astype(dtype))  # a "cached" past
     graphs = DecodeGraphs(model, kv_cache, block_size, max_model_len=1024)
     free_blocks = rng.permutation(1024).tolist()
     step_rows = StepRows(block_size, max_blocks=64)
@@ -124,16 +154,18 @@ def test_graph_decode_matches_eager_across_buckets_with_padding_rows(shape):
         kv_eager = kv_cache.copy()
         eager = eager_decode(model, kv_eager, ids, positions, slots, tables)  # [S, V]
         replayed = graphs.run(ids, positions, rows, writes, step_rows.table_rows)[:num_seqs].get()  # [S, V]
-        assert rel_error(replayed, eager) < 1e-2
+        # Same kernels and GEMM algorithms, so the differences are rounding-order noise at most.
+        assert rel_error(replayed, eager) < (1e-2 if dtype == np.float16 else 5e-2)
         assert (replayed.argmax(-1) == eager.argmax(-1)).mean() >= 0.9
         after, after_eager = kv_cache.get(), kv_eager.get()
         flat = lambda a: a.reshape(a.shape[0], 2, -1, *a.shape[4:])  # noqa: E731  [L, 2, N*B, Hkv, D]
         written = np.zeros(1024 * block_size, dtype=bool)
         written[slots[slots >= 0]] = True
         # Slots nobody wrote are bit-identical (padding rows write nothing); written ones match eager.
-        assert np.array_equal(flat(after)[:, :, ~written], flat(before)[:, :, ~written])
-        assert rel_error(flat(after)[:, :, written], flat(after_eager)[:, :, written]) < 1e-2
-        assert not np.array_equal(flat(after)[:, :, written], flat(before)[:, :, written])
+        bits = lambda a: a.view(np.uint16)  # noqa: E731  (bit-exact comparison for either dtype)
+        assert np.array_equal(bits(flat(after)[:, :, ~written]), bits(flat(before)[:, :, ~written]))
+        assert rel_error(flat(after)[:, :, written], flat(after_eager)[:, :, written]) < ROUNDING[dtype] * 5
+        assert not np.array_equal(bits(flat(after)[:, :, written]), bits(flat(before)[:, :, written]))
     assert graphs.captured_sizes == (4, 16)
     assert graphs.num_replays == 3
 
@@ -169,18 +201,20 @@ def test_decode_inputs_kernel_matches_numpy():
         assert not tables[i, used:].any()
 
 
-def test_engine_with_cuda_graphs_matches_engine_without():
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_engine_with_cuda_graphs_matches_engine_without(dtype):
     model = random_model(SMOLLM2_SHAPE | dict(num_hidden_layers=6))
     requests = prompts(model.config.vocab_size)
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
-    graphed = engine(model, "cuda", cuda_graphs=True)
+    graphed = engine(model, "cuda", cuda_graphs=True, dtype=dtype)
     with_graphs = run_to_completion(graphed, {k: (p, params) for k, p in requests.items()})
-    without = run_to_completion(engine(model, "cuda", cuda_graphs=False),
+    without = run_to_completion(engine(model, "cuda", cuda_graphs=False, dtype=dtype),
                                 {k: (p, params) for k, p in requests.items()})
+    assert graphed.backend.dtype.name == dtype and graphed.runner.kv_cache.dtype.name == dtype
     assert graphed.runner.decode_graphs.num_replays > 0
     for key in requests:
         a, b = with_graphs[key].outputs[0], without[key].outputs[0]
         assert a.token_ids == b.token_ids
         chosen_a = [entry[t] for entry, t in zip(a.logprobs, a.token_ids)]
         chosen_b = [entry[t] for entry, t in zip(b.logprobs, b.token_ids)]
-        np.testing.assert_allclose(chosen_a, chosen_b, atol=5e-2)
+        np.testing.assert_allclose(chosen_a, chosen_b, atol=5e-2 if dtype == "float16" else 2e-1)

@@ -1,9 +1,12 @@
-"""Every CUDA kernel against the NumPy reference on random inputs (fp16 tolerances). Needs a GPU.
+"""Every CUDA kernel against the NumPy reference on random inputs, in fp16 and in bf16 (each with its own
+tolerance: the reference gets the same rounded inputs in fp32, so what is left is the kernel's own
+rounding of probabilities and outputs, ~2^-11 relative for fp16 and ~2^-8 for bf16). Needs a GPU.
 
 Attention cases cover shuffled block tables, context lengths 1 / block boundary +-1 / not multiples of
 the block size / up to 32k, block sizes 8, 16, 32, GQA ratios 1, 3, 4, 8, head dims 64 and 128,
-decode, prefill, chunked prefill and mixed batches, and forced split counts. The cache is filled with
-NaN wherever no token lives, so a kernel that reads past a context (or a padding block) fails loudly.
+decode, prefill, chunked prefill and mixed batches, forced split counts, and sliding windows. The cache
+is filled with NaN wherever no token lives, so a kernel that reads past a context (or a padding block,
+or a block wholly before a sliding window) fails loudly.
 """
 from __future__ import annotations
 
@@ -14,13 +17,19 @@ from offline_paged.models.attention import paged_attention_reference, write_kv_r
 from offline_paged.models.ops_numpy import NumpyOps
 
 cupy = pytest.importorskip("cupy")
+import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, not skip)
 pytestmark = pytest.mark.gpu
 
 from offline_paged.cuda import launchers  # noqa: E402  (needs cupy)
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="bf16")]
+# Largest |error| / max |reference| accepted: fp16 keeps 10 mantissa bits, bf16 7.
+TOL = {np.dtype(np.float16): 1e-2, BF16: 2.5e-2}
+
 
 def assert_close(actual, expected, rel=1e-2):
-    """fp16 tolerance relative to the largest reference magnitude (outputs of long softmaxes are small)."""
+    """Tolerance relative to the largest reference magnitude (outputs of long softmaxes are small)."""
     actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     assert np.isfinite(actual).all(), "kernel output has NaN/inf"
     scale = max(np.abs(expected).max(), 1e-6)
@@ -28,15 +37,15 @@ def assert_close(actual, expected, rel=1e-2):
     assert err <= rel * scale, f"max abs error {err:.3g} > {rel} * max|ref| {scale:.3g}"
 
 
-def make_paged_case(rng, seqs, block_size, num_kv_heads, head_dim, group, spare_blocks=3):
-    """seqs: [(q_len, context_len)]. Returns host arrays (q, k_cache, v_cache, tables, ctx, qsl) where
-    every slot that holds no token is NaN and block tables are a shuffled draw from the pool."""
+def make_paged_case(rng, seqs, block_size, num_kv_heads, head_dim, group, spare_blocks=3, dtype=np.float16):
+    """seqs: [(q_len, context_len)]. Returns host arrays (q, k_cache, v_cache, tables, ctx, qsl) of
+    `dtype` where every slot that holds no token is NaN and block tables are a shuffled draw from the pool."""
     blocks_per_seq = [-(-ctx // block_size) for _, ctx in seqs]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     order = rng.permutation(num_blocks)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = np.full(shape, np.nan, dtype=np.float16)
-    v_cache = np.full(shape, np.nan, dtype=np.float16)
+    k_cache = np.full(shape, np.nan, dtype=np.float32)
+    v_cache = np.full(shape, np.nan, dtype=np.float32)
     tables = np.zeros((len(seqs), max(max(blocks_per_seq), 1)), dtype=np.int32)
     used = 0
     for i, ((_, ctx), nb) in enumerate(zip(seqs, blocks_per_seq)):
@@ -49,12 +58,36 @@ def make_paged_case(rng, seqs, block_size, num_kv_heads, head_dim, group, spare_
     q_lens = [ql for ql, _ in seqs]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     # Larger q makes the softmax peaked, so an off-by-one key shows up as a large error.
-    q = (1.5 * rng.standard_normal((int(qsl[-1]), num_kv_heads * group, head_dim))).astype(np.float16)
+    q = (1.5 * rng.standard_normal((int(qsl[-1]), num_kv_heads * group, head_dim))).astype(dtype)
     ctx = np.array([c for _, c in seqs], dtype=np.int32)
-    return q, k_cache, v_cache, tables, ctx, qsl
+    return q, k_cache.astype(dtype), v_cache.astype(dtype), tables, ctx, qsl
 
 
-def run_attention(case, num_splits=None):
+def windowed_attention_reference(q, k_cache, v_cache, tables, ctx, qsl, scale, window):
+    """Sliding-window causal GQA attention in float64, written out here (the kernels' definition): a
+    query at position p sees keys p - window < k <= p. Gathers only keys some query can see, so NaN
+    in blocks wholly before every window never reaches it. Returns [T, H, D] float64."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = np.zeros(q.shape, dtype=np.float64)
+    for s, context_len in enumerate(ctx.tolist()):
+        q_start, q_end = int(qsl[s]), int(qsl[s + 1])
+        for t in range(q_start, q_end):
+            pos = context_len - (q_end - q_start) + (t - q_start)
+            keys = np.arange(max(0, pos - window + 1), pos + 1)  # [C] visible key positions
+            slots = tables[s, keys // block_size] * block_size + keys % block_size
+            k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].astype(np.float64)  # [C, Hkv, D]
+            v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].astype(np.float64)  # [C, Hkv, D]
+            k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [C, H, D]
+            scores = np.einsum("hd,khd->hk", q[t].astype(np.float64), k) * scale  # [H, C]
+            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            probs /= probs.sum(axis=-1, keepdims=True)
+            out[t] = np.einsum("hk,khd->hd", probs, v)
+    return out
+
+
+def run_attention(case, num_splits=None, window=0):
     from offline_paged.models.attention import AttentionMetadata
 
     q, k_cache, v_cache, tables, ctx, qsl = case
@@ -62,12 +95,15 @@ def run_attention(case, num_splits=None):
     q_lens = np.diff(qsl)
     out = launchers.paged_attention(
         cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache), cupy.asarray(tables), cupy.asarray(ctx),
-        cupy.asarray(qsl), int(q_lens.max()), int(ctx.max()), scale, num_splits=num_splits).get()
+        cupy.asarray(qsl), int(q_lens.max()), int(ctx.max()), scale, num_splits=num_splits, window=window)
+    assert out.dtype == q.dtype
+    if window:
+        return out.get(), windowed_attention_reference(q, k_cache, v_cache, tables, ctx, qsl, scale, window)
     # The reference multiplies NaN-free gathers only, so NaN slots never reach it.
     meta = AttentionMetadata(np.zeros(len(q), np.int32), tables, ctx, qsl, int(q_lens.max()), int(ctx.max()))
     ref = paged_attention_reference(np, q.astype(np.float32), k_cache.astype(np.float32),
                                     v_cache.astype(np.float32), meta, scale)
-    return out, ref
+    return out.get(), ref
 
 
 DECODE_CASES = [  # (block size, context lengths)
@@ -79,103 +115,206 @@ DECODE_CASES = [  # (block size, context lengths)
 ]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("block_size,contexts", DECODE_CASES)
-def test_decode_attention_matches_reference(head_dim, group, block_size, contexts):
+def test_decode_attention_matches_reference(head_dim, group, block_size, contexts, dtype):
     rng = np.random.default_rng(hash((head_dim, group, block_size)) % 2**32)
-    case = make_paged_case(rng, [(1, c) for c in contexts], block_size, 2, head_dim, group)
+    case = make_paged_case(rng, [(1, c) for c in contexts], block_size, 2, head_dim, group, dtype=dtype)
     out, ref = run_attention(case)
-    assert_close(out, ref)
+    assert_close(out, ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_forced_key_splits_merge_exactly(num_splits, head_dim):
+def test_forced_key_splits_merge_exactly(num_splits, head_dim, dtype):
     rng = np.random.default_rng(num_splits)
-    case = make_paged_case(rng, [(1, 700), (1, 5), (3, 300), (1, 64)], 16, 2, head_dim, 4)
+    case = make_paged_case(rng, [(1, 700), (1, 5), (3, 300), (1, 64)], 16, 2, head_dim, 4, dtype=dtype)
     out, ref = run_attention(case, num_splits=num_splits)
-    assert_close(out, ref)
+    assert_close(out, ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_prefill_and_chunked_prefill_in_mixed_batches(head_dim, group, block_size):
+def test_prefill_and_chunked_prefill_in_mixed_batches(head_dim, group, block_size, dtype):
     """Full prefills, chunks on top of a cached prefix, and decodes in one batch."""
     rng = np.random.default_rng(block_size * 100 + group)
     seqs = [(37, 37), (1, 90), (16, 16), (20, 133), (1, 1), (70, 70), (5, block_size * 4 + 1)]
-    case = make_paged_case(rng, seqs, block_size, 2, head_dim, group)
+    case = make_paged_case(rng, seqs, block_size, 2, head_dim, group, dtype=dtype)
     out, ref = run_attention(case)
-    assert_close(out, ref)
+    assert_close(out, ref, TOL[dtype])
     out_split, _ = run_attention(case, num_splits=3)
-    assert_close(out_split, ref)
+    assert_close(out_split, ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 8)])
-def test_long_context_decode_32k(head_dim, group):
+def test_long_context_decode_32k(head_dim, group, dtype):
     rng = np.random.default_rng(32)
-    case = make_paged_case(rng, [(1, 32768), (1, 20000 + 3)], 16, 1, head_dim, group)
+    case = make_paged_case(rng, [(1, 32768), (1, 20000 + 3)], 16, 1, head_dim, group, dtype=dtype)
     out, ref = run_attention(case)
-    assert_close(out, ref)
+    assert_close(out, ref, TOL[dtype])
 
 
-def test_rows_of_no_sequence_are_zero():
+def spare_block(case) -> int:
+    """The one pool block no sequence's table uses (make_paged_case with spare_blocks=1): all NaN."""
+    _, k_cache, _, tables, ctx, _ = case
+    used = {int(b) for s, c in enumerate(ctx.tolist()) for b in tables[s, :-(-c // k_cache.shape[1])]}
+    (spare,) = set(range(k_cache.shape[0])) - used
+    assert np.isnan(k_cache[spare].astype(np.float32)).all()
+    return spare
+
+
+def free_blocks_before_windows(case, window, poisoned_block):
+    """Point every block-table entry wholly before sequence s's first query's window at
+    `poisoned_block` (all NaN): a sliding-window engine may have freed those blocks already, so a kernel
+    must never read them. Returns the number of entries replaced."""
+    q, k_cache, v_cache, tables, ctx, qsl = case
+    block_size = k_cache.shape[1]
+    replaced = 0
+    for s, context_len in enumerate(ctx.tolist()):
+        first_pos = context_len - int(qsl[s + 1] - qsl[s])
+        first_key = max(0, first_pos - window + 1)  # the first query's window starts here
+        dead = first_key // block_size  # blocks [0, dead) hold only keys before every window
+        tables[s, :dead] = poisoned_block
+        replaced += dead
+    return replaced
+
+
+WINDOW_DECODE_CASES = [  # (block size, window, context lengths)
+    (16, 64, [1, 15, 63, 64, 65, 100, 700, 5000]),
+    (16, 100, [99, 100, 101, 1000, 4097]),
+    (8, 37, [1, 36, 37, 38, 250, 3000]),
+    (32, 4096, [100, 4095, 4096, 4097, 9000]),
+    (5, 23, [1, 22, 23, 24, 300]),  # not a power of two: the per-key table lookup path
+    (16, 1, [1, 2, 300]),  # a window of one: each query sees only itself
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 4), (64, 1)])
+@pytest.mark.parametrize("block_size,window,contexts", WINDOW_DECODE_CASES)
+def test_sliding_window_decode_matches_reference(block_size, window, contexts, head_dim, group, num_splits, dtype):
+    rng = np.random.default_rng(hash((block_size, window, head_dim, group)) % 2**32)
+    case = make_paged_case(rng, [(1, c) for c in contexts], block_size, 2, head_dim, group, spare_blocks=1,
+                           dtype=dtype)
+    replaced = free_blocks_before_windows(case, window, spare_block(case))
+    assert replaced > 0 or max(contexts) <= window
+    out, ref = run_attention(case, num_splits=num_splits, window=window)
+    assert_close(out, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("block_size,window", [(16, 20), (8, 50), (32, 33), (16, 128)])
+def test_sliding_window_prefill_and_chunks_in_mixed_batches(head_dim, group, block_size, window, dtype):
+    """Prefills longer than the window (ROW_SPLIT tiles whose rows have different window starts),
+    chunks on top of a prefix longer than the window, decodes and short prefills, with and without
+    forced splits; blocks before each sequence's first window are poisoned."""
+    rng = np.random.default_rng(block_size * 1000 + window + group)
+    seqs = [(150, 150), (1, 300), (16, 16), (40, 233), (1, 1), (70, 70), (5, block_size * 9 + 1), (200, 260)]
+    case = make_paged_case(rng, seqs, block_size, 2, head_dim, group, spare_blocks=1, dtype=dtype)
+    free_blocks_before_windows(case, window, spare_block(case))
+    for num_splits in (None, 1, 2, 5):
+        out, ref = run_attention(case, num_splits=num_splits, window=window)
+        assert_close(out, ref, TOL[dtype])
+
+
+def test_window_zero_means_no_window_and_negative_is_refused():
+    rng = np.random.default_rng(9)
+    case = make_paged_case(rng, [(1, 300), (30, 30)], 16, 2, 64, 2)
+    out_default, ref = run_attention(case)
+    out_zero, _ = run_attention(case, window=0)
+    np.testing.assert_array_equal(out_zero, out_default)
+    out_huge, _ = run_attention(case, window=10**6)  # wider than every context: the same attention
+    assert_close(out_huge, ref, TOL[np.dtype(np.float16)])
+    q, k, v, tables, ctx, qsl = (cupy.asarray(a) for a in case)
+    with pytest.raises(ValueError, match="window must be"):
+        launchers.paged_attention(q, k, v, tables, ctx, qsl, 30, 300, 0.125, window=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_of_no_sequence_are_zero(dtype):
     rng = np.random.default_rng(5)
-    q, k_cache, v_cache, tables, ctx, qsl = make_paged_case(rng, [(2, 10)], 16, 1, 64, 2)
-    q_padded = np.concatenate([q, rng.standard_normal((3,) + q.shape[1:]).astype(np.float16)])
+    q, k_cache, v_cache, tables, ctx, qsl = make_paged_case(rng, [(2, 10)], 16, 1, 64, 2, dtype=dtype)
+    q_padded = np.concatenate([q, rng.standard_normal((3,) + q.shape[1:]).astype(dtype)])
     out = launchers.paged_attention(cupy.asarray(q_padded), cupy.asarray(k_cache), cupy.asarray(v_cache),
                                     cupy.asarray(tables), cupy.asarray(ctx), cupy.asarray(qsl), 2, 10, 0.125).get()
+    out = out.astype(np.float32)
     assert np.abs(out[:2]).max() > 0
     assert np.all(out[2:] == 0)
 
 
-def test_write_kv_scatters_strided_rows_and_skips_negative_slots():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_scatters_strided_rows_and_skips_negative_slots(dtype):
     rng = np.random.default_rng(0)
     num_tokens, hkv, d = 50, 3, 64
-    qkv = cupy.asarray(rng.standard_normal((num_tokens, (9 + 2 * hkv) * d)).astype(np.float16))
+    qkv = cupy.asarray(rng.standard_normal((num_tokens, (9 + 2 * hkv) * d)).astype(dtype))
     k = qkv[:, 9 * d:(9 + hkv) * d].reshape(num_tokens, hkv, d)  # strided views, as the model makes them
     v = qkv[:, (9 + hkv) * d:].reshape(num_tokens, hkv, d)
     slots = rng.permutation(40 * 16)[:num_tokens].astype(np.int32)
     slots[[3, 17, 49]] = -1
-    k_cache = cupy.asarray(rng.standard_normal((40, 16, hkv, d)).astype(np.float16))
-    v_cache = cupy.asarray(rng.standard_normal((40, 16, hkv, d)).astype(np.float16))
+    k_cache = cupy.asarray(rng.standard_normal((40, 16, hkv, d)).astype(dtype))
+    v_cache = cupy.asarray(rng.standard_normal((40, 16, hkv, d)).astype(dtype))
     k_ref, v_ref = k_cache.get(), v_cache.get()
     write_kv_reference(np, k.get(), v.get(), k_ref, v_ref, slots)
     launchers.write_kv(k, v, k_cache, v_cache, cupy.asarray(slots))
-    np.testing.assert_array_equal(k_cache.get(), k_ref)
-    np.testing.assert_array_equal(v_cache.get(), v_ref)
+    assert k_cache.dtype == dtype
+    np.testing.assert_array_equal(k_cache.get().view(np.uint16), k_ref.view(np.uint16))  # bit for bit
+    np.testing.assert_array_equal(v_cache.get().view(np.uint16), v_ref.view(np.uint16))
 
 
-def test_copy_blocks_copies_every_layer_k_and_v():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_copies_every_layer_k_and_v(dtype):
     rng = np.random.default_rng(1)
-    kv = rng.standard_normal((3, 2, 20, 16, 2, 64)).astype(np.float16)
+    kv = rng.standard_normal((3, 2, 20, 16, 2, 64)).astype(dtype)
     src, dst = np.array([0, 5, 5, 19], np.int32), np.array([1, 2, 7, 11], np.int32)
     expected = kv.copy()
     NumpyOps().copy_blocks(expected, src, dst)
     kv_gpu = cupy.asarray(kv)
     launchers.copy_blocks(kv_gpu, cupy.asarray(src), cupy.asarray(dst))
-    np.testing.assert_array_equal(kv_gpu.get(), expected)
+    np.testing.assert_array_equal(kv_gpu.get().view(np.uint16), expected.view(np.uint16))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("hidden", [576, 2048, 100])
-def test_rms_norm_matches_numpy_ops(with_residual, hidden):
+def test_rms_norm_matches_numpy_ops(with_residual, hidden, dtype):
     rng = np.random.default_rng(hidden)
-    x = (3 * rng.standard_normal((33, hidden))).astype(np.float16)
-    residual = rng.standard_normal((33, hidden)).astype(np.float16) if with_residual else None
-    weight = (1 + 0.2 * rng.standard_normal(hidden)).astype(np.float16)
+    x = (3 * rng.standard_normal((33, hidden))).astype(dtype)
+    residual = rng.standard_normal((33, hidden)).astype(dtype) if with_residual else None
+    weight = (1 + 0.2 * rng.standard_normal(hidden)).astype(dtype)
     ref_out, ref_res = NumpyOps().rms_norm(x.astype(np.float32), weight.astype(np.float32), 1e-5,
                                            None if residual is None else residual.astype(np.float32))
     out, res = launchers.rms_norm(cupy.asarray(x), cupy.asarray(weight), 1e-5,
                                   None if residual is None else cupy.asarray(residual))
-    assert_close(out.get(), ref_out)
-    assert_close(res.get(), ref_res)
+    assert out.dtype == res.dtype == dtype
+    assert_close(out.get(), ref_out, TOL[dtype])
+    assert_close(res.get(), ref_res, TOL[dtype])
+    if with_residual:  # the new residual is the exact sum rounded once to the dtype
+        exact = round_once(x.astype(np.float64) + residual.astype(np.float64), dtype)
+        np.testing.assert_array_equal(res.get().view(np.uint16), exact.view(np.uint16))
 
 
-@pytest.mark.parametrize("cache_dtype", [np.float16, np.float32])
+def round_once(values, dtype):
+    """float64 -> dtype with one round-to-nearest-even (ml_dtypes goes through float32 for bfloat16,
+    which rounds twice)."""
+    if dtype != BF16:
+        return values.astype(dtype)
+    mantissa, exponent = np.frexp(values)  # values = mantissa * 2^exponent, 0.5 <= |mantissa| < 1
+    return np.ldexp(np.rint(mantissa * 256) / 256, exponent).astype(dtype)  # 8 significant bits: exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_kind", ["same", "float32"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_rope_matches_numpy_ops_on_strided_views(cache_dtype, head_dim):
+def test_rope_matches_numpy_ops_on_strided_views(cache_kind, head_dim, dtype):
     from offline_paged.models.config import LlamaConfig
     from offline_paged.models.rope import cos_sin_cache
 
@@ -183,9 +322,9 @@ def test_rope_matches_numpy_ops_on_strided_views(cache_dtype, head_dim):
     config = LlamaConfig(vocab_size=10, hidden_size=9 * head_dim, intermediate_size=8, num_hidden_layers=1,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=head_dim, rope_theta=1e5,
                          max_position_embeddings=4096)
-    table = cos_sin_cache(config, cache_dtype)
+    table = cos_sin_cache(config, dtype if cache_kind == "same" else np.float32)
     num_tokens = 21
-    qkv = rng.standard_normal((num_tokens, 15 * head_dim)).astype(np.float16)
+    qkv = rng.standard_normal((num_tokens, 15 * head_dim)).astype(dtype)
     positions = rng.integers(0, 4096, num_tokens).astype(np.int32)
     q_host = qkv[:, :9 * head_dim].reshape(num_tokens, 9, head_dim)
     k_host = qkv[:, 9 * head_dim:12 * head_dim].reshape(num_tokens, 3, head_dim)
@@ -195,15 +334,19 @@ def test_rope_matches_numpy_ops_on_strided_views(cache_dtype, head_dim):
     q = qkv_gpu[:, :9 * head_dim].reshape(num_tokens, 9, head_dim)
     k = qkv_gpu[:, 9 * head_dim:12 * head_dim].reshape(num_tokens, 3, head_dim)
     q_out, k_out = launchers.rope(q, k, cupy.asarray(positions), cupy.asarray(table))
-    assert_close(q_out.get(), q_ref)
-    assert_close(k_out.get(), k_ref)
+    assert q_out.dtype == k_out.dtype == dtype
+    assert_close(q_out.get(), q_ref, TOL[dtype])
+    assert_close(k_out.get(), k_ref, TOL[dtype])
 
 
-def test_silu_mul_matches_numpy_ops():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_numpy_ops(dtype):
     rng = np.random.default_rng(2)
-    gate_up = (4 * rng.standard_normal((17, 2 * 1536))).astype(np.float16)
+    gate_up = (4 * rng.standard_normal((17, 2 * 1536))).astype(dtype)
     ref = NumpyOps().silu_mul(gate_up.astype(np.float32))
-    assert_close(launchers.silu_mul(cupy.asarray(gate_up)).get(), ref)
+    out = launchers.silu_mul(cupy.asarray(gate_up))
+    assert out.dtype == dtype
+    assert_close(out.get(), ref, TOL[dtype])
 
 
 def test_launchers_say_what_is_wrong():
@@ -211,8 +354,11 @@ def test_launchers_say_what_is_wrong():
     cache = cupy.zeros((4, 16, 2, 64), dtype=cupy.float16)
     ints = cupy.zeros((1, 1), dtype=cupy.int32)
     one = cupy.zeros(1, dtype=cupy.int32)
-    with pytest.raises(ValueError, match="q must be float16"):
+    with pytest.raises(ValueError, match="q must be float16 or bfloat16"):
         launchers.paged_attention(q, cache, cache, ints, one, cupy.zeros(2, dtype=cupy.int32), 1, 1, 1.0)
+    with pytest.raises(ValueError, match="k_cache must be bfloat16, got float16"):  # mixed element types
+        launchers.paged_attention(cupy.zeros((4, 8, 64), BF16), cache, cache, ints, one,
+                                  cupy.zeros(2, dtype=cupy.int32), 1, 1, 1.0)
     with pytest.raises(ValueError, match="head dim 96 not supported"):
         c96 = cupy.zeros((4, 16, 2, 96), dtype=cupy.float16)
         launchers.paged_attention(cupy.zeros((4, 8, 96), cupy.float16), c96, c96, ints, one,
@@ -221,17 +367,22 @@ def test_launchers_say_what_is_wrong():
         launchers.silu_mul(cupy.zeros((8, 4), cupy.float16).T)
     with pytest.raises(ValueError, match="slot_mapping must be int32"):
         launchers.write_kv(cache[0], cache[0], cache, cache, cupy.zeros(16, dtype=cupy.int64))
+    with pytest.raises(ValueError, match="weight must be bfloat16"):
+        launchers.rms_norm(cupy.zeros((2, 64), BF16), cupy.zeros(64, cupy.float16), 1e-5)
 
 
-def test_swap_out_and_in_round_trip_through_pinned_memory():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_out_and_in_round_trip_through_pinned_memory(dtype):
     from offline_paged.cuda.swap import BlockSwapper
 
     rng = np.random.default_rng(3)
-    kv = cupy.asarray(rng.standard_normal((2, 2, 12, 16, 2, 64)).astype(np.float16))
+    kv = cupy.asarray(rng.standard_normal((2, 2, 12, 16, 2, 64)).astype(dtype))
     original = kv.get()
     swapper = BlockSwapper(kv, num_cpu_blocks=6)
+    assert swapper.cpu_cache.dtype == dtype
     swapper.swap_out([3, 7, 11], [5, 0, 2])
-    np.testing.assert_array_equal(swapper.cpu_cache[:, :, [5, 0, 2]], original[:, :, [3, 7, 11]])
+    np.testing.assert_array_equal(swapper.cpu_cache[:, :, [5, 0, 2]].view(np.uint16),
+                                  original[:, :, [3, 7, 11]].view(np.uint16))
     kv[:, :, [3, 7, 11]] = 0
     swapper.swap_in([5, 0, 2], [3, 7, 11])
-    np.testing.assert_array_equal(kv.get(), original)
+    np.testing.assert_array_equal(kv.get().view(np.uint16), original.view(np.uint16))

@@ -39,3 +39,13 @@ def test_bench_runs_with_and_without_cuda_graphs(graphs):
     assert split["forward_device_ms"] > 0
     assert (split["num_cuda_graph_steps"] > 0) == graphs
     assert report["device"] and "git_commit" in report
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_bench_measures_float16_and_bfloat16_in_one_call(graphs):
+    report = _bench("--dtype", "float16", "--dtype", "bfloat16", "--cuda-graphs" if graphs else "--no-cuda-graphs")
+    assert "cuda float16/bfloat16" in report["header"]
+    runs = report["runs"]
+    assert [r["label"] for r in runs] == ["paged float16", "paged bfloat16"]
+    assert runs[0]["num_output_tokens"] == runs[1]["num_output_tokens"] > 0
+    assert all((r["time_split"]["num_cuda_graph_steps"] > 0) == graphs for r in runs)
