@@ -72,12 +72,12 @@ def load_tokenizer(name_or_path: str | Path | None = None) -> tuple[LlamaConfig,
         name_or_path = ensure_default_model()
     path = Path(name_or_path)
     if path.suffix == ".gguf":
-        from .gguf_import import GgufMetadata, config_from_metadata, open_gguf
+        from .gguf_import import GgufMetadata, config_from_reader, open_gguf
         from .gguf_tokenizer import build_tokenizer
 
         reader = open_gguf(path)
         metadata = GgufMetadata(reader, path)
-        config = config_from_metadata(metadata, any(t.name == "output.weight" for t in reader.tensors))
+        config = config_from_reader(reader, metadata)
         return config, build_tokenizer(metadata, config)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such model; expected an HF model directory (config.json + "
