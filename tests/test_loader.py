@@ -297,3 +297,22 @@ def test_hostile_tokenizer_files(copy_dir, file, content, message):
     path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     with pytest.raises(ValueError, match=message):
         load_model(copy_dir)
+
+
+@pytest.mark.gpu
+def test_load_to_cuda_equals_numpy(copy_dir):
+    """load_model(xp=cupy) streams a bf16 checkpoint through the pinned ring: same values as numpy."""
+    cupy = pytest.importorskip("cupy")
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    weights = load_file(copy_dir / "model.safetensors")
+    save_torch({n: torch.from_numpy(w).to(torch.bfloat16) for n, w in weights.items()},
+               str(copy_dir / "model.safetensors"))
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
+        on_device = load_model(copy_dir, xp=cupy, dtype=dtype).weights
+        on_host = load_model(copy_dir, xp=np, dtype=dtype).weights
+        for name, array in on_host.items():
+            assert isinstance(on_device[name], cupy.ndarray) and on_device[name].dtype == array.dtype
+            np.testing.assert_array_equal(cupy.asnumpy(on_device[name]).astype(np.float32),
+                                          array.astype(np.float32), err_msg=name)

@@ -216,3 +216,17 @@ def test_load_tensors_on_cuda_equals_numpy(small_checkpoint):
             assert on_device[name].dtype == array.dtype
             np.testing.assert_array_equal(cupy.asnumpy(on_device[name]).astype(np.float64),
                                           array.astype(np.float64))
+
+
+@pytest.mark.gpu
+def test_staged_upload_ring_on_cuda(small_checkpoint):
+    """Many chunks through three pinned buffers on a real device: the ring's waits are real events."""
+    cupy = pytest.importorskip("cupy")
+    ckpt = open_checkpoint(small_checkpoint)
+    staged = StagedUpload(cupy, chunk_bytes=64 * 1024, num_buffers=3)
+    for dtype in (None, np.float16, np.float32, BF16):
+        out = staged.tensor(ckpt, "big", dtype)
+        staged.synchronize()
+        expected = np.asarray(ckpt["big"]).astype(dtype or BF16)
+        assert out.dtype == expected.dtype
+        np.testing.assert_array_equal(cupy.asnumpy(out).astype(np.float64), expected.astype(np.float64))
