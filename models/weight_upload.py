@@ -103,6 +103,9 @@ class StagedUpload:
         file, entry, source = checkpoint.files[name], checkpoint.entry(name), checkpoint.dtype(name)
         dtype = source if dtype is None else np.dtype(dtype)
         raw = self.device.empty(entry.end - entry.begin, dtype=self.device.uint8)  # [bytes]
+        # `raw` may reuse memory that kernels queued on the current stream still read (the previous
+        # tensor's conversion); the copy stream does not order itself after them by itself.
+        self.stream.wait_event(self.device.cuda.get_current_stream().record())
         with open(file.path, "rb", buffering=0) as f:
             self._copy(f.fileno(), file.data_start + entry.begin, raw, file.path)
         if source == BFLOAT16 and dtype != BFLOAT16:

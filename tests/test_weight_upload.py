@@ -163,12 +163,22 @@ class FakeCupy:
             def synchronize(self):
                 pass
 
+            def record(self):
+                event = Event()
+                event.record()
+                return event
+
+            def wait_event(self, event):
+                assert event.recorded
+
         def memcpy_async(dst, src, size, kind, stream):
             assert kind == 1
             ctypes.memmove(dst, src, size)
             device.log.append(("copy", src, size))
 
+        current = Stream()
         self.cuda = SimpleNamespace(Event=Event, Stream=Stream, alloc_pinned_memory=bytearray,
+                                    get_current_stream=lambda: current,
                                     runtime=SimpleNamespace(memcpyAsync=memcpy_async))
 
     @staticmethod
