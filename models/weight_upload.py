@@ -28,6 +28,7 @@ _PROGRESS_DELAY_S = 2.0
 
 def to_device(view: np.ndarray, xp: Any, dtype=None) -> Any:
     """An owned `xp` array holding `view` in `dtype` (default: the view's dtype)."""
+    view = np.asarray(view)  # a plain ndarray over the same memory (np.memmap's subclass would stick)
     dtype = view.dtype if dtype is None else np.dtype(dtype)
     if view.dtype == BFLOAT16 and dtype != BFLOAT16:
         bits = view.view(np.uint16)  # [same shape] no copy; numpy widens straight from the view

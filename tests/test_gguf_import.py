@@ -226,6 +226,8 @@ HOSTILE_GGUF = {
                           r"tokenizer\.ggml\.token_type has 1 entries for 32 tokens"),
     "eps_negative": (dict(overrides={"llama.attention.layer_norm_rms_epsilon": -1.0}),
                      r"llama\.attention\.layer_norm_rms_epsilon: rms_norm_eps must be a finite number > 0"),
+    "rope_yarn": (dict(overrides={"llama.rope.scaling.type": "yarn"}),
+                  r"GGUF metadata llama\.rope\.scaling\.type 'yarn' is not supported"),
     "theta_zero": (dict(overrides={"llama.rope.freq_base": 0.0}), r"llama\.rope\.freq_base: rope_theta must be"),
     "vocab_mismatch": (dict(overrides={"llama.vocab_size": 1000}),
                        r"tensor token_embd\.weight has shape \(32, 16\), expected \(1000, 16\)"),

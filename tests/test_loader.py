@@ -74,7 +74,8 @@ def test_bfloat16_loads_as_views_and_converts_exactly(copy_dir):
         loaded = load_model(copy_dir, xp=np, dtype=dtype).weights
         assert set(loaded) == set(weights)
         for n, array in loaded.items():
-            assert array.dtype == dtype and array.flags.c_contiguous and _owns_memory(array), n
+            assert type(array) is np.ndarray and array.dtype == dtype and array.flags.c_contiguous, n
+            assert _owns_memory(array), n
             expected = bf16[n].to(torch_dtype).float().numpy()
             np.testing.assert_array_equal(array.astype(np.float32), expected, err_msg=n)
 
