@@ -1,13 +1,14 @@
 """build_tokenizer: a `tokenizers` byte-level BPE rebuilt from a GGUF file's tokenizer metadata.
 
 The split rule before BPE comes from `tokenizer.ggml.pre` (as llama.cpp reads it): GPT-2's regex,
-GPT-2's regex after isolating every digit (StarCoder / SmolLM family), or Llama 3's regex.
+GPT-2's regex after isolating every digit (StarCoder / SmolLM family), Llama 3's regex, or Qwen2's
+(Llama 3's with single digits, after NFC normalization, as Qwen2/2.5/3's own tokenizer.json does).
 Tokens the file marks CONTROL become special added tokens (matched whole, skipped when decoding),
 USER_DEFINED ones plain added tokens.
 """
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from .chat_template import ChatTemplate
@@ -18,7 +19,9 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _GPT2_PRE = ("default", "gpt-2", "gpt2")
+_QWEN2_PRE = ("qwen2",)
 _DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell", "exaone", "minerva", "command-r")
 _LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx")
 _SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
@@ -49,6 +52,8 @@ def build_tokenizer(meta, config: LlamaConfig) -> Tokenizer:
         raise ValueError(f"{meta.path}: GGUF tokenizer metadata (tokenizer.ggml.tokens / merges) "
                          f"is inconsistent ({exc})") from None
     backend.pre_tokenizer = _pre_tokenizer(pre, meta.path)
+    if pre in _QWEN2_PRE:
+        backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
     token_types = meta.list_of("tokenizer.ggml.token_type", int, [])
     if token_types and len(token_types) != len(tokens):
@@ -84,7 +89,10 @@ def _pre_tokenizer(pre: str, path):
     if pre in _LLAMA3_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    supported = ", ".join(_GPT2_PRE + _DIGITS_PRE + _LLAMA3_PRE)
+    if pre in _QWEN2_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    supported = ", ".join(_GPT2_PRE + _DIGITS_PRE + _LLAMA3_PRE + _QWEN2_PRE)
     raise ValueError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (supported: {supported})")
 
 

@@ -2,46 +2,63 @@
 
 Only safetensors and GGUF are read; a directory holding only pickle checkpoints (*.bin, *.pt) is
 refused. Every error names the file and the problem.
+
+Two ways to get the weights of an HF directory:
+- `load_model(path)`: `weights` is a lazy mapping (name -> read-only view in the checkpoint dtype,
+  BF16 as ml_dtypes.bfloat16; see models/checkpoint.py). Nothing is read until a view is touched,
+  and `Llama` converts and uploads one tensor at a time, so no full float32 copy exists on the host.
+- `load_model(path, xp=cupy, dtype=...)`: `weights` is a dict of `xp` arrays already in `dtype`,
+  streamed tensor by tensor (models/weight_upload.py) with a progress bar; peak host RSS stays
+  about one tensor above the process's baseline.
+For slices of tensors (tensor parallel), use `open_checkpoint` and `to_device` directly.
 """
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from .checkpoint import Checkpoint, open_checkpoint
 from .config import LlamaConfig
-from .safetensors_io import SafetensorsFile
 from .tokenizer import Tokenizer
+from .weight_upload import load_tensors, to_device
 from .weight_spec import check_checkpoint_names, expected_weight_shapes
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """Everything needed to build a `Llama` and talk to it. `weights` uses HF tensor names."""
+    """Everything needed to build a `Llama` and talk to it. `weights` uses HF tensor names: lazy host
+    views (`CheckpointWeights`), or arrays of the array module the loader was given."""
 
     config: LlamaConfig
-    weights: dict[str, np.ndarray]
+    weights: Mapping[str, Any]
     tokenizer: Tokenizer
     source: str
 
 
-def load_model(name_or_path: str | Path | None = None) -> LoadedModel:
+def load_model(name_or_path: str | Path | None = None, xp: Any = None, dtype=None,
+               progress: bool = True) -> LoadedModel:
     """None or "default": SmolLM2-135M-Instruct (pulled and converted on first use);
-    a path ending in .gguf: imported from GGUF; otherwise an HF model directory."""
+    a path ending in .gguf: imported from GGUF; otherwise an HF model directory.
+    With `xp` (numpy or cupy) the weights are converted to `xp` arrays in `dtype` (default: the
+    checkpoint's dtype) while loading; without it they are lazy host views (see the module docstring)."""
     if name_or_path is None or str(name_or_path) == "default":
         from .default_model import ensure_default_model
 
-        return load_hf_dir(ensure_default_model())
+        return load_hf_dir(ensure_default_model(), xp, dtype, progress)
     path = Path(name_or_path)
     if path.suffix == ".gguf":
         from .gguf_import import import_gguf
 
         config, weights, tokenizer = import_gguf(path)
+        if xp is not None:
+            weights = {name: to_device(w, xp, dtype) for name, w in weights.items()}
         return LoadedModel(config, weights, tokenizer, str(path))
     if path.is_dir():
-        return load_hf_dir(path)
+        return load_hf_dir(path, xp, dtype, progress)
     raise FileNotFoundError(f"{path}: no such model; expected an HF model directory (config.json + "
                             "*.safetensors + tokenizer.json), a .gguf file, or 'default'")
 
@@ -55,12 +72,12 @@ def load_tokenizer(name_or_path: str | Path | None = None) -> tuple[LlamaConfig,
         name_or_path = ensure_default_model()
     path = Path(name_or_path)
     if path.suffix == ".gguf":
-        from .gguf_import import GgufMetadata, config_from_metadata, open_gguf
+        from .gguf_import import GgufMetadata, config_from_reader, open_gguf
         from .gguf_tokenizer import build_tokenizer
 
         reader = open_gguf(path)
         metadata = GgufMetadata(reader, path)
-        config = config_from_metadata(metadata, any(t.name == "output.weight" for t in reader.tensors))
+        config = config_from_reader(reader, metadata)
         return config, build_tokenizer(metadata, config)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such model; expected an HF model directory (config.json + "
@@ -69,10 +86,10 @@ def load_tokenizer(name_or_path: str | Path | None = None) -> tuple[LlamaConfig,
     return config, Tokenizer.from_dir(path, extra_eos_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
 
 
-def load_hf_dir(directory: str | Path) -> LoadedModel:
+def load_hf_dir(directory: str | Path, xp: Any = None, dtype=None, progress: bool = True) -> LoadedModel:
     directory = Path(directory)
     config = LlamaConfig.from_file(directory / "config.json")
-    weights = read_weights(directory, config)
+    weights = read_weights(directory, config, xp, dtype, progress)
     tokenizer = Tokenizer.from_dir(directory, extra_eos_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     for kind, ids in (("end-of-sequence", sorted(tokenizer.eos_token_ids)), ("beginning-of-sequence", bos)):
@@ -84,64 +101,58 @@ def load_hf_dir(directory: str | Path) -> LoadedModel:
     return LoadedModel(config, weights, tokenizer, str(directory))
 
 
-def read_weights(directory: Path, config: LlamaConfig) -> dict[str, np.ndarray]:
+def read_weights(directory: Path, config: LlamaConfig, xp: Any = None, dtype=None,
+                 progress: bool = True) -> Mapping[str, Any]:
     """The tensors the config needs, from one or several (indexed) safetensors files. Every header is
-    validated and the names and shapes are checked against the config before any tensor is read."""
-    files = _index_tensors([SafetensorsFile(path) for path in _safetensors_files(directory)])
+    validated and the names and shapes are checked against the config before any tensor is read.
+    Without `xp`: lazy views (`CheckpointWeights`); with it: `xp` arrays in `dtype`, streamed."""
+    checkpoint = open_checkpoint(directory)
     try:
-        check_checkpoint_names(config, set(files))
+        check_checkpoint_names(config, set(checkpoint))
     except ValueError as exc:
-        shards = ", ".join(sorted({f.path.name for f in files.values()}))
+        shards = ", ".join(sorted(f.path.name for f in checkpoint.shards if f.entries))
         raise ValueError(f"{directory} (config.json; {shards or 'no tensors'}): {exc}") from None
     expected = expected_weight_shapes(config)
     for name, shape in expected.items():
-        if files[name].entries[name].shape != shape:
-            raise ValueError(f"{files[name].path}: tensor {name} has shape {files[name].entries[name].shape}, "
+        if checkpoint.shape(name) != shape:
+            raise ValueError(f"{checkpoint.files[name].path}: tensor {name} has shape {checkpoint.shape(name)}, "
                              f"expected {shape} from config.json")
-    weights = {name: files[name].read(name) for name in expected}
-    if config.tie_word_embeddings and "lm_head.weight" in files:
-        _check_tied(files["lm_head.weight"], weights["model.embed_tokens.weight"])
-    return weights
+        checkpoint.dtype(name)  # an unsupported dtype fails here, before anything is read
+    if config.tie_word_embeddings and "lm_head.weight" in checkpoint:
+        _check_tied(checkpoint)
+    if xp is None:
+        return CheckpointWeights(checkpoint, tuple(expected))
+    return load_tensors(checkpoint, expected, xp, dtype, progress)
 
 
-def _index_tensors(files: list[SafetensorsFile]) -> dict[str, SafetensorsFile]:
-    where: dict[str, SafetensorsFile] = {}
-    for file in files:
-        for name in file.entries:
-            if name in where:
-                raise ValueError(f"{file.path}: tensor {name} is also in {where[name].path}")
-            where[name] = file
-    return where
+class CheckpointWeights(Mapping):
+    """name -> a fresh lazy view of that tensor (nothing cached, so a consumer that converts one
+    tensor at a time holds one tensor's pages at a time). Only the names the config computes."""
+
+    def __init__(self, checkpoint: Checkpoint, names: tuple[str, ...]):
+        self.checkpoint = checkpoint
+        self._names = dict.fromkeys(names)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        return self.checkpoint[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
-def _check_tied(file: SafetensorsFile, embed: np.ndarray) -> None:
+def _check_tied(checkpoint: Checkpoint) -> None:
     """A tied model may carry a redundant lm_head.weight; it must then equal the embeddings."""
-    entry = file.entries["lm_head.weight"]
-    if entry.shape != embed.shape or not np.array_equal(file.read("lm_head.weight"), embed):
-        raise ValueError(f"{file.path}: lm_head.weight differs from model.embed_tokens.weight, but config.json "
-                         "sets tie_word_embeddings to true (the output layer would silently be the embeddings); "
-                         "set tie_word_embeddings to false")
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if checkpoint.shape(head) != checkpoint.shape(embed) or not _equal_in_chunks(checkpoint[head], checkpoint[embed]):
+        raise ValueError(f"{checkpoint.files[head].path}: lm_head.weight differs from model.embed_tokens.weight, "
+                         "but config.json sets tie_word_embeddings to true (the output layer would silently be "
+                         "the embeddings); set tie_word_embeddings to false")
 
 
-def _safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise ValueError(f"{index}: malformed safetensors index ({type(exc).__name__}: {exc})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names")
-        files = [directory / f for f in dict.fromkeys(weight_map.values())]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index}: lists shards that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if files:
-        return files
-    pickles = [p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
-    if pickles:
-        raise ValueError(f"{directory}: only pickle checkpoints found ({', '.join(pickles)}); they are never "
-                         "read (arbitrary code execution). Convert the model to safetensors first.")
-    raise FileNotFoundError(f"{directory}: no *.safetensors weights found")
+def _equal_in_chunks(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
+    return all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, len(a), rows))

@@ -1,11 +1,16 @@
-"""Reading safetensors files with our own header parser (no pickle, ever).
+"""Reading safetensors files with our own header parser (no pickle, ever), memory-mapped.
 
 Doing the parsing ourselves lets every failure name the file, the tensor and the field (truncated
-data, corrupt header, unsupported dtype) and lets bfloat16 be widened to float32 without torch.
-The whole header is validated before any tensor is read: every entry is an object with a known
-`dtype`, a `shape` of non-negative integers and `data_offsets` [begin, end] with
-0 <= begin <= end <= data size, whose length matches shape x dtype (computed in Python integers, so
-no size can wrap), and no two tensors overlap. Writing goes through the `safetensors` package.
+data, corrupt header, unsupported dtype). The whole header is validated before any tensor is read:
+every entry is an object with a known `dtype`, a `shape` of non-negative integers and `data_offsets`
+[begin, end] with 0 <= begin <= end <= data size, whose length matches shape x dtype (computed in
+Python integers, so no size can wrap), and no two tensors overlap. Writing goes through the
+`safetensors` package.
+
+`SafetensorsFile.view(name)` is a lazy, read-only numpy view of one tensor in its checkpoint dtype
+(BF16 as `ml_dtypes.bfloat16`) over its own memory map: nothing is read until it is touched, a slice
+reads only its pages, and dropping the view unmaps it (its pages leave the process's RSS).
+`read(name, dtype)` is an owned copy, converted one tensor at a time.
 """
 from __future__ import annotations
 
@@ -15,12 +20,16 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
-_READABLE = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_READABLE = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 _ITEM_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _MAX_HEADER = 100 * 1024 * 1024
+# Smaller tensors (norms, biases) are read rather than mapped: a view that lives on in a model
+# (zero-copy on the CPU) then holds no file descriptor.
+_MAP_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,26 +58,37 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: corrupt safetensors header (__metadata__ is not an object)")
         _check_no_overlap(self.path, self.entries)
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor as a numpy array (BF16 widened to float32)."""
+    def numpy_dtype(self, name: str) -> np.dtype:
+        """The numpy dtype of tensor `name` (BF16: ml_dtypes.bfloat16); ValueError if unsupported."""
         entry = self.entries[name]
         if entry.dtype not in _READABLE:
             raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {entry.dtype} "
                              f"(supported: {', '.join(_READABLE)})")
-        dtype = np.dtype(_READABLE[entry.dtype])
-        array = np.fromfile(self.path, dtype=dtype, count=(entry.end - entry.begin) // dtype.itemsize,
-                            offset=self.data_start + entry.begin).reshape(entry.shape)
-        if entry.dtype == "BF16":
-            return (array.astype(np.uint32) << 16).view(np.float32)
-        return array
+        return np.dtype(_READABLE[entry.dtype])
+
+    def view(self, name: str) -> np.ndarray:
+        """Tensor `name` in its checkpoint dtype, read-only and lazy (memory-mapped when >= 1 MiB)."""
+        entry, dtype = self.entries[name], self.numpy_dtype(name)
+        offset = self.data_start + entry.begin
+        if entry.end - entry.begin < _MAP_MIN_BYTES:
+            array = np.fromfile(self.path, dtype=dtype, count=math.prod(entry.shape), offset=offset)
+            array = array.reshape(entry.shape)
+            array.flags.writeable = False
+            return array
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=offset, shape=entry.shape)
+
+    def read(self, name: str, dtype=None) -> np.ndarray:
+        """An owned copy of tensor `name`, in `dtype` (default: its checkpoint dtype)."""
+        return np.array(self.view(name), dtype=dtype)
 
 
-def read_safetensors(path: str | Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
-    """Tensors of one safetensors file (only `names` if given) as numpy arrays; BF16 becomes float32.
+def read_safetensors(path: str | Path, names: set[str] | None = None, dtype=None) -> dict[str, np.ndarray]:
+    """Tensors of one safetensors file (only `names` if given) as owned numpy arrays in `dtype`
+    (default: each tensor's own; BF16 is ml_dtypes.bfloat16).
 
     Raises ValueError naming the file for a corrupt or truncated file or an unsupported dtype."""
     file = SafetensorsFile(path)
-    return {name: file.read(name) for name in file.entries if names is None or name in names}
+    return {name: file.read(name, dtype) for name in file.entries if names is None or name in names}
 
 
 def _read_header(path: Path) -> tuple[dict, int]:

@@ -2,6 +2,8 @@
 convert round-trip, and bad GGUF input."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -224,6 +226,8 @@ HOSTILE_GGUF = {
                           r"tokenizer\.ggml\.token_type has 1 entries for 32 tokens"),
     "eps_negative": (dict(overrides={"llama.attention.layer_norm_rms_epsilon": -1.0}),
                      r"llama\.attention\.layer_norm_rms_epsilon: rms_norm_eps must be a finite number > 0"),
+    "rope_yarn": (dict(overrides={"llama.rope.scaling.type": "yarn"}),
+                  r"GGUF metadata llama\.rope\.scaling\.type 'yarn' is not supported"),
     "theta_zero": (dict(overrides={"llama.rope.freq_base": 0.0}), r"llama\.rope\.freq_base: rope_theta must be"),
     "vocab_mismatch": (dict(overrides={"llama.vocab_size": 1000}),
                        r"tensor token_embd\.weight has shape \(32, 16\), expected \(1000, 16\)"),
@@ -246,3 +250,119 @@ def test_hostile_gguf_is_one_clear_error(tmp_path, name):
     path = write_tiny_gguf(tmp_path / "hostile.gguf", **kwargs)
     with pytest.raises(ValueError, match=r"hostile\.gguf: .*" + message):
         load_model(path)
+
+
+# --------------------------------------------------------------------------- llama / qwen2 / qwen3 GGUFs
+# A tiny transformers model per family, saved as safetensors and loaded by our safetensors path, then
+# written as a GGUF the way llama.cpp's converter lays it out; the GGUF import must give the same
+# config, the same weights and transformers' logits. "llama-rope3" carries Llama 3.1 RoPE scaling as
+# rope_freqs.weight (thresholds chosen so that two of head_dim 8's four frequencies sit on the ramp).
+from fixtures_gguf_family import llama3_divisors, write_family_gguf  # noqa: E402
+from tiny_llama import hf_logits, make_tiny_hf_model, random_prompts, write_tiny_tokenizer  # noqa: E402
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0,
+               "original_max_position_embeddings": 256}
+PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+
+
+def _tokens(vocab_size: int) -> list[str]:
+    return ["a", "b", "ab"] + [f"t{i}" for i in range(vocab_size - 3)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llama-rope3"])
+def family_gguf(request, tmp_path_factory):
+    """(transformers model, safetensors-path LoadedModel, import_gguf result, gguf path, rope divisors)."""
+    return _build_family_gguf(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def rope3_gguf(tmp_path_factory):
+    return _build_family_gguf("llama-rope3", tmp_path_factory)
+
+
+def _build_family_gguf(variant: str, tmp_path_factory):
+    family = variant.split("-")[0]
+    path = tmp_path_factory.mktemp(variant)
+    overrides = {"rope_scaling": LLAMA3_ROPE} if variant == "llama-rope3" else {}
+    hf_model = make_tiny_hf_model(path, seed=11, family=family, **overrides)
+    write_tiny_tokenizer(path, hf_model.config.vocab_size)
+    loaded = load_model(path)
+    weights = {name: np.asarray(w, dtype=np.float32) for name, w in loaded.weights.items()}
+    divisors = llama3_divisors(loaded.config, loaded.config.rope_scaling) if overrides else None
+    gguf_path = write_family_gguf(path / "model.gguf", loaded.config, weights, _tokens(loaded.config.vocab_size),
+                                  ["a b"], PRE[family], divisors)
+    return hf_model, loaded, import_gguf(gguf_path), gguf_path, divisors
+
+
+def test_family_gguf_gives_the_safetensors_config_and_weights(family_gguf):
+    from offline_paged.models.rope import inverse_frequencies
+
+    _, loaded, (config, weights, _), _, divisors = family_gguf
+    expected = loaded.config
+    for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps",
+                  "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(config, field) == getattr(expected, field), field
+    assert (config.rope_scaling is None) == (divisors is None)
+    np.testing.assert_allclose(inverse_frequencies(config), inverse_frequencies(expected), rtol=1e-6, atol=0)
+    assert set(weights) == set(loaded.weights)
+    for name, array in weights.items():
+        np.testing.assert_array_equal(array, np.asarray(loaded.weights[name], dtype=np.float32), err_msg=name)
+
+
+def test_family_gguf_logits_match_transformers(family_gguf):
+    from offline_paged.models.llama import Llama
+    from offline_paged.models.ops_numpy import NumpyOps
+    from offline_paged.models.simple_runner import SimpleRunner
+
+    hf_model, _, (config, weights, _), _, _ = family_gguf
+    runner = SimpleRunner(Llama(config, weights, NumpyOps()), 100, 4, seed=2)
+    prompts = random_prompts(5, [40, 9], config.vocab_size)
+    for prompt, logits in zip(prompts, runner.step(list(enumerate(prompts)), all_logits=True)):
+        np.testing.assert_allclose(logits, hf_logits(hf_model, prompt), atol=1e-4, rtol=0)
+
+
+def test_rope_freqs_changes_the_model(rope3_gguf):
+    """Dropping rope_freqs.weight (what the importer used to do) changes the frequencies a lot: the
+    logits test above would catch an importer that ignores it."""
+    from offline_paged.models.rope import inverse_frequencies
+
+    _, _, (config, _, _), _, _ = rope3_gguf
+    plain = dataclasses.replace(config, rope_scaling=None)
+    assert np.abs(inverse_frequencies(plain) / inverse_frequencies(config) - 1).max() > 0.5
+
+
+def test_transformers_reads_our_family_gguf_identically(family_gguf):
+    """An independent reader of the same file (transformers' GGUF loader: its own name map and its
+    own Q/K un-permute for llama only) gives the same tensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, _, (config, weights, _), gguf_path, _ = family_gguf
+    if config.head_dim != config.hidden_size // config.num_attention_heads:
+        pytest.skip("transformers' GGUF reader ignores attention.key_length (it would build head_dim 128)")
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    for name, array in weights.items():
+        np.testing.assert_array_equal(array, state[name], err_msg=name)
+
+
+@pytest.mark.parametrize("change,message", [
+    ("random", r"rope_freqs\.weight: (the divisors are not those of a llama3|not a llama3)"),
+    ("short", r"rope_freqs\.weight must hold 4 finite divisors"),
+    ("linear_too", r"both llama\.rope\.scaling\.type 'linear' and a rope_freqs\.weight tensor"),
+])
+def test_rope_freqs_that_is_not_llama3_is_refused(rope3_gguf, tmp_path, change, message):
+    _, loaded, _, _, divisors = rope3_gguf
+    weights = {name: np.asarray(w, dtype=np.float32) for name, w in loaded.weights.items()}
+    extra = {}
+    if change == "random":
+        divisors = np.array([1.0, 2.7, 1.3, 4.0], np.float32)
+    elif change == "short":
+        divisors = divisors[:3]
+    else:
+        extra = {"llama.rope.scaling.type": "linear"}
+    path = write_family_gguf(tmp_path / "bad.gguf", loaded.config, weights, _tokens(loaded.config.vocab_size),
+                             ["a b"], "llama-bpe", divisors, extra)
+    with pytest.raises(ValueError, match=r"bad\.gguf: .*" + message):
+        import_gguf(path)

@@ -5,6 +5,7 @@ import json
 import shutil
 import struct
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -55,18 +56,46 @@ def test_sharded_checkpoint_equals_single_file(copy_dir, tiny_dir):
         np.testing.assert_array_equal(sharded[name], array)
 
 
-def test_bfloat16_and_float16_are_widened(copy_dir):
+def test_bfloat16_loads_as_views_and_converts_exactly(copy_dir):
+    """Lazy views keep the checkpoint dtype; a load with xp/dtype converts to fp32, fp16 or bf16,
+    bit-exact with torch's own casts."""
     weights = load_file(copy_dir / "model.safetensors")
     import torch
     from safetensors.torch import save_file as save_torch
 
-    save_torch({n: torch.from_numpy(w).to(torch.bfloat16) for n, w in weights.items()},
-               str(copy_dir / "model.safetensors"))
-    loaded = load_model(copy_dir).weights
+    bf16 = {n: torch.from_numpy(w).to(torch.bfloat16) for n, w in weights.items()}
+    save_torch(bf16, str(copy_dir / "model.safetensors"))
     name = "model.layers.0.mlp.up_proj.weight"
-    expected = torch.from_numpy(weights[name]).to(torch.bfloat16).float().numpy()
-    assert loaded[name].dtype == np.float32
-    np.testing.assert_array_equal(loaded[name], expected)
+    lazy = load_model(copy_dir).weights
+    assert isinstance(lazy[name], np.ndarray) and lazy[name].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(lazy[name].astype(np.float32), bf16[name].float().numpy())
+    for dtype, torch_dtype in ((np.float32, torch.float32), (np.float16, torch.float16),
+                               (ml_dtypes.bfloat16, torch.bfloat16)):
+        loaded = load_model(copy_dir, xp=np, dtype=dtype).weights
+        assert set(loaded) == set(weights)
+        for n, array in loaded.items():
+            assert type(array) is np.ndarray and array.dtype == dtype and array.flags.c_contiguous, n
+            assert _owns_memory(array), n
+            expected = bf16[n].to(torch_dtype).float().numpy()
+            np.testing.assert_array_equal(array.astype(np.float32), expected, err_msg=n)
+
+
+def _owns_memory(array: np.ndarray) -> bool:
+    """True when the array's memory is its own allocation (not a view of a file map)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array.flags.owndata
+
+
+def test_float32_checkpoint_converts_to_bfloat16_and_float16(copy_dir):
+    import torch
+
+    weights = load_file(copy_dir / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.weight"
+    for dtype, torch_dtype in ((ml_dtypes.bfloat16, torch.bfloat16), (np.float16, torch.float16)):
+        loaded = load_model(copy_dir, xp=np, dtype=dtype).weights
+        expected = torch.from_numpy(weights[name]).to(torch_dtype).float().numpy()
+        np.testing.assert_array_equal(loaded[name].astype(np.float32), expected)
 
 
 def test_missing_path():
@@ -269,3 +298,22 @@ def test_hostile_tokenizer_files(copy_dir, file, content, message):
     path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     with pytest.raises(ValueError, match=message):
         load_model(copy_dir)
+
+
+@pytest.mark.gpu
+def test_load_to_cuda_equals_numpy(copy_dir):
+    """load_model(xp=cupy) streams a bf16 checkpoint through the pinned ring: same values as numpy."""
+    cupy = pytest.importorskip("cupy")
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    weights = load_file(copy_dir / "model.safetensors")
+    save_torch({n: torch.from_numpy(w).to(torch.bfloat16) for n, w in weights.items()},
+               str(copy_dir / "model.safetensors"))
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
+        on_device = load_model(copy_dir, xp=cupy, dtype=dtype).weights
+        on_host = load_model(copy_dir, xp=np, dtype=dtype).weights
+        for name, array in on_host.items():
+            assert isinstance(on_device[name], cupy.ndarray) and on_device[name].dtype == array.dtype
+            np.testing.assert_array_equal(cupy.asnumpy(on_device[name]).astype(np.float32),
+                                          array.astype(np.float32), err_msg=name)
