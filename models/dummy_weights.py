@@ -67,6 +67,13 @@ PRESETS: dict[str, LlamaConfig] = {
         num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
         architecture="Qwen2ForCausalLM", bos_token_id=151643, eos_token_ids=(151645, 151643)),
+    # Mistral-7B-v0.1: a 4096-token sliding window (the bench's contexts stay inside it; longer ones read
+    # only the window).
+    "mistral-7b": LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+        architecture="MistralForCausalLM", bos_token_id=1, eos_token_ids=(2,), sliding_window=4096),
 }
 
 

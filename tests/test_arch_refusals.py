@@ -226,3 +226,9 @@ def test_published_mistral_config_reads_its_window():
     config = LlamaConfig.from_dict(MISTRAL_7B_V01)
     assert (config.sliding_window, config.head_dim, config.max_position_embeddings) == (4096, 128, 32768)
     assert (config.bos_token_id, config.eos_token_ids, config.tie_word_embeddings) == (1, (2,), False)
+
+
+def test_published_mistral_config_loads_as_the_bench_preset():
+    from offline_paged.models.dummy_weights import PRESETS
+
+    assert LlamaConfig.from_dict(MISTRAL_7B_V01) == PRESETS["mistral-7b"]
