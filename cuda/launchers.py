@@ -35,12 +35,12 @@ KERNELS = (
     ("attention.cu", "paged_attention_d128_keysplit_f16"), ("attention.cu", "paged_attention_d128_rowsplit_f16"),
     ("attention.cu", "merge_partials_f16"),
     ("layer.cu", "rms_norm_f16"), ("layer.cu", "rope_same_cache_f16"), ("layer.cu", "rope_f32_cache_f16"),
-    ("layer.cu", "silu_mul_f16"),
+    ("layer.cu", "silu_mul_f16"), ("layer.cu", "add_bias_f16"),
     ("attention.cu", "paged_attention_d64_keysplit_bf16"), ("attention.cu", "paged_attention_d64_rowsplit_bf16"),
     ("attention.cu", "paged_attention_d128_keysplit_bf16"), ("attention.cu", "paged_attention_d128_rowsplit_bf16"),
     ("attention.cu", "merge_partials_bf16"),
     ("layer.cu", "rms_norm_bf16"), ("layer.cu", "rope_same_cache_bf16"), ("layer.cu", "rope_f32_cache_bf16"),
-    ("layer.cu", "silu_mul_bf16"),
+    ("layer.cu", "silu_mul_bf16"), ("layer.cu", "add_bias_bf16"),
     ("cache.cu", "write_kv"), ("cache.cu", "copy_blocks"),
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
@@ -280,3 +280,16 @@ def silu_mul(gate_up):
         blocks = min(math.ceil(total / 256), 8 * _num_sms() * 8)
         _kernel("layer.cu", f"silu_mul_{suffix}")((blocks,), (256,), (gate_up, out, np.int64(num_tokens), np.int32(inter)))
     return out
+
+
+def add_bias(x, bias):
+    """x += bias in place, each sum rounded once; x [T, N] contiguous, bias [N] (float16 or bfloat16)."""
+    suffix = _element_suffix("x", x)
+    _check_array("x", x, x.dtype, 2)
+    _check_array("bias", bias, x.dtype, 1)
+    _require(bias.shape[0] == x.shape[1], f"bias length {bias.shape[0]} != x width {x.shape[1]}")
+    total = x.size
+    if total:
+        blocks = min(math.ceil(total / 256), 8 * _num_sms() * 8)
+        _kernel("layer.cu", f"add_bias_{suffix}")((blocks,), (256,), (x, bias, np.int64(total), np.int32(x.shape[1])))
+    return x

@@ -15,6 +15,10 @@
 //   q_out [T, H, D], k_out [T, Hkv, D] T contiguous (new arrays; the inputs are left alone)
 //   Grid: x = token; block: 128 threads striding over (H + Hkv) * D/2 pairs.
 //
+// add_bias_{f16,bf16}
+//   x [T, N] T contiguous, updated in place: x[t, j] + bias[j] rounded once; bias [N] T.
+//   Grid-stride loop over the T*N entries. (A CuPy `+` on bf16 arrays broke CUDA-graph capture.)
+//
 // silu_mul_{f16,bf16}
 //   gate_up [T, 2I] T contiguous (gate = first I columns, up = last I); out [T, I] T
 //   Grid-stride loop over the T*I outputs, one per thread.
@@ -109,6 +113,14 @@ __device__ void silu_mul_impl(const T* gate_up, T* out, long long num_tokens, in
   }
 }
 
+template <typename T>
+__device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    x[i] = add_rounded(x[i], bias[i % width]);
+  }
+}
+
 }  // namespace
 
 #define DEFINE_LAYER_KERNELS(T, SUFFIX)                                                                      \
@@ -132,6 +144,9 @@ __device__ void silu_mul_impl(const T* gate_up, T* out, long long num_tokens, in
   }                                                                                                         \
   extern "C" __global__ void silu_mul_##SUFFIX(const T* gate_up, T* out, long long num_tokens, int inter) { \
     silu_mul_impl<T>(gate_up, out, num_tokens, inter);                                                      \
+  }                                                                                                         \
+  extern "C" __global__ void add_bias_##SUFFIX(T* x, const T* bias, long long total, int width) {           \
+    add_bias_impl<T>(x, bias, total, width);                                                                \
   }
 DEFINE_LAYER_KERNELS(__half, f16)
 DEFINE_LAYER_KERNELS(bf16_t, bf16)

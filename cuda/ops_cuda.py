@@ -62,6 +62,10 @@ class CudaOps:
             self._logits_gemm = CublasGemm(cupy.cuda.Stream.null)  # the eager steps' stream
         return self._logits_gemm(cupy.ascontiguousarray(hidden), lm_head, out_dtype=np.float32)
 
+    def add_bias(self, x, bias):
+        """x + bias over the last axis; may update x in place (x [T, N], bias [N])."""
+        return launchers.add_bias(cupy.ascontiguousarray(x), bias)
+
     def silu_mul(self, gate_up):
         """silu(gate) * up for gate_up = concat(gate, up); [T, 2I] -> [T, I]."""
         return launchers.silu_mul(cupy.ascontiguousarray(gate_up))

@@ -168,7 +168,7 @@ class Llama:
         kv_dim = c.num_key_value_heads * c.head_dim
         qkv = matmul(hidden, layer.qkv)  # [T, (H + 2 Hkv) D]
         if layer.qkv_bias is not None:
-            qkv = qkv + layer.qkv_bias  # [T, (H + 2 Hkv) D]
+            qkv = self.ops.add_bias(qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
         q = qkv[:, :q_dim].reshape(num_tokens, c.num_attention_heads, c.head_dim)  # [T, H, D]
         k = qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
         v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]

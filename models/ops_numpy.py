@@ -52,6 +52,10 @@ class NumpyOps:
         """hidden [K, E] @ lm_head [E, V] -> [K, V] float32 (computed in the model's dtype)."""
         return (hidden @ lm_head).astype(np.float32)
 
+    def add_bias(self, x, bias):
+        """x + bias over the last axis (x [T, N], bias [N]); CudaOps may update x in place."""
+        return x + bias
+
     def silu_mul(self, gate_up):
         """SwiGLU activation: silu(gate) * up for gate_up = concat(gate, up); [T, 2I] -> [T, I]."""
         inter = gate_up.shape[-1] // 2

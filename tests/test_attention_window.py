@@ -111,28 +111,3 @@ def test_bad_window_is_refused(bad):
     for attention in (paged_attention_reference, paged_attention_fast):
         with pytest.raises(ValueError, match="sliding_window must be a positive int or None"):
             attention(np, q, k_cache, v_cache, meta, 0.3, sliding_window=bad)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("window", [1, 24, 4096])
-def test_cuda_attention_window_matches_numpy(dtype_name, window):
-    """CudaOps.attention(..., sliding_window=w) against the NumPy reference: a decode 4 windows long, a
-    later prefill chunk, a first prefill chunk and a decode shorter than the window, in one batch."""
-    cupy = pytest.importorskip("cupy")
-    import ml_dtypes
-
-    from offline_paged.cuda.ops_cuda import CudaOps
-
-    dtype = np.float16 if dtype_name == "float16" else ml_dtypes.bfloat16
-    lengths, query_lens, block_size = [97, 60, 21, 9], [1, 13, 21, 1], 16
-    q, k_cache, v_cache, meta, _, _ = _case(11, lengths, query_lens, block_size)
-    q, k_cache, v_cache = (a.astype(dtype) for a in (q, k_cache, v_cache))
-    want = paged_attention_reference(np, q.astype(np.float32), k_cache.astype(np.float32),
-                                      v_cache.astype(np.float32), meta, 0.35, sliding_window=window)
-    meta_gpu = build_metadata(cupy, [list(map(int, row[:-(-n // block_size)])) for row, n in
-                                     zip(meta.block_tables, lengths)], lengths, query_lens, [-1] * sum(query_lens))
-    got = CudaOps().attention(cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache), meta_gpu, 0.35,
-                              sliding_window=window).get().astype(np.float32)
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert err < (1e-2 if dtype_name == "float16" else 3e-2), err
