@@ -16,7 +16,7 @@ import statistics
 import time
 from collections import deque
 
-from offline_paged.block_manager import BlockManager
+from offline_paged.core.block_manager import BlockManager
 
 BLOCK_SIZE = 16
 TARGET_MS = 1.0

@@ -6,7 +6,7 @@ The batch is the bench's steady state: 256 sequences of the Llama-3.2-1B attenti
 heads, head dim 64, block size 16), context lengths uniform in 100..1900, block tables shuffled.
 Times are medians of CUDA-graph replays (bench_kernels.graph_ms), so launch overhead is excluded.
 
-    PYTHONPATH=benchmarks python3 -P benchmarks/bench_decode_splits.py [--head-dim 64] [--max-context 1900]
+    PYTHONPATH=benchmarks python3 benchmarks/bench_decode_splits.py [--head-dim 64] [--max-context 1900]
         [--variants depth2 depth1 lb4] [--splits plan 1 2 4]
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 from bench_kernels import copy_bandwidth_gbs, graph_ms, random_f16
 
-from offline_paged.cuda import launchers, modules
+from offline_paged.ops import launchers, kernel_modules as modules
 
 
 def main() -> None:

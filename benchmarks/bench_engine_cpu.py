@@ -33,8 +33,8 @@ def build_prompts(tokenizer, count: int) -> list[str]:
 
 
 def run_engine(prompts: list[str], max_tokens: int):
-    from offline_paged.llm import LLM
-    from offline_paged.sampling_params import SamplingParams
+    from offline_paged.entrypoints.llm import LLM
+    from offline_paged.core.sampling_params import SamplingParams
 
     llm = LLM(device="cpu")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -18,7 +18,7 @@ import inspect
 import json
 import time
 
-from offline_paged.bench import random_workload
+from offline_paged.benchmark.bench import random_workload
 from offline_paged.models.dummy_weights import preset_config
 
 

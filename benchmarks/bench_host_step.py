@@ -27,29 +27,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_engine import tiny_model  # noqa: E402
 
-from offline_paged.bench import random_workload  # noqa: E402
-from offline_paged.config import EngineConfig  # noqa: E402
+from offline_paged.benchmark.bench import random_workload  # noqa: E402
+from offline_paged.core.config import EngineConfig  # noqa: E402
 from offline_paged.engine import LLMEngine  # noqa: E402
-from offline_paged.launched_step import ReadySamples  # noqa: E402
-from offline_paged.sampler import SampleResult  # noqa: E402
+from offline_paged.worker.launched_step import ReadySamples  # noqa: E402
+from offline_paged.worker.sampler import SampleResult  # noqa: E402
 
 
 def _gpu_sampler_host_part():
-    """offline_paged.gpu_sampler imported over a numpy stand-in for cupy and no-op kernels, so its
+    """offline_paged.worker.gpu_sampler imported over a numpy stand-in for cupy and no-op kernels, so its
     host-side packing (_upload) and unpacking (_results) run for real."""
     fake_cupy = types.ModuleType("cupy")
     for name in ("asarray", "empty", "zeros", "full", "float64", "float32", "int32", "ascontiguousarray"):
         setattr(fake_cupy, name, getattr(np, name))
-    fake_kernels = types.ModuleType("offline_paged.cuda.sampling_launcher")
+    fake_kernels = types.ModuleType("offline_paged.ops.sampling_launcher")
     fake_kernels.PARAMS_WIDTH = 8
-    saved = {k: sys.modules.get(k) for k in ("cupy", "offline_paged.cuda.sampling_launcher")}
+    saved = {k: sys.modules.get(k) for k in ("cupy", "offline_paged.ops.sampling_launcher")}
     sys.modules["cupy"] = fake_cupy
-    sys.modules["offline_paged.cuda.sampling_launcher"] = fake_kernels
-    import offline_paged.cuda as cuda_pkg
+    sys.modules["offline_paged.ops.sampling_launcher"] = fake_kernels
+    import offline_paged.ops as ops_pkg
 
-    cuda_pkg.sampling_launcher = fake_kernels
+    ops_pkg.sampling_launcher = fake_kernels
     try:
-        import offline_paged.gpu_sampler as gpu_sampler
+        import offline_paged.worker.gpu_sampler as gpu_sampler
     finally:
         for key, module in saved.items():
             if module is None:

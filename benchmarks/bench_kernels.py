@@ -20,7 +20,7 @@ import cupy
 import numpy as np
 import torch
 
-from offline_paged.cuda import launchers
+from offline_paged.ops import launchers
 
 NUM_HEADS = 32
 BATCHES = (1, 16, 64, 256)

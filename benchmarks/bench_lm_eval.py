@@ -75,7 +75,7 @@ def main() -> None:
 
     from lm_eval.tasks import TaskManager
 
-    from offline_paged.lm_eval import OfflinePagedLM
+    from offline_paged.entrypoints.lm_eval import OfflinePagedLM
     from offline_paged.models.default_model import ensure_default_model
 
     model_dir = args.model or str(ensure_default_model())

@@ -15,8 +15,8 @@ from transformers import LlamaForCausalLM
 
 from offline_paged.models.llama import Llama
 from offline_paged.models.loader import load_model
-from offline_paged.models.ops_numpy import NumpyOps
 from offline_paged.models.simple_runner import SimpleRunner
+from offline_paged.ops.ops_numpy import NumpyOps
 
 PROMPT_LEN = 128
 

@@ -2,7 +2,7 @@
 its contiguous-reservation baseline vs HF transformers `generate` (padded static batch) and, when the
 installed transformers has it, HF continuous batching (`generate_batch`).
 
-    python3 -P benchmarks/side_by_side.py --out $OUT --deadline-s 420
+    python3 benchmarks/side_by_side.py --out $OUT --deadline-s 420
 
 Phases run in priority order and each one is skipped (and said so) when too little of the deadline
 is left; every finished phase is appended to OUT/side_by_side.jsonl at once, so a killed run still
@@ -18,13 +18,14 @@ import time
 import traceback
 from pathlib import Path
 
-from offline_paged.backend import select_backend
-from offline_paged.bench import (kv_bytes_per_token, max_total_len, measure_ceilings, parse_length_range,
-                                 random_workload, release_device_memory, run_bench, warm_up)
-from offline_paged.bench_report import format_details, matplotlib_available, plot_kv
-from offline_paged.config import EngineConfig
+from offline_paged.benchmark.bench import (kv_bytes_per_token, max_total_len, measure_ceilings,
+                                           parse_length_range, random_workload, release_device_memory, run_bench,
+                                           warm_up)
+from offline_paged.benchmark.bench_report import format_details, matplotlib_available, plot_kv
+from offline_paged.core.config import EngineConfig
 from offline_paged.engine import LLMEngine
 from offline_paged.models.dummy_weights import dummy_model
+from offline_paged.worker.backend import select_backend
 
 T0 = time.perf_counter()
 

@@ -16,7 +16,7 @@ from offline_paged.cli.generate import parse_size
 
 
 def _length_range(ctx, param, value: str) -> tuple[int, int]:
-    from offline_paged.bench import parse_length_range
+    from offline_paged.benchmark.bench import parse_length_range
 
     try:
         return parse_length_range(value)
@@ -88,8 +88,8 @@ def bench(**options: Any) -> None:
     if options["data_parallel_size"] != 1:
         _bench_data_parallel(options)
         return
-    from offline_paged.backend import checkpoint_dtype, select_backend
-    from offline_paged.bench import random_workload
+    from offline_paged.worker.backend import checkpoint_dtype, select_backend
+    from offline_paged.benchmark.bench import random_workload
 
     results, backends, requests = [], [], None
     tensor_parallel_size = options["tensor_parallel_size"]
@@ -111,7 +111,7 @@ def bench(**options: Any) -> None:
                 requests = random_workload(options["num_requests"], options["input_len"], options["output_len"],
                                            vocab_size, options["seed"], options["temperature"])
             else:
-                from offline_paged.bench import file_workload
+                from offline_paged.benchmark.bench import file_workload
 
                 try:
                     requests = file_workload(options["input_file"], tokenizer)
@@ -130,7 +130,7 @@ def bench(**options: Any) -> None:
 def _bench_tensor_parallel(options: dict, backend, requests, tag: str = "") -> list:
     """The workload at TP=1 first (with --compare-single), then at TP=N; each rank loads its own
     shard (dummy weights are drawn per shard on its GPU, so a 70B shape never exists whole)."""
-    from offline_paged.bench import release_device_memory
+    from offline_paged.benchmark.bench import release_device_memory
     from offline_paged.models.tp_source import CheckpointSource, DummySource
 
     results = []
@@ -167,7 +167,7 @@ def _check_options(options: dict) -> None:
     if options["json_steps"] and not options["as_json"]:
         raise click.UsageError("--json-steps needs --json")
     if options["plot"]:
-        from offline_paged.bench_report import matplotlib_available
+        from offline_paged.benchmark.bench_report import matplotlib_available
 
         if not matplotlib_available():
             raise click.UsageError("--plot needs matplotlib, which is not installed (pip install matplotlib)")
@@ -194,7 +194,8 @@ def _load(options: dict, backend):
 
 def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int = 1, tag: str = "") -> list:
     """Every (layout, block size) run of one backend and model; `tag` is appended to each label."""
-    from offline_paged.bench import max_total_len, measure_ceilings, release_device_memory, run_bench, warm_up
+    from offline_paged.benchmark.bench import (max_total_len, measure_ceilings, release_device_memory, run_bench,
+                                               warm_up)
     from offline_paged.engine import LLMEngine
 
     ceilings = measure_ceilings(backend) if options["roofline"] else None
@@ -229,7 +230,7 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
 def _bench_data_parallel(options: dict) -> None:
     """The workload through N worker processes (and first through one when --compare-single); the
     model is loaded only in the workers, the tokenizer and config here for the workload."""
-    from offline_paged.dp_coordinator import worker_devices
+    from offline_paged.dp.dp_coordinator import worker_devices
 
     try:
         device, _ = worker_devices(options["device"], options["data_parallel_size"])
@@ -249,10 +250,10 @@ def _bench_data_parallel(options: dict) -> None:
 
 def _run_data_parallel(options: dict, device: str, tokenizer, requests, layout: str, block_size: int,
                        size: int):
-    from offline_paged.bench import max_total_len
-    from offline_paged.dp_bench import run_data_parallel_bench
-    from offline_paged.dp_coordinator import DataParallelCoordinator
-    from offline_paged.dp_worker import WorkerSpec
+    from offline_paged.benchmark.bench import max_total_len
+    from offline_paged.benchmark.dp_bench import run_data_parallel_bench
+    from offline_paged.dp.dp_coordinator import DataParallelCoordinator
+    from offline_paged.dp.dp_worker import WorkerSpec
 
     try:
         spec = WorkerSpec(_engine_config(options, device, layout, block_size,
@@ -274,7 +275,7 @@ def _run_data_parallel(options: dict, device: str, tokenizer, requests, layout: 
 
 def _engine_config(options: dict, device: str, layout: str, block_size: int, max_model_len: int,
                    tensor_parallel_size: int = 1):
-    from offline_paged.config import EngineConfig
+    from offline_paged.core.config import EngineConfig
 
     return EngineConfig(
         model=options["model"], device=device, dtype=options["dtype"], block_size=block_size,
@@ -303,7 +304,7 @@ def _vocab_and_tokenizer(options: dict):
 
 
 def _workload(options: dict, vocab_size: int, tokenizer):
-    from offline_paged.bench import file_workload, random_workload
+    from offline_paged.benchmark.bench import file_workload, random_workload
 
     if options["workload"] == "random":
         return random_workload(options["num_requests"], options["input_len"], options["output_len"],
@@ -322,7 +323,7 @@ class _NamedBackend:
 
         self.name = device
         if device in ("cpu", "cuda"):
-            from offline_paged.backend import checkpoint_dtype, resolve_dtype
+            from offline_paged.worker.backend import checkpoint_dtype, resolve_dtype
 
             dtype = resolve_dtype(device, dtype, checkpoint_dtype(model))
         self.dtype = SimpleNamespace(name=dtype or "auto")
@@ -330,7 +331,7 @@ class _NamedBackend:
 
 
 def _emit(options: dict, results: list, backend, dtype_names: str | None = None) -> None:
-    from offline_paged.bench_report import format_report, plot_kv
+    from offline_paged.benchmark.bench_report import format_report, plot_kv
 
     source = options["dummy_preset"] and f"dummy weights {options['dummy_preset']}" or options["model"] or "default model"
     if options["data_parallel_size"] != 1:

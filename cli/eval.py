@@ -22,7 +22,7 @@ def eval_command(lm_eval_args: tuple[str, ...]) -> None:
     """Run lm-evaluation-harness tasks on offline-paged; all flags are lm-eval's `run` flags
     (e.g. --tasks hellaswag --model_args pretrained=DIR --limit 100). --help shows them."""
     try:
-        import offline_paged.lm_eval  # noqa: F401  (registers the "offline-paged" model type)
+        import offline_paged.entrypoints.lm_eval  # noqa: F401  (registers the "offline-paged" model type)
         from lm_eval.__main__ import cli_evaluate
     except ImportError as exc:
         raise CouldNotStart(f"lm-eval is not installed ({exc}); pip install 'offline-paged[eval]'") from None

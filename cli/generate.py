@@ -20,11 +20,11 @@ from typing import IO, Any
 import click
 
 from offline_paged.cli.errors import CouldNotStart
-from offline_paged.job_file import JsonlWriter, OutputWriteError, ResumeState, open_output
-from offline_paged.dp_coordinator import WorkersLostError
-from offline_paged.job_input import read_lines
-from offline_paged.jobs import JobRunner, JobSummary
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.dp.dp_coordinator import WorkersLostError
+from offline_paged.job.job_file import JsonlWriter, OutputWriteError, ResumeState, open_output
+from offline_paged.job.job_input import read_lines
+from offline_paged.job.job_runner import JobRunner, JobSummary
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -225,7 +225,7 @@ def _open_stats(stats_json: str | None) -> IO[str] | None:
 
 
 def _build_engine(options: dict[str, Any]):
-    from offline_paged.config import EngineConfig
+    from offline_paged.core.config import EngineConfig
     from offline_paged.engine import LLMEngine
 
     memory = options["kv_cache_memory"]
@@ -278,8 +278,8 @@ def _read_chat_template(path: str | None):
 
 
 def _build_coordinator(config, data_parallel_size: int):
-    from offline_paged.dp_coordinator import DataParallelCoordinator, worker_devices
-    from offline_paged.dp_worker import WorkerSpec
+    from offline_paged.dp.dp_coordinator import DataParallelCoordinator, worker_devices
+    from offline_paged.dp.dp_worker import WorkerSpec
 
     try:
         worker_devices(config.device, data_parallel_size)

@@ -1,4 +1,4 @@
-// Sampling on the GPU: the NumPy sampler (offline_paged/sampler.py) in float64, so only the sampled ids and
+// Sampling on the GPU: the NumPy sampler (offline_paged/worker/sampler.py) in float64, so only the sampled ids and
 // the requested log-probabilities cross to the host. Legend: R sampled rows, K logits rows, V vocab,
 // Rp rows with penalties, Rs rows with top-k or top-p, P penalty tokens, Q banned (row, token) pairs.
 // Every kernel is compiled without FMA contraction in the places where NumPy rounds twice (explicit __d*_rn).

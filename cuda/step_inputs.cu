@@ -1,4 +1,4 @@
-// Decode-step inputs built on the device from the persistent rows (offline_paged/block_table_rows.py mirrored),
+// Decode-step inputs built on the device from the persistent rows (offline_paged/worker/block_table_rows.py mirrored),
 // so a steady decode step uploads a few ints per sequence instead of its whole block table.
 // Legend: R persistent rows, Mr their width, b bucket slots, M the bucket's table width, B block size, n changes.
 //

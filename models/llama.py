@@ -12,7 +12,7 @@ Legend for shape comments:
 
 Weights are kept [in, out] so every projection is `x @ W`; q/k/v are fused into one [E, (H+2Hkv)D]
 matrix and gate/up into one [E, 2I] matrix, so a layer is four matmuls.
-KV cache: [L, 2, N, B, Hkv, D] (kv[l, 0] = K, kv[l, 1] = V); see models/attention.py.
+KV cache: [L, 2, N, B, Hkv, D] (kv[l, 0] = K, kv[l, 1] = V); see offline_paged/ops/attention.py.
 
 Tensor parallel (`tp`, a models/tp_shard.py TensorParallelShard): the config and weights are one rank's
 shard (H, Hkv, I divided by N, V its padded vocabulary slice); the forward all-reduces the embedding
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .attention import AttentionMetadata
+from offline_paged.ops.attention import AttentionMetadata
 from .config import LlamaConfig
 from .rope import cos_sin_cache
 from .weight_spec import check_weights

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .attention import AttentionMetadata
+from offline_paged.ops.attention import AttentionMetadata
 
 
 @dataclass(slots=True)

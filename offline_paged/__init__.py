@@ -2,12 +2,12 @@
 
     from offline_paged import LLM, SamplingParams
 """
-from offline_paged.beam_search_params import BeamSearchParams
-from offline_paged.inputs import TextPrompt, TokensPrompt
-from offline_paged.llm import LLM
-from offline_paged.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
-                                   RequestOutput)
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.core.beam_search_params import BeamSearchParams
+from offline_paged.core.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
+                                        RequestOutput)
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.entrypoints.inputs import TextPrompt, TokensPrompt
+from offline_paged.entrypoints.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob",
            "TokensPrompt", "TextPrompt", "BeamSearchOutput", "BeamSearchSequence"]

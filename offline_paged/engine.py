@@ -12,23 +12,23 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from offline_paged.backend import checkpoint_dtype, select_backend
-from offline_paged.beam_search import BeamState, runner_top_k
-from offline_paged.block_manager import BlockManager
-from offline_paged.config import EngineConfig
-from offline_paged.engine_stats import StatsTracker
-from offline_paged.launched_step import LaunchedStep
-from offline_paged.output_processor import OutputProcessor
-from offline_paged.outputs import CompletionOutput, EngineStats, RequestOutput
-from offline_paged.random_stream import stream_seed, unseeded_request_seed
-from offline_paged.runner import (DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner, kv_block_bytes,
-                                  profile_step_memory)
-from offline_paged.sampler import Sampler
-from offline_paged.sampling_params import SamplingParams
-from offline_paged.scheduler import Scheduler
-from offline_paged.sequence import Sequence, SequenceGroup
-from offline_paged.step_report import StepReport
-from offline_paged.stop_checker import StopChecker
+from offline_paged.core.beam_search import BeamState, runner_top_k
+from offline_paged.core.block_manager import BlockManager
+from offline_paged.core.config import EngineConfig
+from offline_paged.core.engine_stats import StatsTracker
+from offline_paged.core.output_processor import OutputProcessor
+from offline_paged.core.outputs import CompletionOutput, EngineStats, RequestOutput
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.core.scheduler import Scheduler
+from offline_paged.core.sequence import Sequence, SequenceGroup
+from offline_paged.core.stop_checker import StopChecker
+from offline_paged.worker.backend import checkpoint_dtype, select_backend
+from offline_paged.worker.launched_step import LaunchedStep
+from offline_paged.worker.model_runner import (DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner, kv_block_bytes,
+                                               profile_step_memory)
+from offline_paged.worker.random_stream import stream_seed, unseeded_request_seed
+from offline_paged.worker.sampler import Sampler
+from offline_paged.worker.step_report import StepReport
 
 if TYPE_CHECKING:
     from offline_paged.models.loader import LoadedModel
@@ -115,7 +115,7 @@ class LLMEngine:
         """(rank 0's Llama over shard 0, the shard source): spawns the other ranks first."""
         from offline_paged.models.llama import Llama
         from offline_paged.models.tp_source import as_source
-        from offline_paged.tp_group import TensorParallelGroup
+        from offline_paged.tp.tp_group import TensorParallelGroup
 
         source = as_source(loaded_model, self.config.model)
         self._tokenizer = source.tokenizer

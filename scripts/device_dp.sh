@@ -5,8 +5,6 @@
 #      scaled to N=512, 1B and 8B shapes: one engine process, then two, same workload, same call.
 #      Records go to $OUT/dp_*.json (stderr, with each worker's pid and GPU, to $OUT/dp_*.err);
 #   3. a short table: out tok/s of one and two engines and the ratio (target >= 1.9x).
-# pytest runs with -P (the repo's cuda/ would shadow NVIDIA's `cuda`); spawned workers inherit the
-# parent's flags and sys.path.
 # Usage: OUT=/tmp/out [RUNS="1b 8b"] scripts/device_dp.sh [tests|bench|all]
 set -u
 export PYTHONUNBUFFERED=1
@@ -17,7 +15,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
 
 if [ "$WHAT" != bench ]; then
-  timeout 120 python3 -P -m pytest -q -p no:cacheprovider -x tests/test_dp_coordinator.py \
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -x tests/test_dp_coordinator.py \
     tests/test_dp_bench.py >"$OUT/dp_tests.log" 2>&1
   echo "dp tests: $(tail -1 "$OUT/dp_tests.log")"
 fi

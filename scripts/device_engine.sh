@@ -2,7 +2,7 @@
 # GPU-engine driver for the lent device machine: install, run the GPU engine tests (and the CudaOps
 # tests), plant runner bugs in a throwaway patched copy and watch their tests fail, then time a 64-request
 # greedy job on a SmolLM2-shaped random model (printed last). Usage: scripts/device_engine.sh STAGE...
-# Stages: tests plant bench. Python runs with -P (the repo's cuda/ would shadow NVIDIA's `cuda`).
+# Stages: tests plant bench.
 # Logs go under $OUT (default /tmp/engine-out).
 set -u
 export PYTHONUNBUFFERED=1
@@ -16,18 +16,18 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 for stage in "$@"; do
   case "$stage" in
     tests)
-      timeout 300 python3 -P -m pytest -q -s -m gpu -p no:cacheprovider ${ENGINE_TESTS:-tests/test_gpu_engine.py tests/test_cuda_ops.py} \
+      timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider ${ENGINE_TESTS:-tests/test_gpu_engine.py tests/test_cuda_ops.py} \
         2>&1 | tee "$OUT/tests.log" | grep -E "agreement|preemption=|passed|failed|Error|error" | tail -30
       note tests "$(tail -1 "$OUT/tests.log")" ;;
     plant)
       # Throwaway: exec a patched copy of runner.py and graft its methods onto ModelRunner in this process;
       # product code is untouched. Each bug must turn its test red.
-      timeout 200 python3 -P - <<'PY' 2>&1 | tee "$OUT/plant.log" | grep -E "PLANTED"
+      timeout 200 python3 - <<'PY' 2>&1 | tee "$OUT/plant.log" | grep -E "PLANTED"
 import inspect
 import sys
 import types
 import pytest
-import offline_paged.runner as runner
+import offline_paged.worker.model_runner as runner
 source = inspect.getsource(runner)
 bugs = {
     "max_context_len from the cached prefix, not the context": (
@@ -49,15 +49,15 @@ for label, (old, new, method, tests) in bugs.items():
 PY
       note plant "$(grep -c 'CAUGHT (tests' "$OUT/plant.log") of 2 planted bugs caught" ;;
     bench)
-      timeout 240 python3 -P - <<'PY' 2>&1 | tee "$OUT/bench.log" | tail -6
+      timeout 240 python3 - <<'PY' 2>&1 | tee "$OUT/bench.log" | tail -6
 import sys, time
 import numpy as np
 sys.path.insert(0, "tests")
 from test_gpu_engine import SHAPES, random_model
 from test_cuda_ops import SMOLLM2_SHAPE
-from offline_paged.config import EngineConfig
+from offline_paged.core.config import EngineConfig
 from offline_paged.engine import LLMEngine
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.core.sampling_params import SamplingParams
 
 model = random_model(SMOLLM2_SHAPE)  # all 30 layers
 engine = LLMEngine(EngineConfig(device="cuda", max_num_seqs=64, max_model_len=2048), loaded_model=model)

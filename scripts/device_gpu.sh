@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # GPU-backend driver for the lent device machine: install the package, run the gpu tests, watch a planted
 # kernel bug fail its test, run the kernel benchmark. Usage: scripts/device_gpu.sh STAGE...
-# Stages: env kernels plant ops bench bench-quick. Python runs with -P: from the repo root, cuda/ would
-# otherwise shadow NVIDIA's `cuda` namespace package that CuPy imports (cuda/__init__.py also works around it). Logs go under $OUT (default /tmp/gpu-out);
+# Stages: env kernels plant ops bench bench-quick. Logs go under $OUT (default /tmp/gpu-out);
 # a short status table is printed last.
 set -u
 export PYTHONUNBUFFERED=1
@@ -17,7 +16,7 @@ for stage in "$@"; do
   case "$stage" in
     env)
       nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/env.log"
-      python3 -P - <<'PY' 2>&1 | tee -a "$OUT/env.log"
+      python3 - <<'PY' 2>&1 | tee -a "$OUT/env.log"
 import cupy
 print("cupy", cupy.__version__, "cc", cupy.cuda.Device().compute_capability,
       "SMs", cupy.cuda.Device().attributes["MultiProcessorCount"])
@@ -29,17 +28,17 @@ for opts in (("--std=c++17",), ("--std=c++17", "-arch=sm_90")):
     except Exception as exc:
         print("RawModule options", opts, "compile: FAILED", str(exc).splitlines()[0][:200])
 PY
-      python3 -c "import cupy; print('import cupy from the repo root (cuda/ shadowing fix): ok')" 2>&1 | tail -1 | tee -a "$OUT/env.log"
+      python3 -c "import cupy; print('import cupy from the repo root: ok')" 2>&1 | tail -1 | tee -a "$OUT/env.log"
       note env done ;;
     kernels)
-      python3 -P -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -25
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -25
       note kernels "$(tail -1 "$OUT/kernels.log")" ;;
     plant)
       # Throwaway: compile patched copies of attention.cu (causal mask off by one; wrong block offset) and
       # check that the decode / prefill tests go red. Product code is untouched.
-      python3 -P - <<'PY' 2>&1 | tee "$OUT/plant.log" | tail -12
+      python3 - <<'PY' 2>&1 | tee "$OUT/plant.log" | tail -12
 import pytest
-import offline_paged.cuda.modules as modules
+import offline_paged.ops.kernel_modules as modules
 original = modules.read_source
 bugs = {"causal mask p <= pos -> p < pos": ("p <= pos", "p < pos"),
         "chunk slot base + (p - k0) -> base + (p - k0 + 1)": ("slot = base + (p - k0);", "slot = base + (p - k0 + 1);"),
@@ -56,7 +55,7 @@ modules.clear_cache()
 PY
       note plant "$(grep -c CAUGHT\ \(tests "$OUT/plant.log") of 3 planted bugs caught" ;;
     ops)
-      python3 -P -m pytest -q -s -m gpu -p no:cacheprovider tests/test_cuda_ops.py 2>&1 | tee "$OUT/ops.log" | tail -25
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_cuda_ops.py 2>&1 | tee "$OUT/ops.log" | tail -25
       note ops "$(tail -1 "$OUT/ops.log")" ;;
     bench)
       python3 benchmarks/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -80

@@ -5,7 +5,7 @@
 #     and tests/test_gpu_engine.py with the graph path forced on in every engine;
 #   B: the bench on the 1B shape, graphs off then on (same process kind, same workload);
 #   C: eager vs graph-replayed decode step time on the 1B shape at 64 and 256 sequences.
-# Python runs with -P (the repo's cuda/ would shadow NVIDIA's `cuda`). Usage: OUT=/tmp/out scripts/device_graphs.sh
+# Usage: OUT=/tmp/out scripts/device_graphs.sh
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/graphs-out}
@@ -36,9 +36,9 @@ if mode == "bench":
     cli(["bench", *args], standalone_mode=True)
 if mode == "decode":
     import cupy
-    from offline_paged.cuda.ops_cuda import CudaOps
-    from offline_paged.cuda_graph_runner import DecodeGraphs
-    from offline_paged.models.attention import AttentionMetadata
+    from offline_paged.ops.ops_cuda import CudaOps
+    from offline_paged.worker.cuda_graph_runner import DecodeGraphs
+    from offline_paged.ops.attention import AttentionMetadata
     from offline_paged.models.dummy_weights import dummy_model
     from offline_paged.models.llama import Llama
     loaded = dummy_model("llama-3.2-1b", cupy, np.float16, 0)
@@ -68,8 +68,8 @@ if mode == "decode":
 PY
 
 T="-q -p no:cacheprovider -m gpu"
-(timeout 75 python3 -P "$DRIVER" pytest $T tests/test_cuda_graphs.py >"$OUT/graphs_tests.log" 2>&1; echo "rc $?" >>"$OUT/graphs_tests.log") &
-(GRAPHS=1 timeout 75 python3 -P "$DRIVER" pytest $T tests/test_gpu_engine.py >"$OUT/gpu_engine_graphs.log" 2>&1; echo "rc $?" >>"$OUT/gpu_engine_graphs.log") &
+(timeout 75 python3 "$DRIVER" pytest $T tests/test_cuda_graphs.py >"$OUT/graphs_tests.log" 2>&1; echo "rc $?" >>"$OUT/graphs_tests.log") &
+(GRAPHS=1 timeout 75 python3 "$DRIVER" pytest $T tests/test_gpu_engine.py >"$OUT/gpu_engine_graphs.log" 2>&1; echo "rc $?" >>"$OUT/gpu_engine_graphs.log") &
 wait
 for f in graphs_tests gpu_engine_graphs; do
   echo "== $f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1) $(tail -1 "$OUT/$f.log")"
@@ -77,9 +77,9 @@ for f in graphs_tests gpu_engine_graphs; do
 done
 
 for g in 0 1; do
-  GRAPHS=$g timeout 45 python3 -P "$DRIVER" bench --dummy-weights llama-3.2-1b --device cuda --num-requests 256 \
+  GRAPHS=$g timeout 45 python3 "$DRIVER" bench --dummy-weights llama-3.2-1b --device cuda --num-requests 256 \
     >"$OUT/bench_graphs$g.txt" 2>&1
   echo "== bench graphs=$g (rc $?)"; tail -22 "$OUT/bench_graphs$g.txt"
 done
 
-timeout 25 python3 -P "$DRIVER" decode 2>&1 | tee "$OUT/decode.txt" | grep -E "decode|Error"
+timeout 25 python3 "$DRIVER" decode 2>&1 | tee "$OUT/decode.txt" | grep -E "decode|Error"

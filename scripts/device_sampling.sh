@@ -2,7 +2,7 @@
 # GPU-sampler driver for the lent device machine: install, run the GpuSampler tests against the NumPy sampler,
 # time the engine with host vs device sampling, plant kernel bugs in a throwaway patched source and watch the
 # tests fail, run the GPU engine tests (now sampling on the device). Usage: scripts/device_sampling.sh STAGE...
-# Stages: tests bench plant engine. Python runs with -P (the repo's cuda/ would shadow NVIDIA's `cuda`).
+# Stages: tests bench plant engine.
 # Logs go under $OUT (default /tmp/sampling-out); a summary is printed last.
 set -u
 export PYTHONUNBUFFERED=1
@@ -16,22 +16,22 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 for stage in "$@"; do
   case "$stage" in
     tests)
-      timeout 150 python3 -P -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_sampler.py 2>&1 \
+      timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_sampler.py 2>&1 \
         | tee "$OUT/tests.log" | grep -E "ids equal|passed|failed|Error|error|assert" | tail -60
       note tests "$(tail -1 "$OUT/tests.log")" ;;
     bench)
-      timeout 200 python3 -P - <<'PY' 2>&1 | tee "$OUT/bench.log"
+      timeout 200 python3 - <<'PY' 2>&1 | tee "$OUT/bench.log"
 import sys, time
 import cupy
 import numpy as np
 sys.path.insert(0, "tests")
 from test_cuda_ops import SMOLLM2_SHAPE
 from test_gpu_engine import random_model
-from offline_paged.config import EngineConfig
+from offline_paged.core.config import EngineConfig
 from offline_paged.engine import LLMEngine
-from offline_paged.gpu_sampler import GpuSampler
-from offline_paged.sampler import Sampler, SamplingRequest
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.worker.gpu_sampler import GpuSampler
+from offline_paged.worker.sampler import Sampler, SamplingRequest
+from offline_paged.core.sampling_params import SamplingParams
 
 # the sampler alone on 64 rows of vocab 49152 (host: includes the [64, V] download it needs)
 rng = np.random.default_rng(0)
@@ -75,9 +75,9 @@ PY
       note bench "$(grep -c ENGINE "$OUT/bench.log") engine timings" ;;
     plant)
       # Throwaway: patched copies of sampling.cu through modules.read_source; product code is untouched.
-      timeout 120 python3 -P - <<'PY' 2>&1 | tee "$OUT/plant.log" | grep -E "PLANTED"
+      timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/plant.log" | grep -E "PLANTED"
 import pytest
-import offline_paged.cuda.modules as modules
+import offline_paged.ops.kernel_modules as modules
 original = modules.read_source
 bugs = {"top-k/top-p cut drops the boundary token (x >= c -> x > c)": ("x >= c", "x > c"),
         "random stream position multiplier off by one": ("position * 0xBF58476D1CE4E5B9ULL", "position * 0xBF58476D1CE4E5B8ULL"),
@@ -94,7 +94,7 @@ modules.clear_cache()
 PY
       note plant "$(grep -c 'CAUGHT (tests' "$OUT/plant.log") of 3 planted bugs caught" ;;
     engine)
-      timeout ${ENGINE_TIMEOUT:-150} python3 -P -m pytest -q -s -x -m gpu -p no:cacheprovider tests/test_gpu_engine.py 2>&1 \
+      timeout ${ENGINE_TIMEOUT:-150} python3 -m pytest -q -s -x -m gpu -p no:cacheprovider tests/test_gpu_engine.py 2>&1 \
         | tee "$OUT/engine.log" | grep -E "agreement|passed|failed|Error|error" | tail -20
       note engine "$(tail -1 "$OUT/engine.log")" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

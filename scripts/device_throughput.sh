@@ -5,7 +5,7 @@
 #   2. `offline-paged bench --json` on the default workload: 1B shape graphs on, graphs off; 8B shape
 #      graphs on; 1B shape at N=1024 (steady state). Records go to $OUT/bench_*.json;
 #   3. a short table of the figures.
-# Python runs with -P (the repo's cuda/ would shadow NVIDIA's `cuda`).
+#
 # Usage: OUT=/tmp/out [RUNS="1b_graphs 8b_graphs"] scripts/device_throughput.sh [tests|bench|all]
 set -u
 export PYTHONUNBUFFERED=1
@@ -18,7 +18,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 if [ "$WHAT" != bench ]; then
   # Every gpu-marked test but the real model (scripts/device_real_model.sh) and the two-GPU ones
   # (scripts/device_tp.sh).
-  timeout ${TEST_LIMIT:-420} python3 -P -m pytest -q -m gpu -p no:cacheprovider tests/ \
+  timeout ${TEST_LIMIT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ \
     --ignore=tests/test_gpu_real_model.py --ignore=tests/test_tensor_parallel_gpu.py >"$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -30

@@ -6,7 +6,7 @@ differs from input order. Prompts longer than `max_model_len` tokens are refused
 """
 from dataclasses import dataclass
 
-from offline_paged.outputs import CompletionOutput, RequestOutput
+from offline_paged.core.outputs import CompletionOutput, RequestOutput
 
 
 class FakeTokenizer:

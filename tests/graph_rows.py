@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from offline_paged.block_table_rows import BlockTableRows
+from offline_paged.worker.block_table_rows import BlockTableRows
 
 
 class StepRows:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from offline_paged.allocator import BlockAllocator, BlockId
+from offline_paged.core.allocator import BlockAllocator, BlockId
 
 TOKENS = st.tuples(st.integers(0, 2), st.integers(0, 2))  # tiny alphabet: keys collide often
 PICK = st.integers(0, 2**16)

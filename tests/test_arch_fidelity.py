@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from offline_paged.config import EngineConfig
+from offline_paged.core.config import EngineConfig
+from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.engine import LLMEngine
 from offline_paged.models.llama import Llama
 from offline_paged.models.loader import load_model
-from offline_paged.models.ops_numpy import NumpyOps
 from offline_paged.models.simple_runner import SimpleRunner
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.ops.ops_numpy import NumpyOps
 from tiny_engine import run_to_completion
 from tiny_llama import hf_logits, make_tiny_hf_model, random_prompts, write_tiny_tokenizer
 

@@ -14,7 +14,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 from tiny_engine import EOS_ID, run_to_completion, tiny_engine, tiny_model
 
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.core.sampling_params import SamplingParams
 
 MODEL = tiny_model(seed=3)
 SHARED = [40, 41, 42, 43, 44, 45, 46, 47]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from offline_paged.models.attention import dense_causal_attention, paged_attention_reference
-from offline_paged.models.attention_fast import paged_attention_fast
-from offline_paged.models.ops_numpy import NumpyOps
 from offline_paged.models.simple_runner import build_metadata
+from offline_paged.ops.attention import dense_causal_attention, paged_attention_reference
+from offline_paged.ops.attention_fast import paged_attention_fast
+from offline_paged.ops.ops_numpy import NumpyOps
 from test_attention import H, HKV, _scatter_sequences
 
 

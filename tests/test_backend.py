@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from offline_paged.backend import checkpoint_dtype, resolve_dtype, select_backend
-from offline_paged.config import EngineConfig
+from offline_paged.core.config import EngineConfig
+from offline_paged.worker.backend import checkpoint_dtype, resolve_dtype, select_backend
 
 
 @pytest.mark.parametrize("checkpoint,expected", [("bfloat16", "bfloat16"), ("float16", "float16"),

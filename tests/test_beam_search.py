@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from tiny_engine import EOS_ID, ByteTokenizer, run_to_completion, tiny_engine, tiny_model
 
-from offline_paged.beam_search import BeamState, beam_score
+from offline_paged.core.beam_search import BeamState, beam_score
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.core.scheduler import Scheduler
+from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from offline_paged.models.llama import Llama
-from offline_paged.models.ops_numpy import NumpyOps
 from offline_paged.models.simple_runner import SimpleRunner
-from offline_paged.sampler import SampleResult, log_softmax
-from offline_paged.sampling_params import SamplingParams
-from offline_paged.scheduler import Scheduler
-from offline_paged.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+from offline_paged.ops.ops_numpy import NumpyOps
+from offline_paged.worker.sampler import SampleResult, log_softmax
 
 
 def beam(width: int, n: int | None = None, **kwargs) -> SamplingParams:

@@ -7,23 +7,15 @@ import pytest
 from click.testing import CliRunner
 from tiny_engine import VOCAB_SIZE, tiny_model
 
-from offline_paged.bench import (
-    BenchRequest,
-    RooflineModel,
-    file_workload,
-    max_total_len,
-    parse_length_range,
-    random_workload,
-    run_bench,
-    warm_up,
-)
-from offline_paged.bench_report import format_report
+from offline_paged.benchmark.bench import (BenchRequest, RooflineModel, file_workload, max_total_len,
+                                           parse_length_range, random_workload, run_bench, warm_up)
+from offline_paged.benchmark.bench_report import format_report
 from offline_paged.cli.main import cli
-from offline_paged.config import EngineConfig
+from offline_paged.core.config import EngineConfig
+from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.engine import LLMEngine
 from offline_paged.models.dummy_weights import PRESETS, DummyTokenizer, dummy_model, num_parameters, random_weights
 from offline_paged.models.weight_spec import expected_weight_shapes
-from offline_paged.sampling_params import SamplingParams
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -123,7 +115,7 @@ def test_qwen_presets_draw_their_extra_tensors_and_run(preset, extra):
 
     from offline_paged.models.config import LlamaConfig
     from offline_paged.models.llama import Llama
-    from offline_paged.models.ops_numpy import NumpyOps
+    from offline_paged.ops.ops_numpy import NumpyOps
     from offline_paged.models.simple_runner import SimpleRunner
 
     config = dataclasses.replace(PRESETS[preset], num_hidden_layers=1, vocab_size=1024, hidden_size=256,
@@ -247,7 +239,7 @@ def test_cli_argument_errors(args, message):
 
 
 def test_cli_plot_without_matplotlib_is_a_clear_error(monkeypatch):
-    import offline_paged.bench_report as report
+    import offline_paged.benchmark.bench_report as report
 
     monkeypatch.setattr(report, "matplotlib_available", lambda: False)
     result = CliRunner().invoke(cli, ["bench", "--plot", "kv.png"])

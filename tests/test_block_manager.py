@@ -14,7 +14,7 @@ import pytest
 from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from offline_paged.block_manager import BlockManager
+from offline_paged.core.block_manager import BlockManager
 
 PICK = st.integers(0, 2**16)
 MAX_SEQS = 12  # enough for heavy sharing; more only slows the invariants down

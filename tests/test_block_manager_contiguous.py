@@ -7,8 +7,8 @@ layout (reserve_tokens=None) is unchanged; a sequence running past its reservati
 """
 import pytest
 
-from offline_paged.block_manager import BlockManager
-from offline_paged.config import EngineConfig
+from offline_paged.core.block_manager import BlockManager
+from offline_paged.core.config import EngineConfig
 
 B = 4
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from offline_paged.block_table_rows import BlockTableRows
+from offline_paged.worker.block_table_rows import BlockTableRows
 
 BLOCK = 4
 

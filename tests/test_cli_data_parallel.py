@@ -112,7 +112,7 @@ def test_bad_data_parallel_size_exits_2_with_the_reason(model_dir, tmp_path, siz
 
 
 def test_more_workers_than_gpus_exits_2(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("offline_paged.dp_coordinator._visible_gpus", lambda: ["0"])
+    monkeypatch.setattr("offline_paged.dp.dp_coordinator._visible_gpus", lambda: ["0"])
     job = _write_job(tmp_path / "job.jsonl", [{"prompt": "x"}])
     result = CliRunner().invoke(cli, ["generate", str(job), "-o", str(tmp_path / "o.jsonl"),
                                       "--model", str(model_dir), "--device", "cuda",

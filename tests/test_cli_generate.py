@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from fixtures_tiny_model import write_tiny_model
 from offline_paged.cli.generate import parse_size
 from offline_paged.cli.main import cli
-from offline_paged.job_output import is_error, record_key
+from offline_paged.job.job_output import is_error, record_key
 
 REPO = Path(__file__).resolve().parents[1]
 CLI_MAIN = "from offline_paged.cli.main import cli; cli()"
@@ -65,9 +65,9 @@ def test_job_writes_one_record_per_line_and_stats(model_dir, tmp_path):
 
 
 def test_greedy_job_is_reproducible_and_matches_the_engine_directly(model_dir, tmp_path):
-    from offline_paged.config import EngineConfig
+    from offline_paged.core.config import EngineConfig
     from offline_paged.engine import LLMEngine
-    from offline_paged.sampling_params import SamplingParams
+    from offline_paged.core.sampling_params import SamplingParams
 
     job = _job(tmp_path / "in.jsonl", [{"prompt_token_ids": [5, 6, 7], "max_tokens": 6,
                                         "temperature": 0, "ignore_eos": True}])
@@ -163,7 +163,7 @@ def test_a_missing_output_or_stats_directory_is_refused_by_name(tmp_path):
 
 
 def test_a_read_only_output_is_refused_by_name(tmp_path, monkeypatch):
-    from offline_paged import job_file
+    from offline_paged.job import job_file
 
     def read_only(*args, **kwargs):  # a read-only mount; chmod would not stop root
         raise OSError(30, "Read-only file system")
@@ -176,7 +176,7 @@ def test_a_read_only_output_is_refused_by_name(tmp_path, monkeypatch):
 def test_a_second_process_on_the_same_output_is_refused(tmp_path):
     out = tmp_path / "out.jsonl"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom offline_paged.job_file import open_output\n"
+        [sys.executable, "-c", "import sys, time\nfrom offline_paged.job.job_file import open_output\n"
          "w, _ = open_output(sys.argv[1], resume=True)\nprint('locked', flush=True)\ntime.sleep(60)",
          str(out)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
@@ -233,7 +233,7 @@ def test_ctrl_c_during_model_load_exits_130_not_aborted(tmp_path, monkeypatch):
 
 
 def test_a_second_ctrl_c_during_the_job_exits_130_not_aborted(model_dir, tmp_path, monkeypatch):
-    from offline_paged.jobs import JobRunner
+    from offline_paged.job.job_runner import JobRunner
 
     def second_ctrl_c(self, lines):  # what _StopFlag does on the second signal
         raise KeyboardInterrupt
@@ -279,7 +279,7 @@ def test_no_resume_keeps_the_old_output_when_the_model_cannot_load(tmp_path):
 def test_disk_full_mid_run_says_disk_full_and_exits_2(model_dir, tmp_path, monkeypatch):
     import errno
 
-    from offline_paged.job_file import JsonlWriter
+    from offline_paged.job.job_file import JsonlWriter
 
     real_write_all, calls = JsonlWriter._write_all, []
 

@@ -87,7 +87,7 @@ def test_progress_shows_tokens_per_second_before_any_request_finishes():
     from types import SimpleNamespace
 
     from offline_paged.cli.generate import _TqdmProgress
-    from offline_paged.jobs import JobSummary
+    from offline_paged.job.job_runner import JobSummary
 
     progress = _TqdmProgress(total=3)
     summary = JobSummary()

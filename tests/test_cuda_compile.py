@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
+CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"  # the .cu sources (offline_paged.kernels)
+OPS_DIR = Path(__file__).resolve().parents[1] / "offline_paged" / "ops"  # their launchers
 SOURCES = sorted(CUDA_DIR.glob("*.cu"))
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None,
@@ -29,11 +30,12 @@ def test_source_compiles_for_sm90(source, tmp_path):
 
 
 def _launcher_modules() -> list[Path]:
-    """The launcher modules: every cuda/*.py that imports `kernel` from .modules."""
+    """The launcher modules: every offline_paged/ops/*.py that imports `kernel` from kernel_modules."""
     found = []
-    for path in sorted(CUDA_DIR.glob("*.py")):
+    for path in sorted(OPS_DIR.glob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        if any(isinstance(node, ast.ImportFrom) and node.module == "modules" and node.level == 1
+        if any(isinstance(node, ast.ImportFrom) and node.module == "offline_paged.ops.kernel_modules"
+               and node.level == 0
                and any(alias.name == "kernel" for alias in node.names) for node in ast.walk(tree)):
             found.append(path)
     return found

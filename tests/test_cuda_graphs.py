@@ -15,14 +15,14 @@ from graph_rows import StepRows  # noqa: E402
 from test_gpu_engine import engine, prompts, random_model  # noqa: E402
 from tiny_engine import run_to_completion  # noqa: E402
 
-from offline_paged.cuda.graphs import CublasGemm  # noqa: E402
-from offline_paged.cuda import step_inputs_launcher  # noqa: E402
-from offline_paged.cuda.ops_cuda import CudaOps  # noqa: E402
-from offline_paged.cuda_graph_runner import DecodeGraphs  # noqa: E402
-from offline_paged.models.attention import AttentionMetadata  # noqa: E402
+from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
 from offline_paged.models.config import LlamaConfig  # noqa: E402
 from offline_paged.models.llama import Llama  # noqa: E402
-from offline_paged.sampling_params import SamplingParams  # noqa: E402
+from offline_paged.ops import step_inputs_launcher  # noqa: E402
+from offline_paged.ops.attention import AttentionMetadata  # noqa: E402
+from offline_paged.ops.graphs import CublasGemm  # noqa: E402
+from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
+from offline_paged.worker.cuda_graph_runner import DecodeGraphs  # noqa: E402
 
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -84,7 +84,7 @@ def test_lm_head_writes_the_fp32_accumulator(tied, dtype):
     """Logits for evaluation: fp16 / bf16 inputs, fp32 accumulate, fp32 out. Against float64 on the same
     input values the error is far below what rounding the logits to the dtype costs (eager CudaOps and
     the capture-safe GEMM alike)."""
-    from offline_paged.cuda.ops_cuda import CudaOps
+    from offline_paged.ops.ops_cuda import CudaOps
 
     rng = np.random.default_rng(5)
     x = cupy.asarray(rng.standard_normal((48, 576)).astype(dtype))  # [K, E]

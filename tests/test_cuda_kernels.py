@@ -13,14 +13,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from offline_paged.models.attention import paged_attention_reference, write_kv_reference
-from offline_paged.models.ops_numpy import NumpyOps
+from offline_paged.ops.attention import paged_attention_reference, write_kv_reference
+from offline_paged.ops.ops_numpy import NumpyOps
 
 cupy = pytest.importorskip("cupy")
 import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, not skip)
 pytestmark = pytest.mark.gpu
 
-from offline_paged.cuda import launchers  # noqa: E402  (needs cupy)
+from offline_paged.ops import launchers  # noqa: E402  (needs cupy)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="bf16")]
@@ -88,7 +88,7 @@ def windowed_attention_reference(q, k_cache, v_cache, tables, ctx, qsl, scale, w
 
 
 def run_attention(case, num_splits=None, window=0):
-    from offline_paged.models.attention import AttentionMetadata
+    from offline_paged.ops.attention import AttentionMetadata
 
     q, k_cache, v_cache, tables, ctx, qsl = case
     scale = q.shape[2] ** -0.5
@@ -373,7 +373,7 @@ def test_launchers_say_what_is_wrong():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swap_out_and_in_round_trip_through_pinned_memory(dtype):
-    from offline_paged.cuda.swap import BlockSwapper
+    from offline_paged.ops.swap import BlockSwapper
 
     rng = np.random.default_rng(3)
     kv = cupy.asarray(rng.standard_normal((2, 2, 12, 16, 2, 64)).astype(dtype))

@@ -7,9 +7,9 @@ import pytest
 
 from offline_paged.models.config import LlamaConfig
 from offline_paged.models.llama import Llama
-from offline_paged.models.ops_numpy import NumpyOps
 from offline_paged.models.simple_runner import SimpleRunner, build_metadata
 from offline_paged.models.weight_spec import expected_weight_shapes
+from offline_paged.ops.ops_numpy import NumpyOps
 
 cupy = pytest.importorskip("cupy")
 import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, not skip)
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 from test_cuda_kernels import windowed_attention_reference  # noqa: E402
 
-from offline_paged.cuda.ops_cuda import CudaOps  # noqa: E402  (needs cupy)
+from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402  (needs cupy)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="bf16")]

@@ -7,8 +7,8 @@ import pytest
 
 from offline_paged.models.llama import Llama
 from offline_paged.models.loader import load_model
-from offline_paged.models.ops_numpy import NumpyOps
 from offline_paged.models.simple_runner import SimpleRunner
+from offline_paged.ops.ops_numpy import NumpyOps
 
 CHATS = ["What is 2+2?", "Write a haiku about the sea.", "Bonjour, comment ça va ?", "List three colors.",
          "Explain recursion in one sentence.", "def add(a, b):", "Translate 'good morning' to Spanish.",

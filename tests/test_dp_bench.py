@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from offline_paged.bench import random_workload
+from offline_paged.benchmark.bench import random_workload
 from offline_paged.cli.main import cli
 from offline_paged.models.dummy_weights import PRESETS
 

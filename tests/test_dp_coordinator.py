@@ -6,13 +6,13 @@ import signal
 import pytest
 
 from fixtures_tiny_model import write_tiny_model
-from offline_paged.config import EngineConfig
-from offline_paged.dp_coordinator import DataParallelCoordinator, worker_devices
-from offline_paged.dp_worker import WorkerSpec
+from offline_paged.core.config import EngineConfig
+from offline_paged.core.engine_stats import combine_stats
+from offline_paged.core.outputs import EngineStats, RequestError
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.dp.dp_coordinator import DataParallelCoordinator, worker_devices
+from offline_paged.dp.dp_worker import WorkerSpec
 from offline_paged.engine import LLMEngine
-from offline_paged.engine_stats import combine_stats
-from offline_paged.outputs import EngineStats, RequestError
-from offline_paged.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_data_parallel_size_must_be_a_positive_integer(size):
 
 
 def test_more_workers_than_visible_gpus_is_refused(monkeypatch):
-    monkeypatch.setattr("offline_paged.dp_coordinator._visible_gpus", lambda: ["3", "5"])
+    monkeypatch.setattr("offline_paged.dp.dp_coordinator._visible_gpus", lambda: ["3", "5"])
     assert worker_devices("cuda", 2) == ("cuda", ["3", "5"])
     with pytest.raises(ValueError, match="data_parallel_size=3 is larger than the 2 visible GPU"):
         worker_devices("cuda", 3)
@@ -149,7 +149,7 @@ def test_a_request_a_worker_refuses_comes_back_as_an_error(config):
 
 
 def test_llm_with_data_parallel_size_2_equals_one_engine(config):
-    from offline_paged.llm import LLM
+    from offline_paged.entrypoints.llm import LLM
 
     kwargs = dict(device="cpu", dtype="float64", block_size=4, num_kv_blocks=64, max_num_seqs=2)
     # greedy, seeded and unseeded sampled; two identical unseeded prompts must still differ, as in
@@ -168,14 +168,14 @@ def test_llm_with_data_parallel_size_2_equals_one_engine(config):
 
 
 def test_llm_data_parallel_refuses_an_already_loaded_model(config):
-    from offline_paged.llm import LLM
+    from offline_paged.entrypoints.llm import LLM
 
     with pytest.raises(ValueError, match="loaded_model cannot be combined with data_parallel_size"):
         LLM(device="cpu", loaded_model=object(), data_parallel_size=2)
 
 
 def test_when_every_worker_is_dead_step_raises_workers_lost(config):
-    from offline_paged.dp_coordinator import WorkersLostError
+    from offline_paged.dp.dp_coordinator import WorkersLostError
 
     with DataParallelCoordinator(WorkerSpec(config), 1, max_attempts=3, log=lambda line: None) as dp:
         for request_id, prompt, params in _requests(3):
@@ -191,7 +191,7 @@ def test_when_every_worker_is_dead_step_raises_workers_lost(config):
 def test_real_smollm2_data_parallel_equals_one_engine():
     """The real default model (pulled once into the cache), fp64 so batch composition cannot move a
     near-tie: two workers give one engine's greedy and seeded completions."""
-    from offline_paged.llm import LLM
+    from offline_paged.entrypoints.llm import LLM
 
     chats = [[{"role": "user", "content": c}] for c in
              ("What is 2+2?", "Name a colour.", "Write a haiku about the sea.", "def add(a, b):")]

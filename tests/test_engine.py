@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from tiny_engine import EOS_ID, ByteTokenizer, run_to_completion, tiny_engine, tiny_model
 
-from offline_paged.llm import LLM
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup
+from offline_paged.core.stop_checker import StopChecker
+from offline_paged.entrypoints.llm import LLM
 from offline_paged.models.llama import Llama
-from offline_paged.models.ops_numpy import NumpyOps
 from offline_paged.models.simple_runner import SimpleRunner
-from offline_paged.sampler import log_softmax
-from offline_paged.sampling_params import SamplingParams
-from offline_paged.sequence import FinishReason, Sequence, SequenceGroup
-from offline_paged.stop_checker import StopChecker
+from offline_paged.ops.ops_numpy import NumpyOps
+from offline_paged.worker.sampler import log_softmax
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

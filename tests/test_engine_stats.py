@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from offline_paged.engine_stats import slot_utilization
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.core.engine_stats import slot_utilization
+from offline_paged.core.sampling_params import SamplingParams
 
 from tiny_engine import tiny_engine
 

@@ -312,7 +312,7 @@ def test_family_gguf_gives_the_safetensors_config_and_weights(family_gguf):
 
 def test_family_gguf_logits_match_transformers(family_gguf):
     from offline_paged.models.llama import Llama
-    from offline_paged.models.ops_numpy import NumpyOps
+    from offline_paged.ops.ops_numpy import NumpyOps
     from offline_paged.models.simple_runner import SimpleRunner
 
     hf_model, _, (config, weights, _), _, _ = family_gguf

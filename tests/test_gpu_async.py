@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 from test_gpu_engine import SHAPES, engine, random_model  # noqa: E402
 
-from offline_paged.sampling_params import SamplingParams  # noqa: E402
+from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = random_model(SHAPES["smollm2-d64-gqa3"])
 

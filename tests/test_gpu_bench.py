@@ -29,7 +29,7 @@ def _bench(*extra: str) -> dict:
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_bench_runs_with_and_without_cuda_graphs(graphs):
-    from offline_paged.bench import random_workload
+    from offline_paged.benchmark.bench import random_workload
 
     report = _bench("--cuda-graphs" if graphs else "--no-cuda-graphs")
     (run,) = report["runs"]

@@ -27,10 +27,10 @@ from test_cuda_ops import GQA4_D128_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa
 from tiny_engine import VOCAB_SIZE, ByteTokenizer, run_to_completion  # noqa: E402
 
 from offline_paged.cli.main import cli  # noqa: E402
-from offline_paged.config import EngineConfig  # noqa: E402
+from offline_paged.core.config import EngineConfig  # noqa: E402
+from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
 from offline_paged.engine import LLMEngine  # noqa: E402
 from offline_paged.models.config import LlamaConfig  # noqa: E402
-from offline_paged.sampling_params import SamplingParams  # noqa: E402
 
 # Fewer layers than the real models keep the fp32 CPU side to seconds; widths, heads and vocab are real.
 SHAPES = {"smollm2-d64-gqa3": SMOLLM2_SHAPE | dict(num_hidden_layers=6),

@@ -19,11 +19,11 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-from offline_paged.config import EngineConfig  # noqa: E402
+from offline_paged.core.config import EngineConfig  # noqa: E402
+from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
 from offline_paged.engine import LLMEngine  # noqa: E402
 from offline_paged.models import default_model  # noqa: E402
 from offline_paged.models.loader import load_model  # noqa: E402
-from offline_paged.sampling_params import SamplingParams  # noqa: E402
 
 from tiny_engine import run_to_completion  # noqa: E402
 

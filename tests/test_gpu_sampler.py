@@ -17,12 +17,12 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from offline_paged.gpu_sampler import GpuSampler  # noqa: E402
-from offline_paged.random_stream import uniform  # noqa: E402
-from offline_paged.sampler import (  # noqa: E402
-    Sampler, SamplingRequest, apply_penalties, apply_token_constraints, filter_logits, log_softmax,
-)
-from offline_paged.sampling_params import SamplingParams  # noqa: E402
+from offline_paged.worker.gpu_sampler import GpuSampler  # noqa: E402
+from offline_paged.worker.random_stream import uniform  # noqa: E402
+# noqa: E402
+from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
+from offline_paged.worker.sampler import (Sampler, SamplingRequest, apply_penalties, apply_token_constraints,
+                                          filter_logits, log_softmax)
 
 EOS = (2, 7)
 NEAR_TIE = 1e-9
@@ -160,7 +160,7 @@ def test_seed_and_position_drive_the_draw():
 
 
 def test_launchers_reject_wrong_inputs():
-    from offline_paged.cuda import sampling_launcher as kernels
+    from offline_paged.ops import sampling_launcher as kernels
 
     logits = cupy.zeros((2, 8), dtype=cupy.float32)
     with pytest.raises(ValueError, match="rows must be int32"):
@@ -180,9 +180,9 @@ def test_launchers_reject_wrong_inputs():
 def test_sort_free_top_cut_keeps_numpys_top_k_top_p_sets(rounded):
     """top_cut (a bitwise descent, no sort: capturable) keeps exactly the tokens NumPy's top-k then top-p
     keep, ties included, with banned (-inf) entries and greedy / unfiltered rows getting -inf."""
-    from offline_paged.cuda import sampling_launcher as kernels
-    from offline_paged.sampler import _top_k, _top_p
-    from offline_paged.sampling_rows import pack_params
+    from offline_paged.ops import sampling_launcher as kernels
+    from offline_paged.worker.sampler import _top_k, _top_p
+    from offline_paged.worker.sampling_rows import pack_params
 
     rng = np.random.default_rng(9)
     num_rows, vocab = 300, 3000

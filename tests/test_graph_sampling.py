@@ -18,14 +18,14 @@ from graph_rows import StepRows  # noqa: E402
 from test_cuda_ops import SMOLLM2_SHAPE, random_weights  # noqa: E402
 from test_gpu_engine import engine, random_model  # noqa: E402
 
-from offline_paged.cuda.ops_cuda import CudaOps  # noqa: E402
-from offline_paged.cuda_graph_runner import DecodeGraphs  # noqa: E402
-from offline_paged.gpu_sampler import GpuSampler  # noqa: E402
+from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
 from offline_paged.models.config import LlamaConfig  # noqa: E402
 from offline_paged.models.llama import Llama  # noqa: E402
-from offline_paged.sampler import SamplingRequest  # noqa: E402
-from offline_paged.sampling_params import SamplingParams  # noqa: E402
-from offline_paged.sampling_rows import SamplingRows  # noqa: E402
+from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
+from offline_paged.worker.cuda_graph_runner import DecodeGraphs  # noqa: E402
+from offline_paged.worker.gpu_sampler import GpuSampler  # noqa: E402
+from offline_paged.worker.sampler import SamplingRequest  # noqa: E402
+from offline_paged.worker.sampling_rows import SamplingRows  # noqa: E402
 
 MIXED = [
     SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), SamplingParams(temperature=1.6),

@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from test_async_scheduling import _outputs, workloads
 from tiny_engine import run_to_completion, tiny_engine, tiny_model
 
-from offline_paged.launched_step import ReadySamples
-from offline_paged.models.attention import AttentionMetadata
-from offline_paged.sampler import Sampler, SamplingRequest
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.ops.attention import AttentionMetadata
+from offline_paged.worker.launched_step import ReadySamples
+from offline_paged.worker.sampler import Sampler, SamplingRequest
 
 MODEL = tiny_model(seed=3)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fixtures_tiny_model import write_tiny_model
-from offline_paged.job_output import is_error, record_key
+from offline_paged.job.job_output import is_error, record_key
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "tests" / "data" / "hostile_jobs.jsonl"

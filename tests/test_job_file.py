@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from offline_paged import job_file
-from offline_paged.job_file import JsonlWriter, OutputWriteError, open_output, scan_and_repair
+from offline_paged.job import job_file
+from offline_paged.job.job_file import JsonlWriter, OutputWriteError, open_output, scan_and_repair
 
 RECORD = {"id": "a", "line": 1, "text": "x", "error": None}
 

@@ -7,11 +7,11 @@ import json
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from offline_paged.job_file import JsonlWriter
-from offline_paged.job_input import read_lines
-from offline_paged.job_output import is_error
-from offline_paged.jobs import JobRunner
-from offline_paged.sampling_params import FIELD_NAMES
+from offline_paged.core.sampling_params import FIELD_NAMES
+from offline_paged.job.job_file import JsonlWriter
+from offline_paged.job.job_input import read_lines
+from offline_paged.job.job_output import is_error
+from offline_paged.job.job_runner import JobRunner
 from tiny_engine import tiny_engine
 
 KEYS = FIELD_NAMES + ("id", "prompt", "messages", "prompt_token_ids", "custom_id", "method", "url",

@@ -1,5 +1,5 @@
 """job_output: the OpenAI shapes' token strings (raw bytes, text offsets) on made-up tokens."""
-from offline_paged.job_output import TokenStrings, _chat_token, _text_offsets
+from offline_paged.job.job_output import TokenStrings, _chat_token, _text_offsets
 
 # token id -> raw bytes: "a", the first half and second half of "é" (C3 A9), "😀" in two halves, "b"
 RAW = {1: b"a", 2: b"\xc3", 3: b"\xa9", 4: b"\xf0\x9f", 5: b"\x98\x80", 6: b"b"}

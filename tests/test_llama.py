@@ -7,8 +7,8 @@ from safetensors.numpy import load_file
 
 from offline_paged.models.config import LlamaConfig
 from offline_paged.models.llama import Llama
-from offline_paged.models.ops_numpy import NumpyOps
 from offline_paged.models.simple_runner import SimpleRunner, build_metadata
+from offline_paged.ops.ops_numpy import NumpyOps
 from tiny_llama import hf_logits, make_tiny_hf_model, random_prompts
 
 PROMPT_LENGTHS = [7, 13, 1, 20, 16]

@@ -16,7 +16,7 @@ lm_eval = pytest.importorskip("lm_eval")
 from fixtures_tiny_model import write_tiny_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-import offline_paged.lm_eval  # noqa: E402,F401  (registers "offline-paged")
+import offline_paged.entrypoints.lm_eval  # noqa: E402,F401  (registers "offline-paged")
 
 TASKS = ["offline_paged_mc", "offline_paged_rolling", "offline_paged_gen"]
 DATA = Path(__file__).resolve().parent.parent / "data" / "lm_eval"
@@ -75,7 +75,7 @@ def test_scores_do_not_depend_on_prefix_caching(tiny_dir):
     from lm_eval.api.instance import Instance
 
     def run(caching: bool):
-        lm = offline_paged.lm_eval.OfflinePagedLM(pretrained=str(tiny_dir), device="cpu", dtype="float64",
+        lm = offline_paged.entrypoints.lm_eval.OfflinePagedLM(pretrained=str(tiny_dir), device="cpu", dtype="float64",
                                                   enable_prefix_caching=caching)
         context = "A context long enough to fill several sixteen-token KV blocks before the choice:"
         requests = [Instance("loglikelihood", {}, (context, f" choice {c}"), i) for i, c in enumerate("abcd")]

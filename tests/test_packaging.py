@@ -1,4 +1,5 @@
-"""A non-editable install works: models/, cli/ and cuda/ land inside the offline_paged namespace.
+"""A non-editable install works: models/, cli/ and cuda/ (as kernels/) land inside the offline_paged
+namespace.
 
 The editable install the test suite runs under maps the source tree directly, so it would hide
 packaging mistakes (a missing package-dir entry, .cu files left out of package data, a stray
@@ -73,7 +74,7 @@ def test_only_the_offline_paged_namespace_is_installed(installed: Path) -> None:
 
 def test_subpackages_import_from_the_installed_copy(installed: Path) -> None:
     result = _run_isolated(installed, (
-        "import offline_paged, offline_paged.models.attention as attention, offline_paged.cli.main as main\n"
+        "import offline_paged, offline_paged.ops.attention as attention, offline_paged.cli.main as main\n"
         "print(offline_paged.__file__); print(attention.__file__); print(main.__file__)\n"
         "import importlib.util\n"
         "print(importlib.util.find_spec('models'), importlib.util.find_spec('cli'))\n"
@@ -96,9 +97,21 @@ def test_console_entry_point_runs_from_the_installed_copy(installed: Path) -> No
 
 
 def test_cuda_sources_ship_as_package_data(installed: Path) -> None:
-    cuda_dir = PYPROJECT["tool"]["setuptools"]["package-dir"]["offline_paged.cuda"]
+    cuda_dir = PYPROJECT["tool"]["setuptools"]["package-dir"]["offline_paged.kernels"]
     sources = sorted(p.name for p in (REPO_ROOT / cuda_dir).glob("*.cu"))
     assert {"attention.cu", "cache.cu", "layer.cu", "sampling.cu"} <= set(sources), \
         f"the repository's {cuda_dir}/ lacks kernel sources: {sources}"
-    installed_sources = sorted(p.name for p in (installed / "offline_paged" / "cuda").glob("*.cu"))
+    installed_sources = sorted(p.name for p in (installed / "offline_paged" / "kernels").glob("*.cu"))
     assert installed_sources == sources
+
+
+def test_the_kernel_loader_reads_the_installed_sources(installed: Path) -> None:
+    result = _run_isolated(installed, (
+        "from offline_paged.ops import kernel_modules\n"
+        "print(len(kernel_modules.read_source('attention.cu')))\n"
+        "print(kernel_modules.source_path('attention.cu'))\n"
+    ))
+    assert result.returncode == 0, result.stderr
+    size, where = result.stdout.splitlines()
+    assert int(size) == len((REPO_ROOT / "cuda" / "attention.cu").read_text(encoding="utf-8"))
+    assert Path(where).is_relative_to(installed), f"kernel sources read from {where}, not the install"

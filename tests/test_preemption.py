@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tiny_engine import run_to_completion, tiny_engine
 
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.core.sampling_params import SamplingParams
 
 
 def workload() -> dict:

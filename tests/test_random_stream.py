@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from offline_paged.random_stream import random_bits, stream_seed, uniform
+from offline_paged.worker.random_stream import random_bits, stream_seed, uniform
 
 _M = 2**64 - 1
 

@@ -5,9 +5,9 @@ import time
 
 import numpy as np
 
+from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.models.config import LlamaConfig
 from offline_paged.models.rope import cos_sin_cache
-from offline_paged.sampling_params import SamplingParams
 from tiny_engine import run_to_completion, tiny_engine, tiny_model
 
 

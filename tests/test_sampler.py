@@ -4,11 +4,10 @@ import math
 import numpy as np
 import pytest
 
-import offline_paged.sampler as sampler_module
-from offline_paged.sampler import (
-    SamplingRequest, Sampler, apply_penalties, filter_logits, log_softmax, top_logprobs,
-)
-from offline_paged.sampling_params import SamplingParams
+import offline_paged.worker.sampler as sampler_module
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.worker.sampler import (SamplingRequest, Sampler, apply_penalties, filter_logits, log_softmax,
+                                          top_logprobs)
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 LOGITS = np.log(PROBS).astype(np.float32)  # softmax(LOGITS) == PROBS

@@ -8,7 +8,7 @@ import pytest
 from fixtures_tiny_model import write_tiny_model
 
 from offline_paged import LLM, SamplingParams
-from offline_paged.sampler import SamplingRequest, apply_penalties, apply_token_constraints
+from offline_paged.worker.sampler import SamplingRequest, apply_penalties, apply_token_constraints
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -1,7 +1,7 @@
 """SamplingParams: vLLM defaults, normalisation, and ValueError naming the field."""
 import pytest
 
-from offline_paged.sampling_params import FIELD_NAMES, SamplingParams
+from offline_paged.core.sampling_params import FIELD_NAMES, SamplingParams
 
 
 def test_defaults_follow_vllm():

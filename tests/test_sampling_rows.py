@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from offline_paged.sampling_params import SamplingParams
-from offline_paged.sampling_rows import PARAMS_WIDTH, SamplingRows, ban_until, graph_samplable, pack_params, pack_seeds
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.worker.sampling_rows import (PARAMS_WIDTH, SamplingRows, ban_until, graph_samplable,
+                                                pack_params, pack_seeds)
 
 
 def test_pack_params_layout_matches_the_kernels():

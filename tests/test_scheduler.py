@@ -13,20 +13,14 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from offline_paged.block_manager import BlockManager
-from offline_paged.block_table_rows import BlockTableRows
-from offline_paged.config import PreemptionMode
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.core.block_manager import BlockManager
+from offline_paged.core.config import PreemptionMode
+from offline_paged.core.output_processor import OutputProcessor
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.core.scheduler import Scheduler
+from offline_paged.core.sequence import FinishReason, SequenceGroup, SequenceResult, SequenceStatus, TokenSample
 from offline_paged.engine import _needs_host_tokens
-from offline_paged.output_processor import OutputProcessor
-from offline_paged.scheduler import Scheduler
-from offline_paged.sequence import (
-    FinishReason,
-    SequenceGroup,
-    SequenceResult,
-    SequenceStatus,
-    TokenSample,
-)
+from offline_paged.worker.block_table_rows import BlockTableRows
 
 EOS = 1
 VOCAB = 12  # small, so prompts share prefixes and EOS comes up

@@ -4,8 +4,8 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from offline_paged.seq_queue import SeqQueue
-from offline_paged.sequence import Sequence, SequenceGroup
+from offline_paged.core.seq_queue import SeqQueue
+from offline_paged.core.sequence import Sequence, SequenceGroup
 
 
 def _seq(seq_id: int, arrival: int, sample_index: int) -> Sequence:

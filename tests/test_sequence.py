@@ -1,14 +1,8 @@
 """Sequence / SequenceGroup bookkeeping: appending, forking, forgetting the cache on preemption."""
 from __future__ import annotations
 
-from offline_paged.sampling_params import SamplingParams
-from offline_paged.sequence import (
-    FinishReason,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-    TokenSample,
-)
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus, TokenSample
 
 
 def make_seq(n: int = 1, logprobs: int | None = 2, prompt_logprobs: int | None = None) -> Sequence:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from tiny_engine import run_to_completion, tiny_engine
 
-from offline_paged.random_stream import stream_seed
-from offline_paged.sampling_params import SamplingParams
+from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.worker.random_stream import stream_seed
 
 
 def peak_blocks(engine) -> int:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from offline_paged.step_inputs import decode_fields, synthetic_prefill
+from offline_paged.worker.step_inputs import decode_fields, synthetic_prefill
 
 
 @pytest.mark.parametrize("num_tokens, num_seqs, block_size", [(100, 7, 16), (5, 9, 4), (64, 1, 16), (33, 4, 8)])

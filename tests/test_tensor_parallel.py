@@ -8,11 +8,11 @@ import pytest
 
 from offline_paged.models.config import LlamaConfig
 from offline_paged.models.llama import Llama
-from offline_paged.models.ops_numpy import NumpyOps
 from offline_paged.models.simple_runner import SimpleRunner
 from offline_paged.models.tp_shard import TensorParallelShard, shard_config, shard_weights
 from offline_paged.models.weight_spec import expected_weight_shapes
-from offline_paged.tp_communicator import run_ranks
+from offline_paged.ops.ops_numpy import NumpyOps
+from offline_paged.tp.tp_communicator import run_ranks
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from offline_paged.config import EngineConfig
+from offline_paged.core.config import EngineConfig
+from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.engine import LLMEngine
-from offline_paged.sampling_params import SamplingParams
 from tiny_engine import run_to_completion, tiny_model
 
 

@@ -35,12 +35,12 @@ from tiny_engine import ByteTokenizer  # noqa: E402
 from tp_gpu_ranks import SMALL_8B, logits, random_weights, rank_logits  # noqa: E402
 
 from offline_paged.cli.main import cli  # noqa: E402
-from offline_paged.cuda.ops_cuda import CudaOps  # noqa: E402
-from offline_paged.llm import LLM  # noqa: E402
+from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
+from offline_paged.entrypoints.llm import LLM  # noqa: E402
 from offline_paged.models.llama import Llama  # noqa: E402
 from offline_paged.models.loader import LoadedModel  # noqa: E402
-from offline_paged.sampling_params import SamplingParams  # noqa: E402
-from offline_paged.tp_nccl import new_unique_id  # noqa: E402
+from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
+from offline_paged.tp.tp_nccl import new_unique_id  # noqa: E402
 
 
 def test_sharded_model_on_two_gpus_agrees_with_one_gpu():

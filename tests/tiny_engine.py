@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from offline_paged.config import EngineConfig
+from offline_paged.core.config import EngineConfig
 from offline_paged.engine import LLMEngine
 from offline_paged.models.config import LlamaConfig
 from offline_paged.models.weight_spec import expected_weight_shapes

@@ -51,10 +51,10 @@ def rank_logits(rank: int, world_size: int, unique_id, seed: int) -> np.ndarray:
     import cupy
 
     cupy.cuda.Device(rank).use()
-    from offline_paged.cuda.ops_cuda import CudaOps
+    from offline_paged.ops.ops_cuda import CudaOps
     from offline_paged.models.llama import Llama
     from offline_paged.models.tp_shard import TensorParallelShard, shard_config, shard_weights
-    from offline_paged.tp_nccl import NcclCommunicator
+    from offline_paged.tp.tp_nccl import NcclCommunicator
 
     weights = random_weights(SMALL_8B, seed)
     tp = TensorParallelShard(rank, world_size, SMALL_8B.vocab_size, NcclCommunicator(unique_id, rank, world_size))

@@ -1,0 +1,1 @@
+"""The bench harness behind `offline-paged bench` (one engine or data parallel)."""

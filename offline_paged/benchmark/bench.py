@@ -1,0 +1,387 @@
+"""Throughput benchmark: a workload of requests through one LLMEngine, timed step by step.
+
+What one run measures (a `BenchResult`): wall time and tokens/s; per step, the wall time of
+`Scheduler.schedule`, of `ModelRunner.execute` (inputs, forward, the logits copy, sampling) and of
+the forward on the device (CUDA events the runner records around the forward or graph replay); KV
+blocks held and token slots filled; the batch size; device memory in use. All of it comes from the
+StepReport that `LLMEngine.step_with_report` returns: nothing in the engine is wrapped or patched.
+
+The roofline estimate counts, per step, the bytes the step must move at least (every weight once,
+the K/V of every context token once, the new K/V, the fp32 logits) and the FLOPs it must do (the
+matmuls, attention, the LM head), and divides by the copy bandwidth and matmul rate measured in the
+same process (`measure_ceilings`). The floor of a step is the larger of the two times; the sum over
+steps is the fastest the workload could run on this device with this schedule. Under tensor
+parallelism of N each GPU moves and computes 1/N of it at the same time, so the floor is divided by N
+(the all-reduces are not counted: the floor stays a lower bound).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from offline_paged.core.sampling_params import SamplingParams
+
+
+# --------------------------------------------------------------------------------- workloads
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def parse_length_range(text: str) -> tuple[int, int]:
+    """"100:1024" -> (100, 1024); "512" -> (512, 512). ValueError for anything else."""
+    parts = str(text).split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
+    except ValueError:
+        low = high = None
+    if low is None or high is None or low < 1 or high < low:
+        raise ValueError(f"{text!r} is not a length range like 100:1024 (1 <= low <= high) or 512")
+    return low, high
+
+
+def random_workload(num_requests: int = 256, input_len: tuple[int, int] = (100, 1024),
+                    output_len: tuple[int, int] = (100, 1024), vocab_size: int = 32000,
+                    seed: int = 0, temperature: float = 1.0) -> list[BenchRequest]:
+    """`num_requests` prompts of random token ids; prompt and output lengths uniform in the
+    (inclusive) ranges; `ignore_eos` with min_tokens = max_tokens, so every output has exactly
+    its drawn length. Same arguments, same workload."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    for name, (low, high) in (("input_len", input_len), ("output_len", output_len)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} must satisfy 1 <= low <= high, got {low}:{high}")
+    rng = random.Random(seed)
+    requests = []
+    for index in range(num_requests):
+        prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(*input_len))]
+        num_out = rng.randint(*output_len)
+        params = SamplingParams(max_tokens=num_out, min_tokens=num_out, ignore_eos=True,
+                                temperature=temperature, seed=seed * 1_000_003 + index)
+        requests.append(BenchRequest(prompt, params))
+    return requests
+
+
+def file_workload(path: str | Path, tokenizer) -> list[BenchRequest]:
+    """The requests of a JSONL job (native or OpenAI batch lines), tokenized up front.
+
+    Raises ValueError naming the first line that cannot run (the benchmark runs all or nothing).
+    """
+    from offline_paged.job.job_input import LineError, parse_line
+
+    requests = []
+    with open(path, encoding="utf-8") as handle:
+        for number, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            parsed = parse_line(number, text, {})
+            if isinstance(parsed, LineError):
+                raise ValueError(f"{path}:{number}: {parsed.message}")
+            requests.append(BenchRequest(_token_ids(parsed, tokenizer, path), parsed.params))
+    if not requests:
+        raise ValueError(f"{path}: no requests in the file")
+    return requests
+
+
+def _token_ids(parsed, tokenizer, path) -> list[int]:
+    try:
+        if parsed.prompt_token_ids is not None:
+            return list(parsed.prompt_token_ids)
+        if parsed.messages is not None:
+            return tokenizer.encode(tokenizer.apply_chat_template(parsed.messages))
+        return tokenizer.encode(parsed.prompt)
+    except ValueError as exc:
+        raise ValueError(f"{path}:{parsed.line_number}: {exc}") from None
+
+
+def max_total_len(requests: Iterable[BenchRequest]) -> int:
+    """The longest prompt + max_tokens of a workload (the max_model_len it needs)."""
+    return max(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
+
+
+# --------------------------------------------------------------------------------- ceilings
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    """Rates measured on the device in this process."""
+
+    bandwidth: float  # bytes/s, device-to-device copy (bytes read + bytes written)
+    matmul_flops: float  # FLOP/s, one large square matmul in the model dtype through xp
+    how: str
+
+
+def measure_ceilings(backend) -> Ceilings:
+    """Time a large copy and a large matmul with the backend's own array module (median of 5)."""
+    xp, dtype = backend.xp, backend.dtype
+    cuda = backend.name == "cuda"
+    num_bytes = (1 << 30) if cuda else (1 << 26)
+    n = 8192 if cuda else 1024
+    src = xp.random.default_rng(0).standard_normal(num_bytes // 4, dtype=xp.float32)  # [n] random
+    dst = xp.empty_like(src)
+    copy_s = _median_time(lambda: xp.copyto(dst, src), cuda, xp)
+    a = xp.random.default_rng(1).standard_normal((n, n), dtype=xp.float32).astype(dtype)  # [n, n]
+    b = xp.random.default_rng(2).standard_normal((n, n), dtype=xp.float32).astype(dtype)  # [n, n]
+    matmul_s = _median_time(lambda: a @ b, cuda, xp)
+    how = f"copy of {num_bytes >> 20} MiB, {n}^3 matmul in {np.dtype(dtype).name}, median of 5"
+    return Ceilings(2 * num_bytes / copy_s, 2 * n ** 3 / matmul_s, how)
+
+
+def _median_time(fn, cuda: bool, xp, repeats: int = 5) -> float:
+    fn()  # warm-up: handles, kernels, caches
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = xp.cuda.Event(), xp.cuda.Event()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(xp.cuda.get_elapsed_time(start, end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+# --------------------------------------------------------------------------------- roofline
+class RooflineModel:
+    """Least bytes moved and FLOPs done by one step of a Llama-layout model (see module doc)."""
+
+    def __init__(self, config, itemsize: int, tensor_parallel_size: int = 1) -> None:
+        c = config
+        self.itemsize = itemsize
+        self.tensor_parallel_size = tensor_parallel_size
+        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        per_layer = c.hidden_size * (q_dim + 2 * kv_dim) + q_dim * c.hidden_size \
+            + 3 * c.hidden_size * c.intermediate_size
+        self.linear_params = c.num_hidden_layers * per_layer  # matmul weights of the layers
+        self.head_params = c.vocab_size * c.hidden_size  # the LM head (the embedding when tied)
+        self.weight_bytes = (self.linear_params + self.head_params) * itemsize
+        self.kv_bytes_per_token = c.num_hidden_layers * 2 * kv_dim * itemsize
+        self.attention_flops_per_key = c.num_hidden_layers * 4 * q_dim  # QK^T and PV, per (query, key)
+        self.hidden_size, self.vocab_size = c.hidden_size, c.vocab_size
+
+    def step_cost(self, scheduled) -> tuple[float, float]:
+        """(bytes, FLOPs) of one step given its ScheduledSequences."""
+        num_tokens = keys = context = rows = 0
+        for item in scheduled:
+            q, start = item.num_new_tokens, item.start
+            num_tokens += q
+            context += start + q
+            keys += q * start + q * (q + 1) // 2  # causal: query at position p sees p + 1 keys
+            rows += q if item.prompt_logprobs is not None else (1 if item.num_samples else 0)
+        bytes_moved = (self.weight_bytes + context * self.kv_bytes_per_token
+                       + num_tokens * self.kv_bytes_per_token + rows * self.vocab_size * 4)
+        flops = (2 * num_tokens * self.linear_params + 2 * rows * self.head_params
+                 + keys * self.attention_flops_per_key)
+        n = self.tensor_parallel_size  # per GPU: each holds 1/N of the weights, KV heads and vocabulary
+        return float(bytes_moved) / n, float(flops) / n
+
+
+# --------------------------------------------------------------------------------- one run
+@dataclass(slots=True)
+class StepRecord:
+    end_s: float  # since the run started
+    wall_s: float
+    schedule_s: float
+    execute_s: float
+    postprocess_s: float
+    forward_s: float | None  # device time of the forward (CUDA events); None on the CPU
+    cuda_graph: bool  # the forward replayed a decode CUDA graph
+    num_seqs: int
+    num_tokens: int
+    blocks_held: int
+    blocks_filled: float  # token slots in use / block_size
+    floor_s: float | None  # roofline floor of this step
+
+
+@dataclass(slots=True)
+class BenchResult:
+    label: str
+    kv_layout: str
+    block_size: int
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    wall_s: float
+    num_gpu_blocks: int
+    max_model_len: int
+    num_preemptions: int
+    peak_device_memory: int | None  # bytes in use on the device (total - free), peak over steps
+    ceilings: Ceilings | None
+    steps: list[StepRecord] = field(default_factory=list)
+    tensor_parallel_size: int = 1
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.wall_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.num_prompt_tokens + self.num_output_tokens) / self.wall_s
+
+    @property
+    def max_concurrent_seqs(self) -> int:
+        return max((s.num_seqs for s in self.steps), default=0)
+
+    @property
+    def kv_utilization(self) -> float:
+        """Filled slots / slots of held blocks, averaged over steps (internal fragmentation)."""
+        held = [s.blocks_filled / s.blocks_held for s in self.steps if s.blocks_held]
+        return float(np.mean(held)) if held else 0.0
+
+    @property
+    def kv_block_usage(self) -> float:
+        """Blocks held / pool, averaged over steps."""
+        return float(np.mean([s.blocks_held / self.num_gpu_blocks for s in self.steps])) if self.steps else 0.0
+
+    def time_split(self) -> dict[str, float | None]:
+        """Mean milliseconds per step: wall, schedule, execute, device forward, and the rest."""
+        n = max(len(self.steps), 1)
+        total = {k: sum(getattr(s, k) for s in self.steps)
+                 for k in ("wall_s", "schedule_s", "execute_s", "postprocess_s")}
+        forward = None if not self.steps or self.steps[0].forward_s is None else \
+            sum(s.forward_s for s in self.steps)
+        return {
+            "num_steps": len(self.steps),
+            "step_ms": 1e3 * total["wall_s"] / n,
+            "schedule_ms": 1e3 * total["schedule_s"] / n,
+            "execute_ms": 1e3 * total["execute_s"] / n,
+            "postprocess_ms": 1e3 * total["postprocess_s"] / n,
+            "num_cuda_graph_steps": sum(s.cuda_graph for s in self.steps),
+            "forward_device_ms": None if forward is None else 1e3 * forward / n,
+            "host_ms": 1e3 * (total["wall_s"] - (forward if forward is not None else total["execute_s"])) / n,
+        }
+
+    def roofline(self) -> dict[str, float] | None:
+        if self.ceilings is None or not self.steps or self.steps[0].floor_s is None:
+            return None
+        floor = sum(s.floor_s for s in self.steps)
+        return {"floor_s": floor, "output_tokens_per_s_at_floor": self.num_output_tokens / floor,
+                "fraction_of_floor": floor / self.wall_s,
+                "bandwidth_gb_s": self.ceilings.bandwidth / 1e9,
+                "matmul_tflop_s": self.ceilings.matmul_flops / 1e12, "ceilings": self.ceilings.how}
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the per-step series, as plain JSON-able values."""
+        return {
+            "label": self.label, "kv_layout": self.kv_layout, "block_size": self.block_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "kv_capacity_tokens": self.num_gpu_blocks * self.block_size,
+            "num_requests": self.num_requests, "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens, "wall_s": self.wall_s,
+            "output_tokens_per_s": self.output_tokens_per_s, "total_tokens_per_s": self.total_tokens_per_s,
+            "peak_device_memory_bytes": self.peak_device_memory, "num_gpu_blocks": self.num_gpu_blocks,
+            "max_model_len": self.max_model_len, "kv_utilization": self.kv_utilization,
+            "kv_block_usage": self.kv_block_usage, "max_concurrent_seqs": self.max_concurrent_seqs,
+            "num_preemptions": self.num_preemptions, "time_split": self.time_split(),
+            "roofline": self.roofline(),
+        }
+
+    def to_json(self, with_steps: bool = False) -> str:
+        data = self.summary()
+        if with_steps:
+            data["steps"] = [asdict(s) for s in self.steps]
+        return json.dumps(data)
+
+
+def warm_up(engine, vocab_size: int, num_requests: int = 4) -> None:
+    """A few short requests so kernel compilation and handle creation stay out of the timing."""
+    rng = random.Random(12345)
+    for index in range(num_requests):
+        length = max(1, min(48 + 16 * index, engine.max_model_len - 4))
+        prompt = [rng.randrange(vocab_size) for _ in range(length)]
+        engine.add_request(f"warmup-{index}", prompt_token_ids=prompt,
+                           params=SamplingParams(max_tokens=min(4, engine.max_model_len - length),
+                                                 ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layout: str = "paged",
+              ceilings: Ceilings | None = None) -> BenchResult:
+    """Add every request, step until done, record each step. The engine should be warm."""
+    manager = engine.block_manager
+    tensor_parallel_size = engine.config.tensor_parallel_size
+    roofline = RooflineModel(engine.model_config, np.dtype(engine.backend.dtype).itemsize, tensor_parallel_size)
+    preemptions_before = engine.stats.num_preemptions
+    for index, request in enumerate(requests):
+        engine.add_request(f"bench-{index}", prompt_token_ids=request.prompt_token_ids,
+                           params=request.params)
+    memory = _DeviceMemory(engine.backend)
+    num_prompt = num_output = 0
+    steps: list[StepRecord] = []
+    timers = []  # read after the run: reading one waits for its step, which would stop the overlap
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        finished, report = engine.step_with_report()
+        t1 = time.perf_counter()
+        for output in finished:
+            num_prompt += len(output.prompt_token_ids)
+            num_output += sum(len(c.token_ids) for c in output.outputs)
+        steps.append(_record(t1 - start, t1 - t0, report, engine, manager, roofline, ceilings))
+        timers.append(report.forward_timer)
+        memory.sample()
+    wall = time.perf_counter() - start
+    no_forward = 0.0 if engine.backend.name == "cuda" else None  # a GPU step without a forward took 0 s
+    for step, timer in zip(steps, timers):
+        step.forward_s = no_forward if timer is None else timer.elapsed_s()
+    return BenchResult(
+        label=label or kv_layout, kv_layout=kv_layout, block_size=manager.block_size,
+        num_requests=len(requests), num_prompt_tokens=num_prompt, num_output_tokens=num_output,
+        wall_s=wall, num_gpu_blocks=manager.num_gpu_blocks, max_model_len=engine.max_model_len,
+        num_preemptions=engine.stats.num_preemptions - preemptions_before,
+        peak_device_memory=memory.peak, ceilings=ceilings, steps=steps,
+        tensor_parallel_size=tensor_parallel_size)
+
+
+def _record(end_s, wall_s, report, engine, manager, roofline: RooflineModel,
+            ceilings: Ceilings | None) -> StepRecord:
+    """One step's record from the engine's own StepReport (no wrapping of engine methods)."""
+    scheduled = report.scheduled
+    stats = engine.stats  # KV occupancy as the step's forward saw it
+    held = round(stats.kv_block_usage_current * manager.num_gpu_blocks)
+    floor = None
+    if ceilings is not None:
+        bytes_moved, flops = roofline.step_cost(scheduled)
+        floor = max(bytes_moved / ceilings.bandwidth, flops / ceilings.matmul_flops) if scheduled else 0.0
+    return StepRecord(end_s, wall_s, report.schedule_s, report.execute_s, report.postprocess_s,
+                      None, report.used_cuda_graph, len(scheduled),  # forward_s: set after the run
+                      sum(s.num_new_tokens for s in scheduled), held,
+                      stats.kv_utilization_current * held, floor)
+
+
+class _DeviceMemory:
+    """Peak of device memory in use (total - free, all of this process's allocations) on CUDA."""
+
+    def __init__(self, backend) -> None:
+        self._runtime = backend.xp.cuda.runtime if backend.name == "cuda" else None
+        self.peak: int | None = None
+        self.sample()
+
+    def sample(self) -> None:
+        if self._runtime is None:
+            return
+        free, total = self._runtime.memGetInfo()
+        self.peak = max(self.peak or 0, int(total - free))
+
+
+def release_device_memory(backend) -> None:
+    """Return freed pool memory to the device between runs (CUDA; a no-op on the CPU)."""
+    if backend.name == "cuda":
+        backend.xp.get_default_memory_pool().free_all_blocks()
+
+
+def kv_bytes_per_token(model_config, itemsize: int) -> int:
+    c = model_config
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * itemsize
+

@@ -1,0 +1,91 @@
+"""Formatting of BenchResults: a text report with ratios against the first run, and the KV plot."""
+from __future__ import annotations
+
+from offline_paged.benchmark.bench import BenchResult
+
+GiB = 1 << 30
+
+
+def format_report(results: list[BenchResult], header: str = "") -> str:
+    """One table row per run (ratios against the first run), then each run's details."""
+    lines = [header] if header else []
+    base = results[0]
+    lines.append(f"{'run':<22}{'out tok/s':>12}{'total tok/s':>13}{'wall s':>9}{'max seqs':>10}"
+                 f"{'KV util':>9}{'preempt':>9}{'vs ' + base.label:>16}")
+    for r in results:
+        ratio = r.output_tokens_per_s / base.output_tokens_per_s
+        lines.append(f"{r.label:<22}{r.output_tokens_per_s:>12,.0f}{r.total_tokens_per_s:>13,.0f}"
+                     f"{r.wall_s:>9.2f}{r.max_concurrent_seqs:>10}{r.kv_utilization:>9.1%}"
+                     f"{r.num_preemptions:>9}{ratio:>15.2f}x")
+    for r in results:
+        lines += ["", *format_details(r)]
+    return "\n".join(lines)
+
+
+def format_details(r: BenchResult) -> list[str]:
+    split = r.time_split()
+    memory = "n/a (CPU)" if r.peak_device_memory is None else f"{r.peak_device_memory / GiB:.2f} GiB"
+    out = [
+        f"== {r.label}: {r.kv_layout} KV, block size {r.block_size}, {r.num_gpu_blocks} blocks, "
+        f"max_model_len {r.max_model_len}",
+        f"requests {r.num_requests}  prompt tokens {r.num_prompt_tokens:,}  output tokens "
+        f"{r.num_output_tokens:,}  wall {r.wall_s:.2f} s",
+        f"output {r.output_tokens_per_s:,.1f} tok/s  total {r.total_tokens_per_s:,.1f} tok/s  "
+        f"peak device memory {memory}",
+        f"KV utilization {r.kv_utilization:.1%} (filled slots / held slots, mean over steps)  "
+        f"block usage {r.kv_block_usage:.1%} of the pool  max concurrent seqs {r.max_concurrent_seqs}  "
+        f"preemptions {r.num_preemptions}",
+        _format_split(split) if r.steps else "per step: not recorded (the steps ran in worker processes)",
+    ]
+    roof = r.roofline()
+    if roof is not None:
+        out.append(
+            f"roofline: floor {roof['floor_s']:.2f} s ({roof['output_tokens_per_s_at_floor']:,.0f} out tok/s) "
+            f"= {roof['fraction_of_floor']:.1%} of the floor reached; measured {roof['bandwidth_gb_s']:,.0f} GB/s, "
+            f"{roof['matmul_tflop_s']:,.1f} TFLOP/s ({roof['ceilings']})")
+    return out
+
+
+def _format_split(split: dict) -> str:
+    rest = split['step_ms'] - split['schedule_ms'] - split['execute_ms'] - split['postprocess_ms']
+    text = (f"per step ({split['num_steps']} steps, {split['num_cuda_graph_steps']} from CUDA graphs): "
+            f"{split['step_ms']:.2f} ms = schedule {split['schedule_ms']:.2f} + execute "
+            f"{split['execute_ms']:.2f} + postprocess {split['postprocess_ms']:.2f} + rest {rest:.2f}")
+    if split["forward_device_ms"] is not None:
+        text += (f"; forward on the device {split['forward_device_ms']:.2f} ms, host-only "
+                 f"{split['host_ms']:.2f} ms ({split['host_ms'] / max(split['step_ms'], 1e-12):.0%})")
+    return text
+
+
+def plot_kv(results: list[BenchResult], path: str) -> None:
+    """PNG: KV blocks held vs blocks' worth of filled slots over time, one panel per run.
+
+    Raises RuntimeError when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False, sharey=True)
+    for ax, r in zip(axes[0], results):
+        times = [s.end_s for s in r.steps]
+        ax.plot(times, [s.blocks_held for s in r.steps], label="blocks allocated (held)")
+        ax.plot(times, [s.blocks_filled for s in r.steps], label="blocks in use (filled slots / B)")
+        ax.axhline(r.num_gpu_blocks, color="grey", linestyle="--", label="pool")
+        ax.set_title(f"{r.label}: {r.output_tokens_per_s:,.0f} out tok/s, max {r.max_concurrent_seqs} seqs")
+        ax.set_xlabel("time (s)")
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0][0].set_ylabel("KV blocks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def matplotlib_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

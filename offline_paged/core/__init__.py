@@ -1,0 +1,1 @@
+"""The engine core: blocks, sequences, scheduling and output processing (pure Python)."""

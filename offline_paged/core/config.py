@@ -1,0 +1,111 @@
+"""EngineConfig: every knob of one engine instance, validated once at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+GiB = 1 << 30
+
+
+class PreemptionMode(Enum):
+    """What happens to a sequence's KV cache when it is preempted."""
+
+    RECOMPUTE = "recompute"  # drop the blocks; re-prefill prompt + generated tokens on readmission
+    SWAP = "swap"  # copy the blocks to the CPU pool; copy them back on readmission
+
+
+_DEVICES = ("auto", "cpu", "cuda")
+KV_LAYOUTS = ("paged", "contiguous")
+_DTYPES = ("auto", None, "float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Configuration of one LLMEngine. Names follow vLLM where the concept is the same.
+
+    KV pool size: `num_kv_blocks` wins when given; otherwise `kv_cache_memory` bytes (CPU default
+    1 GiB, capped at what max_num_seqs sequences of max_model_len tokens could ever use); on CUDA
+    without either, free device memory after the weights x `gpu_memory_utilization`.
+    CPU swap pool: `num_cpu_blocks` wins when given; otherwise `swap_space` bytes.
+    `max_model_len=None` means the model's own context length (capped by the KV pool).
+    `kv_layout="contiguous"` is the baseline paging is measured against: every sequence reserves
+    blocks for max_model_len tokens when it is admitted (same pool, same kernels).
+    `cuda_graphs`: steps where every sequence computes one token replay a captured forward per batch
+    bucket (offline_paged/worker/cuda_graph_runner.py); ignored on the CPU (CUDA runs float16 or bfloat16).
+    `dtype`: "auto" (the default; None means the same) is float32 on the CPU and the checkpoint's
+    torch_dtype on CUDA (bfloat16 / float16; a float32 checkpoint runs in float16, as in vLLM); see
+    offline_paged/worker/backend.py. float32 and float64 are CPU-only.
+    `async_scheduling`: overlap the host's scheduling and output processing with the device's step
+    (outputs are identical to the synchronous loop; see LLMEngine.step_with_report).
+    """
+
+    model: str | None = None  # HF dir / GGUF path / name; None = the default model
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    dtype: str | None = "auto"  # "auto"/None: float32 on CPU, the checkpoint's torch_dtype on CUDA
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the device KV pool
+    num_kv_blocks: int | None = None
+    swap_space: int = 1 * GiB  # bytes for the CPU swap pool (used by preemption_mode="swap")
+    num_cpu_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
+    gpu_memory_utilization: float = 0.9
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
+    kv_layout: str = "paged"  # "paged" | "contiguous" (reserve max_model_len at admission)
+    cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
+    # Schedule and launch step N+1 while step N runs on the device; N's sampled ids reach N+1's inputs
+    # on the device and its outputs are processed one step late. None = on for CUDA, off on the CPU.
+    async_scheduling: bool | None = None
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's default)
+    # Shard the model over N processes (one GPU each on CUDA, NCCL; pipes on the CPU); rank 0 runs the
+    # scheduler. N must divide the heads, KV heads and intermediate size (models/tp_shard.py).
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(d for d in _DTYPES if d)} or None, got {self.dtype!r}")
+        _require_positive("block_size", self.block_size)
+        _require_positive("max_num_seqs", self.max_num_seqs)
+        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_positive(name, value)
+        for name in ("swap_space", "num_cpu_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        modes = [m.value for m in PreemptionMode]
+        if self.preemption_mode not in modes:
+            raise ValueError(f"preemption_mode must be one of {modes}, got {self.preemption_mode!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+        _require_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+
+    @property
+    def preemption(self) -> PreemptionMode:
+        return PreemptionMode(self.preemption_mode)
+
+
+def _require_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,98 @@
+"""OutputProcessor: folds one step's sampled tokens into the sequences (the scheduler only schedules).
+
+For each scheduled sequence, in step order: the scheduler records its computed tokens (prefix-cache
+registration included); prompt log-probabilities are appended; then either the beam step runs (once
+every live beam of the request has its row) or the sampled tokens are appended, forking the request
+into its n samples on the first one, and the stop checker decides whether each sample is done.
+Finished sequences give their blocks back through the scheduler at once.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from offline_paged.core.beam_search import BeamStep
+from offline_paged.core.scheduler import Scheduler, SchedulerOutput
+from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup, SequenceResult
+
+# Called after a token is appended: returns (reason, stop_reason) when the sequence must stop.
+StopChecker = Callable[[Sequence], "tuple[FinishReason, int | str | None] | None"]
+
+
+class OutputProcessor:
+    """Consumes a step's results; holds no state of its own between steps."""
+
+    def __init__(self, scheduler: Scheduler, stop_checker: StopChecker) -> None:
+        self.scheduler = scheduler
+        self.stop_checker = stop_checker
+
+    def process(self, output: SchedulerOutput, results: list[SequenceResult]) -> list[SequenceGroup]:
+        """Fold one step's results in; returns the requests that finished in this step.
+
+        Raises RuntimeError when the results do not match the step (a runner bug)."""
+        if len(results) != len(output.scheduled):
+            raise RuntimeError(f"runner returned {len(results)} results for {len(output.scheduled)} sequences")
+        finished: list[SequenceGroup] = []
+        for item, result in zip(output.scheduled, results):
+            seq = item.seq
+            if seq.is_finished:
+                continue  # finished (or aborted) while this lookahead step ran: its token is dropped
+            self.scheduler.record_computed(seq, item.start + item.num_new_tokens)
+            if result.prompt_logprobs is not None:
+                _extend_prompt_logprobs(seq.group, item.start, result.prompt_logprobs)
+            if len(result.samples) != item.num_samples:
+                raise RuntimeError(f"sequence {seq.seq_id}: expected {item.num_samples} samples, "
+                                   f"got {len(result.samples)}")
+            if seq.group.beam is not None:
+                if result.samples:
+                    self._beam_result(seq, result.samples[0])
+            else:
+                targets = self._fork(seq, len(result.samples)) if len(result.samples) > 1 else (seq,)
+                for target, sample in zip(targets, result.samples):
+                    self._append(target, sample)
+            if seq.group.is_finished and seq.group not in finished:
+                finished.append(seq.group)
+        return finished
+
+    def _append(self, seq: Sequence, sample) -> None:
+        seq.append_token(sample)
+        stop = self.stop_checker(seq)
+        if stop is not None:
+            self.scheduler.finish_seq(seq, *stop)
+
+    def _fork(self, parent: Sequence, num_samples: int) -> list[Sequence]:
+        group = parent.group
+        children = []
+        for index in range(1, num_samples):
+            child = parent.fork(self.scheduler.new_seq_id(), index, group.sample_seeds[index])
+            group.seqs.append(child)
+            self.scheduler.add_fork(parent, child)
+            children.append(child)
+        group.forked = True
+        return [parent, *children]
+
+    def _beam_result(self, seq: Sequence, sample) -> None:
+        """Record one beam's row; once every live beam has one, run the beam step."""
+        group = seq.group
+        group.beam.add_result(seq, sample)
+        if group.beam.is_ready(group.seqs):
+            step = group.beam.step(group.seqs, self.stop_checker, self.scheduler.new_seq_id)
+            self._apply_beam_step(group, step)
+
+    def _apply_beam_step(self, group: SequenceGroup, step: BeamStep) -> None:
+        """Fork the chosen children off their parents, then retire every parent."""
+        for child, parent in step.children:
+            self.scheduler.add_fork(parent, child)
+        for parent in group.seqs:
+            self.scheduler.retire(parent)
+        group.seqs = [child for child, _ in step.children]
+        group.forked = True
+
+
+def _extend_prompt_logprobs(group: SequenceGroup, start: int, entries: list) -> None:
+    """entries score prompt positions start+1, ...; a re-prefill after recompute preemption
+    scores positions already known again, so only the new ones are kept."""
+    skip = len(group.prompt_logprobs) - (start + 1)
+    if skip < 0:
+        raise RuntimeError(f"prompt logprobs of {group.request_id!r} would skip positions")
+    unscored = group.params.prompt_logprobs_start - len(group.prompt_logprobs)  # None whatever the cache held
+    group.prompt_logprobs.extend(None if i < unscored else e for i, e in enumerate(entries[skip:]))

@@ -1,0 +1,76 @@
+"""StopChecker: decides, after each appended token, whether a sequence is done (vLLM's rules).
+
+Order of checks (vLLM's): nothing stops a sequence before `min_tokens` except the length limits;
+then EOS (unless ignore_eos), stop_token_ids, stop strings; then max_tokens and max_model_len.
+Stop strings are searched in incrementally detokenized text (never half a character); the text of a
+sequence stopped by a string ends just before it, as in vLLM (or just after it with
+`include_stop_str_in_output`). The token ids are kept whole. `detokenize=False` gives empty text.
+"""
+from __future__ import annotations
+
+from offline_paged.core.sequence import FinishReason, Sequence
+from offline_paged.models.detokenizer import IncrementalDetokenizer
+
+StopDecision = tuple[FinishReason, int | str | None]
+
+
+class StopChecker:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def __call__(self, seq: Sequence) -> StopDecision | None:
+        """Look at seq's newest token; return (reason, stop_reason) if it must stop now."""
+        params = seq.group.params
+        token_id = seq.token_ids[-1]
+        num_outputs = seq.num_known_output_tokens  # a lookahead step's pending token does not count
+        if num_outputs >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                seq.finished_by_eos = True
+                return FinishReason.STOP, token_id
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP, token_id
+            if params.stop:
+                hit = self._find_stop_string(seq)
+                if hit is not None:
+                    return FinishReason.STOP, hit
+        elif params.stop:
+            self._detokenizer(seq).push([token_id])  # keep the text current for later checks
+        if num_outputs >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
+
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.group.params.skip_special_tokens)
+            seq.detokenizer.push(seq.output_token_ids[:-1])
+        return seq.detokenizer
+
+    def _find_stop_string(self, seq: Sequence) -> str | None:
+        detokenizer = self._detokenizer(seq)
+        piece = detokenizer.push([seq.token_ids[-1]])
+        if not piece:
+            return None
+        text = detokenizer.text
+        new_start = len(text) - len(piece)
+        best: tuple[int, str] | None = None
+        for stop in seq.group.params.stop:
+            # A stop string may straddle the old text and the new piece.
+            index = text.find(stop, max(0, new_start - len(stop) + 1))
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        keep = len(best[1]) if seq.group.params.include_stop_str_in_output else 0
+        seq.text = text[:best[0] + keep]
+        return best[1]
+
+    def final_text(self, seq: Sequence) -> str:
+        """The output text: cut before the stop string if one ended it, else all tokens decoded."""
+        if seq.text is not None:
+            return seq.text
+        if not seq.group.params.detokenize:
+            return ""
+        skip = seq.group.params.skip_special_tokens
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)

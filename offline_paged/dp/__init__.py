@@ -1,0 +1,1 @@
+"""Data parallelism: N engine processes behind the engine interface."""

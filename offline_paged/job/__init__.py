@@ -1,0 +1,1 @@
+"""The JSONL job: input lines, output records, the output file and resume, Ray Data."""

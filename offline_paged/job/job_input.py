@@ -1,0 +1,412 @@
+"""Job input: one JSONL line -> a JobRequest to run, or a LineError to record.
+
+Formats are detected per line:
+- native: {"id"?, "prompt" | "messages" | "prompt_token_ids", <SamplingParams fields>...};
+  a line without "id" gets "line-<N>" (N = 1-based line number).
+- scoring: {"id"?, "context", "continuation"}: the log-likelihood of the continuation given the
+  context and whether greedy decoding would produce it (lm-evaluation-harness's loglikelihood).
+- OpenAI Batch API: {"custom_id", "method": "POST", "url", "body"} with url "/v1/completions"
+  or "/v1/chat/completions"; the custom_id is the request id.
+Blank lines are ignored. Sampling fields missing from a line come from the job's defaults.
+Lines are split on b"\n" only (a bare CR inside a line is part of that line), and a UTF-8 byte
+order mark before the first line is skipped (`read_lines`). Whatever a line holds, `parse_line`
+returns one JobRequest or one LineError: it never raises.
+"""
+import json
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from offline_paged.core.sampling_params import SamplingParams
+
+_BOM = b"\xef\xbb\xbf"
+_CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*("(?:[^"\\]|\\.){1,512}")')
+
+NATIVE = "native"
+SCORE = "score"
+COMPLETIONS = "completions"
+CHAT = "chat"
+URLS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
+_PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+_OPENAI_KEYS = ("custom_id", "method", "url", "body")
+# vLLM's extra body fields, accepted in OpenAI bodies under their SamplingParams names
+_VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                "stop_token_ids", "skip_special_tokens", "use_beam_search", "prompt_logprobs")
+_COMMON_BODY = ("max_tokens", "temperature", "top_p", "n", "stop", "seed",
+                "presence_penalty", "frequency_penalty") + _VLLM_EXTRAS
+_IGNORED_BODY = ("model", "user", "metadata", "store", "stream_options", "parallel_tool_calls")
+# OpenAI fields we know and cannot honour: refused as "not supported", never as "unknown"
+_UNSUPPORTED_BODY = ("tools", "tool_choice", "functions", "function_call", "response_format",
+                     "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
+                     "service_tier")
+
+
+@dataclass(slots=True, frozen=True)
+class JobRequest:
+    """One runnable request. Exactly one of prompt / messages / prompt_token_ids is set.
+
+    api: "native", "score" (context + continuation), or "completions" / "chat" for OpenAI batch
+    lines (decides the output shape). A scoring request carries the context as `prompt`; the
+    job loop tokenizes it and sets `prompt_token_ids` and `num_scored_tokens` (the continuation's).
+    """
+
+    line_number: int
+    request_id: str
+    api: str
+    params: SamplingParams
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    continuation: str | None = None
+    num_scored_tokens: int = 0
+    model: str | None = None  # an OpenAI body's "model", echoed in its response
+    echo: bool = False  # OpenAI completions: the prompt (and its logprobs) lead the choice
+    generate: bool = True  # False for OpenAI max_tokens 0: one token runs, none is returned
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables of a chat line
+
+    @property
+    def key(self) -> str:
+        """What marks this line done in the output file (see LineError.key)."""
+        return self.request_id
+
+
+@dataclass(slots=True, frozen=True)
+class LineError:
+    """A line that cannot run. `openai` picks the output shape; `status_code` is for that shape."""
+
+    line_number: int
+    request_id: str
+    error_type: str  # invalid_json | invalid_request | unsupported_url | duplicate_id | rejected
+    message: str
+    openai: bool = False
+    status_code: int = 400
+
+    @property
+    def key(self) -> str:
+        """A duplicate shares its id with an earlier line, so it is keyed by its line instead."""
+        if self.error_type == "duplicate_id":
+            return duplicate_key(self.line_number)
+        return self.request_id
+
+
+class _BadLine(ValueError):
+    def __init__(self, error_type: str, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.status_code = status_code
+
+
+def default_id(line_number: int) -> str:
+    return f"line-{line_number}"
+
+
+def duplicate_key(line_number: int) -> str:
+    return f"duplicate@line-{line_number}"
+
+
+def read_lines(stream) -> Iterator[str]:
+    """The lines of a binary stream, split on b"\n" only, as text.
+
+    Bytes that are not UTF-8 are kept as lone surrogates (surrogateescape), which parse_line
+    reports as an error for that line alone; a BOM before the first line is dropped.
+    """
+    for index, raw in enumerate(stream):
+        if index == 0 and raw.startswith(_BOM):
+            raw = raw[len(_BOM):]
+        yield raw.rstrip(b"\n").decode("utf-8", errors="surrogateescape")
+
+
+def parse_line(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobRequest | LineError:
+    """Parse one non-blank line; never raises for bad input (returns a LineError instead)."""
+    try:
+        return _parse(line_number, text, defaults)
+    except RecursionError:  # parsing or validating values nested thousands of levels deep
+        return _json_error(line_number, text, "JSON nested too deeply")
+
+
+def _parse(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobRequest | LineError:
+    if not _is_unicode(text):
+        return _json_error(line_number, text, "not valid UTF-8")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        reason = exc.msg.removesuffix(" at")  # "Invalid control character at"
+        return _json_error(line_number, text, f"invalid JSON ({reason} at column {exc.colno})")
+    except ValueError:  # json's only other ValueError: an integer past Python's digit limit
+        return _json_error(line_number, text, "invalid JSON (an integer with too many digits)")
+    if not isinstance(obj, dict):
+        return LineError(line_number, default_id(line_number), "invalid_request",
+                         f"line {line_number}: expected a JSON object, got {type(obj).__name__}")
+    is_openai = any(k in obj for k in _OPENAI_KEYS)
+    request_id = _openai_id(obj, line_number) if is_openai else _native_id(obj, line_number)
+    try:
+        if not _is_unicode(json.dumps(obj, ensure_ascii=False)):
+            raise ValueError("a string holds a lone surrogate (\\ud800-\\udfff escape), "
+                             "which is not valid Unicode")
+        if is_openai:
+            return _parse_openai(line_number, obj, defaults)
+        return _parse_native(line_number, request_id, obj, defaults)
+    except _BadLine as exc:
+        return LineError(line_number, request_id, exc.error_type, f"line {line_number}: {exc}",
+                         is_openai, exc.status_code)
+    except (ValueError, TypeError, OverflowError) as exc:
+        return LineError(line_number, request_id, "invalid_request", f"line {line_number}: {exc}",
+                         is_openai)
+
+
+def _json_error(line_number: int, text: str, reason: str) -> LineError:
+    """A line that is not JSON. One that looks like an OpenAI batch line (it names a custom_id)
+    gets the OpenAI shape and, when it can be read, its own custom_id."""
+    found = _CUSTOM_ID.search(text) if '"custom_id"' in text else None
+    request_id = default_id(line_number)
+    if found:
+        try:
+            value = json.loads(found.group(1))
+            request_id = _printable_id(value) if value else request_id
+        except ValueError:
+            pass
+    return LineError(line_number, request_id, "invalid_json", f"line {line_number}: {reason}",
+                     openai='"custom_id"' in text)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable_id(value: str) -> str:
+    """An id that can be written as UTF-8 (a lone surrogate becomes its escape, e.g. \\ud800)."""
+    return value if _is_unicode(value) else value.encode("utf-8", "backslashreplace").decode()
+
+
+def _native_id(obj: dict, line_number: int) -> str:
+    value = obj.get("id")
+    if isinstance(value, str) and value:
+        return _printable_id(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return default_id(line_number)
+
+
+def _openai_id(obj: dict, line_number: int) -> str:
+    value = obj.get("custom_id")
+    return _printable_id(value) if isinstance(value, str) and value else default_id(line_number)
+
+
+def _parse_native(line_number: int, request_id: str, obj: dict,
+                  defaults: Mapping[str, Any]) -> JobRequest:
+    if "id" in obj and not (
+        (isinstance(obj["id"], str) and obj["id"]) or
+        (isinstance(obj["id"], int) and not isinstance(obj["id"], bool))
+    ):
+        raise ValueError(f"id must be a non-empty string or an integer, got {obj['id']!r}")
+    if "context" in obj or "continuation" in obj:
+        return _score_request(line_number, request_id, obj)
+    given = [k for k in _PROMPT_KEYS if k in obj]
+    if len(given) != 1:
+        raise ValueError(f"a line needs exactly one of {', '.join(_PROMPT_KEYS)} "
+                         f"(got {', '.join(given) or 'none'})")
+    fields = {k: v for k, v in obj.items() if k not in ("id", given[0], "chat_template_kwargs")}
+    params = SamplingParams.from_dict({**defaults, **fields})
+    kwargs = _template_kwargs(obj, given[0])
+    return JobRequest(line_number, request_id, NATIVE, params, **_prompt(given[0], obj[given[0]]),
+                      chat_template_kwargs=kwargs)
+
+
+def _template_kwargs(obj: dict, prompt_kind: str = "messages") -> dict[str, Any] | None:
+    """A chat line's `chat_template_kwargs` (vLLM's name, e.g. {"enable_thinking": false}): an object,
+    only next to messages."""
+    value = obj.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if prompt_kind != "messages":
+        raise ValueError("chat_template_kwargs applies to messages only")
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"chat_template_kwargs must be an object, got {str(value)[:60]!r}")
+    return value
+
+
+def _score_request(line_number: int, request_id: str, obj: dict) -> JobRequest:
+    extra = sorted(set(obj) - {"id", "context", "continuation"})
+    if extra:
+        raise ValueError(f"a scoring line takes only id, context and continuation "
+                         f"(got {', '.join(extra)})")
+    for name in ("context", "continuation"):
+        if not isinstance(obj.get(name), str) or not obj[name]:
+            raise ValueError(f"{name} must be a non-empty string, got {obj.get(name)!r:.60}")
+    # prompt_logprobs=1: each position's own log-probability and the most likely token's;
+    # one token is generated and dropped (the engine needs max_tokens >= 1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    return JobRequest(line_number, request_id, SCORE, params, prompt=obj["context"],
+                      continuation=obj["continuation"])
+
+
+def score_tokens(encode, context: str, continuation: str) -> tuple[list[int], int]:
+    """Token ids of context + continuation and how many of them are the continuation's, split as
+    lm-evaluation-harness does: trailing spaces of the context move to the continuation, the
+    whole text is encoded once, and the continuation is what follows the context's own tokens."""
+    num_spaces = len(context) - len(context.rstrip())
+    if num_spaces and num_spaces < len(context):
+        context, continuation = context[:-num_spaces], context[-num_spaces:] + continuation
+    whole = list(encode(context + continuation))
+    num_context = len(encode(context))
+    if num_context == 0:  # position 0 has no log-probability to score
+        raise ValueError("the context encodes to no tokens")
+    if num_context >= len(whole):
+        raise ValueError("the continuation adds no tokens to the context")
+    return whole, len(whole) - num_context
+
+
+def _prompt(kind: str, value: Any) -> dict[str, Any]:
+    if kind == "prompt":
+        return {"prompt": _check_prompt(value)}
+    if kind == "messages":
+        return {"messages": _check_messages(value)}
+    return {"prompt_token_ids": _check_token_ids(value)}
+
+
+def _check_prompt(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"prompt must be a non-empty string, got {value!r:.60}")
+    return value
+
+
+def _check_token_ids(value: Any) -> list[int]:
+    if (not isinstance(value, list) or not value or
+            not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+        raise ValueError("prompt_token_ids must be a non-empty list of non-negative integers")
+    return value
+
+
+def _check_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    return [_check_message(i, m) for i, m in enumerate(value)]
+
+
+def _check_message(index: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"messages[{index}] must be an object with a string role")
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI content parts: only text parts can be rendered
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ValueError(f"messages[{index}].content: only text parts are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{index}].content must be a string")
+    return {**message, "content": content}
+
+
+def _parse_openai(line_number: int, obj: dict, defaults: Mapping[str, Any]) -> JobRequest:
+    unknown = sorted(set(obj) - set(_OPENAI_KEYS))
+    if unknown:
+        raise ValueError(f"unknown field(s) in a batch line: {', '.join(unknown)}")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise ValueError("custom_id must be a non-empty string")
+    if obj.get("method") != "POST":
+        raise _BadLine("invalid_request", f"method must be \"POST\", got {obj.get('method')!r}", 405)
+    api = URLS.get(obj.get("url"))
+    if api is None:
+        raise _BadLine("unsupported_url", f"unsupported url {obj.get('url')!r} "
+                       f"(supported: {', '.join(URLS)})", 404)
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    if api == CHAT:
+        return _chat_request(line_number, custom_id, body, defaults)
+    return _completion_request(line_number, custom_id, body, defaults)
+
+
+def _completion_request(line_number: int, custom_id: str, body: dict,
+                        defaults: Mapping[str, Any]) -> JobRequest:
+    _reject_unsupported(body, suffix=None)
+    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY +
+                    ("prompt", "logprobs", "best_of", "echo", "stream", "suffix", "logit_bias"))
+    fields = _common_fields(body)
+    if body.get("logprobs") is not None:
+        fields["logprobs"] = body["logprobs"]
+    if "best_of" in body:
+        fields["best_of"] = body["best_of"]
+    echo = _echo(body, fields)
+    generate = not _is_zero(fields.get("max_tokens"))
+    if not generate:  # scoring the prompt only: one token runs, the output drops it
+        fields["max_tokens"] = 1
+    params = SamplingParams.from_dict({**defaults, **fields})
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and (
+            isinstance(prompt[0], str) or isinstance(prompt[0], list)):
+        prompt = prompt[0]  # one prompt in a batch of one (text, or token ids as lm-eval sends)
+    kind = {"prompt_token_ids": _check_token_ids(prompt)} if isinstance(prompt, list) else \
+        {"prompt": _check_prompt(prompt)}
+    return JobRequest(line_number, custom_id, COMPLETIONS, params, **kind,
+                      model=_model(body), echo=echo, generate=generate)
+
+
+def _echo(body: dict, fields: dict[str, Any]) -> bool:
+    """echo: the prompt leads the choice; with logprobs, its tokens' log-probabilities too (the
+    first token has none). max_tokens 0 is allowed only with echo (there is nothing else)."""
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ValueError(f"echo must be true or false, got {echo!r:.60}")
+    if _is_zero(fields.get("max_tokens")) and not echo:
+        raise ValueError("max_tokens 0 needs echo: true (there would be nothing to return)")
+    if echo and fields.get("logprobs") is not None:
+        fields.setdefault("prompt_logprobs", fields["logprobs"])
+    return echo
+
+
+def _is_zero(value: Any) -> bool:
+    return type(value) is int and value == 0  # not False, not 0.0
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    return model if isinstance(model, str) else None
+
+
+def _chat_request(line_number: int, custom_id: str, body: dict,
+                  defaults: Mapping[str, Any]) -> JobRequest:
+    _reject_unsupported(body)
+    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + ("messages", "max_completion_tokens",
+                    "logprobs", "top_logprobs", "stream", "logit_bias", "chat_template_kwargs"))
+    fields = _common_fields(body)
+    if body.get("max_completion_tokens") is not None:
+        fields["max_tokens"] = body["max_completion_tokens"]
+    if body.get("logprobs") not in (None, False, True):
+        raise ValueError(f"logprobs must be true or false for chat, got {body['logprobs']!r:.60}")
+    if body.get("logprobs"):
+        fields["logprobs"] = body.get("top_logprobs") or 0
+    params = SamplingParams.from_dict({**defaults, **fields})
+    return JobRequest(line_number, custom_id, CHAT, params,
+                      messages=_check_messages(body.get("messages")), model=_model(body),
+                      chat_template_kwargs=_template_kwargs(body))
+
+
+def _common_fields(body: dict) -> dict[str, Any]:
+    # OpenAI sends null for "not set"; null then means "job default"
+    return {k: body[k] for k in _COMMON_BODY if body.get(k) is not None}
+
+
+def _reject_unknown(body: dict, known: tuple[str, ...]) -> None:
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise ValueError(f"unknown body field(s): {', '.join(unknown)}")
+
+
+def _reject_unsupported(body: dict, **harmless: Any) -> None:
+    for name in _UNSUPPORTED_BODY:
+        if body.get(name) is not None:
+            raise ValueError(f"{name} is not supported")
+    if body.get("stream"):
+        raise ValueError("stream is not supported in a batch job")
+    if body.get("logit_bias"):
+        raise ValueError("logit_bias is not supported")
+    for name, value in harmless.items():
+        if body.get(name, value) != value:
+            raise ValueError(f"{name} is not supported")

@@ -1,0 +1,209 @@
+"""The JSONL job: read lines, feed the engine, write one record per line as each finishes.
+
+`JobRunner(engine, writer, ...).run(lines) -> JobSummary`. The engine is injected (anything with
+add_request / step / has_unfinished_requests / stats / tokenizer), so the loop is tested with a
+fake one and runs a DataParallelCoordinator unchanged; step() may hand back a RequestError (a
+request refused after add_request returned), which becomes the line's error record. Lines are read lazily, keeping at most `max_pending` requests inside the engine, so stdin
+and very large files stream. Bad lines never stop the job: each gets one error record. Lines whose
+key is in `done_keys` (from a previous run's output) are skipped, which is how resume works.
+"""
+import dataclasses
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from offline_paged.core.outputs import RequestError, RequestOutput
+from offline_paged.job.job_file import JsonlWriter
+from offline_paged.job.job_input import NATIVE, SCORE, JobRequest, LineError, parse_line, score_tokens
+from offline_paged.job.job_output import TokenStrings, error_record, success_record
+
+EXIT_OK = 0
+EXIT_SOME_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class Progress(Protocol):
+    def update(self, summary: "JobSummary", engine_stats: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class JobSummary:
+    """Counts of one run. Failures count error records, including earlier runs' (resume)."""
+
+    num_requests: int = 0  # non-blank input lines seen
+    num_succeeded: int = 0
+    num_failed: int = 0
+    num_skipped: int = 0  # already complete in the output file
+    num_failed_before: int = 0  # error records already in the output file
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    elapsed_s: float = 0.0
+    interrupted: bool = False
+    engine: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_SOME_FAILED if self.num_failed + self.num_failed_before else EXIT_OK
+
+    def to_dict(self) -> dict[str, Any]:
+        elapsed = max(self.elapsed_s, 1e-9)
+        return {
+            "requests": self.num_requests, "succeeded": self.num_succeeded,
+            "failed": self.num_failed, "skipped_already_done": self.num_skipped,
+            "failed_in_earlier_runs": self.num_failed_before,
+            "prompt_tokens": self.num_prompt_tokens, "generated_tokens": self.num_generated_tokens,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "generation_tokens_per_s": round(self.num_generated_tokens / elapsed, 2),
+            "total_tokens_per_s": round(
+                (self.num_prompt_tokens + self.num_generated_tokens) / elapsed, 2),
+            "requests_per_s": round(self.num_succeeded / elapsed, 3),
+            "interrupted": self.interrupted, "exit_code": self.exit_code,
+            "engine": self.engine,
+        }
+
+
+class JobRunner:
+    """Drives one engine through one job; see the module docstring."""
+
+    def __init__(self, engine, writer: JsonlWriter, *, defaults: Mapping[str, Any] | None = None,
+                 model_name: str = "", done_keys: set[str] | None = None,
+                 num_failed_before: int = 0, max_pending: int = 512,
+                 progress: Progress | None = None,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
+        self.engine = engine
+        self.writer = writer
+        self.defaults = dict(defaults or {})
+        self.model_name = model_name
+        self.done_keys = set(done_keys or ())
+        self.max_pending = max_pending
+        self.progress = progress
+        self.should_stop = should_stop
+        self.summary = JobSummary(num_failed_before=num_failed_before)
+        self._pending: dict[str, JobRequest] = {}
+        self._seen_ids: set[str] = set()
+        self.run_id = secrets.token_hex(6)  # in OpenAI response ids: unique per run
+        self._openai_seen = False  # an OpenAI-format file: broken lines get its envelope too
+        self._token_strings = TokenStrings.of(engine.tokenizer) if engine.tokenizer is not None else None
+
+    def run(self, lines: Iterable[str]) -> JobSummary:
+        """Run every line; returns when all are written or should_stop() turns true."""
+        start = time.perf_counter()
+        numbered: Iterator[tuple[int, str]] = iter(enumerate(lines, start=1))
+        exhausted = False
+        while not self.should_stop():
+            exhausted = exhausted or self._fill(numbered)
+            if not self._pending:
+                if exhausted:
+                    break
+                continue
+            for output in self.engine.step():
+                self._finish(output)
+            self._report(start)
+        self.summary.interrupted = self.should_stop() and not (exhausted and not self._pending)
+        self._report(start)
+        return self.summary
+
+    def _fill(self, numbered: Iterator[tuple[int, str]]) -> bool:
+        """Read lines until max_pending requests wait in the engine; True when input ran out."""
+        while len(self._pending) < self.max_pending:
+            if self.should_stop():
+                return False
+            item = next(numbered, None)
+            if item is None:
+                return True
+            line_number, text = item
+            if not is_blank(text):
+                self._take(parse_line(line_number, text, self.defaults))
+        return False
+
+    def _take(self, parsed: JobRequest | LineError) -> None:
+        self.summary.num_requests += 1
+        if _is_openai(parsed):
+            self._openai_seen = True
+        elif self._openai_seen and isinstance(parsed, LineError) and parsed.error_type == "invalid_json":
+            parsed = dataclasses.replace(parsed, openai=True)
+        if parsed.request_id in self._seen_ids:
+            parsed = LineError(parsed.line_number, parsed.request_id, "duplicate_id",
+                               f"line {parsed.line_number}: duplicate id {parsed.request_id!r}",
+                               _is_openai(parsed))
+        else:
+            self._seen_ids.add(parsed.request_id)
+        if parsed.key in self.done_keys:
+            self.summary.num_skipped += 1
+        elif isinstance(parsed, LineError):
+            self._fail(parsed)
+        else:
+            self._submit(parsed)
+
+    def _submit(self, request: JobRequest) -> None:
+        try:
+            prompt, token_ids = request.prompt, request.prompt_token_ids
+            if request.messages is not None:
+                prompt, token_ids = _render_chat(self.engine.tokenizer, request.messages,
+                                                 request.chat_template_kwargs)
+            if request.api == SCORE:
+                token_ids, num_scored = score_tokens(self.engine.tokenizer.encode, request.prompt,
+                                                     request.continuation)
+                request = dataclasses.replace(request, num_scored_tokens=num_scored)
+            self.engine.add_request(request.request_id, prompt=prompt,
+                                    prompt_token_ids=token_ids, params=request.params)
+        except Exception as exc:  # noqa: BLE001 - whatever one line does, the others still run
+            reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            self._reject(request, reason)
+            return
+        self._pending[request.request_id] = request
+
+    def _reject(self, request: JobRequest, reason: str) -> None:
+        self._fail(LineError(request.line_number, request.request_id, "rejected",
+                             f"line {request.line_number}: {_cut(reason)}", _is_openai(request)))
+
+    def _finish(self, output: RequestOutput | RequestError) -> None:
+        request = self._pending.pop(output.request_id)
+        if isinstance(output, RequestError):  # refused later, by a data-parallel worker
+            self._reject(request, output.message)
+            return
+        self.writer.write(success_record(request, output, self.model_name, self._token_strings, self.run_id))
+        self.summary.num_succeeded += 1
+        self.summary.num_prompt_tokens += len(output.prompt_token_ids)
+        self.summary.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def _fail(self, error: LineError) -> None:
+        self.writer.write(error_record(error, self.run_id))
+        self.summary.num_failed += 1
+
+    def _report(self, start: float) -> None:
+        self.summary.elapsed_s = time.perf_counter() - start
+        stats = self.engine.stats
+        self.summary.engine = stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
+        if self.progress is not None:
+            self.progress.update(self.summary, stats)
+
+
+def is_blank(text: str) -> bool:
+    """Blank lines are skipped: JSON whitespace only (space, tab, CR, LF)."""
+    return not text.strip(" \t\r\n")
+
+
+def _cut(message: str, limit: int = 500) -> str:
+    return message if len(message) <= limit else message[:limit] + "..."
+
+
+def _is_openai(parsed: JobRequest | LineError) -> bool:
+    return parsed.openai if isinstance(parsed, LineError) else parsed.api not in (NATIVE, SCORE)
+
+
+def _render_chat(tokenizer, messages: list[dict[str, Any]],
+                 template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    """Template text and its ids; the template writes its own special tokens, so none are added."""
+    if template_kwargs:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             chat_template_kwargs=template_kwargs)
+    else:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return text, tokenizer.encode(text, add_special_tokens=False)

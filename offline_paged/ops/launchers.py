@@ -1,0 +1,295 @@
+"""Thin typed launchers: one per CUDA kernel. Each checks dtypes, contiguity and shapes, raises ValueError
+saying what is wrong, then launches on the current CuPy stream. No launcher synchronises.
+
+Element types: float16 and bfloat16 (ml_dtypes.bfloat16 arrays, which CuPy 14 handles natively). Every
+kernel with typed arithmetic exists once per type (name suffix _f16 / _bf16, see ELEMENT_SUFFIX); the
+launchers pick it from the activations' dtype and require every other tensor to match it.
+
+Legend: T tokens, S sequences, H query heads, Hkv KV heads, D head dim, N blocks, B block size,
+M max blocks per sequence, E hidden size, I intermediate size, L layers, P pairs / positions.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import cupy
+import numpy as np
+
+from offline_paged.ops.kernel_modules import kernel
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # fp16 still works; a bfloat16 array cannot exist without ml_dtypes anyway
+    BFLOAT16 = None
+
+HEAD_DIMS = (64, 128)  # what the attention kernel is instantiated for
+# Kernel-name suffix per element type (the .cu sources instantiate each typed kernel for both).
+ELEMENT_SUFFIX = {np.dtype(np.float16): "f16"} | ({BFLOAT16: "bf16"} if BFLOAT16 is not None else {})
+# Every (source, entry point) these launchers may launch: tests/test_cuda_compile.py checks each is
+# defined in its compiled source, and _kernel refuses to launch anything not listed here.
+KERNELS = (
+    ("attention.cu", "paged_attention_d64_keysplit_f16"), ("attention.cu", "paged_attention_d64_rowsplit_f16"),
+    ("attention.cu", "paged_attention_d128_keysplit_f16"), ("attention.cu", "paged_attention_d128_rowsplit_f16"),
+    ("attention.cu", "merge_partials_f16"),
+    ("layer.cu", "rms_norm_f16"), ("layer.cu", "rope_same_cache_f16"), ("layer.cu", "rope_f32_cache_f16"),
+    ("layer.cu", "silu_mul_f16"), ("layer.cu", "add_bias_f16"),
+    ("attention.cu", "paged_attention_d64_keysplit_bf16"), ("attention.cu", "paged_attention_d64_rowsplit_bf16"),
+    ("attention.cu", "paged_attention_d128_keysplit_bf16"), ("attention.cu", "paged_attention_d128_rowsplit_bf16"),
+    ("attention.cu", "merge_partials_bf16"),
+    ("layer.cu", "rms_norm_bf16"), ("layer.cu", "rope_same_cache_bf16"), ("layer.cu", "rope_f32_cache_bf16"),
+    ("layer.cu", "silu_mul_bf16"), ("layer.cu", "add_bias_bf16"),
+    ("cache.cu", "write_kv"), ("cache.cu", "copy_blocks"),
+)
+ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
+WARPS = 4
+KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
+MIN_PARTITION = 256  # shortest key range worth a split of its own
+MAX_PARTIAL_BYTES = 256 << 20  # cap on the fp32 split workspace
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_array(name: str, a, dtype, ndim: int, contiguous: bool = True) -> None:
+    _require(isinstance(a, cupy.ndarray), f"{name} must be a cupy.ndarray, got {type(a).__name__}")
+    _require(a.dtype == np.dtype(dtype), f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
+    _require(a.ndim == ndim, f"{name} must have {ndim} dims, got shape {a.shape}")
+    if contiguous:
+        _require(a.flags.c_contiguous, f"{name} must be C-contiguous (shape {a.shape}, strides {a.strides})")
+
+
+def _element_suffix(name: str, a) -> str:
+    """Kernel suffix for the element type of `a` (the activations): "f16" or "bf16"; ValueError else."""
+    _require(isinstance(a, cupy.ndarray), f"{name} must be a cupy.ndarray, got {type(a).__name__}")
+    suffix = ELEMENT_SUFFIX.get(np.dtype(a.dtype))
+    _require(suffix is not None, f"{name} must be float16 or bfloat16, got {a.dtype.name}")
+    return suffix
+
+
+def _check_rows(name: str, a, ndim: int, dtype=np.float16) -> int:
+    """`dtype` array whose dims after the first are contiguous and whose rows start 16-byte aligned.
+    Returns the row stride in elements."""
+    _check_array(name, a, dtype, ndim, contiguous=False)
+    if a.size:
+        _require(a[0].flags.c_contiguous, f"{name}: all dims but the first must be contiguous "
+                                          f"(shape {a.shape}, strides {a.strides})")
+    _require(a.strides[0] % 16 == 0 and a.data.ptr % 16 == 0,
+             f"{name}: rows must start on 16-byte boundaries (strides {a.strides})")
+    return a.strides[0] // a.itemsize
+
+
+@functools.cache
+def _num_sms() -> int:
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def _kernel(filename: str, name: str):
+    if (filename, name) not in KERNELS:
+        raise RuntimeError(f"{filename}:{name} is not declared in launchers.KERNELS")
+    return kernel(filename, name)
+
+
+def plan_splits(num_ctas: int, max_context_len: int, partial_row_bytes: int) -> tuple[int, int]:
+    """(num_splits, partition_size) for the key dimension: split until the grid has ~4 CTAs per SM,
+    never into ranges shorter than MIN_PARTITION keys, within the workspace cap."""
+    splits = 1
+    if num_ctas < 4 * _num_sms() and max_context_len > MIN_PARTITION:
+        splits = min(math.ceil(4 * _num_sms() / max(num_ctas, 1)), math.ceil(max_context_len / MIN_PARTITION))
+        splits = max(1, min(splits, MAX_PARTIAL_BYTES // max(partial_row_bytes, 1)))
+    partition = math.ceil(max(max_context_len, 1) / splits / KEYS_PER_ROUND) * KEYS_PER_ROUND
+    return math.ceil(max(max_context_len, 1) / partition), partition
+
+
+def key_span(max_context_len: int, window: int) -> int:
+    """Most keys one row tile's splits must cover. Without a window, the context. With one, a tile's
+    range starts at its first row's window start rounded down to KEYS_PER_ROUND, and its rows span at
+    most ROWS_PER_TILE positions: window + ROWS_PER_TILE - 1 keys plus up to KEYS_PER_ROUND - 1 of rounding."""
+    if window <= 0:
+        return max_context_len
+    return min(max_context_len, window + ROWS_PER_TILE - 1 + KEYS_PER_ROUND - 1)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                    max_query_len: int, max_context_len: int, scale: float, num_splits: int | None = None,
+                    window: int = 0):
+    """Causal GQA attention of q [T, H, D] against paged K/V [N, B, Hkv, D]; returns out [T, H, D].
+
+    Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1] and has context_lens[s] cached tokens
+    (its queries are the last ones); rows of no sequence come back as zeros. max_query_len and
+    max_context_len must bound the metadata (keys past the planned splits would be skipped).
+    window > 0: sliding window, a query at position p sees keys p - window < k <= p only, and no key
+    before its window is read (those blocks may be freed). num_splits forces a split count (tests);
+    None plans one. q, k_cache and v_cache are float16 or bfloat16, all the same.
+    """
+    suffix = _element_suffix("q", q)
+    _check_array("q", q, q.dtype, 3)
+    _check_array("k_cache", k_cache, q.dtype, 4)
+    _check_array("v_cache", v_cache, q.dtype, 4)
+    _check_array("block_tables", block_tables, np.int32, 2)
+    _check_array("context_lens", context_lens, np.int32, 1)
+    _check_array("query_start_loc", query_start_loc, np.int32, 1)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    num_seqs = context_lens.shape[0]
+    _require(v_cache.shape == k_cache.shape, f"v_cache shape {v_cache.shape} != k_cache shape {k_cache.shape}")
+    _require(head_dim == cache_dim, f"q head dim {head_dim} != cache head dim {cache_dim}")
+    _require(head_dim in HEAD_DIMS, f"head dim {head_dim} not supported (kernels exist for {HEAD_DIMS})")
+    _require(num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    _require(block_tables.shape[0] == num_seqs, f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
+    _require(query_start_loc.shape[0] == num_seqs + 1,
+             f"query_start_loc must have {num_seqs + 1} entries, got {query_start_loc.shape[0]}")
+    _require(max_query_len >= 0 and max_context_len >= 0, "max_query_len / max_context_len must be >= 0")
+    _require(isinstance(window, (int, np.integer)) and 0 <= window < 2**30,
+             f"window must be an integer in [0, 2**30) (0 = no sliding window), got {window!r}")
+    if num_seqs == 0 or num_tokens == 0 or max_query_len == 0:
+        return cupy.zeros(q.shape, dtype=q.dtype)
+    group = num_heads // num_kv_heads
+    tiles = math.ceil(max_query_len * group / ROWS_PER_TILE)
+    row_split = tiles >= WARPS
+    grid_x = math.ceil(tiles / WARPS) if row_split else tiles
+    row_bytes = num_tokens * num_heads * head_dim * 4
+    span = key_span(max_context_len, int(window))
+    if num_splits is None:
+        num_splits, partition = plan_splits(num_seqs * num_kv_heads * grid_x, span, row_bytes)
+    else:
+        partition = math.ceil(max(span, 1) / num_splits / KEYS_PER_ROUND) * KEYS_PER_ROUND
+    # One split writes rows in place (rows of no sequence must read 0); with several, the merge writes all.
+    out = cupy.zeros(q.shape, dtype=q.dtype) if num_splits == 1 else cupy.empty(q.shape, dtype=q.dtype)
+    if num_splits > 1:
+        partial_o = cupy.empty((num_splits, num_tokens, num_heads, head_dim), dtype=cupy.float32)
+        partial_ml = cupy.zeros((num_splits, num_tokens, num_heads, 2), dtype=cupy.float32)
+    else:
+        partial_o = partial_ml = out  # never read or written with one split
+    name = f"paged_attention_d{head_dim}_{'rowsplit' if row_split else 'keysplit'}_{suffix}"
+    _kernel("attention.cu", name)(
+        (grid_x, num_kv_heads * num_splits, num_seqs), (WARPS * 32,),
+        (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
+         np.int32(num_tokens), np.int32(num_kv_heads), np.int32(group), np.int32(block_size),
+         np.int32(block_tables.shape[1]), np.int32(partition), np.int32(num_splits),
+         np.float32(scale * math.log2(math.e)),
+         np.int32(block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1),
+         np.int32(window)))
+    if num_splits > 1:
+        _kernel("attention.cu", f"merge_partials_{suffix}")(
+            (num_tokens * num_heads,), (head_dim,),
+            (partial_o, partial_ml, out, np.int32(num_splits), np.int32(num_tokens * num_heads), np.int32(head_dim)))
+    return out
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """k_cache/v_cache row slot_mapping[t] <- k[t] / v[t] ([T, Hkv, D] rows; negative slot = skip).
+    float16 or bfloat16, all four the same (the kernel copies bytes)."""
+    _element_suffix("k_cache", k_cache)
+    k_stride = _check_rows("k", k, 3, k_cache.dtype)
+    v_stride = _check_rows("v", v, 3, k_cache.dtype)
+    _check_array("k_cache", k_cache, k_cache.dtype, 4)
+    _check_array("v_cache", v_cache, k_cache.dtype, 4)
+    _check_array("slot_mapping", slot_mapping, np.int32, 1)
+    _require(k.shape == v.shape, f"k shape {k.shape} != v shape {v.shape}")
+    _require(k_cache.shape == v_cache.shape, f"k_cache shape {k_cache.shape} != v_cache shape {v_cache.shape}")
+    _require(k.shape[1:] == k_cache.shape[2:], f"k rows {k.shape[1:]} do not match cache rows {k_cache.shape[2:]}")
+    _require(slot_mapping.shape[0] == k.shape[0], f"slot_mapping has {slot_mapping.shape[0]} slots for {k.shape[0]} tokens")
+    row_elems = k.shape[1] * k.shape[2]
+    _require(row_elems % 8 == 0, f"Hkv * D = {row_elems} must be a multiple of 8 (16-byte vectors)")
+    if k.shape[0] == 0:
+        return
+    _kernel("cache.cu", "write_kv")(
+        (k.shape[0],), (min(128, row_elems // 8),),
+        (k, v, k_cache, v_cache, slot_mapping, np.int64(k_stride), np.int64(v_stride), np.int32(row_elems)))
+
+
+def copy_blocks(kv_cache, src_ids, dst_ids) -> None:
+    """kv_cache[:, :, dst_ids[i]] <- kv_cache[:, :, src_ids[i]] in one launch (float16 or bfloat16).
+    No dst may also be a src (checked by the caller, who has the ids on the host)."""
+    _element_suffix("kv_cache", kv_cache)
+    _check_array("kv_cache", kv_cache, kv_cache.dtype, 6)
+    _check_array("src_ids", src_ids, np.int32, 1)
+    _check_array("dst_ids", dst_ids, np.int32, 1)
+    _require(src_ids.shape == dst_ids.shape, f"{src_ids.shape[0]} src ids but {dst_ids.shape[0]} dst ids")
+    num_layers, _, num_blocks = kv_cache.shape[:3]
+    block_elems = math.prod(kv_cache.shape[3:])
+    _require(block_elems % 8 == 0, f"a block holds {block_elems} elements, not a multiple of 8")
+    if src_ids.shape[0] == 0:
+        return
+    _kernel("cache.cu", "copy_blocks")(
+        (src_ids.shape[0], num_layers * 2), (128,),
+        (kv_cache, src_ids, dst_ids, np.int64(num_blocks), np.int32(block_elems)))
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """(normed [T, E], new residual [T, E]) with vLLM's convention (see NumpyOps.rms_norm).
+    float16 or bfloat16; weight and residual of x's dtype."""
+    suffix = _element_suffix("x", x)
+    _check_array("x", x, x.dtype, 2)
+    _check_array("weight", weight, x.dtype, 1)
+    _require(weight.shape[0] == x.shape[1], f"weight has {weight.shape[0]} entries for hidden size {x.shape[1]}")
+    if residual is not None:
+        _check_array("residual", residual, x.dtype, 2)
+        _require(residual.shape == x.shape, f"residual shape {residual.shape} != x shape {x.shape}")
+    out = cupy.empty_like(x)
+    residual_out = cupy.empty_like(x)
+    if x.shape[0]:
+        _kernel("layer.cu", f"rms_norm_{suffix}")(
+            (x.shape[0],), (256,),
+            (x, residual if residual is not None else np.uint64(0), weight, out, residual_out,
+             np.int32(x.shape[1]), np.float32(eps)))
+    return out, residual_out
+
+
+def rope(q, k, positions, cos_sin):
+    """Rotate-half RoPE; returns new contiguous (q [T, H, D], k [T, Hkv, D]) of q's dtype (float16 or
+    bfloat16; k the same). cos_sin [P, D] of q's dtype or float32."""
+    suffix = _element_suffix("q", q)
+    q_stride = _check_rows("q", q, 3, q.dtype)
+    k_stride = _check_rows("k", k, 3, q.dtype)
+    _check_array("positions", positions, np.int32, 1)
+    _require(isinstance(cos_sin, cupy.ndarray) and cos_sin.dtype in (q.dtype, np.float32) and cos_sin.ndim == 2
+             and cos_sin.flags.c_contiguous,
+             f"cos_sin_cache must be a contiguous 2-D {q.dtype.name}/float32 cupy array, got "
+             f"{getattr(cos_sin, 'dtype', type(cos_sin))}")
+    num_tokens, num_heads, head_dim = q.shape
+    _require(k.shape[0] == num_tokens and k.shape[2] == head_dim, f"k shape {k.shape} does not fit q shape {q.shape}")
+    _require(positions.shape[0] == num_tokens, f"{positions.shape[0]} positions for {num_tokens} tokens")
+    _require(cos_sin.shape[1] == head_dim, f"cos_sin_cache is {cos_sin.shape[1]} wide, head dim is {head_dim}")
+    _require(head_dim % 2 == 0, f"head dim {head_dim} must be even")
+    q_out = cupy.empty(q.shape, dtype=q.dtype)
+    k_out = cupy.empty(k.shape, dtype=q.dtype)
+    if num_tokens:
+        name = f"rope_f32_cache_{suffix}" if cos_sin.dtype == np.float32 else f"rope_same_cache_{suffix}"
+        _kernel("layer.cu", name)(
+            (num_tokens,), (128,),
+            (q, k, positions, cos_sin, q_out, k_out, np.int64(q_stride), np.int64(k_stride),
+             np.int32(num_heads), np.int32(k.shape[1]), np.int32(head_dim)))
+    return q_out, k_out
+
+
+def silu_mul(gate_up):
+    """silu(gate_up[:, :I]) * gate_up[:, I:]; [T, 2I] -> [T, I] (float16 or bfloat16)."""
+    suffix = _element_suffix("gate_up", gate_up)
+    _check_array("gate_up", gate_up, gate_up.dtype, 2)
+    _require(gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd")
+    num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = cupy.empty((num_tokens, inter), dtype=gate_up.dtype)
+    total = num_tokens * inter
+    if total:
+        blocks = min(math.ceil(total / 256), 8 * _num_sms() * 8)
+        _kernel("layer.cu", f"silu_mul_{suffix}")((blocks,), (256,), (gate_up, out, np.int64(num_tokens), np.int32(inter)))
+    return out
+
+
+def add_bias(x, bias):
+    """x += bias in place, each sum rounded once; x [T, N] contiguous, bias [N] (float16 or bfloat16)."""
+    suffix = _element_suffix("x", x)
+    _check_array("x", x, x.dtype, 2)
+    _check_array("bias", bias, x.dtype, 1)
+    _require(bias.shape[0] == x.shape[1], f"bias length {bias.shape[0]} != x width {x.shape[1]}")
+    total = x.size
+    if total:
+        blocks = min(math.ceil(total / 256), 8 * _num_sms() * 8)
+        _kernel("layer.cu", f"add_bias_{suffix}")((blocks,), (256,), (x, bias, np.int64(total), np.int32(x.shape[1])))
+    return x

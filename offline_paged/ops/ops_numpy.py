@@ -1,0 +1,99 @@
+"""NumpyOps: the CPU backend of the model's elementwise/attention ops, and the reference CudaOps must match.
+
+Legend: T tokens, H query heads, Hkv key/value heads, D head dim, I intermediate size,
+N physical blocks, B block size, P max positions.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from offline_paged.ops.attention import AttentionMetadata, paged_attention_reference, write_kv_reference
+from offline_paged.ops.attention_fast import paged_attention_fast
+
+
+class NumpyOps:
+    """Backend ops on numpy arrays. `xp` is the array module the model uses for uploads."""
+
+    xp = np
+
+    def __init__(self, reference_attention: bool = False):
+        # The reference loops over sequences in Python; the fast path is equal to it (tested) and
+        # batches decode rows. reference_attention=True selects the reference, e.g. for debugging.
+        self._attention = paged_attention_reference if reference_attention else paged_attention_fast
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        """RMSNorm with vLLM's residual convention: with a residual, x + residual is normalised and
+        also returned as the new residual; without, x itself is the residual. Returns (normed, residual)."""
+        if residual is not None:
+            x = x + residual  # [T, hidden]
+        acc = x.astype(np.promote_types(x.dtype, np.float32), copy=False)  # [T, hidden]
+        variance = np.einsum("ij,ij->i", acc, acc)[:, None] / acc.shape[-1]  # [T, 1]
+        normed = (acc * (1.0 / np.sqrt(variance + eps)).astype(acc.dtype)).astype(x.dtype, copy=False)
+        return normed * weight, x
+
+    def rope(self, q, k, positions, cos_sin_cache):
+        """Rotate-half RoPE (HF / neox pairing). q: [T, H, D], k: [T, Hkv, D]; returns new arrays."""
+        half = cos_sin_cache.shape[1] // 2
+        table = cos_sin_cache[positions]  # [T, D]
+        cos = table[:, None, :half]  # [T, 1, D/2]
+        sin = table[:, None, half:]  # [T, 1, D/2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        write_kv_reference(np, k, v, k_cache, v_cache, slot_mapping)
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  sliding_window: int | None = None):
+        """Paged causal GQA attention; [T, H, D] -> [T, H, D]. With `sliding_window` w, a query at
+        position p reads only keys p - w < k <= p (None: the whole context)."""
+        return self._attention(np, q, k_cache, v_cache, meta, scale, sliding_window)
+
+    def logits(self, hidden, lm_head):
+        """hidden [K, E] @ lm_head [E, V] -> [K, V] float32 (computed in the model's dtype)."""
+        return (hidden @ lm_head).astype(np.float32)
+
+    def add_bias(self, x, bias):
+        """x + bias over the last axis (x [T, N], bias [N]); CudaOps may update x in place."""
+        return x + bias
+
+    def silu_mul(self, gate_up):
+        """SwiGLU activation: silu(gate) * up for gate_up = concat(gate, up); [T, 2I] -> [T, I]."""
+        inter = gate_up.shape[-1] // 2
+        gate = gate_up[:, :inter]  # [T, I]
+        with np.errstate(over="ignore"):  # exp(-gate) -> inf for very negative gate gives silu = -0
+            return gate / (1.0 + np.exp(-gate)) * gate_up[:, inter:]
+
+    def copy_blocks(self, kv_cache, src_ids, dst_ids) -> None:
+        """kv_cache[:, :, dst] = kv_cache[:, :, src] for all layers, K and V (all reads before writes)."""
+        kv_cache[:, :, dst_ids] = kv_cache[:, :, src_ids]
+
+    def make_swapper(self, kv_cache, num_cpu_blocks: int) -> "HostSwapper":
+        """A CPU pool of `num_cpu_blocks` blocks for `kv_cache`, with swap_out / swap_in (as CudaOps)."""
+        return HostSwapper(kv_cache, num_cpu_blocks)
+
+
+class HostSwapper:
+    """The CPU counterpart of cuda.swap.BlockSwapper: a second numpy pool [L, 2, C, B, Hkv, D] and
+    whole-block gathers on axis 2 between it and the device pool (here also numpy)."""
+
+    def __init__(self, kv_cache, num_cpu_blocks: int):
+        shape = (*kv_cache.shape[:2], num_cpu_blocks, *kv_cache.shape[3:])
+        self.gpu_cache = kv_cache
+        self.cpu_cache = np.zeros(shape, dtype=kv_cache.dtype)  # [L, 2, C, B, Hkv, D]
+
+    def swap_out(self, gpu_ids, cpu_ids) -> None:
+        """cpu_cache[:, :, cpu_ids] <- gpu_cache[:, :, gpu_ids]."""
+        self.cpu_cache[:, :, np.asarray(cpu_ids, dtype=np.int64)] = \
+            self.gpu_cache[:, :, np.asarray(gpu_ids, dtype=np.int64)]
+
+    def swap_in(self, cpu_ids, gpu_ids) -> None:
+        """gpu_cache[:, :, gpu_ids] <- cpu_cache[:, :, cpu_ids]."""
+        self.gpu_cache[:, :, np.asarray(gpu_ids, dtype=np.int64)] = \
+            self.cpu_cache[:, :, np.asarray(cpu_ids, dtype=np.int64)]
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1 = x[..., :half]  # [T, heads, D/2]
+    x2 = x[..., half:]  # [T, heads, D/2]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

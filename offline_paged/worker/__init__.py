@@ -1,0 +1,1 @@
+"""The runner: step inputs, the model runner, CUDA graphs and the samplers."""

@@ -1,0 +1,288 @@
+"""DecodeGraphs: decode-only steps (one new token per sequence) replayed from CUDA graphs, one per bucket.
+
+Legend: S sequences in the step, b bucket size (S rounded up), M max blocks per sequence
+(ceil(max_model_len / B)), B block size, E hidden size, V vocab, L layers, R persistent rows.
+
+Per bucket b one packed int32 device buffer holds the step's inputs at fixed addresses:
+    uploaded: [input ids b | slot rows b | sample positions b | positions b | write flags b]
+    computed: [slot mapping b | context lens b | query_start_loc b + 1 | block tables b*M]
+A step packs the five uploaded fields on the host (a few ints per sequence), copies them in one H2D copy,
+and `decode_inputs` (cuda/step_inputs.cu) computes the rest on the device from a device mirror of the
+runner's BlockTableRows [R, Mr], kept current by the entries that changed (`take_changes`: a new block
+per sequence every B steps, copy-on-write replacements); a new generation of the rows (more rows or
+columns) is copied whole. Then the graph captured for b is launched. Slots S..b are padding: slot row
+-1, token 0 at position 0, slot -1 (no KV write), context len 1 reading block 0 slot 0 (whatever is
+there; their logits are never read).
+
+Sampling inside the graph (`run_and_sample`): a second graph per bucket, captured on its first use, samples
+every slot of the bucket's logits with the eager GpuSampler's own kernels (prepare_rows -> top_cut -> race,
+cuda/sampling.cu) after gathering each slot's (params, seed, output position) from persistent row buffers
+[R, 8] float64 / [R] uint64 that are written only when a row gets a new sequence (SamplingRows). The
+random stream is a function of (seed, output position) read from device buffers, so a replay draws what the
+eager sampler draws from the same logits. The sampled ids stay on the device (`token_ids`, the next step's
+input ids) and one download brings (token id, raw logprob) home. Growing the row buffers moves them, so
+the sampling graphs are dropped then and captured again (the table mirror is read outside the graphs).
+
+The captured forward is Llama.forward itself, given a capture-safe GEMM (offline_paged/ops/graphs.py) as its matmul
+(and for the LM head, the same GEMM writing fp32) and no logits_indices, so it computes logits for every row (a decode step samples every row). Attention plans its key
+splits for max_context_len = max_model_len, a static bound, so the captured launch stays valid for
+every replay. Everything the forward allocates comes from a private CuPy pool used only while warming
+up and capturing; the output of each bucket is kept referenced, so no later capture or eager step can
+reuse its memory, and the intermediates are only shared between graphs that never run at once.
+"""
+from __future__ import annotations
+
+import math
+
+import cupy
+import numpy as np
+
+from offline_paged.ops import sampling_launcher as kernels
+from offline_paged.ops import step_inputs_launcher as step_kernels
+from offline_paged.ops.attention import AttentionMetadata
+from offline_paged.ops.graphs import CublasGemm
+from offline_paged.ops.pinned import PinnedUpload
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _Bucket:
+    """Static inputs, the captured graphs and their outputs for one batch size."""
+
+    NUM_UPLOADED = 5  # input ids, slot rows, sample positions, positions, write flags
+
+    def __init__(self, size: int, max_blocks: int) -> None:
+        self.size = size
+        self.max_blocks = max_blocks
+        self.host = np.zeros(self.NUM_UPLOADED * size, dtype=np.int32)  # the uploaded fields (host)
+        self.device = cupy.zeros(8 * size + 1 + size * max_blocks, dtype=cupy.int32)  # the layout above
+        self.graph = None
+        self.logits = None  # [b, V] float32, written by every replay
+        self.sample_graph = None  # captured on the first sampled replay; dropped when the row buffers move
+        self.sampled = None  # [b, 2] float64 (token id, raw logprob), written by every sampled replay
+        self.token_ids = None  # [b] int32, the same ids for the next step's inputs
+
+    def uploaded(self, packed):
+        """(input ids, slot rows, sample positions, positions, write flags) [b] each of `packed`."""
+        b = self.size
+        return tuple(packed[i * b:(i + 1) * b] for i in range(self.NUM_UPLOADED))
+
+    def views(self, packed):
+        """(input ids, positions, slot mapping, context lens, query_start_loc, block tables) of `packed`."""
+        b = self.size
+        ids, _, _, pos, _ = self.uploaded(packed)
+        slots, ctx = packed[5 * b:6 * b], packed[6 * b:7 * b]
+        qsl = packed[7 * b:8 * b + 1]
+        return ids, pos, slots, ctx, qsl, packed[8 * b + 1:].reshape(b, self.max_blocks)
+
+    def sampling_views(self, packed):
+        """(slot rows [b], sample positions [b]) of `packed`."""
+        return self.uploaded(packed)[1:3]
+
+    def pack(self, input_ids, positions, slot_rows, writes, sample_positions=None) -> None:
+        """Fill the host fields for S <= b real slots (S = len(slot_rows)); padding as in the module docstring."""
+        num_seqs = len(slot_rows)
+        ids, rows, sample_pos, pos, write = self.uploaded(self.host)
+        ids[:num_seqs], ids[num_seqs:] = input_ids, 0
+        rows[:num_seqs], rows[num_seqs:] = slot_rows, -1
+        sample_pos[:num_seqs], sample_pos[num_seqs:] = 0 if sample_positions is None else sample_positions, 0
+        pos[:num_seqs], pos[num_seqs:] = positions, 0
+        write[:num_seqs], write[num_seqs:] = writes, 0
+
+
+GRAPH_DTYPES = ("float16", "bfloat16")  # model dtypes the capture-safe GEMM and kernels take
+
+
+class DecodeGraphs:
+    """Captures lazily, on a bucket's first use. `run` replays on the current stream.
+
+    model: a Llama on CudaOps in float16 or bfloat16; kv_cache [L, 2, N, B, Hkv, D] (its address is
+    captured)."""
+
+    def __init__(self, model, kv_cache, block_size: int, max_model_len: int, buckets=BUCKETS) -> None:
+        if np.dtype(model.dtype).name not in GRAPH_DTYPES:
+            raise ValueError(f"CUDA graphs need a float16 or bfloat16 model, got {model.dtype}")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks = math.ceil(max_model_len / block_size)
+        self.buckets = tuple(sorted(buckets))
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._pool = cupy.cuda.MemoryPool()  # only for warm-up and capture
+        self._gemm = None
+        self._captured: dict[int, _Bucket] = {}
+        # One PinnedUpload per kind of upload: each is used once per step, so its staging slots are never
+        # rewritten while the step in flight may still be copying from them.
+        self._upload = PinnedUpload()  # the host packs the next step while this one runs
+        self._table_upload = PinnedUpload()
+        self._row_upload = PinnedUpload()
+        self.num_replays = 0
+        self.num_sampled_replays = 0
+        self._row_tables = None  # [R, Mr] int32 (device): BlockTableRows.tables mirrored
+        self._tables_generation = None  # (the BlockTableRows mirrored, its generation)
+        self._row_params = None  # [R, 8] float64 (device): SamplingRows.params mirrored
+        self._row_seeds = None  # [R] uint64 (device): SamplingRows.seeds mirrored
+        self._rows_source = None  # the SamplingRows mirrored
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self._captured))
+
+    def fits(self, num_seqs: int, max_context_len: int, max_table_len: int) -> bool:
+        return (0 < num_seqs <= self.buckets[-1] and max_context_len <= self.max_model_len
+                and max_table_len <= self.max_blocks)
+
+    def run(self, input_ids, positions, slot_rows, writes, table_rows, timer=None, fill=None):
+        """One decode step: slot i computes token input_ids[i] at positions[i] of the sequence whose block
+        table is row slot_rows[i] of `table_rows` (a BlockTableRows, synced for this step); writes[i] = 0
+        leaves its (cached) K/V unwritten. Returns the bucket's logits [b, V] float32 (device; rows >= S
+        are padding), valid until this bucket's next replay. `timer` (a StepReport DeviceTimer) is started
+        after the host packing, right before the input copy and the replay, so it times the device's work.
+        `fill(ids)` writes pending input ids into the bucket's device ids after the copy (async
+        scheduling), stream-ordered before the replay."""
+        return self._replay(input_ids, positions, slot_rows, writes, table_rows, timer, fill)[1]
+
+    def run_and_sample(self, input_ids, positions, slot_rows, writes, table_rows, sample_positions,
+                       sampling_rows, timer=None, fill=None):
+        """`run`, then sample every slot in the bucket's sampling graph: slot i draws output position
+        sample_positions[i] with the parameters of row slot_rows[i] of `sampling_rows` (a SamplingRows,
+        its new rows mirrored to the device first). Returns (logits [b, V], PendingSamples of the S slots)."""
+        from offline_paged.worker.gpu_sampler import PendingSamples
+
+        self._sync_rows(sampling_rows)
+        bucket, logits = self._replay(input_ids, positions, slot_rows, writes, table_rows, timer, fill,
+                                      sample_positions)
+        if bucket.sample_graph is None:
+            self._capture_sampling(bucket)
+        bucket.sample_graph.launch()
+        self.num_sampled_replays += 1
+        num_seqs = len(slot_rows)
+        return logits, PendingSamples.of_graph(bucket.sampled[:num_seqs], bucket.token_ids[:num_seqs])
+
+    def _replay(self, input_ids, positions, slot_rows, writes, table_rows, timer, fill, sample_positions=None):
+        size = next(b for b in self.buckets if b >= len(slot_rows))
+        bucket = self._captured.get(size) or self._capture(size)
+        bucket.pack(input_ids, positions, slot_rows, writes, sample_positions)
+        if timer is not None:
+            timer.start()
+        self._upload(bucket.host, out=bucket.device[:bucket.host.size])  # the step's input copy
+        self._sync_tables(table_rows)
+        self._decode_inputs(bucket)
+        if fill is not None:
+            fill(bucket.views(bucket.device)[0])
+        bucket.graph.launch()
+        self.num_replays += 1
+        return bucket, bucket.logits
+
+    def _decode_inputs(self, bucket: _Bucket) -> None:
+        """Slot mapping, context lens, query_start_loc and block tables of the bucket, on the device."""
+        _, rows, _, pos, write = bucket.uploaded(bucket.device)
+        _, _, slots, ctx, qsl, tables = bucket.views(bucket.device)
+        row_tables = self._row_tables if self._row_tables is not None else cupy.zeros((1, 1), dtype=cupy.int32)
+        step_kernels.decode_inputs(rows, pos, write, row_tables, slots, ctx, qsl, tables, self.block_size)
+
+    def _sync_tables(self, table_rows) -> None:
+        """Bring the device mirror of table_rows.tables up to date: the changed entries, or all of it
+        after a reallocation."""
+        changes = table_rows.take_changes()  # [n, 3]
+        if self._tables_generation != (table_rows, table_rows.generation):  # another object or reallocated
+            self._row_tables = self._table_upload(table_rows.tables)  # [R, Mr] int32, a new device array
+            self._tables_generation = (table_rows, table_rows.generation)
+        elif changes.shape[0]:
+            step_kernels.scatter_table_entries(self._table_upload(changes), self._row_tables)
+
+    def _sync_rows(self, sampling_rows) -> None:
+        """Mirror the rows SamplingRows packed since the last step (usually none) into the device buffers.
+        When they must grow, reallocate, copy every row, and drop the sampling graphs (they hold the old
+        addresses)."""
+        dirty = sampling_rows.take_dirty()  # [d]
+        if (sampling_rows is not self._rows_source or self._row_params is None
+                or self._row_params.shape[0] < sampling_rows.num_rows):
+            self._rows_source = sampling_rows
+            self._row_params = cupy.asarray(sampling_rows.params)  # [R, 8] (a rare, synchronous copy)
+            self._row_seeds = cupy.asarray(sampling_rows.seeds)  # [R]
+            for bucket in self._captured.values():
+                bucket.sample_graph = None
+            return
+        if not dirty.size:
+            return
+        staged = np.concatenate([dirty.astype(np.uint64), sampling_rows.seeds[dirty],
+                                 sampling_rows.params[dirty].ravel().view(np.uint64)])  # [d * 10] uint64
+        device = self._row_upload(staged)  # [d * 10] uint64 (device)
+        count = dirty.size
+        rows = device[:count].astype(cupy.int64)  # [d]
+        self._row_seeds[rows] = device[count:2 * count]
+        self._row_params[rows] = device[2 * count:].view(cupy.float64).reshape(count, 8)
+
+    # ----------------------------------------------------------------- capture
+    def _capture(self, size: int) -> _Bucket:
+        bucket = _Bucket(size, self.max_blocks)
+        bucket.pack([], [], [], [])  # all slots padding: warm-up writes no KV
+        bucket.device[:bucket.host.size].set(bucket.host)
+        self._decode_inputs(bucket)
+        cupy.cuda.Device().synchronize()
+        with cupy.cuda.using_allocator(self._pool.malloc), self._stream:
+            if self._gemm is None:
+                self._gemm = CublasGemm(self._stream)
+            self._forward(bucket)  # compiles kernels, initialises cuBLAS, fills the pool
+            self._stream.synchronize()
+            self._stream.begin_capture()
+            try:
+                bucket.logits = self._forward(bucket)
+            finally:
+                bucket.graph = self._stream.end_capture()
+        self._stream.synchronize()
+        self._captured[size] = bucket
+        return bucket
+
+    def _capture_sampling(self, bucket: _Bucket) -> None:
+        """Capture the bucket's sampling graph (warmed up once first: kernels compile outside the capture).
+        Its temporaries come from the private pool, like the forward's. `sampled` and `token_ids` outlive
+        the step (the download, the next step's input ids), so they come from the default pool: no
+        graph's temporaries can ever share their memory."""
+        if bucket.sampled is None:
+            bucket.sampled = cupy.zeros((bucket.size, 2), dtype=cupy.float64)  # [b, 2]
+            bucket.token_ids = cupy.zeros(bucket.size, dtype=cupy.int32)  # [b]
+        cupy.cuda.Device().synchronize()
+        with cupy.cuda.using_allocator(self._pool.malloc), self._stream:
+            self._sample(bucket)
+            self._stream.synchronize()
+            self._stream.begin_capture()
+            try:
+                self._sample(bucket)
+            finally:
+                bucket.sample_graph = self._stream.end_capture()
+        self._stream.synchronize()
+
+    def _sample(self, bucket: _Bucket) -> None:
+        """Every slot of bucket.logits sampled as GpuSampler.sample_async samples a row without penalties,
+        bans or logprobs: prepare_rows -> top_cut -> race, then the ids as int32."""
+        b, vocab = bucket.size, bucket.logits.shape[1]
+        slot_rows, sample_positions = bucket.sampling_views(bucket.device)
+        params = cupy.empty((b, kernels.PARAMS_WIDTH), dtype=cupy.float64)  # [b, 8]
+        seeds = cupy.empty(b, dtype=cupy.uint64)  # [b]
+        positions = cupy.empty(b, dtype=cupy.uint64)  # [b]
+        kernels.gather_row_params(slot_rows, sample_positions, self._row_params, self._row_seeds,
+                                  params, seeds, positions)
+        rows = cupy.arange(b, dtype=cupy.int32)  # [b]: slot i samples logits row i
+        adjusted = cupy.empty((b, vocab), dtype=cupy.float64)  # [b, V]
+        raw_stats = cupy.empty((b, 2), dtype=cupy.float64)  # [b, 2]
+        cut = cupy.empty(b, dtype=cupy.float64)  # [b]
+        kernels.prepare_rows(bucket.logits, rows, adjusted, raw_stats)
+        kernels.top_cut(adjusted, params, cut)
+        kernels.race(adjusted, cut, raw_stats, bucket.logits, rows, params, seeds, positions, bucket.sampled)
+        kernels.chosen_ids(bucket.sampled, bucket.token_ids)
+
+    def _forward(self, bucket: _Bucket):
+        """Llama.forward for one token per row through the capture-safe GEMM: every row's logits
+        [b, V] float32, no host sync (attention plans its splits for the static max_model_len)."""
+        ids, pos, slots, ctx, qsl, tables = bucket.views(bucket.device)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx,
+                                 query_start_loc=qsl, max_query_len=1, max_context_len=self.max_model_len)
+        return self.model.forward(ids, pos, self.kv_cache, meta, None, matmul=self._gemm,
+                                  logits_matmul=self._logits_gemm)
+
+    def _logits_gemm(self, hidden, lm_head):
+        """The LM head through the same capture-safe handle, writing its fp32 accumulator."""
+        return self._gemm(hidden, lm_head, out_dtype=np.float32)

@@ -1,0 +1,59 @@
+"""LaunchedStep: a step whose device work is queued but whose sampled tokens may not have reached the host.
+
+`ModelRunner.launch` returns one; `wait()` brings the step's results to the host (the step's one
+device->host copy). Between the two, the engine schedules and launches the next step: a sequence whose
+token from this step is still pending gets it as input on the device, gathered from `sampled_ids`
+(one entry per sampling request) at `sample_index[seq_id]`. On the CPU everything is computed at
+launch and `wait()` only hands it over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from offline_paged.core.sequence import SequenceResult
+from offline_paged.worker.step_report import DeviceTimer
+
+
+class ReadySamples:
+    """Samples already on the host (the NumPy sampler, or no sampling rows)."""
+
+    __slots__ = ("_results", "token_ids")
+
+    def __init__(self, results: list) -> None:
+        self._results = results
+        self.token_ids = np.fromiter((r.token_id for r in results), np.int32, len(results))  # [R]
+
+    def results(self) -> list:
+        return self._results
+
+
+@dataclass(slots=True)
+class ExecuteOutput:
+    results: list[SequenceResult]  # one per scheduled sequence, in order
+    forward_timer: DeviceTimer | None  # CUDA events around the forward; None on the CPU
+    used_cuda_graph: bool
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    output: Any  # the SchedulerOutput it runs
+    samples: Any  # ReadySamples or gpu_sampler.PendingSamples: token_ids [R] (device) and results()
+    sample_index: dict[int, int]  # seq id -> index in samples.token_ids of the token it will append
+    owners: list[int]  # per sampling request: index of its scheduled sequence
+    prompt_logprobs: list  # per scheduled sequence: entries or None (computed at launch)
+    forward_timer: DeviceTimer | None
+    used_cuda_graph: bool
+    _done: ExecuteOutput | None = None
+
+    def wait(self) -> ExecuteOutput:
+        """The step's results on the host (waits for the device once; later calls return the same)."""
+        if self._done is None:
+            per_seq: list[list] = [[] for _ in self.output.scheduled]
+            for owner, sample in zip(self.owners, self.samples.results()):
+                per_seq[owner].append(sample)
+            results = [SequenceResult(samples, prompt) for samples, prompt in zip(per_seq, self.prompt_logprobs)]
+            self._done = ExecuteOutput(results, self.forward_timer, self.used_cuda_graph)
+        return self._done

@@ -1,0 +1,362 @@
+"""ModelRunner: turns a SchedulerOutput into arrays, moves KV blocks, runs the model and samples.
+
+Legend: T tokens in the step, S scheduled sequences, M max blocks per sequence, K logits rows,
+V vocab, L layers, N device blocks, C CPU blocks, B block size, Hkv KV heads, D head dim.
+
+Order inside one step matters: swap-outs first (their device blocks may be handed to someone else
+in this very step), then swap-ins, then copy-on-write copies, then the forward. Logits cross to the
+host once per step, and only the rows that are sampled or scored. On CUDA the GpuSampler samples on the
+device (only the sampled ids and requested log-probabilities come back); logits cross only for rows whose
+prompt log-probabilities are asked for. Decode-only steps that fit a bucket replay a CUDA graph
+(cuda_graph_runner.py) whose inputs are derived on the device from the persistent rows; when every row
+is greedy or temperature / top-k / top-p / min-p only, the graph samples too (same kernels, per-row
+parameters in device buffers written once per row), else the GpuSampler samples its logits. Step inputs
+are built in step_inputs.py.
+
+Tensor parallel: rank 0's runner is given a `mirror` (offline_paged/tp/tp_group.py) and sends it each
+step's block moves and packed forward inputs right before its own forward; the runner of every other
+rank replays them with `run_mirrored` (same block ids, same buckets), so the collectives inside the
+forwards pair up. Only rank 0 samples.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from offline_paged.core.sequence import SequenceResult
+from offline_paged.ops.attention import AttentionMetadata
+from offline_paged.worker.block_table_rows import BlockTableRows
+from offline_paged.worker.launched_step import LaunchedStep, ReadySamples
+from offline_paged.worker.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
+from offline_paged.worker.sampling_rows import SamplingRows
+from offline_paged.worker.step_inputs import (EagerBatch, SnapshotRows, StepUpload, decode_fields, eager_batch,
+                                              pack_eager, pending_inputs, synthetic_prefill, unpack_eager)
+from offline_paged.worker.step_report import DeviceTimer
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+class ModelRunner:
+    """Owns the device KV pool [L, 2, N, B, Hkv, D] and, through the backend's swapper, the host swap
+    pool [L, 2, C, B, Hkv, D] (pinned on CUDA; created on the first swap, so recompute-only runs
+    never pin it)."""
+
+    def __init__(self, model, backend, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 sampler: Sampler | None = None, device_sampling: bool | None = None,
+                 cuda_graphs: bool = False, max_model_len: int | None = None, mirror=None) -> None:
+        """device_sampling: sample on the GPU (None: whenever the backend is CUDA; False: on the host with
+        `sampler`, the reference; True on the CPU backend is a ValueError).
+        cuda_graphs: replay decode-only steps from CUDA graphs (offline_paged/worker/cuda_graph_runner.py) where
+        the backend is CUDA and the model float16 or bfloat16; needs max_model_len (the attention's static bound).
+        Ignored on the CPU.
+        mirror: tensor parallel, rank 0 only: `mirror.send_step(moves, forward)` gets every step's
+        inputs before the forward (see run_mirrored)."""
+        self.model = model
+        self.mirror = mirror
+        self.backend = backend
+        self.block_size = block_size
+        self.num_cpu_blocks = num_cpu_blocks
+        self.sampler = sampler or Sampler()
+        if device_sampling and backend.name != "cuda":
+            raise ValueError(f"device_sampling needs the CUDA backend, not {backend.name!r}")
+        self.gpu_sampler = None
+        if backend.name == "cuda" and device_sampling is not False:
+            from offline_paged.worker.gpu_sampler import GpuSampler
+
+            self.gpu_sampler = GpuSampler(self.sampler.eos_token_ids)
+        self.kv_cache = model.allocate_kv_cache(num_gpu_blocks, block_size)  # [L, 2, N, B, Hkv, D]
+        self._swapper = None
+        self._upload = StepUpload(backend)
+        self._pending_upload = StepUpload(backend)  # where a step's pending input ids come from
+        max_blocks = 64 if max_model_len is None else -(-max_model_len // block_size)
+        self.table_rows = BlockTableRows(block_size, max_blocks=max_blocks)  # rows live across steps
+        self.decode_graphs = None
+        self.sampling_rows = None
+        if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype).name in ("float16", "bfloat16"):
+            if max_model_len is None:
+                raise ValueError("cuda_graphs needs max_model_len (the static attention bound)")
+            from offline_paged.worker.cuda_graph_runner import DecodeGraphs
+
+            self.attach_decode_graphs(DecodeGraphs(model, self.kv_cache, block_size, max_model_len),
+                                      sample_in_graph=self.gpu_sampler is not None)
+
+    def attach_decode_graphs(self, graphs, sample_in_graph: bool = True) -> None:
+        """Replay decode-only steps through `graphs` (DecodeGraphs' interface: fits, run, run_and_sample),
+        which mirror `table_rows` (and, when sampling in the graph, `sampling_rows`: per-row parameters
+        for the graph's sampler, rows = table_rows' rows). sample_in_graph=False: the eager sampler
+        samples the graph's logits (the reference in tests)."""
+        self.decode_graphs = graphs
+        self.table_rows.track_changes = True  # the graphs mirror the rows on the device
+        self.sampling_rows = SamplingRows(self.sampler.eos_token_ids) if sample_in_graph else None
+
+    @property
+    def swapper(self):
+        """The backend's block swapper (swap_out(device_ids, cpu_ids), swap_in(cpu_ids, device_ids))."""
+        if self._swapper is None:
+            self._swapper = self.backend.ops.make_swapper(self.kv_cache, self.num_cpu_blocks)
+        return self._swapper
+
+    # ----------------------------------------------------------------- one step
+    def execute(self, output) -> list[SequenceResult]:
+        """Perform the step's block moves, run the forward and sample. One result per scheduled
+        sequence, in order (`launch` + `wait`)."""
+        return self.launch(output).wait().results
+
+    def launch(self, output, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's block moves, forward and sampling; the sampled ids stay on the device until
+        `wait()`. A sequence whose input token is still pending (async scheduling) gets it from
+        `previous`, the step that samples it, on the device. RuntimeError if that step is not given."""
+        moves = (output.blocks_to_swap_out, output.blocks_to_swap_in, output.blocks_to_copy)
+        self._move_blocks(moves)
+        self.table_rows.release(output.freed_seq_ids)
+        if not output.scheduled:
+            self._send_mirror(moves, None)
+            return LaunchedStep(output, ReadySamples([]), {}, [], [], None, False)
+        rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
+        fill = pending_inputs(output.scheduled, previous, self._pending_upload)
+        # CUDA events around the forward, never inside a capture (DecodeGraphs captures on its own
+        # stream); started after the host-side input packing so that they time the device's work.
+        timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
+        replayed = self._replay_decode(output.scheduled, rows, timer, fill, moves)
+        if replayed is not None:
+            logits, offsets, graph_samples = replayed  # [b, V] float32 (device), row i = sequence i
+            if graph_samples is not None:  # sampled inside the graph: every row drew one token
+                if timer is not None:
+                    timer.stop()
+                sample_index = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
+                return LaunchedStep(output, graph_samples, sample_index, list(range(len(offsets))),
+                                    [None] * len(offsets), timer, True)
+        else:
+            packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
+            self._send_mirror(moves, ("eager", packed, layout))
+            batch = unpack_eager(packed, layout, self._upload)
+            if fill is not None:
+                fill(batch.input_ids)
+            if timer is not None:
+                timer.start()
+            logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
+                                        batch.logits_indices)  # [K, V] float32 (device)
+            offsets = batch.logits_offsets
+        if timer is not None:
+            timer.stop()
+        if self.gpu_sampler is None:
+            logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
+        return self._launch_sampling(output, logits, offsets, timer, replayed is not None)
+
+    def _replay_decode(self, scheduled, rows: np.ndarray, timer=None, fill=None, moves=None):
+        """(logits [b, V], offsets, samples) from a CUDA graph when every sequence computes one token and
+        the step fits a bucket; None otherwise (the eager forward runs). samples: the graph's own draws
+        (PendingSamples) when every row can be sampled there, else None (the eager sampler samples the
+        logits). rows [S]: block-table rows."""
+        graphs = self.decode_graphs
+        if graphs is None or any(item.num_new_tokens != 1 for item in scheduled):
+            return None
+        num_seqs = len(scheduled)
+        starts, input_ids, writes = decode_fields(scheduled)  # [S] each
+        if not graphs.fits(num_seqs, int(starts.max()) + 1, int(self.table_rows.lens[rows].max())):
+            return None
+        sample_positions = self._graph_sample_positions(scheduled, rows)
+        if self.mirror is not None:  # the other ranks replay the same bucket on a snapshot of the rows
+            self._send_mirror(moves, ("graph", input_ids, starts, writes, self.table_rows.tables[rows]))
+        if sample_positions is None:
+            logits = graphs.run(input_ids, starts, rows, writes, self.table_rows, timer, fill)  # [b, V] float32
+            return logits, list(range(num_seqs)), None
+        logits, samples = graphs.run_and_sample(input_ids, starts, rows, writes, self.table_rows, sample_positions,
+                                                self.sampling_rows, timer, fill)
+        return logits, list(range(num_seqs)), samples
+
+    def _graph_sample_positions(self, scheduled, rows: np.ndarray) -> np.ndarray | None:
+        """[S] output positions to sample in the decode graph, or None when some row needs the eager
+        sampler (penalties, logprobs, constraints, a min_tokens ban, a fork, prompt logprobs). Rows are
+        repacked in `sampling_rows` only when their sequence changed."""
+        if self.sampling_rows is None:
+            return None
+        num_seqs = len(scheduled)
+        if any(item.num_samples != 1 or item.prompt_logprobs is not None for item in scheduled):
+            return None
+        seq_ids = np.fromiter((item.seq.seq_id for item in scheduled), np.int64, num_seqs)  # [S]
+
+        def describe(i: int):
+            seq = scheduled[i].seq
+            return seq.group.params, seq.sampling_seed, seq.group.beam is not None
+
+        self.sampling_rows.update(rows, seq_ids, describe)
+        sample_positions = np.fromiter((item.sample_position for item in scheduled), np.int64, num_seqs)  # [S]
+        return sample_positions if self.sampling_rows.graph_ready(rows, sample_positions) else None
+
+    # ----------------------------------------------------------------- tensor parallel
+    def _send_mirror(self, moves, forward) -> None:
+        if self.mirror is not None:
+            self.mirror.send_step(moves, forward)
+
+    def run_mirrored(self, moves, forward) -> None:
+        """Tensor-parallel ranks > 0: perform the block moves and the forward rank 0 sent (its
+        `_send_mirror` arguments), on this rank's shard and KV pool. The logits are not used: the
+        forward runs for its collectives and the K/V it writes. forward: None (no tokens this step),
+        ("eager", packed int32 inputs, layout) or ("graph", input_ids, positions, slots, tables)."""
+        self._move_blocks(moves)
+        if forward is None:
+            return
+        kind, *args = forward
+        if kind == "graph":
+            input_ids, positions, writes, tables = args
+            self.decode_graphs.run(input_ids, positions, np.arange(len(input_ids)), writes, SnapshotRows(tables))
+            return
+        batch = unpack_eager(*args, self._upload)
+        self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_indices)
+
+    # ----------------------------------------------------------------- block moves
+    def _move_blocks(self, moves) -> None:
+        swap_out, swap_in, copies = moves
+        self.swap_out(swap_out)
+        self.swap_in(swap_in)
+        self.copy_blocks(copies)
+
+    # Block ids stay on the host: the swapper and copy_blocks take host ids, so no move syncs the device.
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            device_ids, cpu_ids = _split_pairs(pairs)
+            self.swapper.swap_out(device_ids, cpu_ids)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            cpu_ids, device_ids = _split_pairs(pairs)
+            self.swapper.swap_in(cpu_ids, device_ids)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src_ids, dst_ids = _split_pairs(pairs)
+            self.backend.ops.copy_blocks(self.kv_cache, np.asarray(src_ids, dtype=np.int64),
+                                         np.asarray(dst_ids, dtype=np.int64))
+
+    # ----------------------------------------------------------------- inputs
+    def _prepare(self, scheduled, rows: np.ndarray) -> EagerBatch:
+        """The eager step's device inputs (step_inputs.eager_batch). rows [S]: rows in `table_rows`."""
+        return eager_batch(scheduled, self.table_rows, rows, self._upload)
+
+    # ----------------------------------------------------------------- outputs
+    def _launch_sampling(self, output, logits, offsets: list[int], timer, used_graph: bool) -> LaunchedStep:
+        """Queue the sampling of every sampled row; prompt logprobs are computed now (on the host).
+        logits [K, V]: host, or device when the GpuSampler samples (then prompt-logprob rows are copied
+        to the host alone)."""
+        scheduled = output.scheduled
+        requests, rows, owners, sample_index = [], [], [], {}
+        for i, item in enumerate(scheduled):
+            if not item.num_samples:
+                continue
+            row = offsets[i] + (item.num_new_tokens - 1 if item.prompt_logprobs is not None else 0)
+            sample_index[item.seq.seq_id] = len(requests)  # the seq's own token: its row's first draw
+            for request in _sampling_requests(item):
+                requests.append(request)
+                rows.append(row)
+                owners.append(i)
+        if not requests:
+            samples = ReadySamples([])
+        elif self.gpu_sampler is not None:
+            samples = self.gpu_sampler.sample_async(logits, rows, requests)
+        else:
+            samples = ReadySamples(self.sampler.sample(logits[rows], requests))
+        prompt = [_prompt_logprobs(item, logits, offsets[i], self.backend.to_host) for i, item in enumerate(scheduled)]
+        return LaunchedStep(output, samples, sample_index, owners, prompt, timer, used_graph)
+
+
+def _sampling_requests(item) -> list[SamplingRequest]:
+    """One request per sample drawn from this sequence's row (n of them when it forks)."""
+    seq = item.seq
+    seeds = seq.group.sample_seeds if item.num_samples > 1 else [seq.sampling_seed]
+    prompt = _TokenWindow(seq.token_ids, 0, seq.num_prompt_tokens)
+    output = _TokenWindow(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
+    return [SamplingRequest(seq.group.params, seed, item.sample_position, prompt, output)
+            for seed in seeds[:item.num_samples]]
+
+
+class _TokenWindow(Sequence):
+    """token_ids[start:stop] without the copy: most sampling rows only ask for its length (min_tokens);
+    penalties iterate it. Valid until the sequence changes, i.e. for the step it was made in."""
+
+    __slots__ = ("_ids", "_start", "_stop")
+
+    def __init__(self, token_ids: list[int], start: int, stop: int) -> None:
+        self._ids, self._start, self._stop = token_ids, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._ids[self._start:self._stop][index]
+        if not -len(self) <= index < len(self):
+            raise IndexError("token window index out of range")
+        return self._ids[self._start + index % len(self)]
+
+    def __iter__(self):
+        return itertools.islice(self._ids, self._start, self._stop)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self._ids[self._start:self._stop], dtype=dtype)
+
+
+def _prompt_logprobs(item, logits, offset: int, to_host) -> list[dict[int, float]] | None:
+    """Entries for prompt positions start+1 ... (the row at position q scores token q+1)."""
+    if item.prompt_logprobs is None:
+        return None
+    seq = item.seq
+    last = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+    num_rows = max(last - item.start, 0)
+    if num_rows == 0:
+        return []
+    scores = log_softmax(to_host(logits[offset:offset + num_rows]))  # [num_rows, V] float64
+    targets = seq.token_ids[item.start + 1:item.start + 1 + num_rows]
+    return [top_logprobs(row, item.prompt_logprobs, chosen=t) for row, t in zip(scores, targets)]
+
+
+def _split_pairs(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
+def profile_step_memory(model, backend, num_tokens: int, num_seqs: int, block_size: int,
+                        eos_token_ids=()) -> int:
+    """Bytes of device memory the largest step needs beyond the weights and the KV pool (CUDA only).
+
+    Runs one dummy prefill of `num_tokens` tokens spread over `num_seqs` sequences (the token and
+    sequence budgets of a step) against a scratch KV cache just big enough for it, then samples every
+    sequence's last row on the device with top-p (top_cut and the race over an [S, V] float64 copy). CuPy's pool
+    keeps freed blocks, so its growth over the step plus the free bytes it held at the start (which the
+    step may have reused) bounds the step's high-water mark from above. The pool is emptied first, but
+    free_all_blocks keeps split blocks, so in a process that ran other work the bound is loose (safe).
+    """
+    from offline_paged.worker.gpu_sampler import GpuSampler
+    from offline_paged.worker.sampler import SamplingRequest
+    from offline_paged.core.sampling_params import SamplingParams
+
+    xp = backend.xp
+    step = synthetic_prefill(num_tokens, num_seqs, block_size)
+    lens, num_seqs = step["lens"], step["lens"].size
+    pool = xp.get_default_memory_pool()
+    xp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    kv_cache = model.allocate_kv_cache(step["num_blocks"], block_size)  # [L, 2, N, B, Hkv, D]
+    meta = AttentionMetadata(
+        slot_mapping=backend.int32(step["slots"]), block_tables=backend.int32(step["tables"]),
+        context_lens=backend.int32(lens), query_start_loc=backend.int32(step["query_start_loc"]),
+        max_query_len=int(lens.max()), max_context_len=int(lens.max()))
+    before, reusable = pool.total_bytes(), pool.free_bytes()
+    logits = model.forward(backend.int32(np.zeros(num_tokens)), backend.int32(step["positions"]), kv_cache, meta,
+                           backend.int32(step["query_start_loc"][1:] - 1))  # [S, V] float32
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    requests = [SamplingRequest(params, i, 0, (0,), ()) for i in range(num_seqs)]
+    GpuSampler(eos_token_ids).sample(logits, list(range(num_seqs)), requests)
+    xp.cuda.Device().synchronize()
+    peak = pool.total_bytes() - before + reusable
+    del logits, kv_cache, meta
+    pool.free_all_blocks()
+    return int(peak)
+
+
+def kv_block_bytes(model_config, block_size: int, dtype) -> int:
+    """Bytes of one KV block across all layers, K and V."""
+    c = model_config
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim
+    return per_token * block_size * np.dtype(dtype).itemsize

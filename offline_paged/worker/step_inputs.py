@@ -1,0 +1,212 @@
+"""Step inputs: the one place a step's index arrays are built, for every path that runs the model.
+
+- Eager steps (any mix of prefill chunks and decodes): `eager_batch` packs input ids, positions, slot
+  mapping, context lengths, query_start_loc, logits rows and block tables (gathered from the persistent
+  BlockTableRows) into one int32 array and uploads it once (`StepUpload`).
+- Decode-only steps replayed from CUDA graphs: `decode_fields` gives the few per-sequence ints the graph
+  uploads; the slot mapping, context lengths and block tables are derived from them on the device
+  (cuda/step_inputs.cu, with the same formula as `slot_mapping`).
+- The memory-profiling step: `synthetic_prefill`.
+- Pending input tokens (async scheduling): `pending_inputs` gathers them on the device from the step
+  that samples them, on either path.
+
+Legend: T tokens in the step, S scheduled sequences, M max blocks per sequence, K logits rows.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from offline_paged.ops.attention import AttentionMetadata
+
+
+@dataclass(slots=True)
+class EagerBatch:
+    input_ids: Any  # [T] int32 (device)
+    positions: Any  # [T] int32 (device)
+    meta: AttentionMetadata
+    logits_indices: Any  # [K] int32 (device)
+    logits_offsets: list[int]  # per scheduled sequence: its first row in the [K, V] logits
+
+
+class StepUpload:
+    """One preallocated device int32 buffer that a step's index arrays are packed into, so a step's
+    inputs cross host->device in one copy and live at stable addresses (what CUDA graphs need next).
+    On the CPU the packed host array is used as is."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self._buffer = None  # [capacity] int32 (device), grown by doubling
+        self._pinned = None  # cuda PinnedUpload: the copy is queued, the host does not wait for the device
+
+    def __call__(self, host: np.ndarray):
+        if self.backend.name == "cpu":
+            return host
+        if self._pinned is None:
+            from offline_paged.ops.pinned import PinnedUpload
+
+            self._pinned = PinnedUpload()
+        if self._buffer is None or self._buffer.size < host.size:
+            capacity = max(host.size, 2 * (0 if self._buffer is None else self._buffer.size), 4096)
+            self._buffer = self.backend.xp.empty(capacity, dtype=np.int32)
+        view = self._buffer[:host.size]  # [n] int32 (device)
+        # Stream-ordered after the previous step's kernels (same stream), so reuse is safe.
+        return self._pinned(host.astype(np.int32, copy=False), out=view)
+
+
+def eager_batch(scheduled, table_rows, rows: np.ndarray, upload) -> EagerBatch:
+    """An eager step's inputs: `pack_eager`, uploaded once by `upload` (a StepUpload) and sliced into
+    views (`unpack_eager`). rows [S]: the sequences' rows in `table_rows` (synced for this step)."""
+    return unpack_eager(*pack_eager(scheduled, table_rows, rows), upload)
+
+
+def pack_eager(scheduled, table_rows, rows: np.ndarray) -> tuple[np.ndarray, tuple]:
+    """The eager step's index arrays packed into one int32 host array, and its layout (part sizes, block
+    table shape, max query and context lengths, logits offsets). Tensor-parallel rank 0 sends exactly
+    this pair to the other ranks. Per-sequence Python is limited to reading each item's fields once; the
+    rest is numpy."""
+    block_size, num_seqs = table_rows.block_size, len(scheduled)
+    starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
+    query_lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, num_seqs)  # [S]
+    skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
+    context_lens = starts + query_lens  # [S]
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])  # [S + 1]
+    num_tokens = int(query_start_loc[-1])
+    width = int(table_rows.lens[rows].max())
+    block_tables = table_rows.tables[rows, :width].astype(np.int64)  # [S, M] zero-padded
+    input_ids = np.fromiter(itertools.chain.from_iterable(map(input_tokens, scheduled)),
+                            np.int64, num_tokens)  # [T] (0 where the token is pending)
+    rows_needed, offsets = logits_rows(scheduled, query_start_loc)
+    owner = np.repeat(np.arange(num_seqs), query_lens)  # [T] sequence of each token
+    positions = np.arange(num_tokens) - query_start_loc[owner] + starts[owner]  # [T]
+    slots = slot_mapping(block_tables, owner, positions, skips[owner], block_size)  # [T]
+    parts = [input_ids, positions, slots, context_lens, query_start_loc, rows_needed, block_tables.ravel()]
+    layout = (tuple(part.size for part in parts), block_tables.shape, int(query_lens.max()),
+              int(context_lens.max()), offsets)
+    return np.concatenate(parts).astype(np.int32), layout  # [sum of part sizes] int32
+
+
+def unpack_eager(host_packed: np.ndarray, layout: tuple, upload) -> EagerBatch:
+    """Upload a `pack_eager`ed step once and slice its views."""
+    sizes, table_shape, max_query_len, max_context_len, offsets = layout
+    packed = upload(host_packed)  # [sum of part sizes] int32 (device)
+    views, at = [], 0
+    for size in sizes:
+        views.append(packed[at:at + size])
+        at += size
+    ids, pos, slot_view, ctx, qsl, logits_indices, tables = views
+    meta = AttentionMetadata(
+        slot_mapping=slot_view, block_tables=tables.reshape(table_shape), context_lens=ctx,
+        query_start_loc=qsl, max_query_len=max_query_len, max_context_len=max_context_len,
+    )
+    return EagerBatch(ids, pos, meta, logits_indices, offsets)
+
+
+class SnapshotRows:
+    """The block-table rows one decode step uses, as a stand-in for BlockTableRows on tensor-parallel
+    ranks > 0 (which keep no rows of their own): row i is sequence i's table. A new object each step, so
+    the decode graphs upload it whole (O(S x M) ints a step on those ranks)."""
+
+    def __init__(self, tables: np.ndarray) -> None:
+        self.tables = tables  # [S, M] int32
+        self.generation = 0
+
+    def take_changes(self) -> np.ndarray:
+        return np.zeros((0, 3), dtype=np.int32)
+
+
+def decode_fields(scheduled) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A decode-only step's per-sequence fields for the graph path: (positions [S], input ids [S] (0 where
+    pending), write flags [S] (False: the cached token's K/V is not rewritten)). The slot mapping, context
+    lengths and block tables are computed from them on the device (cuda/step_inputs.cu)."""
+    num_seqs = len(scheduled)
+    starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
+    skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
+    input_ids = np.fromiter((input_token(item) for item in scheduled), np.int64, num_seqs)  # [S]
+    return starts, input_ids, starts >= skips
+
+
+def synthetic_prefill(num_tokens: int, num_seqs: int, block_size: int) -> dict[str, np.ndarray]:
+    """The memory-profiling step's inputs: `num_tokens` prompt tokens over `num_seqs` sequences on
+    consecutive blocks from 0 (the eager path's arrays, through the same slot_mapping)."""
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)  # [S]
+    lens[:num_tokens % num_seqs] += 1
+    blocks_per_seq = -(-lens // block_size)  # [S]
+    firsts = np.concatenate([[0], np.cumsum(blocks_per_seq)[:-1]])  # [S]
+    columns = np.arange(int(blocks_per_seq.max()))  # [M]
+    tables = np.where(columns < blocks_per_seq[:, None], firsts[:, None] + columns, 0)  # [S, M]
+    owner = np.repeat(np.arange(num_seqs), lens)  # [T]
+    query_start_loc = np.concatenate([[0], np.cumsum(lens)])  # [S + 1]
+    positions = np.arange(num_tokens) - query_start_loc[owner]  # [T]
+    slots = slot_mapping(tables, owner, positions, np.zeros(num_tokens, np.int64), block_size)  # [T]
+    return dict(lens=lens, tables=tables, positions=positions, slots=slots, query_start_loc=query_start_loc,
+                num_blocks=int(blocks_per_seq.sum()))
+
+
+def slot_mapping(block_tables: np.ndarray, owner: np.ndarray, positions: np.ndarray,
+                  skip_below: np.ndarray, block_size: int) -> np.ndarray:
+    """[T] KV slot of each token: block `positions // B` of its sequence's row `owner` in block_tables,
+    offset `positions % B`; -1 below `skip_below` (cached K/V recomputed for scores only: not rewritten)."""
+    slots = block_tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots[positions < skip_below] = -1
+    return slots
+
+
+def input_token(item) -> int:
+    """A decode row's input token; 0 when it is still pending (filled on the device)."""
+    ids = item.seq.token_ids
+    return ids[item.start] if item.start < len(ids) else 0
+
+
+def input_tokens(item) -> list[int]:
+    """A chunk's input tokens; zeros for pending ones (filled on the device)."""
+    ids = item.seq.token_ids[item.start:item.start + item.num_new_tokens]
+    missing = item.num_new_tokens - len(ids)
+    return ids + [0] * missing if missing else ids
+
+
+def pending_inputs(scheduled, previous, upload):
+    """None when every input token is known; else a function that writes the pending ones into a step's
+    device input ids [T] (or [b] for a graph bucket), gathered from `previous`'s sampled ids."""
+    token_index, dst, src = 0, [], []
+    for item in scheduled:
+        known = len(item.seq.token_ids)
+        for position in range(max(item.start, known), item.start + item.num_new_tokens):
+            if position != known or previous is None or item.seq.seq_id not in previous.sample_index:
+                raise RuntimeError(f"sequence {item.seq.seq_id}: input token at {position} is pending "
+                                   "but no launched step samples it")
+            dst.append(token_index + position - item.start)
+            src.append(previous.sample_index[item.seq.seq_id])
+        token_index += item.num_new_tokens
+    if not dst:
+        return None
+    indices = upload(np.asarray(dst + src, dtype=np.int32))  # [2n] int32 (device)
+    dst_ids, src_ids = indices[:len(dst)], indices[len(dst):]
+    sampled = previous.samples.token_ids  # [R] int32 (device)
+
+    def fill(input_ids) -> None:
+        input_ids[dst_ids] = sampled[src_ids]
+
+    return fill
+
+
+def logits_rows(scheduled, query_start_loc: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """([K] rows of T whose logits are needed, each sequence's first row among them). A sampled
+    sequence needs its last row; one asking for prompt log-probabilities needs all its rows."""
+    if all(item.prompt_logprobs is None for item in scheduled):
+        sampled = np.fromiter((item.num_samples > 0 for item in scheduled), bool, len(scheduled))  # [S]
+        counts = np.cumsum(sampled)  # [S]
+        return query_start_loc[1:][sampled] - 1, (counts - sampled).tolist()
+    rows, offsets = [], []
+    for i, item in enumerate(scheduled):
+        first_row, last_row = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        offsets.append(len(rows))
+        if item.prompt_logprobs is not None:
+            rows += range(first_row, last_row)
+        elif item.num_samples:
+            rows.append(last_row - 1)
+    return np.asarray(rows, dtype=np.int64), offsets
