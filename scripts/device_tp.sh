@@ -9,7 +9,7 @@
 #          benchmarks/results/ (date_commit_name.json): copy them there and commit;
 #   then a short table of the figures.
 # NCCL_NVLS_ENABLE=0 (NVLink multicast off) is exported here and forced again in every process that
-# creates a communicator. Python runs with -P (the repo's cuda/ would shadow NVIDIA's `cuda`); spawned
+# creates a communicator. Spawned ranks inherit the environment.
 # ranks inherit the flag and sys.path.
 # Usage: OUT=/tmp/out [RUNS="8b 70b"] scripts/device_tp.sh [tests|bench|all]
 # The two halves fit one 10-minute call each: run `tests` and `bench` as separate calls.
