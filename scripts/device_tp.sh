@@ -10,7 +10,6 @@
 #   then a short table of the figures.
 # NCCL_NVLS_ENABLE=0 (NVLink multicast off) is exported here and forced again in every process that
 # creates a communicator. Spawned ranks inherit the environment.
-# ranks inherit the flag and sys.path.
 # Usage: OUT=/tmp/out [RUNS="8b 70b"] scripts/device_tp.sh [tests|bench|all]
 # The two halves fit one 10-minute call each: run `tests` and `bench` as separate calls.
 set -u
