@@ -65,14 +65,21 @@ def test_sharded_model_on_two_gpus_agrees_with_one_gpu():
     assert error < 2e-2
 
 
+class _WideByteTokenizer(ByteTokenizer):
+    """ByteTokenizer over a 32k vocabulary: ids past the byte range decode to nothing."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return super().decode([i for i in ids if i < 256 + 4], skip_special_tokens)
+
+
 def _greedy(tensor_parallel_size: int, cuda_graphs: bool, weights) -> list[list[int]]:
-    loaded = LoadedModel(SMALL_8B, weights, ByteTokenizer(), "random-small-8b")
+    loaded = LoadedModel(SMALL_8B, weights, _WideByteTokenizer(), "random-small-8b")
     prompts = [{"prompt_token_ids": np.random.default_rng(100 + i).integers(4, 32000, n).tolist()}
                for i, n in enumerate([5, 40, 17, 90, 3, 64])]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     with LLM(device="cuda", dtype="float16", loaded_model=loaded, tensor_parallel_size=tensor_parallel_size,
              enforce_eager=not cuda_graphs, max_model_len=256, gpu_memory_utilization=0.5) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
@@ -80,13 +87,24 @@ def test_engine_tp2_greedy_equals_tp1(cuda_graphs):
     weights = random_weights(SMALL_8B, seed=9)
     single = _greedy(1, cuda_graphs, weights)
     sharded = _greedy(2, cuda_graphs, weights)
-    same = [a == b for a, b in zip(single, sharded, strict=True)]
-    print(f"\ngreedy TP=2 == TP=1 on {sum(same)}/{len(same)} sequences (cuda graphs {cuda_graphs})")
-    assert all(same), [(i, a, b) for i, (a, b) in enumerate(zip(single, sharded)) if a != b][:2]
+    same, branched = 0, []
+    for i, (a, b) in enumerate(zip(single, sharded, strict=True)):
+        first = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if first is None:
+            same += 1
+            continue
+        # fp16 sums in another order can flip a near tie (the decisive-position test above bounds the
+        # error at ~1e-3 of the logit range); a branch where TP=1's top-2 gap is wide is a bug.
+        top = sorted((entry.logprob for entry in a.logprobs[first].values()), reverse=True)[:2]
+        branched.append((i, first, top[0] - top[1]))
+    print(f"\ngreedy TP=2 == TP=1 on {same}/{len(single)} sequences (cuda graphs {cuda_graphs}); "
+          f"branched (sequence, step, TP=1 top-2 gap): {branched}")
+    assert all(gap < 0.1 for _, _, gap in branched), branched
+    assert same >= len(single) - 1
 
 
 def test_bench_cli_tp2_records():
-    args = ["bench", "--dummy-weights", "tiny", "--device", "cuda", "--num-requests", "8", "--input-len",
+    args = ["bench", "--dummy-weights", "llama-3.2-1b", "--device", "cuda", "--num-requests", "8", "--input-len",
             "8:48", "--output-len", "4:24", "--json", "--tensor-parallel-size", "2", "--compare-single"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output + repr(result.exception)
