@@ -23,7 +23,7 @@ def test_pack_params_layout_matches_the_kernels():
 
 
 def test_pack_params_matches_the_launcher_constant():
-    source = (Path(__file__).resolve().parents[1] / "cuda" / "sampling_launcher.py").read_text(encoding="utf-8")
+    source = (Path(__file__).resolve().parents[1] / "offline_paged" / "ops" / "sampling_launcher.py").read_text(encoding="utf-8")
     assert re.search(r"^PARAMS_WIDTH = (\d+)$", source, re.M).group(1) == str(PARAMS_WIDTH)
 
 
