@@ -49,10 +49,9 @@ for label, (old, new, method, tests) in bugs.items():
 PY
       note plant "$(grep -c 'CAUGHT (tests' "$OUT/plant.log") of 2 planted bugs caught" ;;
     bench)
-      timeout 240 python3 - <<'PY' 2>&1 | tee "$OUT/bench.log" | tail -6
+      PYTHONPATH=tests timeout 240 python3 - <<'PY' 2>&1 | tee "$OUT/bench.log" | tail -6
 import sys, time
 import numpy as np
-sys.path.insert(0, "tests")
 from test_gpu_engine import SHAPES, random_model
 from test_cuda_ops import SMOLLM2_SHAPE
 from offline_paged.core.config import EngineConfig

@@ -20,11 +20,10 @@ for stage in "$@"; do
         | tee "$OUT/tests.log" | grep -E "ids equal|passed|failed|Error|error|assert" | tail -60
       note tests "$(tail -1 "$OUT/tests.log")" ;;
     bench)
-      timeout 200 python3 - <<'PY' 2>&1 | tee "$OUT/bench.log"
+      PYTHONPATH=tests timeout 200 python3 - <<'PY' 2>&1 | tee "$OUT/bench.log"
 import sys, time
 import cupy
 import numpy as np
-sys.path.insert(0, "tests")
 from test_cuda_ops import SMOLLM2_SHAPE
 from test_gpu_engine import random_model
 from offline_paged.core.config import EngineConfig

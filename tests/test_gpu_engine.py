@@ -23,7 +23,7 @@ from click.testing import CliRunner  # noqa: E402
 from fixtures_tiny_model import EOS_ID, _random_weights, _tokenizer  # noqa: E402
 from fixtures_tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
-from test_cuda_ops import GQA4_D128_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
+from test_cuda_ops import GQA4_D128_SHAPE, QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
 from tiny_engine import VOCAB_SIZE, ByteTokenizer, run_to_completion  # noqa: E402
 
 from offline_paged.cli.main import cli  # noqa: E402
@@ -33,8 +33,14 @@ from offline_paged.engine import LLMEngine  # noqa: E402
 from offline_paged.models.config import LlamaConfig  # noqa: E402
 
 # Fewer layers than the real models keep the fp32 CPU side to seconds; widths, heads and vocab are real.
+# Each architecture: Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral (a 32-token window, so the longer
+# prompts and their decode read only the window, on both sides).
 SHAPES = {"smollm2-d64-gqa3": SMOLLM2_SHAPE | dict(num_hidden_layers=6),
-          "d128-gqa4": GQA4_D128_SHAPE | dict(num_hidden_layers=3)}
+          "d128-gqa4": GQA4_D128_SHAPE | dict(num_hidden_layers=3),
+          "qwen2": QWEN2_SHAPE | dict(num_hidden_layers=3),
+          "qwen3": QWEN3_SHAPE | dict(num_hidden_layers=3),
+          "mistral-window32": GQA4_D128_SHAPE | dict(num_hidden_layers=3, architecture="MistralForCausalLM",
+                                                     sliding_window=32)}
 
 
 class WideByteTokenizer(ByteTokenizer):
