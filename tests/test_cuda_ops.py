@@ -8,13 +8,13 @@ import pytest
 from offline_paged.models.config import LlamaConfig
 from offline_paged.models.llama import Llama
 from offline_paged.models.simple_runner import SimpleRunner, build_metadata
-from offline_paged.models.weight_spec import expected_weight_shapes
 from offline_paged.ops.ops_numpy import NumpyOps
 
 cupy = pytest.importorskip("cupy")
 import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, not skip)
 pytestmark = pytest.mark.gpu
 
+from fixtures_random_weights import random_weights  # noqa: E402,F401  (re-exported to the GPU tests)
 from test_cuda_kernels import windowed_attention_reference  # noqa: E402
 
 from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402  (needs cupy)
@@ -100,23 +100,6 @@ def test_copy_blocks_with_host_ids_and_with_a_chain(dtype):
         kv_gpu = cupy.asarray(kv)
         CudaOps().copy_blocks(kv_gpu, src, dst)
         np.testing.assert_array_equal(kv_gpu.get().view(np.uint16), expected.view(np.uint16))
-
-
-def random_weights(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
-    """O(1) activations in every layer and peaked logits (a real model's margins), so a wrong kernel
-    shows up as disagreement rather than hiding in near-ties."""
-    rng = np.random.default_rng(seed)
-    weights = {}
-    for name, shape in expected_weight_shapes(config).items():
-        w = rng.standard_normal(shape, dtype=np.float32)
-        if name.endswith("norm.weight"):
-            w = 1 + 0.1 * w
-        elif name.endswith(".bias"):
-            w *= 0.5
-        elif "embed_tokens" not in name and name != "lm_head.weight":
-            w /= np.sqrt(shape[-1])
-        weights[name] = w
-    return weights
 
 
 # Per dtype: (top-2 margin / max|logit| that counts as decisive, least share of decisive positions,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fixtures_random_weights import random_weights
+
 from offline_paged.models.config import LlamaConfig, RopeScaling
 
 # The Llama-3.1-8B shape scaled down: its head_dim, GQA ratio, intermediate ratio and RoPE scaling.
@@ -12,22 +14,6 @@ SMALL_8B = LlamaConfig(
     num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
     rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), max_position_embeddings=4096,
     tie_word_embeddings=False, eos_token_ids=(1,))
-
-
-def random_weights(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
-    """O(1) activations and peaked logits (as test_cuda_ops.random_weights), without importing cupy."""
-    from offline_paged.models.weight_spec import expected_weight_shapes
-
-    rng = np.random.default_rng(seed)
-    weights = {}
-    for name, shape in expected_weight_shapes(config).items():
-        w = rng.standard_normal(shape, dtype=np.float32)
-        if name.endswith("norm.weight"):
-            w = 1 + 0.1 * w
-        elif "embed_tokens" not in name and name != "lm_head.weight":
-            w /= np.sqrt(shape[-1])
-        weights[name] = w
-    return weights
 
 
 def plan(vocab_size: int):
