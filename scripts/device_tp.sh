@@ -31,7 +31,7 @@ if [ "$WHAT" != bench ]; then
 fi
 [ "$WHAT" = tests ] && exit 0
 
-stamp="$(date -u +%Y-%m-%d)_$(git rev-parse --short HEAD 2>/dev/null || echo nogit)"
+stamp="$(date -u +%Y-%m-%d)_${OFFLINE_PAGED_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo nogit)}"
 RUNS=${RUNS:-8b 70b}
 for name in $RUNS; do
   case $name in
