@@ -64,4 +64,4 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json")):
 print("commit", record.get("git_commit"), "device", record.get("device"))
 PY
 # At most 8 files come back from the device: the records travel as one archive.
-tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json) && rm -f "$OUT"/bench_*.err
+tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json) && rm -f "$OUT"/bench_*.err "$OUT"/bench_*.json
