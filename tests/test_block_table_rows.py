@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from offline_paged.worker.block_table_rows import BlockTableRows
+from offline_paged.worker.block_table_rows import BlockTableRows, MirroredRows
 
 BLOCK = 4
 
@@ -72,3 +72,42 @@ def test_mirror_follows_the_rows(ops):
         mirror.sync(rows)
         for row, (s, t) in zip(synced.tolist(), tables.items()):
             assert mirror.tables[row, :len(t)].tolist() == t, (s, t)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["grow", "cow", "new", "release"]), st.integers(0, 5),
+                          st.integers(0, 1000)), min_size=1, max_size=60),
+       st.booleans())
+def test_tensor_parallel_rows_follow_by_diffs(ops, graphs_too):
+    """A rank > 0's MirroredRows, fed only each step's shape and take_mirror_changes(), gives the same
+    padded block tables as rank 0 and a device-feed identical to what rank 0's graphs would apply; the
+    graphs' own feed (take_changes) is independent of the mirror feed."""
+    rows = BlockTableRows(BLOCK, max_blocks=2, num_rows=2)
+    rows.track_changes = graphs_too  # rank 0's decode graphs take their feed too
+    rows.track_mirror = True
+    other = MirroredRows(BLOCK)
+    other.track_changes = True
+    device = Mirror()  # rank 1's decode graphs, fed by other.take_changes()
+    tables: dict[int, list[int]] = {}
+    for op, seq, value in ops:
+        if op == "release":
+            rows.release([seq])
+            tables.pop(seq, None)
+            continue
+        table = tables.setdefault(seq, [value])
+        if op == "grow":
+            table.append(value)
+        elif op == "cow":
+            table[-1] = value + 1
+        else:
+            tables[seq] = table = [value, value + 2]
+        synced = rows.sync([_item(s, t, (len(t) - 1) * BLOCK) for s, t in tables.items()])  # [S]
+        if graphs_too:
+            rows.take_changes()  # rank 0's graphs consume their feed; the mirror feed must not care
+        other.apply(rows.tables.shape, rows.take_mirror_changes())
+        device.sync(other)
+        lens = rows.lens[synced]
+        width = int(lens.max())
+        np.testing.assert_array_equal(other.block_tables(synced, lens, width), rows.tables[synced, :width])
+        for row, t in zip(synced.tolist(), tables.values()):
+            assert device.tables[row, :len(t)].tolist() == t

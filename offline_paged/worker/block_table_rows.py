@@ -32,6 +32,8 @@ class BlockTableRows:
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._changed: list[tuple[int, int, int]] = []  # (row, first column, end column) written since take
         self.track_changes = False  # only a device mirror needs the change feed
+        self._mirror_changed: list[tuple[int, int, int]] = []  # the same, for the tensor-parallel ranks
+        self.track_mirror = False  # set on rank 0 of a tensor-parallel group
         self.generation = 0
 
     @property
@@ -73,22 +75,33 @@ class BlockTableRows:
         for col in range(first_written, last_written):  # usually one block
             if tables[row, col] != table[col]:
                 tables[row, col] = table[col]
-                if self.track_changes:
-                    self._changed.append((row, col, col + 1))
+                self._record(row, col, col + 1)
         if num_entries > synced:
             tables[row, synced:num_entries] = table[synced:num_entries]
-            if self.track_changes:
-                self._changed.append((row, synced, num_entries))
+            self._record(row, synced, num_entries)
         self.lens[row] = num_entries
         return row
+
+    def _record(self, row: int, first: int, end: int) -> None:
+        if self.track_changes:
+            self._changed.append((row, first, end))
+        if self.track_mirror:
+            self._mirror_changed.append((row, first, end))
 
     def take_changes(self) -> np.ndarray:
         """[n, 3] int32 (row, column, block id) of the entries written since the last call (then forgotten);
         the values are the current ones."""
-        if not self._changed:
+        return self._entries(self._changed)
+
+    def take_mirror_changes(self) -> np.ndarray:
+        """`take_changes` for the tensor-parallel ranks: an independent feed (the decode graphs take theirs)."""
+        return self._entries(self._mirror_changed)
+
+    def _entries(self, changed: list[tuple[int, int, int]]) -> np.ndarray:
+        if not changed:
             return np.zeros((0, 3), dtype=np.int32)
-        spans = np.array(self._changed, dtype=np.int64)  # [k, 3] (row, first column, end column)
-        self._changed.clear()
+        spans = np.array(changed, dtype=np.int64)  # [k, 3] (row, first column, end column)
+        changed.clear()
         widths = spans[:, 2] - spans[:, 1]  # [k]
         rows = np.repeat(spans[:, 0], widths)  # [n]
         firsts = np.repeat(spans[:, 1] - (np.cumsum(widths) - widths), widths)  # [n]
@@ -116,3 +129,44 @@ class BlockTableRows:
         wider[:, :self.tables.shape[1]] = self.tables
         self.tables = wider
         self.generation += 1
+
+
+class MirroredRows:
+    """A tensor-parallel rank's copy of rank 0's BlockTableRows, kept by its diffs: each step rank 0 sends
+    the table's shape and the entries written since the last step (`take_mirror_changes`), nothing else.
+    Serves the decode graphs as BlockTableRows does (tables, generation, take_changes) and the eager
+    step's block tables (`block_tables`). Entries past a row's length may be stale; no reader uses them."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.tables = np.zeros((0, 0), dtype=np.int32)  # [R, M]
+        self.generation = 0
+        self.track_changes = False  # set when this rank's decode graphs mirror the rows on the device
+        self._pending: list[np.ndarray] = []  # applied changes the decode graphs have not taken yet
+
+    def apply(self, shape: tuple[int, int], changes: np.ndarray) -> None:
+        """Rank 0's table is `shape` now and `changes` [n, 3] (row, column, block id) were written."""
+        if tuple(shape) != self.tables.shape:
+            grown = np.zeros(shape, dtype=np.int32)
+            rows, cols = min(shape[0], self.tables.shape[0]), min(shape[1], self.tables.shape[1])
+            grown[:rows, :cols] = self.tables[:rows, :cols]
+            self.tables = grown
+            self.generation += 1
+        if changes.size:
+            self.tables[changes[:, 0], changes[:, 1]] = changes[:, 2]
+            if self.track_changes:
+                self._pending.append(changes)
+
+    def take_changes(self) -> np.ndarray:
+        if not self._pending:
+            return np.zeros((0, 3), dtype=np.int32)
+        changes = np.concatenate(self._pending)  # [n, 3], applied in order (a later entry wins)
+        self._pending.clear()
+        rows, cols = changes[:, 0], changes[:, 1]
+        return np.stack([rows, cols, self.tables[rows, cols]], axis=1).astype(np.int32)  # current values
+
+    def block_tables(self, rows: np.ndarray, lens: np.ndarray, width: int) -> np.ndarray:
+        """[S, width] int32: the rows' tables, zero past each row's length (as BlockTableRows pads)."""
+        tables = self.tables[rows, :width].copy()  # [S, width]
+        tables[np.arange(width)[None, :] >= lens[:, None]] = 0
+        return tables

@@ -27,11 +27,11 @@ import numpy as np
 
 from offline_paged.core.sequence import SequenceResult
 from offline_paged.ops.attention import AttentionMetadata
-from offline_paged.worker.block_table_rows import BlockTableRows
+from offline_paged.worker.block_table_rows import BlockTableRows, MirroredRows
 from offline_paged.worker.launched_step import LaunchedStep, ReadySamples
 from offline_paged.worker.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
 from offline_paged.worker.sampling_rows import SamplingRows
-from offline_paged.worker.step_inputs import (EagerBatch, SnapshotRows, StepUpload, decode_fields, eager_batch,
+from offline_paged.worker.step_inputs import (EagerBatch, StepUpload, decode_fields, eager_batch,
                                               pack_eager, pending_inputs, synthetic_prefill, unpack_eager)
 from offline_paged.worker.step_report import DeviceTimer
 
@@ -72,6 +72,8 @@ class ModelRunner:
         self._pending_upload = StepUpload(backend)  # where a step's pending input ids come from
         max_blocks = 64 if max_model_len is None else -(-max_model_len // block_size)
         self.table_rows = BlockTableRows(block_size, max_blocks=max_blocks)  # rows live across steps
+        self.table_rows.track_mirror = mirror is not None  # rank 0 sends the rows' diffs to the other ranks
+        self._mirror_rows = None  # ranks > 0: MirroredRows, rank 0's rows kept by its diffs
         self.decode_graphs = None
         self.sampling_rows = None
         if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype).name in ("float16", "bfloat16"):
@@ -130,7 +132,9 @@ class ModelRunner:
                                     [None] * len(offsets), timer, True)
         else:
             packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
-            self._send_mirror(moves, ("eager", packed, layout))
+            if self.mirror is not None:  # the other ranks rebuild the block tables from their row mirrors
+                self._send_mirror(moves, ("eager", packed[:-layout[0][-1]], layout, rows,
+                                          self.table_rows.lens[rows]))
             batch = unpack_eager(packed, layout, self._upload)
             if fill is not None:
                 fill(batch.input_ids)
@@ -158,8 +162,8 @@ class ModelRunner:
         if not graphs.fits(num_seqs, int(starts.max()) + 1, int(self.table_rows.lens[rows].max())):
             return None
         sample_positions = self._graph_sample_positions(scheduled, rows)
-        if self.mirror is not None:  # the other ranks replay the same bucket on a snapshot of the rows
-            self._send_mirror(moves, ("graph", input_ids, starts, writes, self.table_rows.tables[rows]))
+        if self.mirror is not None:  # the other ranks replay the same bucket on their row mirrors
+            self._send_mirror(moves, ("graph", input_ids, starts, writes, rows))
         if sample_positions is None:
             logits = graphs.run(input_ids, starts, rows, writes, self.table_rows, timer, fill)  # [b, V] float32
             return logits, list(range(num_seqs)), None
@@ -188,23 +192,34 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- tensor parallel
     def _send_mirror(self, moves, forward) -> None:
+        """Rank 0: the step's block moves, the block-table rows' diff since the last step (their shape and
+        the entries written) and the forward's compact inputs, to every other rank."""
         if self.mirror is not None:
-            self.mirror.send_step(moves, forward)
+            diff = (self.table_rows.tables.shape, self.table_rows.take_mirror_changes())
+            self.mirror.send_step(moves, (diff, forward))
 
-    def run_mirrored(self, moves, forward) -> None:
-        """Tensor-parallel ranks > 0: perform the block moves and the forward rank 0 sent (its
-        `_send_mirror` arguments), on this rank's shard and KV pool. The logits are not used: the
-        forward runs for its collectives and the K/V it writes. forward: None (no tokens this step),
-        ("eager", packed int32 inputs, layout) or ("graph", input_ids, positions, slots, tables)."""
+    def run_mirrored(self, moves, message) -> None:
+        """Tensor-parallel ranks > 0: perform the block moves and the forward rank 0 sent (`_send_mirror`),
+        on this rank's shard and KV pool, with the same block ids. The logits are not used: the forward
+        runs for its collectives and the K/V it writes. message: (diff, forward); diff updates this
+        rank's MirroredRows; forward: None (no tokens this step), ("eager", packed inputs without the
+        block tables, layout, rows [S], row lengths [S]) or ("graph", input_ids, positions, writes, rows)."""
+        diff, forward = message
         self._move_blocks(moves)
+        if self._mirror_rows is None:
+            self._mirror_rows = MirroredRows(self.block_size)
+            self._mirror_rows.track_changes = self.decode_graphs is not None
+        self._mirror_rows.apply(*diff)
         if forward is None:
             return
         kind, *args = forward
         if kind == "graph":
-            input_ids, positions, writes, tables = args
-            self.decode_graphs.run(input_ids, positions, np.arange(len(input_ids)), writes, SnapshotRows(tables))
+            input_ids, positions, writes, rows = args
+            self.decode_graphs.run(input_ids, positions, rows, writes, self._mirror_rows)
             return
-        batch = unpack_eager(*args, self._upload)
+        head, layout, rows, lens = args
+        tables = self._mirror_rows.block_tables(rows, lens, layout[1][1])  # [S, M]
+        batch = unpack_eager(np.concatenate([head, tables.ravel()]), layout, self._upload)
         self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_indices)
 
     # ----------------------------------------------------------------- block moves

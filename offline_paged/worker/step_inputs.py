@@ -105,19 +105,6 @@ def unpack_eager(host_packed: np.ndarray, layout: tuple, upload) -> EagerBatch:
     return EagerBatch(ids, pos, meta, logits_indices, offsets)
 
 
-class SnapshotRows:
-    """The block-table rows one decode step uses, as a stand-in for BlockTableRows on tensor-parallel
-    ranks > 0 (which keep no rows of their own): row i is sequence i's table. A new object each step, so
-    the decode graphs upload it whole (O(S x M) ints a step on those ranks)."""
-
-    def __init__(self, tables: np.ndarray) -> None:
-        self.tables = tables  # [S, M] int32
-        self.generation = 0
-
-    def take_changes(self) -> np.ndarray:
-        return np.zeros((0, 3), dtype=np.int32)
-
-
 def decode_fields(scheduled) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A decode-only step's per-sequence fields for the graph path: (positions [S], input ids [S] (0 where
     pending), write flags [S] (False: the cached token's K/V is not rewritten)). The slot mapping, context
