@@ -24,7 +24,7 @@ nvidia-smi topo -m 2>/dev/null | head -4
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
 
 if [ "$WHAT" != bench ]; then
-  timeout 420 python3 -m pytest -q -s -p no:cacheprovider -x tests/test_tensor_parallel.py \
+  timeout 420 python3 -m pytest -q -s -p no:cacheprovider -x tests/test_tensor_parallel.py tests/test_tp_shard.py tests/test_tp_source.py \
     tests/test_tensor_parallel_engine.py tests/test_tensor_parallel_gpu.py >"$OUT/tp_tests.log" 2>&1
   echo "tp tests: $(tail -1 "$OUT/tp_tests.log")"
   grep -E "TP=2|greedy|FAILED|Error|error" "$OUT/tp_tests.log" | head -20

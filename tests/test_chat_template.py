@@ -1,4 +1,4 @@
-"""Chat templates render HF-style in jinja2's immutable sandbox."""
+"""Chat templates render HF-style in jinja2's immutable sandbox (its bounds: test_template_sandbox.py)."""
 import pytest
 
 from offline_paged.models.chat_template import ChatTemplate, ChatTemplateError
@@ -38,123 +38,11 @@ def test_bad_template_and_bad_messages():
         ChatTemplate(CHATML).render([])
 
 
-# --------------------------------------------------------------------------- hostile templates
+# hostile templates, loop controls and {% generation %}: test_template_sandbox.py
 USER = [{"role": "user", "content": "x"}]
-HOSTILE = {
-    "include": ("{% include 'other.jinja' %}", r"include.*not supported.*'other\.jinja'"),
-    "import": ("{% import 'macros.jinja' as m %}{{ m.f() }}", r"import.*not supported"),
-    "extends": ("{% extends 'base.jinja' %}", r"extends.*not supported"),
-    "huge_range": ("{% for i in range(10**9) %}{% endfor %}", r"range.*over the limit"),
-    "repeat": ("{{ 'x' * 10**10 }}", r"operator '\*'.*over the limit"),
-    "list_repeat": ("{{ [1, 2] * 10**9 }}", r"operator '\*'.*over the limit"),
-    "power": ("{{ 2 ** (10 ** 9) }}", r"operator '\*\*'.*integer"),
-    "doubling_concat": ("{% set ns = namespace(s='xy') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
-                        "{% endfor %}{{ ns.s | length }}", r"operator '~'.*over the limit"),
-    "doubling_plus": ("{% set ns = namespace(s='xy') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
-                      "{% endfor %}", r"operator '\+'.*over the limit"),
-    "squaring": ("{% set ns = namespace(n=3) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}"
-                 "{% endfor %}", r"integer of over"),
-    "center": ("{{ 'x' | center(10**10) }}", r"filter 'center'.*over the limit"),
-    "ljust": ("{{ 'x'.ljust(10**10) }}", r"ljust.*over the limit"),
-    "replace": ("{{ ('x' * 900000).replace('x', 'yyyyy') }}", r"replace.*over the limit"),
-    "replace_filter": ("{{ ('x' * 900000) | replace('', 'yyyyy') }}", r"filter 'replace'.*over the limit"),
-    "join": ("{{ (['abcdefgh' * 100000] * 20) | join('-') }}",
-             r"over the limit"),
-    "format_width": ("{{ '%999999999s' % 'x' }}", r"width of a million"),
-    "format_method": ("{{ '{:>999999999}'.format('x') }}", r"width of a million"),
-    "indent": ("{{ ('a\n' * 500000) | indent(100) }}", r"filter 'indent'.*over the limit"),
-    "translate": ("{{ 'x'.translate({120: 'y'}) }}", r"str\.translate is not allowed"),
-    "lipsum": ("{{ lipsum(10**9) }}", r"lorem_ipsum\(\).*over the limit"),
-    "tojson_indent": ("{{ messages | tojson(indent=10**6) }}", r"tojson indent"),
-    "recursive_macro": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", r"RecursionError"),
-    "long_output": ("{% for i in range(100000) %}{{ 'x' * 50 }}{% endfor %}", r"output is over the limit"),
-    "int_digits": ("{{ 10 ** 5000 }}", r"rendering failed \(ValueError"),
-    "undefined_call": ("{{ nothing() }}", r"rendering failed \(UndefinedError"),
-    "shared_list_printed": ("{% set big = ['x' * 900000] * 500000 %}{{ big }}", r"operator '\*'.*over the limit"),
-    "shared_list_concat": ("{% set row = ['x' * 900000] %}{% set big = [row] * 500000 %}{{ big ~ '' }}",
-                           r"operator '\*'.*over the limit"),
-    "nested_format_width": ("{{ '{0:{1}}'.format('x', 10**9) }}", r"str\.format: argument 1000000000"),
-    "star_width": ("{{ '%*s' % (10**9, 'x') }}", r"operator '%': argument 1000000000"),
-    "sum_of_lists": ("{{ ([[1]] * 100000) | sum(start=[]) }}", r"only numbers can be summed"),
-    # 900,000 one-item lists take ~1 s of Python: on a loaded machine the time limit may come first
-    "batch_one": ("{{ ('x' * 900000) | batch(1) | list | length }}", r"over the limit|took longer than 2 s"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_template_is_one_clear_error(name):
-    """Each ends promptly, with bounded memory, in a ChatTemplateError (a ValueError) naming the template."""
-    import time
-
-    source, message = HOSTILE[name]
-    started = time.monotonic()
-    with pytest.raises(ChatTemplateError, match=message) as info:
-        ChatTemplate(source, origin="hostile/tokenizer_config.json").render(USER)
-    assert str(info.value).startswith("hostile/tokenizer_config.json: ")
-    assert isinstance(info.value, ValueError)
-    assert time.monotonic() - started < 5
-
-
-def test_nested_loops_stop_at_the_deadline():
-    import sys
-    import time
-
-    before = sys.gettrace()
-    t = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-                     origin="slow.jinja", max_seconds=0.3)
-    started = time.monotonic()
-    with pytest.raises(ChatTemplateError, match=r"slow\.jinja: rendering stopped: rendering took longer than 0\.3 s"):
-        t.render(USER)
-    assert time.monotonic() - started < 3
-    assert sys.gettrace() is before
-    assert ChatTemplate(CHATML, max_seconds=0.3).render(USER).startswith("<|im_start|>user")  # still usable
-
-
-def test_deadline_cannot_be_swallowed_by_a_filter():
-    """jinja's int filter catches ValueError; the deadline must still end the render."""
-    t = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' if (j | int) else '' }}"
-                     "{% endfor %}{% endfor %}", origin="t.jinja", max_seconds=0.2)
-    with pytest.raises(ChatTemplateError, match=r"t\.jinja: rendering stopped: rendering took longer"):
-        t.render(USER)
-
-
-def test_limits_do_not_leak_out_of_a_render():
-    import sys
-
-    before = sys.gettrace()
-    with pytest.raises(ChatTemplateError):
-        ChatTemplate("{{ 'x' * 10**10 }}").render(USER)
-    assert sys.gettrace() is before
-    assert "x" * 3_000_000  # plain Python is not bounded afterwards
-
-
-def test_ordinary_numbers_and_formats_still_work():
-    t = ChatTemplate("{{ '%d|%05.1f' % (1700000000, 2.5) }} {{ '{:>8}'.format(123456789012) }} "
-                     "{{ '%s' | format(10**12) }} {{ [1, 2, 3] | sum }} {{ 'ab' * 3 }} {{ 2 ** 10 }}")
-    assert t.render(USER) == "1700000000|002.5 123456789012 1000000000000 6 ababab 1024"
-
-
-def test_long_legit_input_fits_its_limit():
-    content = "word " * 400_000  # 2 MB of message: the limit grows with the input
-    out = ChatTemplate(CHATML).render([{"role": "user", "content": content}])
-    assert len(out) > len(content)
-
-
 def test_template_that_is_not_a_string_is_a_load_error():
     with pytest.raises(ChatTemplateError, match=r"cfg\.json: the chat template must be a string, got dict"):
         ChatTemplate({"not": "a template"}, origin="cfg.json")
-
-
-def test_loopcontrols_generation_tag_and_template_kwargs():
-    source = ("{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
-              "{% if m['role'] == 'assistant' %}{% generation %}[{{ m['content'] }}]{% endgeneration %}"
-              "{% else %}{{ m['content'] }}{% endif %}{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}"
-              "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"},
-                {"role": "assistant", "content": "a"}, {"role": "user", "content": "late"}]
-    t = ChatTemplate(source)
-    assert t.render(messages) == "u[a]"
-    assert t.render(messages, enable_thinking=False) == "u[a]<no-think>"
 
 
 def test_tokenizer_passes_template_kwargs(tmp_path):

@@ -89,62 +89,6 @@ def test_sharded_forward_equals_unsharded(architecture, vocab_size, tied, world_
     assert np.ptp(reference[-1]) > 1.0  # logits far from uniform: a wrong shard could not hide
 
 
-def test_shard_slices_are_the_megatron_split():
-    config, weights = random_model("Qwen2ForCausalLM", 97)
-    shard = shard_weights(config, weights, 1, 2)
-    q = weights["model.layers.0.self_attn.q_proj.weight"]
-    np.testing.assert_array_equal(shard["model.layers.0.self_attn.q_proj.weight"], q[32:64])
-    np.testing.assert_array_equal(shard["model.layers.0.self_attn.k_proj.bias"],
-                                  weights["model.layers.0.self_attn.k_proj.bias"][16:32])
-    np.testing.assert_array_equal(shard["model.layers.0.mlp.down_proj.weight"],
-                                  weights["model.layers.0.mlp.down_proj.weight"][:, 32:64])
-    embed = shard["model.embed_tokens.weight"]
-    assert embed.shape == (49, 48)
-    np.testing.assert_array_equal(embed[:48], weights["model.embed_tokens.weight"][49:])
-    assert not embed[48].any()  # the padding row
-    assert shard_config(config, 2).num_key_value_heads == 2
-
-
-def test_shard_reads_only_its_slices():
-    """shard_weights slices the views it is given; it never converts a whole tensor."""
-    config, weights = random_model()
-    touched: list[tuple[str, object]] = []
-
-    class View:
-        def __init__(self, name, array):
-            self.name, self.array, self.shape = name, array, array.shape
-
-        def __getitem__(self, index):
-            touched.append((self.name, index))
-            return self.array[index]
-
-    shard_weights(config, {n: View(n, w) for n, w in weights.items()}, 0, 2)
-    sliced = {n for n, _ in touched}
-    assert "model.layers.0.self_attn.o_proj.weight" in sliced and "model.embed_tokens.weight" in sliced
-    assert all(index != slice(None) for _, index in touched)
-
-
-@pytest.mark.parametrize("overrides, field", [
-    (dict(num_attention_heads=6, num_key_value_heads=3), "num_key_value_heads"),
-    (dict(num_attention_heads=9, num_key_value_heads=9, head_dim=8), "num_attention_heads"),
-    (dict(intermediate_size=63), "intermediate_size"),
-])
-def test_refuses_splits_that_do_not_divide(overrides, field):
-    config, weights = random_model(**overrides)
-    with pytest.raises(ValueError, match=f"tensor_parallel_size 2 does not divide {field}"):
-        shard_config(config, 2)
-    with pytest.raises(ValueError, match=f"does not divide {field}"):
-        shard_weights(config, weights, 0, 2)
-
-
-def test_refuses_bad_rank_and_size():
-    config, weights = random_model()
-    with pytest.raises(ValueError, match="rank must be an integer in 0..1"):
-        shard_weights(config, weights, 2, 2)
-    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
-        shard_config(config, 0)
-
-
 def test_a_failing_rank_does_not_hang_the_others():
     def rank_fn(rank, comm):
         if rank == 1:
@@ -163,29 +107,3 @@ def test_consume_weights_empties_the_shard_dict_and_changes_nothing():
     assert shard == {}
     np.testing.assert_array_equal(consumed.layers[1].gate_up, keep.layers[1].gate_up)
     assert len(weights) == len(expected_weight_shapes(config))  # the source itself is untouched
-
-
-@pytest.mark.parametrize("bf16", [False, True])
-def test_checkpoint_source_reads_memory_mapped_slices_equal_to_the_loaded_model(tmp_path, bf16):
-    """CheckpointSource slices memory-mapped views (BF16 widened after slicing); every rank's shard equals
-    the slice of the fully loaded checkpoint."""
-    import torch
-
-    from offline_paged.models.loader import load_model
-    from offline_paged.models.tp_source import CheckpointSource
-    from offline_paged.models.tp_views import TensorView, checkpoint_views
-    from tiny_llama import make_tiny_hf_model, write_tiny_tokenizer
-
-    make_tiny_hf_model(tmp_path, family="qwen2", dtype=torch.bfloat16 if bf16 else None)
-    write_tiny_tokenizer(tmp_path, 97)
-    loaded = load_model(tmp_path)
-    source = CheckpointSource(str(tmp_path))
-    assert isinstance(checkpoint_views(tmp_path, loaded.config)["lm_head.weight"], TensorView)
-    for rank in range(2):
-        local, shard = source.shard(rank, 2)
-        assert local == shard_config(loaded.config, 2)
-        want = shard_weights(loaded.config, loaded.weights, rank, 2)
-        assert shard.keys() == want.keys()
-        for name in want:
-            assert shard[name].dtype == np.float32
-            np.testing.assert_array_equal(shard[name], want[name], err_msg=name)

@@ -1,8 +1,7 @@
-"""Tokenizer wrapper on the default model's tokenizer: round trips, EOS, streaming detokenization."""
+"""Tokenizer wrapper on the default model's tokenizer: round trips, EOS, token bytes (streaming: test_detokenizer.py)."""
 import pytest
 
 from offline_paged.models.default_model import ensure_default_model
-from offline_paged.models.detokenizer import IncrementalDetokenizer
 from offline_paged.models.tokenizer import Tokenizer
 
 STREAM_TEXTS = ["emoji 😀👍🏽🇫🇷 done", "東京タワー and Ελληνικά", "plain ascii, code: x[i] += 1\n"]
@@ -18,30 +17,6 @@ def test_special_ids_and_chat_encoding(tokenizer):
     ids = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
     assert ids[-4:] == tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     assert ids.count(1) == 3  # system, user, assistant turns each open with <|im_start|>
-
-
-@pytest.mark.parametrize("text", STREAM_TEXTS)
-def test_streaming_never_emits_half_characters_and_adds_up(tokenizer, text):
-    ids = tokenizer.encode(text)
-    assert len(ids) > len(text.split())  # multi-token words: the stream is really incremental
-    stream = IncrementalDetokenizer(tokenizer)
-    pieces = [stream.push([i]) for i in ids]
-    assert all("\ufffd" not in p for p in pieces)
-    assert "".join(pieces) == stream.text == tokenizer.decode(ids) == text
-
-
-def test_streaming_holds_back_a_split_emoji(tokenizer):
-    ids = tokenizer.encode("😀")
-    assert len(ids) > 1  # byte-level BPE splits this emoji
-    stream = IncrementalDetokenizer(tokenizer)
-    assert [stream.push([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
-    assert stream.push(ids[-1:]) == "😀"
-
-
-def test_streaming_skips_special_tokens(tokenizer):
-    stream = IncrementalDetokenizer(tokenizer)
-    ids = tokenizer.encode("hi") + [2]
-    assert "".join(stream.push([i]) for i in ids) == "hi"
 
 
 @pytest.mark.parametrize("text", STREAM_TEXTS)

@@ -1,6 +1,6 @@
-"""The vLLM-compatible surface: a script written as for vLLM runs; Logprob objects carry the engine's
-numbers; vLLM arguments are accepted or refused by name; generation_config defaults; the
-HF-style tokenizer agrees with transformers' on the same directory; use_tqdm and chat_template_kwargs."""
+"""LLM (entrypoints/llm.py), the vLLM-compatible surface: a script written as for vLLM runs; Logprob objects
+carry the engine's numbers; vLLM arguments are accepted or refused by name; generation_config defaults;
+use_tqdm and chat_template_kwargs. (The HF-style tokenizer against transformers': test_hf_tokenizer.py.)"""
 from __future__ import annotations
 
 import json
@@ -103,25 +103,6 @@ def test_beam_search_api_equals_the_sampling_params_route(llm):
                                                           max_tokens=5), use_tqdm=False)
     assert [s.tokens for s in beams.sequences] == [[97, 98, 99] + c.token_ids for c in route.outputs]
     assert [s.cum_logprob for s in beams.sequences] == pytest.approx([c.cumulative_logprob for c in route.outputs])
-
-
-def test_tokenizer_answers_like_transformers_on_the_same_directory(llm, model_dir):
-    from transformers import AutoTokenizer
-
-    ours, theirs = llm.get_tokenizer(), AutoTokenizer.from_pretrained(str(model_dir))
-    text = "Hello wörld <|im_end|> 🪐"
-    assert (ours.eos_token_id, ours.bos_token_id) == (theirs.eos_token_id, theirs.bos_token_id)
-    assert ours.chat_template == theirs.chat_template
-    assert ours.encode(text) == theirs.encode(text)
-    ids = theirs.encode(text)
-    assert ours.decode(ids) == theirs.decode(ids)
-    assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
-    assert ours.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
-    messages = [{"role": "user", "content": "Hi"}]
-    for add in (False, True):
-        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=add) == \
-            theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
-    assert ours.apply_chat_template(messages) == list(theirs.apply_chat_template(messages, return_dict=False))
 
 
 def test_use_tqdm_drives_the_given_bar_once_per_prompt(llm):
