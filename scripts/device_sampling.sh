@@ -24,7 +24,7 @@ for stage in "$@"; do
 import sys, time
 import cupy
 import numpy as np
-from test_cuda_ops import SMOLLM2_SHAPE
+from test_ops_cuda import SMOLLM2_SHAPE
 from test_gpu_engine import random_model
 from offline_paged.core.config import EngineConfig
 from offline_paged.engine import LLMEngine

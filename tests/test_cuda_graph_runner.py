@@ -10,7 +10,7 @@ cupy = pytest.importorskip("cupy")
 import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, not skip)
 pytestmark = pytest.mark.gpu
 
-from test_cuda_ops import QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
+from test_ops_cuda import QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
 from graph_rows import StepRows  # noqa: E402
 from test_gpu_engine import engine, prompts, random_model  # noqa: E402
 from tiny_engine import run_to_completion  # noqa: E402
