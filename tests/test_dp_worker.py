@@ -89,13 +89,16 @@ def test_a_worker_gives_the_single_engine_outputs_and_refuses_a_bad_request_alon
 def test_an_aborted_request_never_comes_back_and_a_closed_pipe_ends_the_worker(config):
     def drive(conn):
         assert conn.recv()[0] == "ready"
-        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        long = SamplingParams(max_tokens=60, ignore_eos=True)
         conn.send(("add", [WorkRequest("long", None, [4, 5, 6], long), REQUESTS[0]]))
         conn.send(("abort", "long"))
         finished = []
         while "greedy" not in finished:
             finished += [r.request_id for r in conn.recv()[1]]
         assert "long" not in finished
+        # Aborted, the worker is idle and sends nothing more; not aborted, "long" would come back.
+        while conn.poll(3.0):
+            assert "long" not in [r.request_id for r in conn.recv()[1]]
         conn.close()  # the coordinator is gone: the worker must return, not hang
 
     _serve_in_this_process(WorkerSpec(config), drive)
