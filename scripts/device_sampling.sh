@@ -16,7 +16,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 for stage in "$@"; do
   case "$stage" in
     tests)
-      timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_sampler.py 2>&1 \
+      timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_sampler.py tests/test_sampling_launcher.py 2>&1 \
         | tee "$OUT/tests.log" | grep -E "ids equal|passed|failed|Error|error|assert" | tail -60
       note tests "$(tail -1 "$OUT/tests.log")" ;;
     bench)
