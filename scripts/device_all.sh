@@ -11,7 +11,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
 
 timeout 360 python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_cuda_kernels.py tests/test_cuda_ops.py tests/test_gpu_sampler.py tests/test_gpu_engine.py \
+  tests/test_launchers.py tests/test_swap.py tests/test_ops_cuda.py tests/test_gpu_sampler.py \
+  tests/test_sampling_launcher.py tests/test_gpu_engine.py \
   >"$OUT/gpu_tests.log" 2>&1
 echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 grep -E "FAILED|Error" "$OUT/gpu_tests.log" | head -20

@@ -16,7 +16,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 for stage in "$@"; do
   case "$stage" in
     tests)
-      timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider ${ENGINE_TESTS:-tests/test_gpu_engine.py tests/test_cuda_ops.py} \
+      timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider ${ENGINE_TESTS:-tests/test_gpu_engine.py tests/test_ops_cuda.py} \
         2>&1 | tee "$OUT/tests.log" | grep -E "agreement|preemption=|passed|failed|Error|error" | tail -30
       note tests "$(tail -1 "$OUT/tests.log")" ;;
     plant)
@@ -53,7 +53,7 @@ PY
 import sys, time
 import numpy as np
 from test_gpu_engine import SHAPES, random_model
-from test_cuda_ops import SMOLLM2_SHAPE
+from test_ops_cuda import SMOLLM2_SHAPE
 from offline_paged.core.config import EngineConfig
 from offline_paged.engine import LLMEngine
 from offline_paged.core.sampling_params import SamplingParams

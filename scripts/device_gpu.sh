@@ -31,7 +31,7 @@ PY
       python3 -c "import cupy; print('import cupy from the repo root: ok')" 2>&1 | tail -1 | tee -a "$OUT/env.log"
       note env done ;;
     kernels)
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -25
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_launchers.py 2>&1 | tee "$OUT/kernels.log" | tail -25
       note kernels "$(tail -1 "$OUT/kernels.log")" ;;
     plant)
       # Throwaway: compile patched copies of attention.cu (causal mask off by one; wrong block offset) and
@@ -47,7 +47,7 @@ for label, (old, new) in bugs.items():
     assert original("attention.cu").count(old) >= 1, old
     modules.read_source = lambda f, old=old, new=new: original(f).replace(old, new) if f == "attention.cu" else original(f)
     modules.clear_cache()
-    rc = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "tests/test_cuda_kernels.py", "-k",
+    rc = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "tests/test_launchers.py", "-k",
                       "decode_attention_matches_reference or prefill_and_chunked"])
     print(f"PLANTED [{label}]: pytest rc={int(rc)} ->", "CAUGHT (tests failed)" if int(rc) == 1 else "NOT CAUGHT")
 modules.read_source = original
@@ -55,7 +55,7 @@ modules.clear_cache()
 PY
       note plant "$(grep -c CAUGHT\ \(tests "$OUT/plant.log") of 3 planted bugs caught" ;;
     ops)
-      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_cuda_ops.py 2>&1 | tee "$OUT/ops.log" | tail -25
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_ops_cuda.py 2>&1 | tee "$OUT/ops.log" | tail -25
       note ops "$(tail -1 "$OUT/ops.log")" ;;
     bench)
       python3 benchmarks/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -80

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CUDA graphs for decode steps on the lent device machine, in one call:
-#   A (in parallel, correctness only): tests/test_cuda_graphs.py (GEMM vs cupy.matmul eagerly and
+#   A (in parallel, correctness only): tests/test_graphs.py, test_step_inputs_launcher.py and
+#     test_cuda_graph_runner.py (GEMM vs cupy.matmul eagerly and
 #     replayed; graph decode vs eager across buckets with padding rows; engine with vs without graphs)
 #     and tests/test_gpu_engine.py with the graph path forced on in every engine;
 #   B: the bench on the 1B shape, graphs off then on (same process kind, same workload);
@@ -68,7 +69,7 @@ if mode == "decode":
 PY
 
 T="-q -p no:cacheprovider -m gpu"
-(timeout 75 python3 "$DRIVER" pytest $T tests/test_cuda_graphs.py >"$OUT/graphs_tests.log" 2>&1; echo "rc $?" >>"$OUT/graphs_tests.log") &
+(timeout 75 python3 "$DRIVER" pytest $T tests/test_graphs.py tests/test_step_inputs_launcher.py tests/test_cuda_graph_runner.py >"$OUT/graphs_tests.log" 2>&1; echo "rc $?" >>"$OUT/graphs_tests.log") &
 (GRAPHS=1 timeout 75 python3 "$DRIVER" pytest $T tests/test_gpu_engine.py >"$OUT/gpu_engine_graphs.log" 2>&1; echo "rc $?" >>"$OUT/gpu_engine_graphs.log") &
 wait
 for f in graphs_tests gpu_engine_graphs; do

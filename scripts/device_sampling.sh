@@ -16,7 +16,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 for stage in "$@"; do
   case "$stage" in
     tests)
-      timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_sampler.py 2>&1 \
+      timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_sampler.py tests/test_sampling_launcher.py 2>&1 \
         | tee "$OUT/tests.log" | grep -E "ids equal|passed|failed|Error|error|assert" | tail -60
       note tests "$(tail -1 "$OUT/tests.log")" ;;
     bench)
@@ -24,7 +24,7 @@ for stage in "$@"; do
 import sys, time
 import cupy
 import numpy as np
-from test_cuda_ops import SMOLLM2_SHAPE
+from test_ops_cuda import SMOLLM2_SHAPE
 from test_gpu_engine import random_model
 from offline_paged.core.config import EngineConfig
 from offline_paged.engine import LLMEngine

@@ -1,4 +1,6 @@
-"""Paged attention: reference == dense attention, fast path == reference, KV writes and block copies."""
+"""Paged attention (ops/attention.py): the reference == dense attention, also for a chunk at the end of a context.
+
+The fast path is tested in test_attention_fast.py, the NumPy ops in test_ops_numpy.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,8 +8,6 @@ import pytest
 
 from offline_paged.models.simple_runner import build_metadata
 from offline_paged.ops.attention import dense_causal_attention, paged_attention_reference, write_kv_reference
-from offline_paged.ops.attention_fast import paged_attention_fast
-from offline_paged.ops.ops_numpy import NumpyOps
 
 H, HKV, D = 6, 2, 8
 
@@ -57,65 +57,3 @@ def test_chunk_attends_to_prefix_like_the_tail_of_dense():
     dense = dense_causal_attention(np, full_q, ks[0], vs[0], 0.25)
     out = paged_attention_reference(np, q, k_cache, v_cache, meta, 0.25)
     np.testing.assert_allclose(out, dense[-4:], atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float64, 1e-12)])
-@pytest.mark.parametrize("seed", range(6))
-def test_fast_path_equals_reference_on_mixed_batches(seed, dtype, tol):
-    rng = np.random.default_rng(100 + seed)
-    num_seqs = int(rng.integers(1, 7))
-    lengths = rng.integers(1, 40, size=num_seqs).tolist()
-    query_lens = [int(rng.integers(1, n + 1)) if rng.random() < 0.4 else 1 for n in lengths]
-    block_size = int(rng.choice([1, 3, 16]))
-    q, k_cache, v_cache, meta, _, _ = _case(seed, lengths, query_lens, block_size, dtype)
-    want = paged_attention_reference(np, q, k_cache, v_cache, meta, 0.35)
-    got = paged_attention_fast(np, q, k_cache, v_cache, meta, 0.35)
-    assert got.dtype == want.dtype
-    np.testing.assert_allclose(got, want, atol=tol, rtol=0)
-
-
-def test_write_kv_skips_negative_slots():
-    k_cache = np.zeros((2, 4, HKV, D), np.float32)  # [N, B, Hkv, D]
-    v_cache = np.zeros((2, 4, HKV, D), np.float32)
-    k = np.arange(3 * HKV * D, dtype=np.float32).reshape(3, HKV, D)  # [T, Hkv, D]
-    NumpyOps().write_kv(k, -k, k_cache, v_cache, np.array([5, -1, 0], np.int32))
-    np.testing.assert_array_equal(k_cache[1, 1], k[0])
-    np.testing.assert_array_equal(k_cache[0, 0], k[2])
-    np.testing.assert_array_equal(v_cache[0, 0], -k[2])
-    assert np.count_nonzero(k_cache.reshape(8, -1).any(axis=1)) == 2
-
-
-def test_copy_blocks_copies_every_layer_k_and_v():
-    rng = np.random.default_rng(3)
-    kv = rng.standard_normal((3, 2, 5, 4, HKV, D)).astype(np.float32)  # [L, 2, N, B, Hkv, D]
-    before = kv.copy()
-    NumpyOps().copy_blocks(kv, np.array([0, 2]), np.array([4, 1]))
-    np.testing.assert_array_equal(kv[:, :, 4], before[:, :, 0])
-    np.testing.assert_array_equal(kv[:, :, 1], before[:, :, 2])
-    np.testing.assert_array_equal(kv[:, :, [0, 2, 3]], before[:, :, [0, 2, 3]])
-
-
-def test_rms_norm_residual_convention():
-    rng = np.random.default_rng(4)
-    x, res = rng.standard_normal((2, 3, 16)).astype(np.float32)  # [T, E] each
-    w = rng.standard_normal(16).astype(np.float32)  # [E]
-    normed, new_res = NumpyOps().rms_norm(x, w, 1e-6, res)
-    s = x + res
-    np.testing.assert_allclose(new_res, s, atol=0)
-    np.testing.assert_allclose(normed, s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-6) * w, atol=1e-6)
-    normed0, res0 = NumpyOps().rms_norm(x, w, 1e-6)
-    assert res0 is x
-
-
-def test_rope_rotates_halves_by_position_angle():
-    """Position p rotates pair (j, j + D/2) by angle p * f_j; position 0 is the identity."""
-    ops = NumpyOps()
-    freqs = np.array([1.0, 0.1, 0.01, 0.001])  # [D/2]
-    angles = np.arange(10)[:, None] * freqs  # [P, D/2]
-    cache = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1)  # [P, D]
-    q = np.zeros((2, 1, 8)); q[:, 0, 0] = 1.0  # unit vector on dimension 0 (pairs with dimension 4)
-    k = np.zeros((2, 1, 8)); k[:, 0, 5] = 1.0  # unit vector on dimension 5 (pairs with dimension 1)
-    rq, rk = ops.rope(q, k, np.array([0, 3]), cache)
-    np.testing.assert_allclose(rq[0, 0], q[0, 0])
-    np.testing.assert_allclose(rq[1, 0, [0, 4]], [np.cos(3.0), np.sin(3.0)], atol=1e-12)
-    np.testing.assert_allclose(rk[1, 0, [1, 5]], [-np.sin(0.3), np.cos(0.3)], atol=1e-12)

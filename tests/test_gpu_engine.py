@@ -23,7 +23,7 @@ from click.testing import CliRunner  # noqa: E402
 from fixtures_tiny_model import EOS_ID, _random_weights, _tokenizer  # noqa: E402
 from fixtures_tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
-from test_cuda_ops import GQA4_D128_SHAPE, QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
+from test_ops_cuda import GQA4_D128_SHAPE, QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
 from tiny_engine import VOCAB_SIZE, ByteTokenizer, run_to_completion  # noqa: E402
 
 from offline_paged.cli.main import cli  # noqa: E402
@@ -121,7 +121,7 @@ def test_gpu_engine_matches_cpu_engine_teacher_forced(name, dtype, cuda_graphs):
     gpu_target = np.array([e[t] for e, t in zip(gpu_entries, targets)])
     cpu_target = np.array([e[t] for e, t in zip(cpu_entries, targets)])
     # The logprob of a random target spans the logit range, so it sets the scale for "fp16 noise":
-    # a top-2 gap below 3e-3 of it is a coin toss for any correct fp16 run (as in test_cuda_ops).
+    # a top-2 gap below 3e-3 of it is a coin toss for any correct fp16 run (as in test_ops_cuda).
     scale = np.abs(cpu_target).max()
     margin, least_decisive, max_error = BOUNDS[dtype]
     decisive = np.array([c[1] for c in cpu_top]) > margin * scale

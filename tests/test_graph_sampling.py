@@ -15,7 +15,7 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from graph_rows import StepRows  # noqa: E402
-from test_cuda_ops import SMOLLM2_SHAPE, random_weights  # noqa: E402
+from test_ops_cuda import SMOLLM2_SHAPE, random_weights  # noqa: E402
 from test_gpu_engine import engine, random_model  # noqa: E402
 
 from offline_paged.core.sampling_params import SamplingParams  # noqa: E402

@@ -15,7 +15,7 @@ import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, no
 pytestmark = pytest.mark.gpu
 
 from fixtures_random_weights import random_weights  # noqa: E402,F401  (re-exported to the GPU tests)
-from test_cuda_kernels import windowed_attention_reference  # noqa: E402
+from test_launchers import windowed_attention_reference  # noqa: E402
 
 from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402  (needs cupy)
 

@@ -1,6 +1,7 @@
-"""CUDA graphs for decode steps: the capture-safe GEMM against cupy.matmul (eagerly and replayed from a
-graph), graph-replayed decode logits and KV writes against the eager forward across buckets with
-padding rows, and the engine with graphs against the engine without; in fp16 and bf16. Needs a GPU."""
+"""CUDA graphs for decode steps (worker/cuda_graph_runner.py): graph-replayed decode logits and KV writes
+against the eager forward across buckets with padding rows, and the engine with graphs against the
+engine without; in fp16 and bf16. The GEMM is tested in test_graphs.py, the decode-input kernels in
+test_step_inputs_launcher.py. Needs a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,8 @@ cupy = pytest.importorskip("cupy")
 import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, not skip)
 pytestmark = pytest.mark.gpu
 
-from test_cuda_ops import QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
+from test_graphs import BF16, DTYPES, ROUNDING, rel_error  # noqa: E402
+from test_ops_cuda import QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
 from graph_rows import StepRows  # noqa: E402
 from test_gpu_engine import engine, prompts, random_model  # noqa: E402
 from tiny_engine import run_to_completion  # noqa: E402
@@ -18,64 +20,11 @@ from tiny_engine import run_to_completion  # noqa: E402
 from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
 from offline_paged.models.config import LlamaConfig  # noqa: E402
 from offline_paged.models.llama import Llama  # noqa: E402
-from offline_paged.ops import step_inputs_launcher  # noqa: E402
 from offline_paged.ops.attention import AttentionMetadata  # noqa: E402
-from offline_paged.ops.graphs import CublasGemm  # noqa: E402
 from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
 from offline_paged.worker.cuda_graph_runner import DecodeGraphs  # noqa: E402
 
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="bf16")]
-# One rounding of an O(1)-relative result to the dtype (half an ulp: 2^-11 fp16, 2^-8 bf16), with room.
-ROUNDING = {np.dtype(np.float16): 2e-3, BF16: 1e-2}
-
-
-def rel_error(a, b) -> float:
-    b = np.asarray(b, np.float64)
-    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
-
-
-def host_matmul(x, w) -> np.ndarray:
-    """float64 product of the device operands' exact values (the truth a GEMM rounds once)."""
-    return x.get().astype(np.float64) @ w.get().astype(np.float64)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_rows", [1, 5, 64])
-def test_gemm_matches_float64_eagerly_and_replayed(num_rows, dtype):
-    rng = np.random.default_rng(num_rows)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    gemm = CublasGemm(stream)
-    w_c = cupy.asarray(rng.standard_normal((576, 1000)).astype(dtype))  # [K, N] C-contiguous
-    w_f = cupy.asarray(rng.standard_normal((1000, 576)).astype(dtype)).T  # [K, N] F-contiguous (tied head)
-    x = cupy.asarray(rng.standard_normal((num_rows, 576)).astype(dtype))  # [T, K]
-    with stream:
-        for w in (w_c, w_f):
-            out = gemm(x, w)
-            assert out.dtype == dtype
-            assert rel_error(out.get(), host_matmul(x, w)) < ROUNDING[dtype]
-        stream.synchronize()
-        stream.begin_capture()
-        outs = [gemm(x, w) for w in (w_c, w_f)]  # [T, N] each, written only by the replay
-        graph = stream.end_capture()
-    x[...] = cupy.asarray(rng.standard_normal((num_rows, 576)).astype(dtype))  # new inputs, same address
-    cupy.cuda.Device().synchronize()
-    graph.launch(stream)
-    stream.synchronize()
-    for out, w in zip(outs, (w_c, w_f)):
-        assert rel_error(out.get(), host_matmul(x, w)) < ROUNDING[dtype]
-
-
-def test_gemm_refuses_mixed_or_unsupported_dtypes():
-    gemm = CublasGemm(cupy.cuda.Stream(non_blocking=True))
-    x16, xb = cupy.ones((2, 8), cupy.float16), cupy.ones((2, 8), BF16)
-    with pytest.raises(ValueError, match="x is bfloat16 but w is float16"):
-        gemm(xb, x16.T.copy())
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
-        gemm(cupy.ones((2, 8), cupy.float32), cupy.ones((8, 2), cupy.float32))
-    with pytest.raises(ValueError, match="out_dtype must be bfloat16"):
-        gemm(xb, cupy.ones((8, 2), BF16), out_dtype=np.float16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -168,37 +117,6 @@ def test_graph_decode_matches_eager_across_buckets_with_padding_rows(shape, dtyp
         assert not np.array_equal(bits(flat(after)[:, :, written]), bits(flat(before)[:, :, written]))
     assert graphs.captured_sizes == (4, 16)
     assert graphs.num_replays == 3
-
-
-def test_decode_inputs_kernel_matches_numpy():
-    """Slot mapping, context lens, query_start_loc and bucket tables from persistent rows, with padding
-    slots, a no-write slot, rows wider and narrower than the bucket, and scattered table changes."""
-    rng = np.random.default_rng(4)
-    block_size, num_rows, row_width, width, b = 16, 9, 12, 10, 8
-    row_tables = rng.integers(0, 5000, (num_rows, row_width)).astype(np.int32)  # [R, Mr]
-    changes = np.array([[2, 0, 77], [5, 3, 88], [2, 1, 99]], dtype=np.int32)  # (row, column, block)
-    device_rows = cupy.asarray(row_tables)
-    step_inputs_launcher.scatter_table_entries(cupy.asarray(changes), device_rows)
-    row_tables[changes[:, 0], changes[:, 1]] = changes[:, 2]
-    np.testing.assert_array_equal(device_rows.get(), row_tables)
-    slot_rows = np.array([2, 5, 0, 8, 3, -1, -1, -1], dtype=np.int32)  # [b]
-    positions = np.array([17, 50, 0, 159, 31, 0, 0, 0], dtype=np.int32)  # [b]
-    writes = np.array([1, 0, 1, 1, 1, 0, 0, 0], dtype=np.int32)  # [b]
-    outs = [cupy.full(n, -7, dtype=cupy.int32) for n in (b, b, b + 1)] + [cupy.full((b, width), -7, dtype=cupy.int32)]
-    step_inputs_launcher.decode_inputs(cupy.asarray(slot_rows), cupy.asarray(positions), cupy.asarray(writes),
-                                       device_rows, *outs, block_size)
-    slots, ctx, qsl, tables = (o.get() for o in outs)
-    real = slot_rows >= 0
-    blocks = row_tables[slot_rows[real], positions[real] // block_size]
-    expected_slots = np.full(b, -1)
-    expected_slots[real] = np.where(writes[real] == 1, blocks * block_size + positions[real] % block_size, -1)
-    np.testing.assert_array_equal(slots, expected_slots)
-    np.testing.assert_array_equal(ctx, positions + 1)
-    np.testing.assert_array_equal(qsl, np.arange(b + 1))
-    for i in range(b):
-        used = min(int(positions[i]) // block_size + 1, width) if real[i] else 0
-        np.testing.assert_array_equal(tables[i, :used], row_tables[slot_rows[i], :used])
-        assert not tables[i, used:].any()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

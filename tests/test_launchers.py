@@ -369,20 +369,3 @@ def test_launchers_say_what_is_wrong():
         launchers.write_kv(cache[0], cache[0], cache, cache, cupy.zeros(16, dtype=cupy.int64))
     with pytest.raises(ValueError, match="weight must be bfloat16"):
         launchers.rms_norm(cupy.zeros((2, 64), BF16), cupy.zeros(64, cupy.float16), 1e-5)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_swap_out_and_in_round_trip_through_pinned_memory(dtype):
-    from offline_paged.ops.swap import BlockSwapper
-
-    rng = np.random.default_rng(3)
-    kv = cupy.asarray(rng.standard_normal((2, 2, 12, 16, 2, 64)).astype(dtype))
-    original = kv.get()
-    swapper = BlockSwapper(kv, num_cpu_blocks=6)
-    assert swapper.cpu_cache.dtype == dtype
-    swapper.swap_out([3, 7, 11], [5, 0, 2])
-    np.testing.assert_array_equal(swapper.cpu_cache[:, :, [5, 0, 2]].view(np.uint16),
-                                  original[:, :, [3, 7, 11]].view(np.uint16))
-    kv[:, :, [3, 7, 11]] = 0
-    swapper.swap_in([5, 0, 2], [3, 7, 11])
-    np.testing.assert_array_equal(kv.get().view(np.uint16), original.view(np.uint16))

@@ -1,0 +1,54 @@
+"""`offline-paged eval` (cli/eval.py): hands lm-eval's `run` every flag unchanged, defaults --model to
+our backend, and is a clear exit-2 error when lm-eval is missing. lm-eval itself is faked here;
+test_lm_eval.py runs the real one."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+from click.testing import CliRunner
+
+from offline_paged.cli.main import cli
+
+
+@pytest.fixture
+def fake_lm_eval(monkeypatch):
+    """lm_eval.__main__.cli_evaluate records sys.argv; our backend's registering import is a no-op."""
+    seen: list[list[str]] = []
+    main = types.ModuleType("lm_eval.__main__")
+    main.cli_evaluate = lambda: seen.append(list(sys.argv))
+    monkeypatch.setitem(sys.modules, "lm_eval", types.ModuleType("lm_eval"))
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", main)
+    monkeypatch.setitem(sys.modules, "offline_paged.entrypoints.lm_eval", types.ModuleType("registers"))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the command rewrites sys.argv
+    return seen
+
+
+def test_flags_go_to_lm_eval_run_with_our_model_by_default(fake_lm_eval):
+    args = ["--tasks", "hellaswag", "--model_args", "pretrained=/m,dtype=float32", "--limit", "7"]
+    result = CliRunner().invoke(cli, ["eval", *args])
+    assert result.exit_code == 0, result.output
+    assert fake_lm_eval == [["offline-paged eval", "run", "--model", "offline-paged", *args]]
+
+
+@pytest.mark.parametrize("model_flag", [["--model", "hf"], ["-M", "hf"], ["--model=hf"]])
+def test_an_explicit_model_is_left_alone(fake_lm_eval, model_flag):
+    result = CliRunner().invoke(cli, ["eval", *model_flag, "--tasks", "x"])
+    assert result.exit_code == 0, result.output
+    assert fake_lm_eval == [["offline-paged eval", "run", *model_flag, "--tasks", "x"]]
+
+
+def test_help_prints_ours_then_passes_help_to_lm_eval(fake_lm_eval):
+    result = CliRunner().invoke(cli, ["eval", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "lm-eval's run flags" in result.output and "lm-evaluation-harness" in result.output
+    assert fake_lm_eval == [["offline-paged eval", "run", "--help"]]
+
+
+def test_missing_lm_eval_is_error_colon_and_exit_2(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "offline_paged.entrypoints.lm_eval", types.ModuleType("registers"))
+    result = CliRunner().invoke(cli, ["eval", "--tasks", "x"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: lm-eval is not installed") and "offline-paged[eval]" in result.output
