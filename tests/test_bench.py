@@ -3,7 +3,6 @@ on a tiny CPU engine, report formatting, and the CLI's argument errors. No timin
 (Dummy weights: test_dummy_weights.py.)"""
 import json
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from tiny_engine import VOCAB_SIZE, tiny_model

@@ -21,6 +21,7 @@ from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
 from offline_paged.models.config import LlamaConfig  # noqa: E402
 from offline_paged.models.llama import Llama  # noqa: E402
 from offline_paged.ops.attention import AttentionMetadata  # noqa: E402
+from offline_paged.ops.graphs import CublasGemm  # noqa: E402
 from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
 from offline_paged.worker.cuda_graph_runner import DecodeGraphs  # noqa: E402
 
