@@ -52,3 +52,9 @@ def test_auto_picks_what_is_there():
 def test_cuda_without_a_gpu_says_how_to_get_one():
     with pytest.raises(ValueError, match=r"device='cuda' needs CuPy .*offline-paged\[cuda\]"):
         select_backend("cuda")
+
+
+@pytest.mark.parametrize("name", ["ndarray", "int32", "uint8", "bool_", "complex64", "half"])
+def test_a_name_that_is_no_model_dtype_is_refused(name):
+    with pytest.raises(ValueError, match=f"unknown dtype '{name}'"):
+        select_backend("cpu", name)

@@ -125,7 +125,12 @@ def select_backend(device: str = "auto", dtype: str | None = None, checkpoint: s
     raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
 
 
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")  # what the model and KV cache can be
+
+
 def _dtype(xp, name: str) -> np.dtype:
+    if name not in _DTYPE_NAMES:  # numpy would take many names ("ndarray" gives an object dtype)
+        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(_DTYPE_NAMES)} or 'auto'")
     if name == "bfloat16":
         try:
             import ml_dtypes
