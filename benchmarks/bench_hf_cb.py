@@ -13,6 +13,8 @@ Prints one JSON record (output tok/s, wall, settings actually used). Needs torch
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import dataclasses
 import inspect
 import json
@@ -68,32 +70,36 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    def run(reqs) -> tuple[float, int]:
-        ctx_params = inspect.signature(model.continuous_batching_context_manager).parameters
-        ctx_kwargs = {k: v for k, v in init_kwargs.items() if k in ctx_params}
-        with torch.no_grad(), model.continuous_batching_context_manager(block=True, **ctx_kwargs) as manager:
-            sync()
-            t0 = time.perf_counter()
-            pending = {manager.add_request(r.prompt_token_ids, request_id=f"r{i}",
-                                           max_new_tokens=r.params.max_tokens) for i, r in enumerate(reqs)}
-            generated = 0
-            while pending:
-                result = manager.get_result(timeout=60)
-                if result is None:
-                    status = getattr(manager, "background_thread_status", None)
-                    raise RuntimeError(f"transformers' manager stopped with {len(pending)} requests pending: "
-                                       f"{getattr(status, 'fatal_error', None)!r}")
-                finished = result.is_finished() if callable(getattr(result, "is_finished", None)) \
-                    else str(result.status).endswith("FINISHED")
-                if result.request_id in pending and finished:
-                    pending.discard(result.request_id)
-                    generated += len(result.generated_tokens)
-            sync()
-            wall = time.perf_counter() - t0
-        return wall, generated
+    def run(manager, reqs, tag: str) -> tuple[float, int]:
+        sync()
+        t0 = time.perf_counter()
+        pending = {manager.add_request(r.prompt_token_ids, request_id=f"{tag}{i}",
+                                       max_new_tokens=r.params.max_tokens) for i, r in enumerate(reqs)}
+        generated = 0
+        while pending:
+            result = manager.get_result(timeout=60)
+            if result is None:
+                status = getattr(manager, "background_thread_status", None)
+                raise RuntimeError(f"transformers' manager stopped with {len(pending)} requests pending: "
+                                   f"{getattr(status, 'fatal_error', None)!r}")
+            finished = result.is_finished() if callable(getattr(result, "is_finished", None)) \
+                else str(result.status).endswith("FINISHED")
+            if result.request_id in pending and finished:
+                pending.discard(result.request_id)
+                generated += len(result.generated_tokens)
+        sync()
+        return time.perf_counter() - t0, generated
 
-    run(requests[:4])  # warm-up: graph capture and allocator
-    wall, generated = run(requests)
+    # One manager for the warm-up (graph capture, allocator) and the measured run. The record is printed
+    # before the manager is stopped: transformers 5.24's stop() was seen hanging in a destructor on this
+    # CPU, so the process then leaves without waiting for it.
+    ctx_params = inspect.signature(model.continuous_batching_context_manager).parameters
+    ctx_kwargs = {k: v for k, v in init_kwargs.items() if k in ctx_params}
+    context = model.continuous_batching_context_manager(block=False, **ctx_kwargs)
+    with torch.no_grad():
+        manager = context.__enter__()
+        run(manager, requests[:4], "warm")
+        wall, generated = run(manager, requests, "r")
     expected = sum(r.params.max_tokens for r in requests)
     print(json.dumps({
         "engine": f"transformers {transformers.__version__} continuous batching",
@@ -103,8 +109,9 @@ def main() -> int:
         "total_tokens_per_s": round((generated + sum(len(r.prompt_token_ids) for r in requests)) / wall, 1),
         "settings": used, "attn_implementation": str(getattr(model.config, "_attn_implementation", "?")),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-    }))
-    return 0
+    }), flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # see above: never wait on the manager's stop
 
 
 if __name__ == "__main__":
