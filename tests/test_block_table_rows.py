@@ -16,6 +16,23 @@ def _item(seq_id, table, start, num_new=1):
     return SimpleNamespace(seq=SimpleNamespace(seq_id=seq_id), block_table=table, start=start, num_new_tokens=num_new)
 
 
+def _step(rows: BlockTableRows, tables: dict[int, list[int]], op: str, seq: int, value: int):
+    """One fuzz step on the block manager's side: release a sequence (None), or grow, copy-on-write or
+    replace its table and sync every live one (each step writes its last block); the synced rows [S]."""
+    if op == "release":
+        rows.release([seq])
+        tables.pop(seq, None)
+        return None
+    table = tables.setdefault(seq, [value])
+    if op == "grow":
+        table.append(value)
+    elif op == "cow":
+        table[-1] = value + 1
+    else:
+        tables[seq] = [value, value + 2]
+    return rows.sync([_item(s, t, (len(t) - 1) * BLOCK) for s, t in tables.items()])  # [S]
+
+
 class Mirror:
     def __init__(self) -> None:
         self.tables, self.generation = None, None
@@ -57,18 +74,9 @@ def test_mirror_follows_the_rows(ops):
     mirror = Mirror()
     tables: dict[int, list[int]] = {}
     for op, seq, value in ops:
-        if op == "release":
-            rows.release([seq])
-            tables.pop(seq, None)
+        synced = _step(rows, tables, op, seq, value)
+        if synced is None:
             continue
-        table = tables.setdefault(seq, [value])
-        if op == "grow":
-            table.append(value)
-        elif op == "cow":
-            table[-1] = value + 1
-        else:
-            tables[seq] = table = [value, value + 2]
-        synced = rows.sync([_item(s, t, (len(t) - 1) * BLOCK) for s, t in tables.items()])  # writes the last block
         mirror.sync(rows)
         for row, (s, t) in zip(synced.tolist(), tables.items()):
             assert mirror.tables[row, :len(t)].tolist() == t, (s, t)
@@ -90,18 +98,9 @@ def test_tensor_parallel_rows_follow_by_diffs(ops, graphs_too):
     device = Mirror()  # rank 1's decode graphs, fed by other.take_changes()
     tables: dict[int, list[int]] = {}
     for op, seq, value in ops:
-        if op == "release":
-            rows.release([seq])
-            tables.pop(seq, None)
+        synced = _step(rows, tables, op, seq, value)
+        if synced is None:
             continue
-        table = tables.setdefault(seq, [value])
-        if op == "grow":
-            table.append(value)
-        elif op == "cow":
-            table[-1] = value + 1
-        else:
-            tables[seq] = table = [value, value + 2]
-        synced = rows.sync([_item(s, t, (len(t) - 1) * BLOCK) for s, t in tables.items()])  # [S]
         if graphs_too:
             rows.take_changes()  # rank 0's graphs consume their feed; the mirror feed must not care
         other.apply(rows.tables.shape, rows.take_mirror_changes())
