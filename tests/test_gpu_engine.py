@@ -24,7 +24,7 @@ from fixtures_tiny_model import EOS_ID, _random_weights, _tokenizer  # noqa: E40
 from fixtures_tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 from test_ops_cuda import GQA4_D128_SHAPE, QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
-from tiny_engine import VOCAB_SIZE, ByteTokenizer, run_to_completion  # noqa: E402
+from tiny_engine import ByteTokenizer, run_to_completion  # noqa: E402
 
 from offline_paged.cli.main import cli  # noqa: E402
 from offline_paged.core.config import EngineConfig  # noqa: E402
@@ -43,24 +43,17 @@ SHAPES = {"smollm2-d64-gqa3": SMOLLM2_SHAPE | dict(num_hidden_layers=6),
                                                      sliding_window=32)}
 
 
-class WideByteTokenizer(ByteTokenizer):
-    """ByteTokenizer for a large vocabulary: ids past the byte range decode to nothing."""
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return super().decode([i for i in ids if i < VOCAB_SIZE], skip_special_tokens)
-
-
 @dataclass(frozen=True, slots=True)
 class RandomModel:
     config: LlamaConfig
     weights: dict[str, np.ndarray]
-    tokenizer: WideByteTokenizer
+    tokenizer: ByteTokenizer
     source: str = "random"
 
 
 def random_model(shape: dict, seed: int = 7) -> RandomModel:
     config = LlamaConfig(**shape)
-    return RandomModel(config, random_weights(config, seed), WideByteTokenizer())
+    return RandomModel(config, random_weights(config, seed), ByteTokenizer())
 
 
 def engine(model, device: str, **overrides) -> LLMEngine:

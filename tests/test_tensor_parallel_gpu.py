@@ -65,15 +65,8 @@ def test_sharded_model_on_two_gpus_agrees_with_one_gpu():
     assert error < 2e-2
 
 
-class _WideByteTokenizer(ByteTokenizer):
-    """ByteTokenizer over a 32k vocabulary: ids past the byte range decode to nothing."""
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return super().decode([i for i in ids if i < 256 + 4], skip_special_tokens)
-
-
 def _greedy(tensor_parallel_size: int, cuda_graphs: bool, weights) -> list[list[int]]:
-    loaded = LoadedModel(SMALL_8B, weights, _WideByteTokenizer(), "random-small-8b")
+    loaded = LoadedModel(SMALL_8B, weights, ByteTokenizer(), "random-small-8b")
     prompts = [{"prompt_token_ids": np.random.default_rng(100 + i).integers(4, 32000, n).tolist()}
                for i, n in enumerate([5, 40, 17, 90, 3, 64])]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)

@@ -17,7 +17,8 @@ _BYTE_OFFSET = 4
 
 
 class ByteTokenizer:
-    """Token id 4+b is byte b; ids 0..3 are special and decode to nothing."""
+    """Token id 4+b is byte b; ids 0..3 are special and decode to nothing, and so do ids past the byte
+    range (random models of a real vocabulary size sample them)."""
 
     eos_token_ids = frozenset({EOS_ID})
 
@@ -25,7 +26,7 @@ class ByteTokenizer:
         return [b + _BYTE_OFFSET for b in text.encode("utf-8")]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        data = bytes(i - _BYTE_OFFSET for i in ids if i >= _BYTE_OFFSET)
+        data = bytes(i - _BYTE_OFFSET for i in ids if _BYTE_OFFSET <= i < VOCAB_SIZE)
         return data.decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
