@@ -7,6 +7,7 @@
 //   logits [K, V] fp32 contiguous; rows [R] int32 (row of logits each sampled row reads)
 //   adjusted [R, V] fp64 (out): the row as float64, to be penalised / banned in place
 //   raw_stats [R, 2] fp64 (out): (max, log(sum(exp(x - max)))) of the raw row: logprob = (x - max) - lse
+//   (OnlineStats: fp32 per thread, combined in fp64; ~1e-6 relative, the race's own bits)
 //   Grid: x = sampled row; block: 1024 threads striding over V, shared-memory reductions.
 //
 // count_tokens
@@ -24,7 +25,8 @@
 // ban_tokens
 //   adjusted [R, V] fp64 (in place); pairs [Q, 2] int32 (row, token): set to -inf. Grid-stride over Q.
 //
-// top_cut (every row; rows without top-k / top-p, and greedy rows, get -inf). No sort, so it can be captured
+// top_cut / top_cut_logits (every row; rows without top-k / top-p, and greedy rows, get -inf). No sort, so it
+// can be captured. top_cut_logits reads float64(logits[rows[r]]) in place of adjusted[r].
 //   adjusted [R, V] fp64; params [R, 8] fp64 (see race); cut [R] fp64 (out): the race keeps x >= cut
 //   x_j = adjusted_j / temperature. top-k: kth = (the k-th largest adjusted value) / temperature (ties kept),
 //   found by a bit-by-bit descent over order_key(adjusted) (64 counting passes). top-p on the survivors
@@ -41,13 +43,15 @@
 //
 // chosen_ids: out [R, 2] fp64 (race's output) -> token_ids [R] int32. One thread per row.
 //
-// race
-//   adjusted [R, V] fp64; cut [R] fp64 (-inf: no top-k / top-p); raw_stats [R, 2] fp64; logits, rows as above
+// race (eager: reads adjusted) and race_logits (the decode graph: reads float64(logits[rows[r]]) in place)
+//   adjusted [R, V] fp64; cut [R] fp64 (-inf: no top-k / top-p); logits, rows as above
 //   params [R, 8] fp64: (temperature, min_p, greedy flag, unused...) ; seeds [R] uint64; positions [R] uint64
-//   out [R, 2] fp64 (out): (token id, raw logprob of that token)
+//   out [R, 2] fp64 (out): (token id, raw logprob of that token, from the raw row's OnlineStats)
 //   greedy: argmax of adjusted (first index on ties). Otherwise x = adjusted / T, kept = x >= cut and
 //   p > 0, min-p on the renormalised survivors, then argmax_i p_i / (0 - log u_i) with
 //   u_i = ((splitmix64(seed * A + position * B + i) >> 11) + 0.5) * 2^-53 (random_stream.py).
+//   Rows without min-p find that argmax through an fp32 filter and an exact float64 check of the few
+//   entries it leaves (see race_impl); min-p rows run the float64 race over every entry.
 //   Grid: x = sampled row; block: 1024 threads striding over V.
 
 #define BLOCK 1024
@@ -110,24 +114,47 @@ __device__ int block_argmax(double s, int i, double* scratch, int* iscratch) {
   return iscratch[0];
 }
 
+// Raw-row statistics for the raw logprob of a token: (max, log(sum(exp(x - max)))) of an fp32 logits row.
+// Each thread keeps an online (max, sum) in fp32 over its strided entries, the block combines them in fp64.
+// prepare_rows and race both use it, so the eager sampler's top logprobs, its sampled logprob and the
+// decode graph's sampled logprob carry the same bits.
+struct OnlineStats {
+  float m = -3.402823466e38f;  // -FLT_MAX: a -inf entry then adds exp(-inf) = 0, never NaN
+  float s = 0.f;
+  __device__ __forceinline__ void add(float x) {
+    if (x > m) {
+      s = s * __expf(m - x) + 1.f;
+      m = x;
+    } else {
+      s += __expf(x - m);
+    }
+  }
+};
+
+// Every thread gets (max, log of the normaliser) of the row.
+__device__ void block_stats(const OnlineStats& t, double* scratch, double& max_out, double& lse_out) {
+  const double m = block_max((double)t.m, scratch);
+  const double s = block_sum((double)t.s * exp((double)t.m - m), scratch);
+  max_out = m;
+  lse_out = log(s);
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK) prepare_rows(const float* logits, const int* rows, double* adjusted, double* raw_stats,
                                         int vocab) {
   __shared__ double scratch[WARPS];
   const float* in = logits + (size_t)rows[blockIdx.x] * vocab;
   double* out = adjusted + (size_t)blockIdx.x * vocab;
-  double m = NEG_INF;
+  OnlineStats stats;
   for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-    const double x = (double)in[i];
-    out[i] = x;
-    m = fmax(m, x);
+    const float x = in[i];
+    out[i] = (double)x;
+    stats.add(x);
   }
-  m = block_max(m, scratch);
-  double s = 0.0;
-  for (int i = threadIdx.x; i < vocab; i += BLOCK) s = __dadd_rn(s, exp(__dsub_rn((double)in[i], m)));
-  s = block_sum(s, scratch);
+  double m, lse;
+  block_stats(stats, scratch, m, lse);
   if (threadIdx.x == 0) {
     raw_stats[2 * blockIdx.x] = m;
-    raw_stats[2 * blockIdx.x + 1] = log(s);
+    raw_stats[2 * blockIdx.x + 1] = lse;
   }
 }
 
@@ -172,8 +199,16 @@ __device__ __forceinline__ double key_value(unsigned long long k) {
   return __longlong_as_double((long long)((k >> 63) ? (k & 0x7fffffffffffffffULL) : ~k));
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjusted, const double* params, double* cut,
-                                                          int vocab) {
+// Entry i of row r as float64: the adjusted row (eager sampler, after penalties and bans) or the raw logits
+// row rows[r] converted (the decode graph's sampler: no penalties or bans there, so the two agree).
+template <bool FROM_LOGITS>
+__device__ __forceinline__ double entry(const double* a, const float* raw, int i) {
+  return FROM_LOGITS ? (double)raw[i] : a[i];
+}
+
+template <bool FROM_LOGITS>
+__device__ void top_cut_impl(const double* adjusted, const float* logits, const int* rows, const double* params,
+                             double* cut, int vocab) {
   __shared__ double scratch[WARPS];
   const int r = blockIdx.x;
   const double temperature = params[8 * r], top_p = params[8 * r + 3];
@@ -183,7 +218,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjust
     if (threadIdx.x == 0) cut[r] = NEG_INF;
     return;
   }
-  const double* a = adjusted + (size_t)r * vocab;
+  const double* a = FROM_LOGITS ? nullptr : adjusted + (size_t)r * vocab;
+  const float* raw = FROM_LOGITS ? logits + (size_t)rows[r] * vocab : nullptr;
   // top-k: the largest key with at least k entries >= it is the key of the k-th largest adjusted value
   // (ties kept); dividing by temperature > 0 keeps the order, so kth = that value / temperature.
   double kth = NEG_INF;
@@ -192,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjust
     for (int bit = 63; bit >= 0; --bit) {
       const unsigned long long candidate = prefix | (1ULL << bit);
       double n = 0.0;
-      for (int i = threadIdx.x; i < vocab; i += BLOCK) n += order_key(a[i]) >= candidate ? 1.0 : 0.0;
+      for (int i = threadIdx.x; i < vocab; i += BLOCK) n += order_key(entry<FROM_LOGITS>(a, raw, i)) >= candidate ? 1.0 : 0.0;
       if (block_sum(n, scratch) >= (double)top_k) prefix = candidate;
     }
     kth = __ddiv_rn(key_value(prefix), temperature);
@@ -201,13 +237,13 @@ extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjust
   if (top_p < 1.0) {
     double m = NEG_INF;
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const double x = __ddiv_rn(a[i], temperature);
+      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
       if (x >= kth) m = fmax(m, x);
     }
     m = block_max(m, scratch);
     double s = 0.0;
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const double x = __ddiv_rn(a[i], temperature);
+      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
       if (x >= kth) s = __dadd_rn(s, exp(__dsub_rn(x, m)));
     }
     const double lse = log(block_sum(s, scratch));
@@ -218,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjust
       const unsigned long long candidate = bit == 64 ? 0ULL : prefix | (1ULL << bit);
       double h = 0.0;
       for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-        const double x = __ddiv_rn(a[i], temperature);
+        const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
         if (x >= kth && order_key(x) >= candidate) h = __dadd_rn(h, exp(__dsub_rn(__dsub_rn(x, m), lse)));
       }
       const bool reached = block_sum(h, scratch) >= top_p;
@@ -228,6 +264,16 @@ extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjust
     }
   }
   if (threadIdx.x == 0) cut[r] = result;
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjusted, const double* params, double* cut,
+                                                          int vocab) {
+  top_cut_impl<false>(adjusted, nullptr, nullptr, params, cut, vocab);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) top_cut_logits(const float* logits, const int* rows,
+                                                                 const double* params, double* cut, int vocab) {
+  top_cut_impl<true>(nullptr, logits, rows, params, cut, vocab);
 }
 
 // Graph sampling: each bucket slot's sampling inputs from the persistent per-row buffers.
@@ -259,68 +305,160 @@ __device__ __forceinline__ double uniform(unsigned long long seed, unsigned long
   return __dmul_rn(__dadd_rn((double)(x >> 11), 0.5), 1.1102230246251565e-16);  // 2^-53
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK) race(const double* adjusted, const double* cut, const double* raw_stats, const float* logits,
-                                const int* rows, const double* params, const unsigned long long* seeds,
-                                const unsigned long long* positions, double* out, int vocab) {
+// The race's per-row constant part of the stream: uniform(seed, position, i) hashes mix(seed, position) + i.
+__device__ __forceinline__ unsigned long long stream_base(unsigned long long seed, unsigned long long position) {
+  return seed * 0x9E3779B97F4A7C15ULL + position * 0xBF58476D1CE4E5B9ULL;
+}
+
+// 53 random bits of element i: uniform = (bits + 0.5) * 2^-53 (the same stream as `uniform`).
+__device__ __forceinline__ unsigned long long stream_bits(unsigned long long base, unsigned long long i) {
+  unsigned long long x = base + i;
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBULL;
+  x ^= x >> 31;
+  return x >> 11;
+}
+
+// log(-log(u)) in fp32 for u = (bits + 0.5) * 2^-53, to a few 1e-4 absolute at worst (u close to 1, where
+// -log(u) ~ 1 - u is taken from the exact integer 2^53 - bits instead of from a rounded u).
+__device__ __forceinline__ float log_exponential(unsigned long long bits) {
+  const float u = ((float)bits + 0.5f) * 1.1102230246251565e-16f;
+  const float one_minus_u = ((float)((1ULL << 53) - bits) - 0.5f) * 1.1102230246251565e-16f;
+  float e;
+  if (one_minus_u > 1e-3f) {
+    e = -__logf(u);
+  } else {  // -log(1 - w) = w + w^2/2 + w^3/3 + ..., w <= 1e-3: the rest is below 1e-9 relative
+    e = one_minus_u * (1.f + one_minus_u * (0.5f + one_minus_u * (1.f / 3.f)));
+  }
+  return __logf(e);
+}
+
+// The race's key in float64, argmax-equivalent to NumPy's p_i / (-log u_i): log p_i differs from the scaled
+// logit x_i by the row's log-normaliser, the same for every i.
+__device__ __forceinline__ double exact_key(double x, unsigned long long base, int i) {
+  return x - log(-log(((double)stream_bits(base, (unsigned long long)i) + 0.5) * 1.1102230246251565e-16));
+}
+
+// One sampled row per block. Greedy rows take the argmax; min-p rows run the exact race in float64 over
+// every entry; other rows run it through an fp32 filter:
+//   score_i = y_i - log(-log u_i) in fp32 (y = x / T) for the kept entries (x / T >= cut), each thread
+//   keeping its best two. With M the block's best score and `band` larger than twice the fp32 error, every
+//   entry whose exact key can beat the exact winner has score >= M - band. If no thread's second best
+//   reaches M - band, those entries are the threads' bests, and only they get the exact float64 key;
+//   otherwise (rare) every entry does. Either way the token is the exact race's: argmax of the float64 key,
+//   the smaller index on equal keys.
+// Also the raw row's (max, lse) (OnlineStats, as prepare_rows) for the sampled token's raw logprob.
+template <bool FROM_LOGITS>
+__device__ void race_impl(const double* adjusted, const double* cut, const float* logits, const int* rows,
+                          const double* params, const unsigned long long* seeds,
+                          const unsigned long long* positions, double* out, int vocab) {
   __shared__ double scratch[WARPS];
   __shared__ int iscratch[WARPS];
   const int r = blockIdx.x;
-  const double* a = adjusted + (size_t)r * vocab;
+  const double* a = FROM_LOGITS ? nullptr : adjusted + (size_t)r * vocab;
+  const float* raw = logits + (size_t)rows[r] * vocab;
   const double temperature = params[8 * r], min_p = params[8 * r + 1];
   const bool greedy = params[8 * r + 2] != 0.0;
+  const unsigned long long base = stream_base(seeds[r], positions[r]);
+  OnlineStats stats;
   double best = NEG_INF;
   int best_i = 0x7fffffff;
   if (greedy) {
-    for (int i = threadIdx.x; i < vocab; i += BLOCK) better(best, best_i, a[i], i);
-  } else {
+    for (int i = threadIdx.x; i < vocab; i += BLOCK) {
+      stats.add(raw[i]);
+      better(best, best_i, entry<FROM_LOGITS>(a, raw, i), i);
+    }
+  } else if (min_p > 0.0) {
+    for (int i = threadIdx.x; i < vocab; i += BLOCK) stats.add(raw[i]);
     const double c = cut[r];
     // max and normaliser of the survivors of top-k / top-p (x >= c; -inf never survives)
     double m = NEG_INF;
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const double x = __ddiv_rn(a[i], temperature);
+      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
       if (x >= c) m = fmax(m, x);
     }
     m = block_max(m, scratch);
     double s = 0.0;
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const double x = __ddiv_rn(a[i], temperature);
+      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
       if (x >= c) s = __dadd_rn(s, exp(__dsub_rn(x, m)));
     }
-    double lse = log(block_sum(s, scratch));
-    double floor_p = 0.0;  // min-p: keep p >= min_p * max p, max p = exp(0 - lse); then renormalise
-    if (min_p > 0.0) {
-      floor_p = __dmul_rn(min_p, exp(__dsub_rn(0.0, lse)));
-      s = 0.0;
-      for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-        const double x = __ddiv_rn(a[i], temperature);
-        if (x >= c && exp(__dsub_rn(__dsub_rn(x, m), lse)) >= floor_p) s = __dadd_rn(s, exp(__dsub_rn(x, m)));
+    const double lse = log(block_sum(s, scratch));
+    // min-p: keep p >= min_p * max p, max p = exp(0 - lse); then renormalise
+    const double floor_p = __dmul_rn(min_p, exp(__dsub_rn(0.0, lse)));
+    s = 0.0;
+    for (int i = threadIdx.x; i < vocab; i += BLOCK) {
+      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+      if (x >= c && exp(__dsub_rn(__dsub_rn(x, m), lse)) >= floor_p) s = __dadd_rn(s, exp(__dsub_rn(x, m)));
+    }
+    const double lse2 = log(block_sum(s, scratch));
+    for (int i = threadIdx.x; i < vocab; i += BLOCK) {
+      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+      const bool kept = x >= c && exp(__dsub_rn(__dsub_rn(x, m), lse)) >= floor_p;
+      const double p = kept ? exp(__dsub_rn(__dsub_rn(x, m), lse2)) : 0.0;
+      if (p > 0.0) {
+        const double score = __ddiv_rn(p, __dsub_rn(0.0, log(uniform(seeds[r], positions[r], i))));
+        better(best, best_i, score, i);
       }
-      const double lse2 = log(block_sum(s, scratch));
-      for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-        const double x = __ddiv_rn(a[i], temperature);
-        const bool kept = x >= c && exp(__dsub_rn(__dsub_rn(x, m), lse)) >= floor_p;
-        const double p = kept ? exp(__dsub_rn(__dsub_rn(x, m), lse2)) : 0.0;
-        if (p > 0.0) {
-          const double score = __ddiv_rn(p, __dsub_rn(0.0, log(uniform(seeds[r], positions[r], i))));
-          better(best, best_i, score, i);
-        }
+    }
+  } else {
+    const double c = cut[r];
+    const float inv_t = (float)(1.0 / temperature), c32 = (float)c;
+    const float margin = 1e-6f * fabsf(c32);  // around the cut, fp32 cannot decide: ask float64
+    float s1 = -INFINITY, s2 = -INFINITY;
+    int i1 = -1;
+    for (int i = threadIdx.x; i < vocab; i += BLOCK) {
+      const float raw_x = raw[i];
+      stats.add(raw_x);
+      const float y = (FROM_LOGITS ? raw_x : (float)a[i]) * inv_t;
+      if (!(y >= c32 - margin)) continue;  // surely cut (or -inf / NaN)
+      if (y <= c32 + margin && !(__ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature) >= c)) continue;
+      const float score = y - log_exponential(stream_bits(base, (unsigned long long)i));
+      if (score > s1) {
+        s2 = s1;
+        s1 = score;
+        i1 = i;
+      } else if (score > s2) {
+        s2 = score;
+      }
+    }
+    const double top = block_max((double)s1, scratch);
+    const double band = 1e-2 + 1e-6 * (fabs(top) + 64.0);
+    const bool crowded = block_max(s2 >= top - band ? 1.0 : 0.0, scratch) > 0.0;
+    if (!crowded) {
+      if (i1 >= 0 && s1 >= top - band) {
+        const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i1), temperature);
+        better(best, best_i, exact_key(x, base, i1), i1);
       }
     } else {
       for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-        const double x = __ddiv_rn(a[i], temperature);
-        const double p = x >= c ? exp(__dsub_rn(__dsub_rn(x, m), lse)) : 0.0;
-        if (p > 0.0) {
-          const double score = __ddiv_rn(p, __dsub_rn(0.0, log(uniform(seeds[r], positions[r], i))));
-          better(best, best_i, score, i);
-        }
+        const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+        if (x >= c && x > NEG_INF) better(best, best_i, exact_key(x, base, i), i);
       }
     }
   }
+  double raw_max, raw_lse;
+  block_stats(stats, scratch, raw_max, raw_lse);
   const int token = block_argmax(best, best_i, scratch, iscratch);
   if (threadIdx.x == 0) {
     const int safe = token < vocab ? token : 0;  // no kept token at all cannot happen (the max survives)
-    const double x = (double)logits[(size_t)rows[r] * vocab + safe];
     out[2 * r] = (double)safe;
-    out[2 * r + 1] = __dsub_rn(__dsub_rn(x, raw_stats[2 * r]), raw_stats[2 * r + 1]);
+    out[2 * r + 1] = __dsub_rn(__dsub_rn((double)raw[safe], raw_max), raw_lse);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) race(const double* adjusted, const double* cut, const float* logits,
+                                                       const int* rows, const double* params,
+                                                       const unsigned long long* seeds,
+                                                       const unsigned long long* positions, double* out, int vocab) {
+  race_impl<false>(adjusted, cut, logits, rows, params, seeds, positions, out, vocab);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) race_logits(const double* cut, const float* logits, const int* rows,
+                                                              const double* params, const unsigned long long* seeds,
+                                                              const unsigned long long* positions, double* out,
+                                                              int vocab) {
+  race_impl<true>(nullptr, cut, logits, rows, params, seeds, positions, out, vocab);
 }

@@ -41,3 +41,84 @@ def test_sort_free_top_cut_keeps_numpys_top_k_top_p_sets(rounded):
             _top_p(expected, p.top_p)
         kept = expected > -np.inf
         np.testing.assert_array_equal(scaled >= cut[r], kept, err_msg=f"row {r}: {p}")
+
+
+def _race_inputs(rng, num_rows, vocab):
+    """Random logits rows picked out of a larger array, and a mix of greedy, temperature, top-k / top-p and
+    min-p rows with their seeds and positions (device arrays)."""
+    from offline_paged.worker.sampling_rows import pack_params
+
+    logits = _logits(2 * num_rows, vocab, rng)  # [2R, V]
+    rows = rng.permutation(2 * num_rows)[:num_rows].astype(np.int32)  # [R]
+    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.6, 1.0, 1.3])),
+                             top_k=int(rng.choice([0, 0, 5, 300])), top_p=float(rng.choice([1.0, 1.0, 0.8])),
+                             min_p=float(rng.choice([0.0, 0.0, 0.0, 0.05]))) for _ in range(num_rows)]
+    seeds = rng.integers(0, 2**63, num_rows, dtype=np.uint64)  # [R]
+    positions = rng.integers(0, 4000, num_rows).astype(np.uint64)  # [R]
+    return (cupy.asarray(logits), cupy.asarray(rows), cupy.asarray(pack_params(params)), cupy.asarray(seeds),
+            cupy.asarray(positions))
+
+
+@pytest.mark.parametrize("vocab", [49152, 3001])
+def test_logits_variants_equal_the_float64_copy_variants_bit_for_bit(vocab):
+    """The decode graph's top_cut_logits / race_logits read the fp32 rows in place; on rows with no
+    penalties they give exactly what top_cut / race give on prepare_rows' float64 copy, and the sampled
+    token's raw logprob carries the bits of prepare_rows' raw stats (what the top logprobs use)."""
+    from offline_paged.ops import sampling_launcher as kernels
+
+    rng = np.random.default_rng(vocab)
+    num_rows = 96
+    logits, rows, params, seeds, positions = _race_inputs(rng, num_rows, vocab)
+    adjusted = cupy.empty((num_rows, vocab), dtype=cupy.float64)
+    raw_stats = cupy.empty((num_rows, 2), dtype=cupy.float64)
+    kernels.prepare_rows(logits, rows, adjusted, raw_stats)
+    cut, cut_in_place = cupy.empty(num_rows), cupy.empty(num_rows)
+    kernels.top_cut(adjusted, params, cut)
+    kernels.top_cut_logits(logits, rows, params, cut_in_place)
+    np.testing.assert_array_equal(cut.get(), cut_in_place.get())
+    assert np.isfinite(cut.get()).sum() > num_rows // 4  # the top-k / top-p rows got a real cut
+    out, out_in_place = cupy.empty((num_rows, 2)), cupy.empty((num_rows, 2))
+    kernels.race(adjusted, cut, logits, rows, params, seeds, positions, out)
+    kernels.race_logits(cut, logits, rows, params, seeds, positions, out_in_place)
+    out, out_in_place, stats = out.get(), out_in_place.get(), raw_stats.get()
+    np.testing.assert_array_equal(out, out_in_place)
+    tokens = out[:, 0].astype(np.int64)
+    raw = logits.get()[rows.get(), tokens].astype(np.float64)  # [R]
+    np.testing.assert_array_equal(out[:, 1], (raw - stats[:, 0]) - stats[:, 1])
+    host = logits.get()[rows.get()].astype(np.float64)
+    reference_lse = np.log(np.exp(host - host.max(1, keepdims=True)).sum(1))  # [R]
+    np.testing.assert_allclose(stats[:, 1], reference_lse, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("same_thread", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_race_settles_near_ties_below_fp32_resolution_in_float64(same_thread, temperature):
+    """Two finalists whose race keys x_i / T - log(-log u_i) differ by ~1e-6 (below what the fp32 filter
+    resolves): the kernel must pick the float64 argmax. With same_thread both sit in one thread's strided
+    entries (i = j + 1024), which sends the row down the every-entry float64 path; otherwise each is its
+    thread's best and only the finalists are re-scored."""
+    from offline_paged.ops import sampling_launcher as kernels
+    from offline_paged.worker.random_stream import uniform
+    from offline_paged.worker.sampling_rows import pack_params
+
+    rng = np.random.default_rng(int(same_thread) * 10 + int(temperature * 10))
+    num_rows, vocab = 200, 5000
+    seeds = rng.integers(0, 2**63, num_rows, dtype=np.uint64)
+    positions = rng.integers(0, 4000, num_rows).astype(np.uint64)
+    logits = (rng.normal(size=(num_rows, vocab)) - 40.0).astype(np.float32)  # far behind the finalists
+    expected = np.empty(num_rows, dtype=np.int64)
+    for r in range(num_rows):
+        gumbel = np.log(-np.log(uniform(seeds[r], positions[r], np.arange(vocab, dtype=np.uint64))))  # [V]
+        j = int(rng.integers(0, vocab - 1024))
+        k = j + 1024 if same_thread else int(rng.choice([i for i in range(j + 1, j + 40) if i % 1024 != j % 1024]))
+        logits[r, j] = np.float32((gumbel[j] + 5.0) * temperature)
+        target = logits[r, j] / temperature - gumbel[j]  # j's key
+        logits[r, k] = np.float32((target + gumbel[k] + rng.uniform(-3e-6, 3e-6)) * temperature)
+        keys = logits[r].astype(np.float64) / temperature - gumbel  # [V]
+        assert abs(keys[j] - keys[k]) < 2e-5 * abs(keys[j]) + 1e-5 and keys[j] != keys[k]
+        expected[r] = int(np.argmax(keys))
+    params = pack_params([SamplingParams(temperature=temperature)] * num_rows)
+    out = cupy.empty((num_rows, 2))
+    kernels.race_logits(cupy.full(num_rows, -np.inf), cupy.asarray(logits), cupy.arange(num_rows, dtype=cupy.int32),
+                        cupy.asarray(params), cupy.asarray(seeds), cupy.asarray(positions), out)
+    np.testing.assert_array_equal(out.get()[:, 0].astype(np.int64), expected)

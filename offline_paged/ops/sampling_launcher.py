@@ -17,8 +17,9 @@ SOURCE = "sampling.cu"
 # tests/test_cuda_compile.py; _kernel refuses anything else).
 KERNELS = (
     ("sampling.cu", "prepare_rows"), ("sampling.cu", "count_tokens"), ("sampling.cu", "apply_penalties"),
-    ("sampling.cu", "ban_tokens"), ("sampling.cu", "top_cut"), ("sampling.cu", "race"),
-    ("sampling.cu", "gather_row_params"), ("sampling.cu", "chosen_ids"),
+    ("sampling.cu", "ban_tokens"), ("sampling.cu", "top_cut"), ("sampling.cu", "top_cut_logits"),
+    ("sampling.cu", "race"), ("sampling.cu", "race_logits"), ("sampling.cu", "gather_row_params"),
+    ("sampling.cu", "chosen_ids"),
 )
 BLOCK = 1024  # threads per row block (sampling.cu's BLOCK)
 PARAMS_WIDTH = 8
@@ -46,7 +47,8 @@ def _check(name: str, a, dtype, shape: tuple) -> None:
 
 
 def prepare_rows(logits, rows, adjusted, raw_stats) -> None:
-    """adjusted[r] = float64(logits[rows[r]]); raw_stats[r] = (max, logsumexp - max) of that row."""
+    """adjusted[r] = float64(logits[rows[r]]); raw_stats[r] = (max, logsumexp - max) of that row (the
+    race computes the same two numbers, bit for bit, for the sampled token's logprob)."""
     _check("logits", logits, np.float32, (None, None))
     _check("rows", rows, np.int32, (None,))
     num_rows, vocab = rows.shape[0], logits.shape[1]
@@ -101,6 +103,18 @@ def top_cut(adjusted, params, cut) -> None:
         _kernel(SOURCE, "top_cut")((num_rows,), (BLOCK,), (adjusted, params, cut, np.int32(vocab)))
 
 
+def top_cut_logits(logits, rows, params, cut) -> None:
+    """top_cut of the rows float64(logits[rows[r]]) read in place: the decode graph's sampler, whose rows
+    have no penalties or bans, needs no [R, V] float64 copy."""
+    _check("logits", logits, np.float32, (None, None))
+    _check("rows", rows, np.int32, (None,))
+    num_rows, vocab = rows.shape[0], logits.shape[1]
+    _check("params", params, np.float64, (num_rows, PARAMS_WIDTH))
+    _check("cut", cut, np.float64, (num_rows,))
+    if num_rows:
+        _kernel(SOURCE, "top_cut_logits")((num_rows,), (BLOCK,), (logits, rows, params, cut, np.int32(vocab)))
+
+
 def gather_row_params(slot_rows, sample_positions, row_params, row_seeds, params, seeds, positions) -> None:
     """Bucket slot i's (params, seed, position) from persistent row slot_rows[i] (-1: a greedy padding slot)."""
     _check("slot_rows", slot_rows, np.int32, (None,))
@@ -124,18 +138,34 @@ def chosen_ids(out, token_ids) -> None:
         _kernel(SOURCE, "chosen_ids")((-(-out.shape[0] // 256),), (256,), (out, token_ids, np.int32(out.shape[0])))
 
 
-def race(adjusted, cut, raw_stats, logits, rows, params, seeds, positions, out) -> None:
-    """out[r] = (token id, raw logprob): greedy argmax or the exponential race after min-p (see sampling.cu)."""
-    _check("adjusted", adjusted, np.float64, (None, None))
-    num_rows, vocab = adjusted.shape
+def _check_race(num_rows: int, vocab: int, cut, logits, rows, params, seeds, positions, out) -> None:
     _check("cut", cut, np.float64, (num_rows,))
-    _check("raw_stats", raw_stats, np.float64, (num_rows, 2))
     _check("logits", logits, np.float32, (None, vocab))
     _check("rows", rows, np.int32, (num_rows,))
     _check("params", params, np.float64, (num_rows, PARAMS_WIDTH))
     _check("seeds", seeds, np.uint64, (num_rows,))
     _check("positions", positions, np.uint64, (num_rows,))
     _check("out", out, np.float64, (num_rows, 2))
+
+
+def race(adjusted, cut, logits, rows, params, seeds, positions, out) -> None:
+    """out[r] = (token id, raw logprob): greedy argmax or the exponential race after min-p over the row
+    adjusted[r]; the raw logprob from logits[rows[r]] (see sampling.cu)."""
+    _check("adjusted", adjusted, np.float64, (None, None))
+    num_rows, vocab = adjusted.shape
+    _check_race(num_rows, vocab, cut, logits, rows, params, seeds, positions, out)
     if num_rows:
-        _kernel(SOURCE, "race")((num_rows,), (BLOCK,), (adjusted, cut, raw_stats, logits, rows, params, seeds,
-                                                       positions, out, np.int32(vocab)))
+        _kernel(SOURCE, "race")((num_rows,), (BLOCK,), (adjusted, cut, logits, rows, params, seeds, positions,
+                                                       out, np.int32(vocab)))
+
+
+def race_logits(cut, logits, rows, params, seeds, positions, out) -> None:
+    """`race` over the rows float64(logits[rows[r]]) read in place (the decode graph's sampler): the same
+    tokens and logprobs as `race` on a copy of those rows."""
+    _check("rows", rows, np.int32, (None,))
+    num_rows = rows.shape[0]
+    _check_race(num_rows, logits.shape[1] if logits.ndim == 2 else -1, cut, logits, rows, params, seeds,
+                positions, out)
+    if num_rows:
+        _kernel(SOURCE, "race_logits")((num_rows,), (BLOCK,), (cut, logits, rows, params, seeds, positions,
+                                                              out, np.int32(logits.shape[1])))

@@ -15,8 +15,8 @@ columns) is copied whole. Then the graph captured for b is launched. Slots S..b 
 there; their logits are never read).
 
 Sampling inside the graph (`run_and_sample`): a second graph per bucket, captured on its first use, samples
-every slot of the bucket's logits with the eager GpuSampler's own kernels (prepare_rows -> top_cut -> race,
-cuda/sampling.cu) after gathering each slot's (params, seed, output position) from persistent row buffers
+every slot of the bucket's logits with the eager GpuSampler's kernels (top_cut -> race, cuda/sampling.cu, in
+their variants that read the fp32 logits rows in place instead of a float64 copy) after gathering each slot's (params, seed, output position) from persistent row buffers
 [R, 8] float64 / [R] uint64 that are written only when a row gets a new sequence (SamplingRows). The
 random stream is a function of (seed, output position) read from device buffers, so a replay draws what the
 eager sampler draws from the same logits. The sampled ids stay on the device (`token_ids`, the next step's
@@ -257,8 +257,8 @@ class DecodeGraphs:
 
     def _sample(self, bucket: _Bucket) -> None:
         """Every slot of bucket.logits sampled as GpuSampler.sample_async samples a row without penalties,
-        bans or logprobs: prepare_rows -> top_cut -> race, then the ids as int32."""
-        b, vocab = bucket.size, bucket.logits.shape[1]
+        bans or logprobs: top_cut -> race on the logits rows in place (no float64 copy), then the ids as int32."""
+        b = bucket.size
         slot_rows, sample_positions = bucket.sampling_views(bucket.device)
         params = cupy.empty((b, kernels.PARAMS_WIDTH), dtype=cupy.float64)  # [b, 8]
         seeds = cupy.empty(b, dtype=cupy.uint64)  # [b]
@@ -266,12 +266,9 @@ class DecodeGraphs:
         kernels.gather_row_params(slot_rows, sample_positions, self._row_params, self._row_seeds,
                                   params, seeds, positions)
         rows = cupy.arange(b, dtype=cupy.int32)  # [b]: slot i samples logits row i
-        adjusted = cupy.empty((b, vocab), dtype=cupy.float64)  # [b, V]
-        raw_stats = cupy.empty((b, 2), dtype=cupy.float64)  # [b, 2]
         cut = cupy.empty(b, dtype=cupy.float64)  # [b]
-        kernels.prepare_rows(bucket.logits, rows, adjusted, raw_stats)
-        kernels.top_cut(adjusted, params, cut)
-        kernels.race(adjusted, cut, raw_stats, bucket.logits, rows, params, seeds, positions, bucket.sampled)
+        kernels.top_cut_logits(bucket.logits, rows, params, cut)
+        kernels.race_logits(cut, bucket.logits, rows, params, seeds, positions, bucket.sampled)
         kernels.chosen_ids(bucket.sampled, bucket.token_ids)
 
     def _forward(self, bucket: _Bucket):

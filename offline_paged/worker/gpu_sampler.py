@@ -62,7 +62,7 @@ class GpuSampler:
         k_max = int(top_ks.max())
         out = cupy.empty(2 * num_rows + 2 * asking.size * k_max, dtype=cupy.float64)  # packed results
         chosen = out[:2 * num_rows].reshape(num_rows, 2)  # [R, 2] (token id, raw logprob)
-        kernels.race(adjusted, cut, raw_stats, logits, step["rows"], step["params"], step["seeds"],
+        kernels.race(adjusted, cut, logits, step["rows"], step["params"], step["seeds"],
                      step["positions"], chosen)
         if asking.size:
             _top_logprobs(logits, step["rows"], raw_stats, asking, k_max, out[2 * num_rows:])
