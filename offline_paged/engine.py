@@ -80,7 +80,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.backend, num_gpu_blocks, num_cpu_blocks,
                                   config.block_size, Sampler(self.eos_token_ids),
                                   cuda_graphs=config.cuda_graphs, max_model_len=self.max_model_len,
-                                  mirror=self.tp_group)
+                                  mirror=self.tp_group, max_num_seqs=config.max_num_seqs)
+        if self.runner.decode_graphs is not None and self.tp_group is None:
+            # Under tensor parallelism every rank must warm up and capture a bucket together (the
+            # all-reduces run in the warm-up), so there the buckets stay captured on first use.
+            self.runner.decode_graphs.capture_all()
         if self.tp_group is not None:
             self.tp_group.wait_ready()
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)

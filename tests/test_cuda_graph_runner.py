@@ -47,10 +47,17 @@ def test_lm_head_writes_the_fp32_accumulator(tied, dtype):
     with stream:
         captured = CublasGemm(stream)(x, w_dev, out_dtype=np.float32)
         stream.synchronize()
-    for logits in (eager, captured):
+    with stream:
+        target = cupy.full((60, 2000), np.nan, dtype=cupy.float32)  # a shared buffer: write its first 48 rows
+        written = CublasGemm(stream)(x, w_dev, out_dtype=np.float32, out=target[:48])
+        stream.synchronize()
+    assert written.data.ptr == target.data.ptr and np.isnan(target[48:].get()).all()
+    for logits in (eager, captured, written):
         assert logits.dtype == cupy.float32 and logits.shape == (48, 2000)
         error = rel_error(logits.get(), truth)
         assert error < 2e-5 and error * 10 < rounded, (error, rounded)
+    with pytest.raises(ValueError, match="out must be"):
+        CublasGemm(stream)(x, w_dev, out_dtype=np.float32, out=target[:47])
 
 
 def decode_inputs(rng, num_seqs: int, free_blocks: list[int], block_size: int):
@@ -120,6 +127,32 @@ def test_graph_decode_matches_eager_across_buckets_with_padding_rows(shape, dtyp
     assert graphs.num_replays == 3
 
 
+def test_capture_all_captures_every_bucket_and_their_shared_logits_stay_right():
+    """capture_all captures every bucket up front; the buckets' LM heads share one logits buffer, and
+    replays of different sizes in turn (16, 4, 16, 1) still give the eager logits, read after each replay."""
+    config = LlamaConfig(**SMOLLM2_SHAPE | dict(num_hidden_layers=3))
+    model = Llama(config, random_weights(config, seed=11), CudaOps(), np.float16)
+    block_size, rng = 16, np.random.default_rng(4)
+    kv_cache = model.allocate_kv_cache(1024, block_size)  # [L, 2, N, B, Hkv, D]
+    kv_cache[...] = cupy.asarray(rng.standard_normal(kv_cache.shape).astype(np.float16))
+    graphs = DecodeGraphs(model, kv_cache, block_size, max_model_len=1024, buckets=(1, 4, 16))
+    graphs.capture_all()
+    assert graphs.captured_sizes == (1, 4, 16) and graphs.num_replays == 0
+    free_blocks = rng.permutation(1024).tolist()
+    step_rows = StepRows(block_size, max_blocks=64)
+    pointers = set()
+    for num_seqs in (13, 3, 11, 1):
+        ids, positions, slots, tables = decode_inputs(rng, num_seqs, free_blocks, block_size)
+        writes = np.zeros(num_seqs, dtype=bool)  # the cache stays as it is: eager sees the same past
+        rows = step_rows.step(tables, positions)
+        eager = eager_decode(model, kv_cache.copy(), ids, positions, np.full(num_seqs, -1), tables)  # [S, V]
+        logits = graphs.run(ids, positions, rows, writes, step_rows.table_rows)
+        pointers.add(logits.data.ptr)
+        assert rel_error(logits[:num_seqs].get(), eager) < 1e-2
+    assert len(pointers) == 1  # one shared buffer
+    assert graphs.captured_sizes == (1, 4, 16) and graphs.num_replays == 4
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_engine_with_cuda_graphs_matches_engine_without(dtype):
     model = random_model(SMOLLM2_SHAPE | dict(num_hidden_layers=6))
@@ -137,3 +170,16 @@ def test_engine_with_cuda_graphs_matches_engine_without(dtype):
         chosen_a = [entry[t] for entry, t in zip(a.logprobs, a.token_ids)]
         chosen_b = [entry[t] for entry, t in zip(b.logprobs, b.token_ids)]
         np.testing.assert_allclose(chosen_a, chosen_b, atol=5e-2 if dtype == "float16" else 2e-1)
+
+
+def test_decode_buckets_end_at_the_first_bucket_holding_max_num_seqs():
+    from offline_paged.worker.cuda_graph_runner import BUCKETS, decode_buckets
+
+    assert decode_buckets(256)[-1] == 256 and decode_buckets(256)[:5] == (1, 2, 4, 8, 16)
+    assert decode_buckets(200)[-1] == 208 and max(decode_buckets(200)) == 208
+    assert decode_buckets(1) == (1,) and decode_buckets(3) == (1, 2, 4)
+    assert decode_buckets(10_000) == BUCKETS
+    steps = np.diff([b for b in BUCKETS if 64 <= b <= 256])
+    assert steps.max() == 16  # padding below 16 rows from 64 to 256 sequences
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        decode_buckets(0)

@@ -80,10 +80,11 @@ class CublasGemm:
         self._one = np.ones(1, dtype=np.float32)  # host scalars: cuBLAS reads them when the call is made
         self._zero = np.zeros(1, dtype=np.float32)
 
-    def __call__(self, x, w, out_dtype=None):
+    def __call__(self, x, w, out_dtype=None, out=None):
         """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous), both float16 or both bfloat16;
-        returns a new [T, N] of `out_dtype`: None = x's dtype, or float32 (the fp32 accumulator
-        written as is: the LM head's logits)."""
+        returns a [T, N] of `out_dtype`: None = x's dtype, or float32 (the fp32 accumulator written as
+        is: the LM head's logits). `out`: a C-contiguous [T, N] array of that dtype to write into
+        (returned); None: a new array."""
         for name, a in (("x", x), ("w", w)):
             if not isinstance(a, cupy.ndarray) or a.ndim != 2 or _cuda_type(a.dtype) in (None, _CUDA_R_32F):
                 raise ValueError(f"{name} must be a 2-D float16 or bfloat16 cupy.ndarray, got "
@@ -106,7 +107,12 @@ class CublasGemm:
         if out_dtype not in (x.dtype, np.dtype(np.float32)):
             raise ValueError(f"out_dtype must be {x.dtype.name} (the input dtype) or float32, got {out_dtype}")
         out_type = _cuda_type(out_dtype)
-        out = cupy.empty((num_rows, num_out), dtype=out_dtype)  # [T, N]
+        if out is None:
+            out = cupy.empty((num_rows, num_out), dtype=out_dtype)  # [T, N]
+        elif (not isinstance(out, cupy.ndarray) or out.shape != (num_rows, num_out) or out.dtype != out_dtype
+              or not out.flags.c_contiguous):
+            raise ValueError(f"out must be a C-contiguous {out_dtype.name} cupy.ndarray of shape "
+                             f"{(num_rows, num_out)}, got {getattr(out, 'dtype', type(out))} {getattr(out, 'shape', '')}")
         if out.size == 0:
             return out
         _check(self._lib.cublasGemmEx(

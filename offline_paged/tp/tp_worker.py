@@ -101,7 +101,7 @@ def _serve(spec: TPWorkerSpec, control, collective, backend, local_config, weigh
             model.set_max_positions(max_model_len)
             runner = ModelRunner(model, backend, num_gpu_blocks, num_cpu_blocks, config.block_size,
                                  device_sampling=False, cuda_graphs=config.cuda_graphs,
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, max_num_seqs=config.max_num_seqs)
             control.send(("ready",))
         elif kind == "stop":
             return

@@ -28,7 +28,9 @@ The captured forward is Llama.forward itself, given a capture-safe GEMM (offline
 splits for max_context_len = max_model_len, a static bound, so the captured launch stays valid for
 every replay. Everything the forward allocates comes from a private CuPy pool used only while warming
 up and capturing; the output of each bucket is kept referenced, so no later capture or eager step can
-reuse its memory, and the intermediates are only shared between graphs that never run at once.
+reuse its memory, and the intermediates are only shared between graphs that never run at once. The LM
+head of every bucket writes into one shared [b_max, V] float32 buffer (the largest output by far), so
+many buckets cost little memory; the engine captures them all at start (`capture_all`).
 """
 from __future__ import annotations
 
@@ -43,7 +45,17 @@ from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.ops.graphs import CublasGemm
 from offline_paged.ops.pinned import PinnedUpload
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, *range(64, 257, 16), *range(288, 513, 32))  # batch sizes with a graph
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The bucket sizes worth capturing for batches of up to max_num_seqs sequences: BUCKETS up to the
+    first that holds max_num_seqs. Fine steps above 64 keep the padding (whose GEMM rows, LM head rows and
+    sampled rows cost as much as real ones) below 16 rows up to 256 sequences."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    return tuple(b for b in BUCKETS if b < max_num_seqs) + (next((b for b in BUCKETS if b >= max_num_seqs),
+                                                                  BUCKETS[-1]),)
 
 
 class _Bucket:
@@ -111,6 +123,7 @@ class DecodeGraphs:
         self._stream = cupy.cuda.Stream(non_blocking=True)
         self._pool = cupy.cuda.MemoryPool()  # only for warm-up and capture
         self._gemm = None
+        self._logits_out = None  # [b_max, V] float32: every bucket's LM head writes its first b rows
         self._captured: dict[int, _Bucket] = {}
         # One PinnedUpload per kind of upload: each is used once per step, so its staging slots are never
         # rewritten while the step in flight may still be copying from them.
@@ -125,6 +138,14 @@ class DecodeGraphs:
         self._row_seeds = None  # [R] uint64 (device): SamplingRows.seeds mirrored
         self._rows_source = None  # the SamplingRows mirrored
 
+    def capture_all(self) -> None:
+        """Capture every bucket's forward graph now (engine start), not on the first step of each size:
+        a capture costs an eager forward, which would otherwise land inside the first steps of that size.
+        The sampling graphs stay lazy (cheap; they depend on the row buffers' size)."""
+        for size in self.buckets:
+            if size not in self._captured:
+                self._capture(size)
+
     @property
     def captured_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self._captured))
@@ -137,7 +158,7 @@ class DecodeGraphs:
         """One decode step: slot i computes token input_ids[i] at positions[i] of the sequence whose block
         table is row slot_rows[i] of `table_rows` (a BlockTableRows, synced for this step); writes[i] = 0
         leaves its (cached) K/V unwritten. Returns the bucket's logits [b, V] float32 (device; rows >= S
-        are padding), valid until this bucket's next replay. `timer` (a StepReport DeviceTimer) is started
+        are padding), valid until the next replay (the buckets share one logits buffer). `timer` (a StepReport DeviceTimer) is started
         after the host packing, right before the input copy and the replay, so it times the device's work.
         `fill(ids)` writes pending input ids into the bucket's device ids after the copy (async
         scheduling), stream-ordered before the replay."""
@@ -281,5 +302,9 @@ class DecodeGraphs:
                                   logits_matmul=self._logits_gemm)
 
     def _logits_gemm(self, hidden, lm_head):
-        """The LM head through the same capture-safe handle, writing its fp32 accumulator."""
-        return self._gemm(hidden, lm_head, out_dtype=np.float32)
+        """The LM head through the same capture-safe handle, writing its fp32 accumulator into the first
+        b rows of one buffer shared by every bucket (allocated in the first warm-up, outside any capture).
+        Sharing is safe: replays and whatever reads their logits are ordered on one stream."""
+        if self._logits_out is None:
+            self._logits_out = cupy.empty((self.buckets[-1], lm_head.shape[1]), dtype=cupy.float32)
+        return self._gemm(hidden, lm_head, out_dtype=np.float32, out=self._logits_out[:hidden.shape[0]])

@@ -45,12 +45,13 @@ class ModelRunner:
 
     def __init__(self, model, backend, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  sampler: Sampler | None = None, device_sampling: bool | None = None,
-                 cuda_graphs: bool = False, max_model_len: int | None = None, mirror=None) -> None:
+                 cuda_graphs: bool = False, max_model_len: int | None = None, mirror=None,
+                 max_num_seqs: int = 256) -> None:
         """device_sampling: sample on the GPU (None: whenever the backend is CUDA; False: on the host with
         `sampler`, the reference; True on the CPU backend is a ValueError).
         cuda_graphs: replay decode-only steps from CUDA graphs (offline_paged/worker/cuda_graph_runner.py) where
         the backend is CUDA and the model float16 or bfloat16; needs max_model_len (the attention's static bound).
-        Ignored on the CPU.
+        Ignored on the CPU. max_num_seqs: the largest batch, which picks the graphs' batch sizes.
         mirror: tensor parallel, rank 0 only: `mirror.send_step(moves, forward)` gets every step's
         inputs before the forward (see run_mirrored)."""
         self.model = model
@@ -79,9 +80,10 @@ class ModelRunner:
         if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype).name in ("float16", "bfloat16"):
             if max_model_len is None:
                 raise ValueError("cuda_graphs needs max_model_len (the static attention bound)")
-            from offline_paged.worker.cuda_graph_runner import DecodeGraphs
+            from offline_paged.worker.cuda_graph_runner import DecodeGraphs, decode_buckets
 
-            self.attach_decode_graphs(DecodeGraphs(model, self.kv_cache, block_size, max_model_len),
+            self.attach_decode_graphs(DecodeGraphs(model, self.kv_cache, block_size, max_model_len,
+                                                   decode_buckets(max_num_seqs)),
                                       sample_in_graph=self.gpu_sampler is not None)
 
     def attach_decode_graphs(self, graphs, sample_in_graph: bool = True) -> None:
