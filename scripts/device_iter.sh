@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One iteration on the device: the GPU tests named in TESTS, then planted bugs (PLANT: "file|sed expression|pytest -k"
-# entries separated by ';', each applied, its test run (it must FAIL), then reverted with git), then the benches
+# lines, each applied, its test run (it must FAIL), then reverted with git), then the benches
 # in RUNS (scripts/device_throughput.sh bench) and the kernel profile of PRESETS (scripts/device_profile.sh).
 set -u
 export PYTHONUNBUFFERED=1
@@ -12,15 +12,14 @@ if [ -n "${TESTS:-}" ]; then
   echo "gpu tests: $(tail -1 "$OUT/iter_tests.log")"
   grep -E "^FAILED|^ERROR|Error" "$OUT/iter_tests.log" | head -20
 fi
-IFS=';' read -ra plants <<<"${PLANT:-}"
-for plant in "${plants[@]}"; do
-  IFS='|' read -r file expr selector <<<"$plant"
+while IFS='|' read -r file expr selector; do
+  [ -z "$file" ] && continue
   sed -i "$expr" "$file"
   if git diff --quiet -- "$file"; then echo "PLANT did not apply: $file $expr"; continue; fi
   result=$(timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -x $selector 2>&1 | tail -1)
   echo "planted [$expr] in $file -> $result"
   git checkout -q -- "$file"
-done
+done <<<"${PLANT:-}"
 [ -n "${RUNS:-}" ] && OUT=$OUT RUNS="$RUNS" scripts/device_throughput.sh bench
 [ -n "${PRESETS:-}" ] && OUT=$OUT PRESETS="$PRESETS" PHASE=profile TOP=${TOP:-22} scripts/device_profile.sh
 exit 0
