@@ -58,6 +58,7 @@
 #define WARPS (BLOCK / 32)
 #define NEG_INF (-__longlong_as_double(0x7ff0000000000000LL))
 #define POS_INF (__longlong_as_double(0x7ff0000000000000LL))
+#define NEG_INF_F (-__int_as_float(0x7f800000))
 
 __device__ __forceinline__ double warp_max(double v) {
   for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -407,7 +408,7 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
     const double c = cut[r];
     const float inv_t = (float)(1.0 / temperature), c32 = (float)c;
     const float margin = 1e-6f * fabsf(c32);  // around the cut, fp32 cannot decide: ask float64
-    float s1 = -INFINITY, s2 = -INFINITY;
+    float s1 = NEG_INF_F, s2 = NEG_INF_F;
     int i1 = -1;
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
       const float raw_x = raw[i];

@@ -93,3 +93,18 @@ def test_every_declared_kernel_is_defined_and_every_entry_point_is_launched(tmp_
     assert not missing, f"launchers declare kernels that the sources do not define: {missing}"
     orphans = sorted((s, n) for s, names in entries.items() for n in names if (s, n) not in wanted)
     assert not orphans, f"kernels no launcher declares: {orphans}"
+
+
+# CuPy compiles with NVRTC, which has no host C library headers: names that nvcc finds through math.h or
+# cfloat are undefined there (a kernel using INFINITY compiled with nvcc here and failed on the device).
+NVRTC_UNDEFINED = ("INFINITY", "NAN", "FLT_MAX", "FLT_MIN", "DBL_MAX", "DBL_MIN", "INT_MAX", "INT_MIN", "M_PI",
+                   "HUGE_VAL", "HUGE_VALF")
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_source_uses_no_name_nvrtc_lacks(source):
+    code = re.sub(r"//[^\n]*", "", source.read_text(encoding="utf-8"))  # comments may name them
+    used = sorted({name for name in NVRTC_UNDEFINED if re.search(rf"\b{name}\b", code)})
+    assert not used, f"{source.name} uses {used}: undefined under NVRTC (spell the bits: __int_as_float(0x7f800000))"
+    includes = re.findall(r"#include\s*[<\"]([^>\"]+)", code)
+    assert set(includes) <= {"cuda_fp16.h"}, f"{source.name} includes {includes}: only cuda_fp16.h is known to NVRTC here"

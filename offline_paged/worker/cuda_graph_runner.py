@@ -54,8 +54,9 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
     sampled rows cost as much as real ones) below 16 rows up to 256 sequences."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    return tuple(b for b in BUCKETS if b < max_num_seqs) + (next((b for b in BUCKETS if b >= max_num_seqs),
-                                                                  BUCKETS[-1]),)
+    if max_num_seqs >= BUCKETS[-1]:
+        return BUCKETS
+    return tuple(b for b in BUCKETS if b < max_num_seqs) + (next(b for b in BUCKETS if b >= max_num_seqs),)
 
 
 class _Bucket:
