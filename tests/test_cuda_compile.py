@@ -93,3 +93,27 @@ def test_every_declared_kernel_is_defined_and_every_entry_point_is_launched(tmp_
     assert not missing, f"launchers declare kernels that the sources do not define: {missing}"
     orphans = sorted((s, n) for s, names in entries.items() for n in names if (s, n) not in wanted)
     assert not orphans, f"kernels no launcher declares: {orphans}"
+
+
+def _ptx_entries(source: Path, tmp_path) -> dict[str, str]:
+    """{entry point: its PTX text} of one source compiled for sm_90."""
+    ptx = tmp_path / (source.name + ".ptx")
+    subprocess.run(["nvcc", "-arch=sm_90", "--std=c++17", "--ptx", str(source), "-o", str(ptx)],
+                   check=True, capture_output=True, timeout=300)
+    parts = re.split(r"(?=\.visible \.entry )", ptx.read_text(encoding="utf-8"))[1:]
+    return {re.match(r"\.visible \.entry (\w+)", part).group(1): part for part in parts}
+
+
+@needs_nvcc
+def test_layer_kernels_have_16_byte_paths_and_no_64_bit_division(tmp_path):
+    """The elementwise layer kernels move 8 elements per load/store on their vector paths (the
+    bandwidth fix), and silu_mul divides no 64-bit index per element."""
+    entries = _ptx_entries(CUDA_DIR / "layer.cu", tmp_path)
+    for suffix in ("f16", "bf16"):
+        for name in ("rms_norm", "silu_mul", "rope_same_cache", "rope_f32_cache"):
+            body = entries[f"{name}_{suffix}"]
+            assert re.search(r"ld\.global(\.nc)?\.v4\.", body), f"{name}_{suffix}: no 16-byte load in its PTX"
+            assert re.search(r"st(\.global)?\.v4\.", body), f"{name}_{suffix}: no 16-byte store in its PTX"
+        assert not re.search(r"(div|rem)\.[su]64", entries[f"silu_mul_{suffix}"]), \
+            f"silu_mul_{suffix} divides a 64-bit index"
+        assert ".local" not in entries[f"rms_norm_{suffix}"], f"rms_norm_{suffix}: its held row spilled to local memory"
