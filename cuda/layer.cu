@@ -67,6 +67,7 @@ template <typename T>
 union Pack8 {
   uint4 raw;
   T v[VEC];
+  __device__ Pack8() {}  // a union of a type with constructors (__half) needs its own
 };
 
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
