@@ -7,13 +7,17 @@
 //   x, residual  [T, E] T contiguous (residual may be null); weight [E] T
 //   out          [T, E] T: h * rsqrt(mean(h^2) + eps) * weight, rounded once, with h = x (+ residual)
 //   residual_out [T, E] T: h rounded to T (the next layer's residual; vLLM convention)
-//   Grid: x = token; block: 256 threads striding over E, a shared-memory tree sums the squares.
+//   Grid: x = token; block: a multiple of 32 threads (<= 1024). Vector path (E % 8 == 0, all pointers
+//   16-byte aligned): 8-element chunks c = threadIdx.x + n * blockDim.x, the first RMS_HELD per thread
+//   kept in registers, so x and residual are read once; warp-shuffle sum of squares. Else one element
+//   per step, and the output pass reads back the residual_out entries the same thread wrote.
 //
 // rope_{same,f32}_cache_{f16,bf16} (neox / HF rotate-half: dim j pairs with j + D/2)
 //   q [T, H, D], k [T, Hkv, D] T, [H or Hkv, D] contiguous per token, token strides q_stride, k_stride
 //   positions [T] int32; cos_sin [P, D] (T: "same", or fp32) = concat(cos, sin) over D/2 each
 //   q_out [T, H, D], k_out [T, Hkv, D] T contiguous (new arrays; the inputs are left alone)
-//   Grid: x = token; block: 128 threads striding over (H + Hkv) * D/2 pairs.
+//   Grid: x = token; block threads stride over (H + Hkv) * D/2 pairs, or over (H + Hkv) * D/16 units of
+//   8 consecutive pairs when D/2 % 8 == 0, both strides % 8 == 0 and all pointers are 16-byte aligned.
 //
 // add_bias_{f16,bf16}
 //   x [T, N] T contiguous, updated in place: x[t, j] + bias[j] rounded once; bias [N] T.
@@ -21,7 +25,8 @@
 //
 // silu_mul_{f16,bf16}
 //   gate_up [T, 2I] T contiguous (gate = first I columns, up = last I); out [T, I] T
-//   Grid-stride loop over the T*I outputs, one per thread.
+//   Grid: y = token (strided by gridDim.y), x * blockDim.x + threadIdx.x = column unit (strided): 8
+//   columns when I % 8 == 0 and both pointers are 16-byte aligned, else one.
 #include <cuda_fp16.h>
 
 // A bfloat16 as its 16 bits (see attention.cu: NVRTC may lack a matching cuda_bf16.h).
@@ -54,12 +59,137 @@ __device__ __forceinline__ bf16_t add_rounded(bf16_t a, bf16_t b) {
   return from_float<bf16_t>(to_float(a) + to_float(b));
 }
 
+// Eight elements moved as one 16-byte access (the vector paths below; taken only when the row length is a
+// multiple of 8 and every base pointer and row stride keeps 16-byte alignment, tested uniformly per launch).
+constexpr int VEC = 8;
+
+template <typename T>
+union Pack8 {
+  uint4 raw;
+  T v[VEC];
+  __device__ Pack8() {}  // a union of a type with constructors (__half) needs its own
+};
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
+
+template <typename T>
+__device__ __forceinline__ Pack8<T> load8(const T* p) {
+  Pack8<T> r;
+  r.raw = *reinterpret_cast<const uint4*>(p);
+  return r;
+}
+
+__device__ __forceinline__ unsigned bits_of(__half x) { return __half_as_ushort(x); }
+__device__ __forceinline__ unsigned bits_of(bf16_t x) { return x.bits; }
+
+// One 16-byte store, spelled in PTX: a plain uint4 store of freshly packed elements was split by the
+// compiler into four 4-byte stores in silu_mul. p is 16-byte aligned (callers check).
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const Pack8<T>& r) {
+  asm volatile("st.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(bits_of(r.v[0]) | bits_of(r.v[1]) << 16),
+               "r"(bits_of(r.v[2]) | bits_of(r.v[3]) << 16), "r"(bits_of(r.v[4]) | bits_of(r.v[5]) << 16),
+               "r"(bits_of(r.v[6]) | bits_of(r.v[7]) << 16)
+               : "memory");
+}
+
+template <typename T>
+__device__ __forceinline__ void load8_float(const T* p, float (&f)[VEC]) {
+  const Pack8<T> r = load8(p);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) f[i] = to_float(r.v[i]);
+}
+__device__ __forceinline__ void load8_float(const float* p, float (&f)[VEC]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void store8_float(T* p, const float (&f)[VEC]) {
+  Pack8<T> r;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) r.v[i] = from_float<T>(f[i]);
+  store8(p, r);
+}
+
+// Sum of `value` over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
+__device__ __forceinline__ float block_sum(float value) {
+  __shared__ float warp_sums[32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  if (lane == 0) warp_sums[warp] = value;
+  __syncthreads();
+  value = lane < num_warps ? warp_sums[lane] : 0.f;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+// Vector chunks of a row each thread keeps in registers between the sum and the output pass
+// (RMS_HELD * blockDim.x * 8 elements: 32768 at 1024 threads); chunks past that are read back from
+// residual_out, which the same thread wrote.
+constexpr int RMS_HELD = 4;
+
+template <typename T>
+__device__ __forceinline__ Pack8<T> rms_residual8(const T* x, const T* residual, size_t at, float& sum) {
+  Pack8<T> h = load8(x + at);
+  if (residual != nullptr) {
+    const Pack8<T> r = load8(residual + at);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) h.v[i] = add_rounded(h.v[i], r.v[i]);  // the exact sum rounded once to T
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const float f = to_float(h.v[i]);
+    sum += f * f;
+  }
+  return h;
+}
+
+template <typename T>
+__device__ __forceinline__ void rms_out8(const Pack8<T>& h, const T* weight, T* out, size_t at, int col,
+                                         float inv_rms) {
+  const Pack8<T> w = load8(weight + col);
+  Pack8<T> o;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h.v[i]) * inv_rms * to_float(w.v[i]));
+  store8(out + at, o);
+}
+
 template <typename T>
 __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T* out, T* residual_out,
                               int hidden, float eps) {
-  __shared__ float partial[256];
   const size_t row = (size_t)blockIdx.x * hidden;
+  const bool vec = hidden % VEC == 0 && aligned16(x) && aligned16(residual) && aligned16(weight) &&
+                   aligned16(out) && aligned16(residual_out);
   float sum = 0.f;
+  if (vec) {
+    const int chunks = hidden / VEC;
+    Pack8<T> held[RMS_HELD];
+#pragma unroll
+    for (int n = 0; n < RMS_HELD; ++n) {  // all loads first (store8 is an asm barrier to reordering)
+      const int c = threadIdx.x + n * blockDim.x;
+      if (c < chunks) held[n] = rms_residual8(x, residual, row + (size_t)c * VEC, sum);
+    }
+#pragma unroll
+    for (int n = 0; n < RMS_HELD; ++n) {
+      const int c = threadIdx.x + n * blockDim.x;
+      if (c < chunks) store8(residual_out + row + (size_t)c * VEC, held[n]);
+    }
+    for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
+      store8(residual_out + row + (size_t)c * VEC, rms_residual8(x, residual, row + (size_t)c * VEC, sum));
+    }
+    const float inv_rms = rsqrtf(block_sum(sum) / hidden + eps);
+#pragma unroll
+    for (int n = 0; n < RMS_HELD; ++n) {
+      const int c = threadIdx.x + n * blockDim.x;
+      if (c < chunks) rms_out8(held[n], weight, out, row + (size_t)c * VEC, c * VEC, inv_rms);
+    }
+    for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
+      rms_out8(load8(residual_out + row + (size_t)c * VEC), weight, out, row + (size_t)c * VEC, c * VEC, inv_rms);
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
     T h = x[row + i];
     if (residual != nullptr) h = add_rounded(h, residual[row + i]);  // the exact sum rounded once to T
@@ -67,14 +197,8 @@ __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T*
     const float f = to_float(h);
     sum += f * f;
   }
-  partial[threadIdx.x] = sum;
-  __syncthreads();
-  for (int width = blockDim.x / 2; width > 0; width /= 2) {
-    if (threadIdx.x < width) partial[threadIdx.x] += partial[threadIdx.x + width];
-    __syncthreads();
-  }
-  const float inv_rms = rsqrtf(partial[0] / hidden + eps);
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+  const float inv_rms = rsqrtf(block_sum(sum) / hidden + eps);
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {  // each thread reads back what it wrote
     out[row + i] = from_float<T>(to_float(residual_out[row + i]) * inv_rms * to_float(weight[i]));
   }
 }
@@ -86,13 +210,43 @@ __device__ void rope_impl(const T* q, const T* k, const int* positions, const Ca
   const int token = blockIdx.x;
   const int half_dim = head_dim / 2;
   const CacheT* table = cos_sin + (size_t)positions[token] * head_dim;
+  const T* q_row = q + token * q_stride;
+  const T* k_row = k + token * k_stride;
+  T* q_out_row = q_out + (size_t)token * num_heads * head_dim;
+  T* k_out_row = k_out + (size_t)token * num_kv_heads * head_dim;
+  const bool vec = half_dim % VEC == 0 && q_stride % VEC == 0 && k_stride % VEC == 0 && aligned16(q) &&
+                   aligned16(k) && aligned16(cos_sin) && aligned16(q_out) && aligned16(k_out);
+  if (vec) {  // unit = 8 consecutive pairs (j .. j+7 with j + D/2 .. j+7 + D/2) of one head
+    const int units_per_head = half_dim / VEC;
+    const int q_units = num_heads * units_per_head;
+    for (int u = threadIdx.x; u < (num_heads + num_kv_heads) * units_per_head; u += blockDim.x) {
+      const bool is_q = u < q_units;
+      const int unit = is_q ? u : u - q_units;
+      const int head = unit / units_per_head, j = (unit - head * units_per_head) * VEC;
+      const T* src = (is_q ? q_row : k_row) + head * head_dim + j;
+      T* dst = (is_q ? q_out_row : k_out_row) + head * head_dim + j;
+      float x1[VEC], x2[VEC], c[VEC], s[VEC], y1[VEC], y2[VEC];
+      load8_float(src, x1);
+      load8_float(src + half_dim, x2);
+      load8_float(table + j, c);
+      load8_float(table + j + half_dim, s);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        y1[i] = x1[i] * c[i] - x2[i] * s[i];
+        y2[i] = x2[i] * c[i] + x1[i] * s[i];
+      }
+      store8_float(dst, y1);
+      store8_float(dst + half_dim, y2);
+    }
+    return;
+  }
   const int q_pairs = num_heads * half_dim;
   for (int i = threadIdx.x; i < (num_heads + num_kv_heads) * half_dim; i += blockDim.x) {
     const bool is_q = i < q_pairs;
     const int pair = is_q ? i : i - q_pairs;
     const int head = pair / half_dim, j = pair % half_dim;
-    const T* src = is_q ? q + token * q_stride : k + token * k_stride;
-    T* dst = is_q ? q_out + (size_t)token * num_heads * head_dim : k_out + (size_t)token * num_kv_heads * head_dim;
+    const T* src = is_q ? q_row : k_row;
+    T* dst = is_q ? q_out_row : k_out_row;
     const float x1 = to_float(src[head * head_dim + j]);
     const float x2 = to_float(src[head * head_dim + j + half_dim]);
     const float c = to_float(table[j]), s = to_float(table[j + half_dim]);
@@ -101,15 +255,30 @@ __device__ void rope_impl(const T* q, const T* k, const int* positions, const Ca
   }
 }
 
+__device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.f + __expf(-gate)) * up; }
+
+// Rows: blockIdx.y strided by gridDim.y; columns (8-element chunks on the vector path, elements
+// otherwise): blockIdx.x * blockDim.x + threadIdx.x strided by gridDim.x * blockDim.x.
 template <typename T>
 __device__ void silu_mul_impl(const T* gate_up, T* out, long long num_tokens, int inter) {
-  const long long total = num_tokens * inter;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x) {
-    const long long t = i / inter, j = i % inter;
-    const float gate = to_float(gate_up[t * 2 * inter + j]);
-    const float up = to_float(gate_up[t * 2 * inter + inter + j]);
-    out[i] = from_float<T>(gate / (1.f + __expf(-gate)) * up);
+  const bool vec = inter % VEC == 0 && aligned16(gate_up) && aligned16(out);
+  const int columns = vec ? inter / VEC : inter;
+  for (long long t = blockIdx.y; t < num_tokens; t += gridDim.y) {
+    const T* gate_row = gate_up + (size_t)t * 2 * inter;
+    const T* up_row = gate_row + inter;
+    T* out_row = out + (size_t)t * inter;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < columns; c += gridDim.x * blockDim.x) {
+      if (vec) {
+        float gate[VEC], up[VEC], y[VEC];
+        load8_float(gate_row + c * VEC, gate);
+        load8_float(up_row + c * VEC, up);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) y[i] = silu_times(gate[i], up[i]);
+        store8_float(out_row + c * VEC, y);
+      } else {
+        out_row[c] = from_float<T>(silu_times(to_float(gate_row[c]), to_float(up_row[c])));
+      }
+    }
   }
 }
 
@@ -124,8 +293,9 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
 }  // namespace
 
 #define DEFINE_LAYER_KERNELS(T, SUFFIX)                                                                      \
-  extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* residual, const T* weight, T* out,      \
-                                               T* residual_out, int hidden, float eps) {                    \
+  extern "C" __global__ void __launch_bounds__(1024)                                                        \
+      rms_norm_##SUFFIX(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int hidden, \
+                        float eps) {                                                                         \
     rms_norm_impl<T>(x, residual, weight, out, residual_out, hidden, eps);                                  \
   }                                                                                                         \
   extern "C" __global__ void rope_same_cache_##SUFFIX(const T* q, const T* k, const int* positions,       \

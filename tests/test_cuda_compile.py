@@ -108,3 +108,27 @@ def test_source_uses_no_name_nvrtc_lacks(source):
     assert not used, f"{source.name} uses {used}: undefined under NVRTC (spell the bits: __int_as_float(0x7f800000))"
     includes = re.findall(r"#include\s*[<\"]([^>\"]+)", code)
     assert set(includes) <= {"cuda_fp16.h"}, f"{source.name} includes {includes}: only cuda_fp16.h is known to NVRTC here"
+
+
+def _ptx_entries(source: Path, tmp_path) -> dict[str, str]:
+    """{entry point: its PTX text} of one source compiled for sm_90."""
+    ptx = tmp_path / (source.name + ".ptx")
+    subprocess.run(["nvcc", "-arch=sm_90", "--std=c++17", "--ptx", str(source), "-o", str(ptx)],
+                   check=True, capture_output=True, timeout=300)
+    parts = re.split(r"(?=\.visible \.entry )", ptx.read_text(encoding="utf-8"))[1:]
+    return {re.match(r"\.visible \.entry (\w+)", part).group(1): part for part in parts}
+
+
+@needs_nvcc
+def test_layer_kernels_have_16_byte_paths_and_no_64_bit_division(tmp_path):
+    """The elementwise layer kernels move 8 elements per load/store on their vector paths (the
+    bandwidth fix), and silu_mul divides no 64-bit index per element."""
+    entries = _ptx_entries(CUDA_DIR / "layer.cu", tmp_path)
+    for suffix in ("f16", "bf16"):
+        for name in ("rms_norm", "silu_mul", "rope_same_cache", "rope_f32_cache"):
+            body = entries[f"{name}_{suffix}"]
+            assert re.search(r"ld\.global(\.nc)?\.v4\.", body), f"{name}_{suffix}: no 16-byte load in its PTX"
+            assert re.search(r"st(\.global)?\.v4\.", body), f"{name}_{suffix}: no 16-byte store in its PTX"
+        assert not re.search(r"(div|rem)\.[su]64", entries[f"silu_mul_{suffix}"]), \
+            f"silu_mul_{suffix} divides a 64-bit index"
+        assert ".local" not in entries[f"rms_norm_{suffix}"], f"rms_norm_{suffix}: its held row spilled to local memory"

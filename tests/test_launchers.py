@@ -282,17 +282,32 @@ def test_copy_blocks_copies_every_layer_k_and_v(dtype):
     np.testing.assert_array_equal(kv_gpu.get().view(np.uint16), expected.view(np.uint16))
 
 
+def on_gpu(host, offset: int = 0):
+    """A contiguous cupy copy of `host`; offset > 0 places it that many elements past a 16-byte boundary,
+    which sends layer.cu's kernels down their scalar path even for widths that are multiples of 8."""
+    if not offset:
+        return cupy.asarray(host)
+    flat = cupy.empty(host.size + offset, dtype=host.dtype)
+    view = flat[offset:].reshape(host.shape)
+    view[...] = cupy.asarray(host)
+    assert view.flags.c_contiguous and view.data.ptr % 16 != 0
+    return view
+
+
+# Hidden sizes: 2048 / 576 (SmolLM2) / 896 take the 16-byte path, 100 and 50 the scalar one, 40960 the
+# vector path past the chunks a 1024-thread block keeps in registers (read back from residual_out).
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("hidden", [576, 2048, 100])
-def test_rms_norm_matches_numpy_ops(with_residual, hidden, dtype):
+@pytest.mark.parametrize("hidden,offset", [(576, 0), (896, 0), (2048, 0), (100, 0), (50, 0), (40960, 0),
+                                           (2048, 1)])
+def test_rms_norm_matches_numpy_ops(with_residual, hidden, offset, dtype):
     rng = np.random.default_rng(hidden)
     x = (3 * rng.standard_normal((33, hidden))).astype(dtype)
     residual = rng.standard_normal((33, hidden)).astype(dtype) if with_residual else None
     weight = (1 + 0.2 * rng.standard_normal(hidden)).astype(dtype)
     ref_out, ref_res = NumpyOps().rms_norm(x.astype(np.float32), weight.astype(np.float32), 1e-5,
                                            None if residual is None else residual.astype(np.float32))
-    out, res = launchers.rms_norm(cupy.asarray(x), cupy.asarray(weight), 1e-5,
+    out, res = launchers.rms_norm(on_gpu(x, offset), cupy.asarray(weight), 1e-5,
                                   None if residual is None else cupy.asarray(residual))
     assert out.dtype == res.dtype == dtype
     assert_close(out.get(), ref_out, TOL[dtype])
@@ -300,6 +315,13 @@ def test_rms_norm_matches_numpy_ops(with_residual, hidden, dtype):
     if with_residual:  # the new residual is the exact sum rounded once to the dtype
         exact = round_once(x.astype(np.float64) + residual.astype(np.float64), dtype)
         np.testing.assert_array_equal(res.get().view(np.uint16), exact.view(np.uint16))
+    else:
+        np.testing.assert_array_equal(res.get().view(np.uint16), x.view(np.uint16))
+    # every output rounded once from fp32: only the sum-of-squares order may differ from the reference
+    inv_rms = 1 / np.sqrt(np.mean(np.square(res.get().astype(np.float64)), axis=1, keepdims=True) + 1e-5)
+    expected = round_once(res.get().astype(np.float64) * inv_rms * weight.astype(np.float64), dtype)
+    ulps = np.abs(out.get().view(np.int16).astype(np.int32) - expected.view(np.int16).astype(np.int32))
+    assert ulps.max() <= 1, f"rms_norm output {ulps.max()} ulps from h * inv_rms * weight rounded once"
 
 
 def round_once(values, dtype):
@@ -313,7 +335,7 @@ def round_once(values, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cache_kind", ["same", "float32"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 72, 24])  # D/2 % 8 == 0: vector path; 36, 12: scalar
 def test_rope_matches_numpy_ops_on_strided_views(cache_kind, head_dim, dtype):
     from offline_paged.models.config import LlamaConfig
     from offline_paged.models.rope import cos_sin_cache
@@ -339,12 +361,16 @@ def test_rope_matches_numpy_ops_on_strided_views(cache_kind, head_dim, dtype):
     assert_close(k_out.get(), k_ref, TOL[dtype])
 
 
+# 1536 / 8192 columns: vector path; 50 / 1540: scalar; offset 1: unaligned, so scalar; 70000 rows: more
+# than gridDim.y holds, so the kernel's row loop strides.
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_numpy_ops(dtype):
-    rng = np.random.default_rng(2)
-    gate_up = (4 * rng.standard_normal((17, 2 * 1536))).astype(dtype)
+@pytest.mark.parametrize("num_tokens,inter,offset", [(17, 1536, 0), (256, 8192, 0), (17, 50, 0), (5, 1540, 0),
+                                                     (17, 1536, 1), (70000, 16, 0), (70000, 5, 0)])
+def test_silu_mul_matches_numpy_ops(num_tokens, inter, offset, dtype):
+    rng = np.random.default_rng(inter)
+    gate_up = (4 * rng.standard_normal((num_tokens, 2 * inter))).astype(dtype)
     ref = NumpyOps().silu_mul(gate_up.astype(np.float32))
-    out = launchers.silu_mul(cupy.asarray(gate_up))
+    out = launchers.silu_mul(on_gpu(gate_up, offset))
     assert out.dtype == dtype
     assert_close(out.get(), ref, TOL[dtype])
 

@@ -48,6 +48,8 @@ WARPS = 4
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
 MIN_PARTITION = 256  # shortest key range worth a split of its own
 MAX_PARTIAL_BYTES = 256 << 20  # cap on the fp32 split workspace
+VECTOR_WIDTH = 8  # 16-bit elements per 16-byte access in layer.cu's vector paths
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (silu_mul's row dimension; the kernel strides past it)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -81,6 +83,17 @@ def _check_rows(name: str, a, ndim: int, dtype=np.float16) -> int:
     _require(a.strides[0] % 16 == 0 and a.data.ptr % 16 == 0,
              f"{name}: rows must start on 16-byte boundaries (strides {a.strides})")
     return a.strides[0] // a.itemsize
+
+
+def _vector_path(width: int, *arrays) -> bool:
+    """Whether layer.cu takes its 16-byte path: rows of `width` elements split into 8-element chunks and
+    every array starts 16-byte aligned (the kernels test the same condition themselves)."""
+    return width % VECTOR_WIDTH == 0 and all(a.data.ptr % 16 == 0 for a in arrays if a is not None)
+
+
+def _block_threads(units: int, cap: int) -> int:
+    """Threads per block for `units` work items a block strides over: a multiple of 32, at most cap."""
+    return min(cap, max(32, math.ceil(units / 32) * 32))
 
 
 @functools.cache
@@ -234,8 +247,10 @@ def rms_norm(x, weight, eps: float, residual=None):
     out = cupy.empty_like(x)
     residual_out = cupy.empty_like(x)
     if x.shape[0]:
+        hidden = x.shape[1]
+        units = hidden // VECTOR_WIDTH if _vector_path(hidden, x, residual, weight, out, residual_out) else hidden
         _kernel("layer.cu", f"rms_norm_{suffix}")(
-            (x.shape[0],), (256,),
+            (x.shape[0],), (_block_threads(units, 1024),),
             (x, residual if residual is not None else np.uint64(0), weight, out, residual_out,
              np.int32(x.shape[1]), np.float32(eps)))
     return out, residual_out
@@ -261,8 +276,11 @@ def rope(q, k, positions, cos_sin):
     k_out = cupy.empty(k.shape, dtype=q.dtype)
     if num_tokens:
         name = f"rope_f32_cache_{suffix}" if cos_sin.dtype == np.float32 else f"rope_same_cache_{suffix}"
+        pairs = (num_heads + k.shape[1]) * (head_dim // 2)  # per token
+        vector = _vector_path(head_dim // 2, q, k, cos_sin, q_out, k_out) and q_stride % VECTOR_WIDTH == 0 \
+            and k_stride % VECTOR_WIDTH == 0
         _kernel("layer.cu", name)(
-            (num_tokens,), (128,),
+            (num_tokens,), (_block_threads(pairs // VECTOR_WIDTH if vector else pairs, 256),),
             (q, k, positions, cos_sin, q_out, k_out, np.int64(q_stride), np.int64(k_stride),
              np.int32(num_heads), np.int32(k.shape[1]), np.int32(head_dim)))
     return q_out, k_out
@@ -275,10 +293,11 @@ def silu_mul(gate_up):
     _require(gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd")
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = cupy.empty((num_tokens, inter), dtype=gate_up.dtype)
-    total = num_tokens * inter
-    if total:
-        blocks = min(math.ceil(total / 256), 8 * _num_sms() * 8)
-        _kernel("layer.cu", f"silu_mul_{suffix}")((blocks,), (256,), (gate_up, out, np.int64(num_tokens), np.int32(inter)))
+    if num_tokens * inter:
+        columns = inter // VECTOR_WIDTH if _vector_path(inter, gate_up, out) else inter
+        threads = _block_threads(columns, 256)
+        grid = (math.ceil(columns / threads), min(num_tokens, MAX_GRID_Y))
+        _kernel("layer.cu", f"silu_mul_{suffix}")(grid, (threads,), (gate_up, out, np.int64(num_tokens), np.int32(inter)))
     return out
 
 
