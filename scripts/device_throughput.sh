@@ -27,7 +27,7 @@ fi
 
 run() {  # name, then bench flags
   local name=$1; shift
-  timeout 200 offline-paged bench --device cuda --json "$@" >"$OUT/bench_$name.json" 2>"$OUT/bench_$name.err" \
+  PYTHONFAULTHANDLER=1 timeout 200 offline-paged bench --device cuda --json "$@" >"$OUT/bench_$name.json" 2>"$OUT/bench_$name.err" \
     || { echo "bench $name FAILED"; tail -5 "$OUT/bench_$name.err"; }
 }
 RUNS=${RUNS:-"1b_graphs 1b_graphs_sync 1b_eager 8b_graphs 1b_graphs_n1024"}
@@ -64,4 +64,4 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json")):
 print("commit", record.get("git_commit"), "device", record.get("device"))
 PY
 # At most 8 files come back from the device: the records travel as one archive.
-tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json) && rm -f "$OUT"/bench_*.err "$OUT"/bench_*.json
+tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.err "$OUT"/bench_*.json
