@@ -319,7 +319,9 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
     memory = _DeviceMemory(engine.backend)
     num_prompt = num_output = 0
     steps: list[StepRecord] = []
-    timers = []  # read after the run: reading one waits for its step, which would stop the overlap
+    # Read after the run: a timer's reading waits for its step, which would stop the overlap, and the
+    # per-sequence sums (tokens, roofline) are host work the timed loop should not carry.
+    timers, schedules = [], []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -328,13 +330,21 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         for output in finished:
             num_prompt += len(output.prompt_token_ids)
             num_output += sum(len(c.token_ids) for c in output.outputs)
-        steps.append(_record(t1 - start, t1 - t0, report, engine, manager, roofline, ceilings))
+        steps.append(_record(t1 - start, t1 - t0, report, engine, manager))
         timers.append(report.forward_timer)
-        memory.sample()
+        schedules.append(report.scheduled)  # frozen ScheduledSequences: safe to read later
+        if len(steps) % 16 == 0:
+            memory.sample()
     wall = time.perf_counter() - start
+    memory.sample()
     no_forward = 0.0 if engine.backend.name == "cuda" else None  # a GPU step without a forward took 0 s
-    for step, timer in zip(steps, timers):
+    for step, timer, scheduled in zip(steps, timers, schedules):
         step.forward_s = no_forward if timer is None else timer.elapsed_s()
+        step.num_tokens = sum(s.num_new_tokens for s in scheduled)
+        if ceilings is not None:
+            bytes_moved, flops = roofline.step_cost(scheduled)
+            step.floor_s = (max(bytes_moved / ceilings.bandwidth, flops / ceilings.matmul_flops)
+                            if scheduled else 0.0)
     return BenchResult(
         label=label or kv_layout, kv_layout=kv_layout, block_size=manager.block_size,
         num_requests=len(requests), num_prompt_tokens=num_prompt, num_output_tokens=num_output,
@@ -344,20 +354,14 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         tensor_parallel_size=tensor_parallel_size)
 
 
-def _record(end_s, wall_s, report, engine, manager, roofline: RooflineModel,
-            ceilings: Ceilings | None) -> StepRecord:
-    """One step's record from the engine's own StepReport (no wrapping of engine methods)."""
-    scheduled = report.scheduled
+def _record(end_s, wall_s, report, engine, manager) -> StepRecord:
+    """One step's record from the engine's own StepReport (no wrapping of engine methods). The forward's
+    device time, the token count and the roofline floor are filled in after the run."""
     stats = engine.stats  # KV occupancy as the step's forward saw it
     held = round(stats.kv_block_usage_current * manager.num_gpu_blocks)
-    floor = None
-    if ceilings is not None:
-        bytes_moved, flops = roofline.step_cost(scheduled)
-        floor = max(bytes_moved / ceilings.bandwidth, flops / ceilings.matmul_flops) if scheduled else 0.0
     return StepRecord(end_s, wall_s, report.schedule_s, report.execute_s, report.postprocess_s,
-                      None, report.used_cuda_graph, len(scheduled),  # forward_s: set after the run
-                      sum(s.num_new_tokens for s in scheduled), held,
-                      stats.kv_utilization_current * held, floor)
+                      None, report.used_cuda_graph, len(report.scheduled), 0, held,
+                      stats.kv_utilization_current * held, None)
 
 
 class _DeviceMemory:
