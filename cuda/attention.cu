@@ -304,14 +304,10 @@ __device__ void attention_impl(const Params<T>& P) {
     load_keys<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, ka);
     load_values<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, va);
   }
-  // The block-table entry of the chunk DEPTH ahead is read one iteration before its K/V loads, so those
-  // loads never wait on a table read (a dependent load would otherwise sit in front of them every chunk).
-  long long table_ahead = chunk_slot(P, table, first_key + DEPTH * stride, key_end);
   for (int k0 = first_key; k0 < key_end; k0 += stride) {
     uint4 kn[2][D / 32], vn[4][D / 64];
     const int next_key = k0 + DEPTH * stride;
-    const long long next_base = table_ahead;
-    table_ahead = chunk_slot(P, table, next_key + stride, key_end);
+    const long long next_base = chunk_slot(P, table, next_key, key_end);
     if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_lo, key_end, g, t, vf);
     load_keys<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, kn);
     if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, vn);
