@@ -33,7 +33,7 @@ run() {  # name, then bench flags
 RUNS=${RUNS:-"1b_graphs 1b_graphs_sync 1b_eager 8b_graphs 1b_graphs_n1024"}
 for name in $RUNS; do
   case $name in
-    1b_graphs) run $name --dummy-weights llama-3.2-1b --cuda-graphs ;;
+    1b_graphs|1b_graphs_again) run $name --dummy-weights llama-3.2-1b --cuda-graphs ;;
     1b_graphs_sync) run $name --dummy-weights llama-3.2-1b --cuda-graphs --sync-scheduling ;;
     1b_eager) run $name --dummy-weights llama-3.2-1b --no-cuda-graphs ;;
     8b_graphs) run $name --dummy-weights llama-3.1-8b --cuda-graphs ;;
