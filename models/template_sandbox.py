@@ -9,6 +9,8 @@ render in:
   that could blow up inside one C call (repetition, powers, padding widths, replace, join, indent,
   wordwrap, sums of sequences, huge format widths) are measured *before* they run;
 - time: a trace function raises once the render's deadline has passed, inside any Python loop;
+- depth: calls (macros included) nest at most MAX_CALL_DEPTH deep, so a recursive macro ends in a
+  clear error, not wherever Python's recursion limit happens to strike;
 - scope: `{% include %}`, `{% import %}` and `{% extends %}` are refused (there is nothing to load).
 
 The limits of the render in progress live in a thread-local `RenderBudget`, set by `bounded()`.
@@ -33,6 +35,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 DEFAULT_MAX_CHARS = 1_000_000  # outside a bounded render (e.g. constant folding at compile time)
 _MAX_INT_BITS = 1 << 16  # about 20,000 decimal digits
+# Nested calls a render may make (a recursive macro): far below where Python's own recursion limit
+# (~5 frames per macro level) would end it at some arbitrary point, possibly inside a trace or GC hook.
+MAX_CALL_DEPTH = 64
 _WIDE_NUMBER = re.compile(r"\d{7,}")  # a width or precision of a million or more in a format string
 _NESTED_FIELD = re.compile(r"\{[^{}]*:[^{}]*\{")  # '{0:{1}}': a width taken from the arguments
 _REFUSED_STR_METHODS = frozenset({"translate", "maketrans", "format_map", "expandtabs"})
@@ -55,6 +60,7 @@ class RenderBudget:
     deadline: float  # time.monotonic() after which the render is stopped
     max_seconds: float
     timed_out: bool = False
+    call_depth: int = 0  # calls (macros included) in progress, nested
 
 
 class _Local(threading.local):
@@ -231,7 +237,17 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             __self._precheck_str_method(receiver, name, args, kwargs, what)
         elif name in _SIZING_CALLS:
             __self._check_int_args(args, kwargs, what)
-        return __self.check_size(super().call(__context, __obj, *args, **kwargs), what)
+        budget = __self._local.budget
+        if budget is None:
+            return __self.check_size(super().call(__context, __obj, *args, **kwargs), what)
+        if budget.call_depth >= MAX_CALL_DEPTH:
+            raise TemplateLimitError(f"calls nested deeper than {MAX_CALL_DEPTH} (a macro that recurses "
+                                     f"without end?) at {what}")
+        budget.call_depth += 1
+        try:
+            return __self.check_size(super().call(__context, __obj, *args, **kwargs), what)
+        finally:
+            budget.call_depth -= 1
 
     def _precheck_str_method(self, text: str, name: str, args, kwargs, what: str) -> None:
         if name in _REFUSED_STR_METHODS:

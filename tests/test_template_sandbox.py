@@ -52,7 +52,7 @@ HOSTILE = {
     "translate": ("{{ 'x'.translate({120: 'y'}) }}", r"str\.translate is not allowed"),
     "lipsum": ("{{ lipsum(10**9) }}", r"lorem_ipsum\(\).*over the limit"),
     "tojson_indent": ("{{ messages | tojson(indent=10**6) }}", r"tojson indent"),
-    "recursive_macro": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", r"RecursionError"),
+    "recursive_macro": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", r"calls nested deeper than 64"),
     "long_output": ("{% for i in range(100000) %}{{ 'x' * 50 }}{% endfor %}", r"output is over the limit"),
     "int_digits": ("{{ 10 ** 5000 }}", r"rendering failed \(ValueError"),
     "undefined_call": ("{{ nothing() }}", r"rendering failed \(UndefinedError"),
@@ -137,3 +137,14 @@ def test_loopcontrols_generation_tag_and_template_kwargs():
     t = ChatTemplate(source)
     assert t.render(messages) == "u[a]"
     assert t.render(messages, enable_thinking=False) == "u[a]<no-think>"
+
+
+def test_macros_may_nest_to_the_call_depth_limit_and_no_further():
+    """A template recursing 60 levels (deeper than any real chat template's schema walk) renders; one
+    recursing past MAX_CALL_DEPTH stops with the depth error, never with Python's RecursionError."""
+    from offline_paged.models.template_sandbox import MAX_CALL_DEPTH
+
+    source = "{% macro f(n) %}{% if n < N %}{{ f(n + 1) }}{% else %}{{ n }}{% endif %}{% endmacro %}{{ f(0) }}"
+    assert ChatTemplate(source.replace("N", "60"), origin="deep.jinja").render(USER) == "60"
+    with pytest.raises(ChatTemplateError, match=rf"deep\.jinja: rendering stopped: calls nested deeper than {MAX_CALL_DEPTH}"):
+        ChatTemplate(source.replace("N", str(MAX_CALL_DEPTH + 1)), origin="deep.jinja").render(USER)
