@@ -241,8 +241,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         if budget is None:
             return __self.check_size(super().call(__context, __obj, *args, **kwargs), what)
         if budget.call_depth >= MAX_CALL_DEPTH:
+            callee = getattr(__obj, "name", None) or name  # a jinja Macro has a name, not a __name__
             raise TemplateLimitError(f"calls nested deeper than {MAX_CALL_DEPTH} (a macro that recurses "
-                                     f"without end?) at {what}")
+                                     f"without end?) at the call {callee}()")
         budget.call_depth += 1
         try:
             return __self.check_size(super().call(__context, __obj, *args, **kwargs), what)
