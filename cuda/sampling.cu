@@ -296,22 +296,13 @@ extern "C" __global__ void chosen_ids(const double* out, int* token_ids, int num
   if (r < num_rows) token_ids[r] = (int)out[2 * r];
 }
 
-__device__ __forceinline__ double uniform(unsigned long long seed, unsigned long long position, unsigned long long i) {
-  unsigned long long x = seed * 0x9E3779B97F4A7C15ULL + position * 0xBF58476D1CE4E5B9ULL + i;
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ULL;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBULL;
-  x ^= x >> 31;
-  return __dmul_rn(__dadd_rn((double)(x >> 11), 0.5), 1.1102230246251565e-16);  // 2^-53
-}
-
-// The race's per-row constant part of the stream: uniform(seed, position, i) hashes mix(seed, position) + i.
+// The random stream of random_stream.py: element i of row (seed, position) hashes
+// stream_base(seed, position) + i with the splitmix64 finaliser; u = (bits + 0.5) * 2^-53.
 __device__ __forceinline__ unsigned long long stream_base(unsigned long long seed, unsigned long long position) {
   return seed * 0x9E3779B97F4A7C15ULL + position * 0xBF58476D1CE4E5B9ULL;
 }
 
-// 53 random bits of element i: uniform = (bits + 0.5) * 2^-53 (the same stream as `uniform`).
+// 53 random bits of element i.
 __device__ __forceinline__ unsigned long long stream_bits(unsigned long long base, unsigned long long i) {
   unsigned long long x = base + i;
   x ^= x >> 30;
@@ -320,6 +311,10 @@ __device__ __forceinline__ unsigned long long stream_bits(unsigned long long bas
   x *= 0x94D049BB133111EBULL;
   x ^= x >> 31;
   return x >> 11;
+}
+
+__device__ __forceinline__ double uniform(unsigned long long base, unsigned long long i) {
+  return __dmul_rn(__dadd_rn((double)stream_bits(base, i), 0.5), 1.1102230246251565e-16);  // 2^-53
 }
 
 // log(-log(u)) in fp32 for u = (bits + 0.5) * 2^-53, to a few 1e-4 absolute at worst (u close to 1, where
@@ -339,7 +334,7 @@ __device__ __forceinline__ float log_exponential(unsigned long long bits) {
 // The race's key in float64, argmax-equivalent to NumPy's p_i / (-log u_i): log p_i differs from the scaled
 // logit x_i by the row's log-normaliser, the same for every i.
 __device__ __forceinline__ double exact_key(double x, unsigned long long base, int i) {
-  return x - log(-log(((double)stream_bits(base, (unsigned long long)i) + 0.5) * 1.1102230246251565e-16));
+  return x - log(-log(uniform(base, (unsigned long long)i)));
 }
 
 // One sampled row per block. Greedy rows take the argmax; min-p rows run the exact race in float64 over
@@ -400,7 +395,7 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
       const bool kept = x >= c && exp(__dsub_rn(__dsub_rn(x, m), lse)) >= floor_p;
       const double p = kept ? exp(__dsub_rn(__dsub_rn(x, m), lse2)) : 0.0;
       if (p > 0.0) {
-        const double score = __ddiv_rn(p, __dsub_rn(0.0, log(uniform(seeds[r], positions[r], i))));
+        const double score = __ddiv_rn(p, __dsub_rn(0.0, log(uniform(base, i))));
         better(best, best_i, score, i);
       }
     }
