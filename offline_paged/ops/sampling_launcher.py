@@ -138,7 +138,8 @@ def chosen_ids(out, token_ids) -> None:
         _kernel(SOURCE, "chosen_ids")((-(-out.shape[0] // 256),), (256,), (out, token_ids, np.int32(out.shape[0])))
 
 
-def _check_race(num_rows: int, vocab: int, cut, logits, rows, params, seeds, positions, out) -> None:
+def _check_race(num_rows: int, vocab: int | None, cut, logits, rows, params, seeds, positions, out) -> None:
+    """The race's shared inputs; vocab None: any logits width."""
     _check("cut", cut, np.float64, (num_rows,))
     _check("logits", logits, np.float32, (None, vocab))
     _check("rows", rows, np.int32, (num_rows,))
@@ -164,8 +165,7 @@ def race_logits(cut, logits, rows, params, seeds, positions, out) -> None:
     tokens and logprobs as `race` on a copy of those rows."""
     _check("rows", rows, np.int32, (None,))
     num_rows = rows.shape[0]
-    _check_race(num_rows, logits.shape[1] if logits.ndim == 2 else -1, cut, logits, rows, params, seeds,
-                positions, out)
+    _check_race(num_rows, None, cut, logits, rows, params, seeds, positions, out)
     if num_rows:
         _kernel(SOURCE, "race_logits")((num_rows,), (BLOCK,), (cut, logits, rows, params, seeds, positions,
                                                               out, np.int32(logits.shape[1])))
