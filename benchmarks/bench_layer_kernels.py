@@ -7,15 +7,15 @@ Each point: the calls are captured into one CUDA graph that cycles over enough s
 the median over replays of replay time / calls, after warm-up. GB/s = bytes read + written per call / time.
 The device-to-device copy bandwidth measured the same way is the peer.
 
-    python benchmarks/bench_layer_kernels.py
+    python benchmarks/bench_layer_kernels.py     (bench_kernels.graph_ms does the capture and the timing)
 """
 from __future__ import annotations
 
 import math
-import statistics
 
 import cupy
 import numpy as np
+from bench_kernels import graph_ms
 
 from offline_paged.ops import launchers
 
@@ -33,26 +33,7 @@ MAX_POSITIONS = 4096
 def graph_us(calls) -> float:
     """Median over REPLAYS of (one replay of a graph running every call once) / len(calls), in µs."""
     keep = []  # outputs stay alive, so every call in the graph writes its own buffers
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        for call in calls:  # warm-up: compiles the kernels, fills the memory pool
-            keep.append(call())
-        stream.synchronize()
-        stream.begin_capture()
-        for call in calls:
-            keep.append(call())
-        graph = stream.end_capture()
-        for _ in range(3):
-            graph.launch(stream)
-        times = []
-        for _ in range(REPLAYS):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / len(calls))
-    return statistics.median(times)
+    return graph_ms(lambda: keep.extend(call() for call in calls), REPLAYS) * 1e3 / len(calls)
 
 
 def num_sets(bytes_per_call: int) -> int:
