@@ -7,7 +7,7 @@ heads, head dim 64, block size 16), context lengths uniform in 100..1900, block 
 Times are medians of CUDA-graph replays (bench_kernels.graph_ms), so launch overhead is excluded.
 
     PYTHONPATH=benchmarks python3 benchmarks/bench_decode_splits.py [--head-dim 64] [--max-context 1900]
-        [--variants depth2 depth1 lb4] [--splits plan 1 2 4]
+        [--variants stages3 depth2 stages2 stages4] [--splits plan 1 2 4]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--min-context", type=int, default=100)
     parser.add_argument("--max-context", type=int, default=1900)
-    parser.add_argument("--variants", nargs="+", default=["depth2"], choices=sorted(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["stages3"], choices=sorted(VARIANTS))
     parser.add_argument("--splits", nargs="+", type=lambda v: None if v == "plan" else int(v),
                         default=[None, 1, 2, 4])
     args = parser.parse_args()
@@ -54,10 +54,11 @@ def main() -> None:
     print(f"batch {args.batch}, contexts {args.min_context}..{args.max_context} (mean {lens.mean():.0f}), "
           f"head dim {d}, {h}/{hkv} heads; K/V {kv_bytes / 1e9:.2f} GB; copy {copy:,.0f} GB/s")
     print(f"{'variant':>10}{'splits':>8}{'ms':>9}{'GB/s':>9}{'of copy':>9}{'max|diff|':>11}")
-    original = modules.read_source
+    original, stages = modules.read_source, launchers.D64_STAGES
     reference = None
     for variant in args.variants:
         modules.read_source = lambda name, v=variant: _patched(original(name), v)
+        launchers.D64_STAGES = VARIANTS[variant][1]
         modules.clear_cache()
         for splits in args.splits:
             def run(splits=splits):
@@ -70,23 +71,29 @@ def main() -> None:
             gbs = kv_bytes / ms / 1e6
             print(f"{variant:>10}{'plan' if splits is None else splits:>8}{ms:>9.3f}{gbs:>9,.0f}"
                   f"{gbs / copy:>9.1%}{diff:>11.2e}")
-    modules.read_source = original
+    modules.read_source, launchers.D64_STAGES = original, stages
     modules.clear_cache()
 
 
-# Source variants of cuda/attention.cu, compared in one process (the first is the reference output).
-# Measured 2026-11-30 on the H200 (batch 256, contexts 100..1900, plan): depth1 0.198 ms (64.8% of copy),
-# depth2 0.172 ms (74.7%, identical output), depth1 + lb4 0.177 ms (72.4%). depth2 is the default since.
+# Source variants of cuda/attention.cu, compared in one process (the first is the reference output): a
+# variant is its source patches plus the launchers.D64_STAGES it needs (it sizes the shared-memory ring).
+# Measured 2026-11-30 on the H200 (batch 256, contexts 100..1900, plan), register pipeline: depth1
+# 0.198 ms (64.8% of copy), depth2 0.172 ms (74.7%, identical output), depth1 + lb4 0.177 ms (72.4%).
+# The cp.async ring (stagesN) came after; see benchmarks/NOTES.md for its figures.
+_REGISTERS = ("constexpr int D64_STAGES = 3;", "constexpr int D64_STAGES = 0;")
+_DEPTH1 = ("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;")
 VARIANTS = {
-    "depth2": [],
-    "depth1": [("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;")],
-    "lb4": [("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;"),
-            ("__launch_bounds__(128)", "__launch_bounds__(128, 4)")],
+    "stages3": ([], 3),
+    "stages2": ([("constexpr int D64_STAGES = 3;", "constexpr int D64_STAGES = 2;")], 2),
+    "stages4": ([("constexpr int D64_STAGES = 3;", "constexpr int D64_STAGES = 4;")], 4),
+    "depth2": ([_REGISTERS], 0),
+    "depth1": ([_REGISTERS, _DEPTH1], 0),
+    "lb4": ([_REGISTERS, _DEPTH1, ("__launch_bounds__(128)", "__launch_bounds__(128, 4)")], 0),
 }
 
 
 def _patched(source: str, variant: str) -> str:
-    for old, new in VARIANTS[variant]:
+    for old, new in VARIANTS[variant][0]:
         if old not in source:
             raise ValueError(f"variant {variant}: {old!r} not in the source")
         source = source.replace(old, new)

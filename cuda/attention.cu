@@ -48,7 +48,11 @@ constexpr int WARPS = 4;
 constexpr int ROWS = 16;   // rows in a warp tile (mma M)
 constexpr int CHUNK = 16;  // keys a warp consumes per step (mma K of the P.V product)
 constexpr int PAD = 4;     // floats of padding per shared-memory row of O (fewer bank conflicts)
-constexpr int D64_PIPELINE_DEPTH = 2;  // chunks of K/V requested ahead of the arithmetic at D = 64 (1 or 2)
+constexpr int D64_PIPELINE_DEPTH = 2;  // register pipeline: chunks of K/V requested ahead at D = 64 (1 or 2)
+// Decode (KEY_SPLIT) at D = 64 stages K/V through shared memory with cp.async instead: a ring of
+// D64_STAGES chunks per warp, D64_STAGES - 1 of them in flight while the warp computes on one. 0 = use the
+// register pipeline there too. launchers.D64_STAGES must match (it sizes the dynamic shared memory).
+constexpr int D64_STAGES = 3;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -112,6 +116,18 @@ __device__ __forceinline__ void store_float(bf16_t* p, float x) {
 
 template <typename T>
 __device__ __forceinline__ uint4 load16(const T* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// 16 bytes global -> shared without passing through registers (sm_80+); ok = false fills zeros and
+// reads nothing. Completion is tracked in groups: commit after each chunk, wait until <= N are pending.
+__device__ __forceinline__ void cp_async16(uint4* smem, const void* gmem, bool ok) {
+  unsigned long long shared_addr;
+  asm("cvta.to.shared.u64 %0, %1;\n" : "=l"(shared_addr) : "l"(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((unsigned)shared_addr), "l"(gmem),
+               "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 template <typename T>
 struct Params {
@@ -193,6 +209,49 @@ __device__ __forceinline__ void load_values(const Params<T>& P, const int* table
   }
 }
 
+// The shared-memory chunk (cp.async path): K then V, each [CHUNK keys][D / 8 pieces of 16 bytes]. Piece
+// `col` of key `key` sits at col ^ swizzle(key), so that the 8 lanes of each quarter warp read 8 distinct
+// 16-byte bank groups in both fragment patterns below (keys g / g + 1 of load_keys; keys 2t + const of
+// load_values), with no bank conflict.
+__device__ __forceinline__ int swizzle(int key) { return (((key >> 1) & 3) << 1) ^ ((key & 1) << 2); }
+
+// Request chunk k0's keys and values into `stage` (cp.async, not waited for). Lane i copies pieces
+// i, i + 32, ...: four consecutive keys per instruction at D = 64, each key's D elements contiguous.
+template <int D, typename T>
+__device__ __forceinline__ void stage_chunk(const Params<T>& P, const int* table, int kvh, int k0, int key_lo,
+                                            int key_end, int lane, uint4* stage) {
+  constexpr int PIECES = D / 8;
+  const long long base = chunk_slot(P, table, k0, key_end);
+#pragma unroll
+  for (int j = 0; j < CHUNK * PIECES / 32; ++j) {
+    const int i = lane + 32 * j, key = i / PIECES, col = i % PIECES;
+    const int p = k0 + key;
+    const bool ok = p >= key_lo && p < key_end;
+    const size_t offset = ok ? cache_offset(P, table, base, k0, p, kvh, D) + 8 * col : 0;
+    const int at = key * PIECES + (col ^ swizzle(key));
+    cp_async16(stage + at, P.k_cache + offset, ok);
+    cp_async16(stage + CHUNK * PIECES + at, P.v_cache + offset, ok);
+  }
+}
+
+// The same fragments load_keys / load_values take from global memory, from a staged chunk.
+template <int D>
+__device__ __forceinline__ void read_stage(const uint4* stage, int g, int t, uint4 (&kf)[2][D / 32],
+                                           uint4 (&vf)[4][D / 64]) {
+  constexpr int PIECES = D / 8;
+  const uint4* vs = stage + CHUNK * PIECES;
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) kf[n][c] = stage[(8 * n + g) * PIECES + ((4 * c + t) ^ swizzle(8 * n + g))];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int key = 2 * t + (e & 1) + 8 * (e >> 1);
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) vf[e][c] = vs[key * PIECES + ((8 * c + g) ^ swizzle(key))];
+  }
+}
+
 // Combine `num_parts` (max, sum, O) partial results per row held in shared memory and write them out:
 // normalised T when there is one split, else un-normalised fp32 partials for merge_partials.
 template <int D, typename T>
@@ -232,7 +291,16 @@ __device__ void finish_rows(const Params<T>& P, const float* so, const float* sm
 template <int D, bool ROW_SPLIT, typename T>
 __device__ void attention_impl(const Params<T>& P) {
   static_assert(D == 64 || D == 128, "head dim must be 64 or 128");
-  __shared__ float s_o[WARPS * ROWS * (D + PAD)];
+  // cp.async ring (dynamic shared memory, sized by the launcher) or the register pipeline; see the loop.
+  constexpr bool ASYNC = D == 64 && !ROW_SPLIT && D64_STAGES > 0;
+  constexpr int STAGES = ASYNC ? D64_STAGES : 1;
+  constexpr int STAGE_PIECES = 2 * CHUNK * D / 8;  // uint4 per staged chunk (K and V)
+  extern __shared__ uint4 ring[];                   // [WARPS][STAGES][STAGE_PIECES]
+  // After the key loop the ring is free: the async path puts the warps' O there instead.
+  __shared__ float s_o_static[ASYNC ? 1 : WARPS * ROWS * (D + PAD)];
+  float* s_o = ASYNC ? reinterpret_cast<float*>(ring) : s_o_static;
+  static_assert(!ASYNC || (STAGES >= 2 && WARPS * STAGES * STAGE_PIECES * 16 >= WARPS * ROWS * (D + PAD) * 4),
+                "the cp.async ring needs 2+ stages and must hold the warps' O");
   __shared__ float s_m[WARPS * ROWS];
   __shared__ float s_l[WARPS * ROWS];
 
@@ -296,21 +364,46 @@ __device__ void attention_impl(const Params<T>& P) {
   const int first_key = start_key + (ROW_SPLIT ? 0 : warp * CHUNK);
   uint4 kf[2][D / 32], vf[4][D / 64];
   uint4 ka[2][D / 32], va[4][D / 64];  // the chunk after the next (DEPTH 2)
-  long long base = chunk_slot(P, table, first_key, key_end);
-  load_keys<D>(P, table, base, kvh, first_key, key_lo, key_end, g, t, kf);
-  if (PREFETCH_V) load_values<D>(P, table, base, kvh, first_key, key_lo, key_end, g, t, vf);
-  if (DEPTH == 2) {
-    const long long ahead = chunk_slot(P, table, first_key + stride, key_end);
-    load_keys<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, ka);
-    load_values<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, va);
+  long long base = -1;
+  uint4* my_ring = ring + warp * STAGES * STAGE_PIECES;
+  int stage = 0;  // ring slot of the chunk at k0 (async path)
+  if constexpr (ASYNC) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      stage_chunk<D>(P, table, kvh, first_key + s * stride, key_lo, key_end, lane, my_ring + s * STAGE_PIECES);
+      cp_async_commit();
+    }
+  } else {
+    base = chunk_slot(P, table, first_key, key_end);
+    load_keys<D>(P, table, base, kvh, first_key, key_lo, key_end, g, t, kf);
+    if (PREFETCH_V) load_values<D>(P, table, base, kvh, first_key, key_lo, key_end, g, t, vf);
+    if (DEPTH == 2) {
+      const long long ahead = chunk_slot(P, table, first_key + stride, key_end);
+      load_keys<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, ka);
+      load_values<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, va);
+    }
   }
   for (int k0 = first_key; k0 < key_end; k0 += stride) {
     uint4 kn[2][D / 32], vn[4][D / 64];
-    const int next_key = k0 + DEPTH * stride;
-    const long long next_base = chunk_slot(P, table, next_key, key_end);
-    if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_lo, key_end, g, t, vf);
-    load_keys<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, kn);
-    if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, vn);
+    long long next_base = -1;
+    if constexpr (ASYNC) {
+      // Chunk k0 has landed once at most STAGES - 2 newer groups are pending; the warp barrier makes every
+      // lane's copies visible and also means all lanes are done reading the slot refilled just below.
+      cp_async_wait<STAGES - 2>();
+      __syncwarp();
+      read_stage<D>(my_ring + stage * STAGE_PIECES, g, t, kf, vf);
+      const int refill = stage == 0 ? STAGES - 1 : stage - 1;  // the slot read last iteration
+      stage_chunk<D>(P, table, kvh, k0 + (STAGES - 1) * stride, key_lo, key_end, lane,
+                     my_ring + refill * STAGE_PIECES);
+      cp_async_commit();  // also when empty (past key_end): the group count stays one per chunk
+      stage = stage == STAGES - 1 ? 0 : stage + 1;
+    } else {
+      const int next_key = k0 + DEPTH * stride;
+      next_base = chunk_slot(P, table, next_key, key_end);
+      if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_lo, key_end, g, t, vf);
+      load_keys<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, kn);
+      if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, vn);
+    }
 
     float s[2][4];
 #pragma unroll
@@ -366,6 +459,7 @@ __device__ void attention_impl(const Params<T>& P) {
       const unsigned b1 = pair_halves(vf[2][j / 8], vf[3][j / 8], j % 8);
       mma16816<T>(o[j], pa0, pa1, pa2, pa3, b0, b1);
     }
+    if constexpr (ASYNC) continue;
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -389,6 +483,10 @@ __device__ void attention_impl(const Params<T>& P) {
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
 
+  if constexpr (ASYNC) {  // the ring becomes s_o: no copy may still land, no warp may still read it
+    cp_async_wait<0>();
+    __syncthreads();
+  }
   // Stash this warp's (max, sum, O) in shared memory in natural d order: accumulator e of n8 tile j is
   // row g (+8 for e >= 2), d = 64 (j / 8) + 8 (2t + e % 2) + j % 8.
   float* my_o = s_o + warp * ROWS * (D + PAD);

@@ -45,7 +45,9 @@ KERNELS = (
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 WARPS = 4
+D64_STAGES = 3  # cp.async ring depth of decode attention at head dim 64 (attention.cu's D64_STAGES)
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
+CHUNK_KEYS = KEYS_PER_ROUND // WARPS  # keys one warp consumes per step (attention.cu's CHUNK)
 MIN_PARTITION = 256  # shortest key range worth a split of its own
 MAX_PARTIAL_BYTES = 256 << 20  # cap on the fp32 split workspace
 VECTOR_WIDTH = 8  # 16-bit elements per 16-byte access in layer.cu's vector paths
@@ -179,19 +181,37 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     else:
         partial_o = partial_ml = out  # never read or written with one split
     name = f"paged_attention_d{head_dim}_{'rowsplit' if row_split else 'keysplit'}_{suffix}"
-    _kernel("attention.cu", name)(
+    shared = ring_bytes(head_dim, row_split)
+    _attention_kernel(name, shared)(
         (grid_x, num_kv_heads * num_splits, num_seqs), (WARPS * 32,),
         (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
          np.int32(num_tokens), np.int32(num_kv_heads), np.int32(group), np.int32(block_size),
          np.int32(block_tables.shape[1]), np.int32(partition), np.int32(num_splits),
          np.float32(scale * math.log2(math.e)),
          np.int32(block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1),
-         np.int32(window)))
+         np.int32(window)), shared_mem=shared)
     if num_splits > 1:
         _kernel("attention.cu", f"merge_partials_{suffix}")(
             (num_tokens * num_heads,), (head_dim,),
             (partial_o, partial_ml, out, np.int32(num_splits), np.int32(num_tokens * num_heads), np.int32(head_dim)))
     return out
+
+
+def ring_bytes(head_dim: int, row_split: bool) -> int:
+    """Dynamic shared memory of an attention launch: the cp.async ring of decode (key-split) CTAs at head
+    dim 64, WARPS x D64_STAGES chunks of 16 keys of K and V; 0 where the kernel keeps K/V in registers."""
+    if head_dim != 64 or row_split or D64_STAGES == 0:
+        return 0
+    return WARPS * D64_STAGES * 2 * CHUNK_KEYS * head_dim * 2  # 2 bytes per element
+
+
+def _attention_kernel(name: str, shared_bytes: int):
+    """The attention kernel, allowed `shared_bytes` of dynamic shared memory (past 48 KiB needs the
+    opt-in attribute; it is set once per kernel and size)."""
+    k = _kernel("attention.cu", name)
+    if shared_bytes > k.max_dynamic_shared_size_bytes:
+        k.max_dynamic_shared_size_bytes = shared_bytes
+    return k
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
