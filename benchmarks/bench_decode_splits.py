@@ -86,6 +86,8 @@ VARIANTS = {
     "stages3": ([], 3),
     "stages2": ([("constexpr int D64_STAGES = 3;", "constexpr int D64_STAGES = 2;")], 2),
     "stages4": ([("constexpr int D64_STAGES = 3;", "constexpr int D64_STAGES = 4;")], 4),
+    "l2_128": ([("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::128B [")], 3),
+    "l2_256": ([("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::256B [")], 3),
     "depth2": ([_REGISTERS], 0),
     "depth1": ([_REGISTERS, _DEPTH1], 0),
     "lb4": ([_REGISTERS, _DEPTH1, ("__launch_bounds__(128)", "__launch_bounds__(128, 4)")], 0),
