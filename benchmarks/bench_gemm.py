@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from bench_kernels import copy_bandwidth_gbs, graph_ms, torch_graph_ms
 
-from models.dummy_weights import PRESETS
+from offline_paged.models.dummy_weights import PRESETS
 from offline_paged.ops.graphs import CublasGemm
 
 
