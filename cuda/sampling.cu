@@ -132,6 +132,22 @@ struct OnlineStats {
   }
 };
 
+// f(x, i) for the entries i = threadIdx.x, + BLOCK, + 2 BLOCK, ... of a row of fp32 logits, in that order
+// (so per-thread sums are bit for bit those of a plain strided loop), with ROW_LOADS loads in flight per
+// thread: one at a time leaves the pass waiting on memory latency, not bandwidth.
+constexpr int ROW_LOADS = 4;
+template <typename F>
+__device__ __forceinline__ void for_each_entry(const float* row, int vocab, F&& f) {
+  for (int i0 = threadIdx.x; i0 < vocab; i0 += ROW_LOADS * BLOCK) {
+    float x[ROW_LOADS];
+#pragma unroll
+    for (int j = 0; j < ROW_LOADS; ++j) x[j] = i0 + j * BLOCK < vocab ? row[i0 + j * BLOCK] : 0.f;
+#pragma unroll
+    for (int j = 0; j < ROW_LOADS; ++j)
+      if (i0 + j * BLOCK < vocab) f(x[j], i0 + j * BLOCK);
+  }
+}
+
 // Every thread gets (max, log of the normaliser) of the row.
 __device__ void block_stats(const OnlineStats& t, double* scratch, double& max_out, double& lse_out) {
   const double m = block_max((double)t.m, scratch);
@@ -146,11 +162,10 @@ extern "C" __global__ void __launch_bounds__(BLOCK) prepare_rows(const float* lo
   const float* in = logits + (size_t)rows[blockIdx.x] * vocab;
   double* out = adjusted + (size_t)blockIdx.x * vocab;
   OnlineStats stats;
-  for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-    const float x = in[i];
+  for_each_entry(in, vocab, [&](float x, int i) {
     out[i] = (double)x;
     stats.add(x);
-  }
+  });
   double m, lse;
   block_stats(stats, scratch, m, lse);
   if (threadIdx.x == 0) {
@@ -362,12 +377,12 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
   double best = NEG_INF;
   int best_i = 0x7fffffff;
   if (greedy) {
-    for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      stats.add(raw[i]);
-      better(best, best_i, entry<FROM_LOGITS>(a, raw, i), i);
-    }
+    for_each_entry(raw, vocab, [&](float raw_x, int i) {
+      stats.add(raw_x);
+      better(best, best_i, FROM_LOGITS ? (double)raw_x : a[i], i);
+    });
   } else if (min_p > 0.0) {
-    for (int i = threadIdx.x; i < vocab; i += BLOCK) stats.add(raw[i]);
+    for_each_entry(raw, vocab, [&](float raw_x, int) { stats.add(raw_x); });
     const double c = cut[r];
     // max and normaliser of the survivors of top-k / top-p (x >= c; -inf never survives)
     double m = NEG_INF;
@@ -405,12 +420,11 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
     const float margin = 1e-6f * fabsf(c32);  // around the cut, fp32 cannot decide: ask float64
     float s1 = NEG_INF_F, s2 = NEG_INF_F;
     int i1 = -1;
-    for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const float raw_x = raw[i];
+    for_each_entry(raw, vocab, [&](float raw_x, int i) {
       stats.add(raw_x);
       const float y = (FROM_LOGITS ? raw_x : (float)a[i]) * inv_t;
-      if (!(y >= c32 - margin)) continue;  // surely cut (or -inf / NaN)
-      if (y <= c32 + margin && !(__ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature) >= c)) continue;
+      if (!(y >= c32 - margin)) return;  // surely cut (or -inf / NaN)
+      if (y <= c32 + margin && !(__ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature) >= c)) return;
       const float score = y - log_exponential(stream_bits(base, (unsigned long long)i));
       if (score > s1) {
         s2 = s1;
@@ -419,7 +433,7 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
       } else if (score > s2) {
         s2 = score;
       }
-    }
+    });
     const double top = block_max((double)s1, scratch);
     const double band = 1e-2 + 1e-6 * (fabs(top) + 64.0);
     const bool crowded = block_max(s2 >= top - band ? 1.0 : 0.0, scratch) > 0.0;

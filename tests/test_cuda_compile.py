@@ -132,3 +132,19 @@ def test_layer_kernels_have_16_byte_paths_and_no_64_bit_division(tmp_path):
         assert not re.search(r"(div|rem)\.[su]64", entries[f"silu_mul_{suffix}"]), \
             f"silu_mul_{suffix} divides a 64-bit index"
         assert ".local" not in entries[f"rms_norm_{suffix}"], f"rms_norm_{suffix}: its held row spilled to local memory"
+
+
+def _python_constant(path: Path, name: str) -> int:
+    """The integer a module assigns to `name` at top level (read without importing: launchers needs cupy)."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path.name} assigns no {name}")
+
+
+@pytest.mark.parametrize("name", ["D64_STAGES"])
+def test_launcher_constants_match_the_kernel(name):
+    """The launcher sizes the cp.async ring's shared memory from its copy of the kernel's stage count."""
+    found = re.search(rf"constexpr int {name} = (\d+);", (CUDA_DIR / "attention.cu").read_text(encoding="utf-8"))
+    assert found, f"attention.cu defines no constexpr int {name}"
+    assert int(found.group(1)) == _python_constant(OPS_DIR / "launchers.py", name)

@@ -252,6 +252,22 @@ def test_rows_of_no_sequence_are_zero(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_no_zero_fill_when_every_row_is_queried(head_dim, dtype):
+    """zero_fill=False (the decode graphs): the kernel itself writes every row, bit for bit the zero-filled
+    result, even where the memory pool hands back a buffer full of NaN."""
+    rng = np.random.default_rng(6)
+    case = make_paged_case(rng, [(1, c) for c in (1, 17, 300, 64, 1000)], 16, 2, head_dim, 4, dtype=dtype)
+    args = [cupy.asarray(a) for a in case]
+    filled = launchers.paged_attention(*args, 1, 1000, 0.125)
+    garbage = cupy.full(filled.shape, np.nan, dtype=filled.dtype)  # freed below: the pool reuses it
+    del garbage
+    unfilled = launchers.paged_attention(*args, 1, 1000, 0.125, zero_fill=False)
+    assert np.abs(filled.get().astype(np.float32)).max() > 0
+    np.testing.assert_array_equal(unfilled.get().view(np.uint16), filled.get().view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_scatters_strided_rows_and_skips_negative_slots(dtype):
     rng = np.random.default_rng(0)
     num_tokens, hkv, d = 50, 3, 64

@@ -40,6 +40,10 @@ class AttentionMetadata:
     query_start_loc: Any  # [S + 1] prefix sums of query lengths
     max_query_len: int
     max_context_len: int
+    # Whether q may have rows past query_start_loc[S] (rows of no sequence; attention returns zeros
+    # there). False only where every row is some sequence's query (the decode graphs' buckets, whose
+    # padding slots are one-token sequences): the CUDA kernel then writes every row and no zero-fill runs.
+    unqueried_rows: bool = True
 
     @property
     def num_seqs(self) -> int:

@@ -131,7 +131,7 @@ def key_span(max_context_len: int, window: int) -> int:
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                     max_query_len: int, max_context_len: int, scale: float, num_splits: int | None = None,
-                    window: int = 0):
+                    window: int = 0, zero_fill: bool = True):
     """Causal GQA attention of q [T, H, D] against paged K/V [N, B, Hkv, D]; returns out [T, H, D].
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1] and has context_lens[s] cached tokens
@@ -139,7 +139,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     max_context_len must bound the metadata (keys past the planned splits would be skipped).
     window > 0: sliding window, a query at position p sees keys p - window < k <= p only, and no key
     before its window is read (those blocks may be freed). num_splits forces a split count (tests);
-    None plans one. q, k_cache and v_cache are float16 or bfloat16, all the same.
+    None plans one. q, k_cache and v_cache are float16 or bfloat16, all the same. zero_fill=False skips
+    zeroing the output first (a memset per call): only for callers whose every q row belongs to a sequence
+    (query_start_loc[S] == T), else the rows of no sequence come back uninitialised.
     """
     suffix = _element_suffix("q", q)
     _check_array("q", q, q.dtype, 3)
@@ -174,7 +176,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     else:
         partition = math.ceil(max(span, 1) / num_splits / KEYS_PER_ROUND) * KEYS_PER_ROUND
     # One split writes rows in place (rows of no sequence must read 0); with several, the merge writes all.
-    out = cupy.zeros(q.shape, dtype=q.dtype) if num_splits == 1 else cupy.empty(q.shape, dtype=q.dtype)
+    out = cupy.zeros(q.shape, dtype=q.dtype) if num_splits == 1 and zero_fill else cupy.empty(q.shape, dtype=q.dtype)
     if num_splits > 1:
         partial_o = cupy.empty((num_splits, num_tokens, num_heads, head_dim), dtype=cupy.float32)
         partial_ml = cupy.zeros((num_splits, num_tokens, num_heads, 2), dtype=cupy.float32)

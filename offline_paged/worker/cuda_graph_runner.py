@@ -298,7 +298,8 @@ class DecodeGraphs:
         [b, V] float32, no host sync (attention plans its splits for the static max_model_len)."""
         ids, pos, slots, ctx, qsl, tables = bucket.views(bucket.device)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx,
-                                 query_start_loc=qsl, max_query_len=1, max_context_len=self.max_model_len)
+                                 query_start_loc=qsl, max_query_len=1, max_context_len=self.max_model_len,
+                                 unqueried_rows=False)
         return self.model.forward(ids, pos, self.kv_cache, meta, None, matmul=self._gemm,
                                   logits_matmul=self._logits_gemm)
 
