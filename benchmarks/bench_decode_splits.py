@@ -7,7 +7,7 @@ heads, head dim 64, block size 16), context lengths uniform in 100..1900, block 
 Times are medians of CUDA-graph replays (bench_kernels.graph_ms), so launch overhead is excluded.
 
     PYTHONPATH=benchmarks python3 benchmarks/bench_decode_splits.py [--head-dim 64] [--max-context 1900]
-        [--variants stages3 depth2 stages2 stages4] [--splits plan 1 2 4]
+        [--variants stages3 depth2 stages2 stages4 registers] [--splits plan 1 2 4] [--prefill]
 """
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["stages3"], choices=sorted(VARIANTS))
     parser.add_argument("--splits", nargs="+", type=lambda v: None if v == "plan" else int(v),
                         default=[None, 1, 2, 4])
+    parser.add_argument("--prefill", action="store_true",
+                        help="every sequence's whole context is its query (a prefill step: the row-split kernel); "
+                             "prints TFLOP/s of the causal products")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     block, d, hkv, h = 16, args.head_dim, args.num_kv_heads, args.num_heads
@@ -46,51 +49,57 @@ def main() -> None:
         at += n
     k_cache = random_f16(num_blocks * block * hkv * d).reshape(num_blocks, block, hkv, d)
     v_cache = random_f16(num_blocks * block * hkv * d).reshape(num_blocks, block, hkv, d)
-    q = random_f16(args.batch * h * d).reshape(args.batch, h, d)
+    q_lens = lens if args.prefill else np.ones_like(lens)  # [S]
+    q = random_f16(int(q_lens.sum()) * h * d).reshape(-1, h, d)
     tables_d, lens_d = cupy.asarray(tables), cupy.asarray(lens.astype(np.int32))
-    qsl = cupy.arange(args.batch + 1, dtype=cupy.int32)
+    qsl = cupy.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))  # [S + 1]
     kv_bytes = int(lens.sum()) * hkv * d * 2 * 2  # K and V read once
+    flops = 4 * h * d * int((lens * (lens + 1) // 2).sum())  # QK^T and PV over the causal triangle
     copy = copy_bandwidth_gbs()
     print(f"batch {args.batch}, contexts {args.min_context}..{args.max_context} (mean {lens.mean():.0f}), "
-          f"head dim {d}, {h}/{hkv} heads; K/V {kv_bytes / 1e9:.2f} GB; copy {copy:,.0f} GB/s")
-    print(f"{'variant':>10}{'splits':>8}{'ms':>9}{'GB/s':>9}{'of copy':>9}{'max|diff|':>11}")
-    original, stages = modules.read_source, launchers.D64_STAGES
+          f"{'prefill' if args.prefill else 'decode'}, head dim {d}, {h}/{hkv} heads; K/V {kv_bytes / 1e9:.2f} GB; "
+          f"copy {copy:,.0f} GB/s")
+    rate = "TFLOP/s" if args.prefill else "GB/s"
+    print(f"{'variant':>10}{'splits':>8}{'ms':>9}{rate:>9}{'of copy':>9}{'max|diff|':>11}")
+    original, stages = modules.read_source, launchers.RING_STAGES
     reference = None
     for variant in args.variants:
         modules.read_source = lambda name, v=variant: _patched(original(name), v)
-        launchers.D64_STAGES = VARIANTS[variant][1]
+        launchers.RING_STAGES = VARIANTS[variant][1]
         modules.clear_cache()
         for splits in args.splits:
             def run(splits=splits):
-                return launchers.paged_attention(q, k_cache, v_cache, tables_d, lens_d, qsl, 1, args.max_context,
-                                                 d ** -0.5, num_splits=splits)
+                return launchers.paged_attention(q, k_cache, v_cache, tables_d, lens_d, qsl, int(q_lens.max()),
+                                                 args.max_context, d ** -0.5, num_splits=splits)
             out = run()
             reference = out if reference is None else reference
             diff = float(cupy.abs(out.astype(cupy.float32) - reference.astype(cupy.float32)).max())
             ms = graph_ms(run, repeats=20)
             gbs = kv_bytes / ms / 1e6
-            print(f"{variant:>10}{'plan' if splits is None else splits:>8}{ms:>9.3f}{gbs:>9,.0f}"
-                  f"{gbs / copy:>9.1%}{diff:>11.2e}")
-    modules.read_source, launchers.D64_STAGES = original, stages
+            figure = f"{flops / ms / 1e9:>9,.0f}{'':>9}" if args.prefill else f"{gbs:>9,.0f}{gbs / copy:>9.1%}"
+            print(f"{variant:>10}{'plan' if splits is None else splits:>8}{ms:>9.3f}{figure}{diff:>11.2e}")
+    modules.read_source, launchers.RING_STAGES = original, stages
     modules.clear_cache()
 
 
 # Source variants of cuda/attention.cu, compared in one process (the first is the reference output): a
-# variant is its source patches plus the launchers.D64_STAGES it needs (it sizes the shared-memory ring).
+# variant is its source patches plus the launchers.RING_STAGES it needs (it sizes the shared-memory ring;
+# the register variants keep the ring's launch size, unused, which leaves their occupancy as it was).
 # Measured 2026-11-30 on the H200 (batch 256, contexts 100..1900, plan), register pipeline: depth1
 # 0.198 ms (64.8% of copy), depth2 0.172 ms (74.7%, identical output), depth1 + lb4 0.177 ms (72.4%).
 # The cp.async ring (stagesN) came after; see benchmarks/NOTES.md for its figures.
-_REGISTERS = ("constexpr int D64_STAGES = 3;", "constexpr int D64_STAGES = 0;")
+_REGISTERS = ("constexpr bool D64_DECODE_RING = true;", "constexpr bool D64_DECODE_RING = false;")
 _DEPTH1 = ("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;")
 VARIANTS = {
     "stages3": ([], 3),
-    "stages2": ([("constexpr int D64_STAGES = 3;", "constexpr int D64_STAGES = 2;")], 2),
-    "stages4": ([("constexpr int D64_STAGES = 3;", "constexpr int D64_STAGES = 4;")], 4),
+    "stages2": ([("constexpr int RING_STAGES = 3;", "constexpr int RING_STAGES = 2;")], 2),
+    "stages4": ([("constexpr int RING_STAGES = 3;", "constexpr int RING_STAGES = 4;")], 4),
     "l2_128": ([("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::128B [")], 3),
     "l2_256": ([("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::256B [")], 3),
-    "depth2": ([_REGISTERS], 0),
-    "depth1": ([_REGISTERS, _DEPTH1], 0),
-    "lb4": ([_REGISTERS, _DEPTH1, ("__launch_bounds__(128)", "__launch_bounds__(128, 4)")], 0),
+    "depth2": ([_REGISTERS], 3),
+    "depth1": ([_REGISTERS, _DEPTH1], 3),
+    "lb4": ([_REGISTERS, _DEPTH1, ("__launch_bounds__(128)", "__launch_bounds__(128, 4)")], 3),
+    "registers": ([("constexpr int RING_STAGES = 3;", "constexpr int RING_STAGES = 0;")], 0),  # no ring at all
 }
 
 

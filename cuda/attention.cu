@@ -49,10 +49,11 @@ constexpr int ROWS = 16;   // rows in a warp tile (mma M)
 constexpr int CHUNK = 16;  // keys a warp consumes per step (mma K of the P.V product)
 constexpr int PAD = 4;     // floats of padding per shared-memory row of O (fewer bank conflicts)
 constexpr int D64_PIPELINE_DEPTH = 2;  // register pipeline: chunks of K/V requested ahead at D = 64 (1 or 2)
-// Decode (KEY_SPLIT) at D = 64 stages K/V through shared memory with cp.async instead: a ring of
-// D64_STAGES chunks per warp, D64_STAGES - 1 of them in flight while the warp computes on one. 0 = use the
-// register pipeline there too. launchers.D64_STAGES must match (it sizes the dynamic shared memory).
-constexpr int D64_STAGES = 3;
+// cp.async rings (see attention_impl): RING_STAGES slots, RING_STAGES - 1 of them in flight while the
+// warps compute on one. 0 = registers everywhere. launchers.RING_STAGES must match (it sizes the dynamic
+// shared memory). D64_DECODE_RING: decode at D = 64 takes a ring per warp (false: the register pipeline).
+constexpr int RING_STAGES = 3;
+constexpr bool D64_DECODE_RING = true;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -288,18 +289,93 @@ __device__ void finish_rows(const Params<T>& P, const float* so, const float* sm
   }
 }
 
+// Online-softmax state of a warp's 16 rows: O (mma accumulators) and each row's running max and sum.
+template <int D>
+struct RowState {
+  float o[D / 8][4];
+  float m_lo, m_hi, l_lo, l_hi;  // rows g and g + 8: max (log2 units) and this lane's part of the sum
+};
+
+// One 16-key chunk k0 for a warp's 16 rows, its K/V already in fragments: S = Q K^T, scale and masks,
+// online softmax, O += P V.
+template <int D, typename T>
+__device__ __forceinline__ void consume_chunk(const Params<T>& P, const unsigned (&qa)[D / 16][4],
+                                              const uint4 (&kf)[2][D / 32], const uint4 (&vf)[4][D / 64], int k0,
+                                              int key_end, int pos_lo, int pos_hi, int window, int t,
+                                              RowState<D>& st) {
+  float s[2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+      mma16816<T>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], kf[n][c].x, kf[n][c].y);
+      mma16816<T>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], kf[n][c].z,
+               kf[n][c].w);
+    }
+  }
+  // Scale, causal mask (key position <= the row's query position), window mask and range mask.
+  float mx_lo = neg_inf(), mx_hi = neg_inf();
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int p = k0 + 8 * n + 2 * t + (e & 1);
+      const int pos = e < 2 ? pos_lo : pos_hi;
+      s[n][e] = (p < key_end && p <= pos && p > pos - window) ? s[n][e] * P.scale_log2 : neg_inf();
+    }
+    mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
+  }
+  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+  const float new_lo = fmaxf(st.m_lo, mx_lo), new_hi = fmaxf(st.m_hi, mx_hi);
+  // A row that has seen only masked keys keeps max -inf; subtract 0 then so no (-inf) - (-inf) = NaN.
+  const float base_lo = new_lo == neg_inf() ? 0.f : new_lo;
+  const float base_hi = new_hi == neg_inf() ? 0.f : new_hi;
+  const float alpha_lo = exp2f(st.m_lo - base_lo), alpha_hi = exp2f(st.m_hi - base_hi);
+  st.m_lo = new_lo;
+  st.m_hi = new_hi;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    s[n][0] = exp2f(s[n][0] - base_lo);
+    s[n][1] = exp2f(s[n][1] - base_lo);
+    s[n][2] = exp2f(s[n][2] - base_hi);
+    s[n][3] = exp2f(s[n][3] - base_hi);
+  }
+  st.l_lo = st.l_lo * alpha_lo + s[0][0] + s[0][1] + s[1][0] + s[1][1];  // per-lane partial; quad-summed later
+  st.l_hi = st.l_hi * alpha_hi + s[0][2] + s[0][3] + s[1][2] + s[1][3];
+  // S accumulators of the two n8 tiles are exactly the A fragment of P for a k16 step.
+  const unsigned pa0 = pack_float2<T>(s[0][0], s[0][1]), pa1 = pack_float2<T>(s[0][2], s[0][3]);
+  const unsigned pa2 = pack_float2<T>(s[1][0], s[1][1]), pa3 = pack_float2<T>(s[1][2], s[1][3]);
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    st.o[j][0] *= alpha_lo; st.o[j][1] *= alpha_lo; st.o[j][2] *= alpha_hi; st.o[j][3] *= alpha_hi;
+    const unsigned b0 = pair_halves(vf[0][j / 8], vf[1][j / 8], j % 8);
+    const unsigned b1 = pair_halves(vf[2][j / 8], vf[3][j / 8], j % 8);
+    mma16816<T>(st.o[j], pa0, pa1, pa2, pa3, b0, b1);
+  }
+}
+
 template <int D, bool ROW_SPLIT, typename T>
 __device__ void attention_impl(const Params<T>& P) {
   static_assert(D == 64 || D == 128, "head dim must be 64 or 128");
-  // cp.async ring (dynamic shared memory, sized by the launcher) or the register pipeline; see the loop.
-  constexpr bool ASYNC = D == 64 && !ROW_SPLIT && D64_STAGES > 0;
-  constexpr int STAGES = ASYNC ? D64_STAGES : 1;
-  constexpr int STAGE_PIECES = 2 * CHUNK * D / 8;  // uint4 per staged chunk (K and V)
-  extern __shared__ uint4 ring[];                   // [WARPS][STAGES][STAGE_PIECES]
-  // After the key loop the ring is free: the async path puts the warps' O there instead.
+  // Where K/V go on their way to the mma fragments: a cp.async ring in dynamic shared memory (sized by
+  // the launcher's ring_bytes), or registers. Decode (KEY_SPLIT) at D = 64: a ring per warp. ROW_SPLIT:
+  // one ring per CTA, filled and read by its 4 warps together, so each chunk of K/V is read from memory
+  // once per CTA instead of once per warp. D = 128 decode keeps the register pipeline.
+  constexpr bool ASYNC = RING_STAGES > 0 && (ROW_SPLIT || (D == 64 && D64_DECODE_RING));
+  constexpr bool SHARED = ASYNC && ROW_SPLIT;
+  constexpr int STAGES = ASYNC ? RING_STAGES : 1;
+  constexpr int CHUNK_PIECES = 2 * CHUNK * D / 8;  // uint4 per staged chunk (K and V)
+  // [STAGES][WARPS][CHUNK_PIECES] (SHARED: slot s holds 4 consecutive chunks) or [WARPS][STAGES][...]
+  extern __shared__ uint4 ring[];
+  // After the key loop the ring is free: the async paths put the warps' O there instead.
   __shared__ float s_o_static[ASYNC ? 1 : WARPS * ROWS * (D + PAD)];
   float* s_o = ASYNC ? reinterpret_cast<float*>(ring) : s_o_static;
-  static_assert(!ASYNC || (STAGES >= 2 && WARPS * STAGES * STAGE_PIECES * 16 >= WARPS * ROWS * (D + PAD) * 4),
+  static_assert(!ASYNC || (STAGES >= 2 && WARPS * STAGES * CHUNK_PIECES * 16 >= WARPS * ROWS * (D + PAD) * 4),
                 "the cp.async ring needs 2+ stages and must hold the warps' O");
   __shared__ float s_m[WARPS * ROWS];
   __shared__ float s_l[WARPS * ROWS];
@@ -316,7 +392,12 @@ __device__ void attention_impl(const Params<T>& P) {
   const int num_rows = q_len * P.group;
   const int tile = ROW_SPLIT ? blockIdx.x * WARPS + warp : blockIdx.x;
   const int row0 = tile * ROWS;
-  if (row0 >= num_rows) return;  // uniform per CTA (KEY_SPLIT) or per warp (ROW_SPLIT: no CTA barrier)
+  const int cta_row0 = ROW_SPLIT ? blockIdx.x * WARPS * ROWS : row0;
+  if (cta_row0 >= num_rows) return;  // uniform per CTA
+  // A ROW_SPLIT warp past the last row has no rows: with a shared ring it still stages its chunks and
+  // meets the barriers; without one it leaves (those warps share no barrier).
+  const bool active = row0 < num_rows;
+  if (!SHARED && !active) return;
 
   const int H = P.num_kv_heads * P.group;
   const int first_pos = context_len - q_len;  // position of the sequence's first query token
@@ -326,8 +407,15 @@ __device__ void attention_impl(const Params<T>& P) {
   // The window starts at key_lo for this tile's first (earliest) row; later rows mask more keys below.
   const int window = P.window > 0 ? P.window : (1 << 30);
   const int key_lo = P.window > 0 ? max(0, first_pos + row0 / P.group - window + 1) : 0;
-  const int key_begin = (key_lo & ~63) + split * P.partition_size;  // splits count from the window start
-  const int key_end = min(min(key_begin + P.partition_size, context_len), first_pos + last_row / P.group + 1);
+  // The keys the CTA reads, [range_lo, range_end): a shared ring's cover every tile of the CTA (from the
+  // first tile's window start to the last tile's last row), else they are the tile's own. Splits count
+  // from the range's window start, rounded down to a multiple of 64 (launchers.key_span bounds the span).
+  const int range_row0 = SHARED ? cta_row0 : row0;
+  const int range_last = SHARED ? min(cta_row0 + WARPS * ROWS, num_rows) - 1 : last_row;
+  const int range_lo = P.window > 0 ? max(0, first_pos + range_row0 / P.group - window + 1) : 0;
+  const int key_begin = (range_lo & ~63) + split * P.partition_size;
+  const int range_end = min(min(key_begin + P.partition_size, context_len), first_pos + range_last / P.group + 1);
+  const int key_end = min(range_end, first_pos + last_row / P.group + 1);  // past this tile's last row
   const int* table = P.block_tables + (size_t)seq * P.max_blocks_per_seq;
 
   // Q as mma A fragments. Head dim d is permuted within each 32-wide slice c so that lane (g, t) holds
@@ -348,33 +436,81 @@ __device__ void attention_impl(const Params<T>& P) {
     }
   }
 
-  float o[D / 8][4];
+  RowState<D> st;
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.f, l_hi = 0.f;
-
-  // Software pipeline: the next chunk's keys (and, for D = 64 where registers allow, its values) are
-  // requested before this chunk's arithmetic, so a warp always has loads in flight. DEPTH chunks ahead
-  // (D = 64 only): a D = 64 chunk is half the bytes of a D = 128 one, so one chunk ahead leaves too few
-  // bytes in flight per SM to cover the memory latency.
-  constexpr bool PREFETCH_V = D == 64;
-  constexpr int DEPTH = PREFETCH_V ? D64_PIPELINE_DEPTH : 1;
-  const int stride = ROW_SPLIT ? CHUNK : CHUNK * WARPS;
-  const int start_key = max(key_begin, key_lo & ~(CHUNK - 1));  // the chunk holding the window start
-  const int first_key = start_key + (ROW_SPLIT ? 0 : warp * CHUNK);
+  for (int j = 0; j < D / 8; ++j) st.o[j][0] = st.o[j][1] = st.o[j][2] = st.o[j][3] = 0.f;
+  st.m_lo = st.m_hi = neg_inf();
+  st.l_lo = st.l_hi = 0.f;
   uint4 kf[2][D / 32], vf[4][D / 64];
-  uint4 ka[2][D / 32], va[4][D / 64];  // the chunk after the next (DEPTH 2)
-  long long base = -1;
-  uint4* my_ring = ring + warp * STAGES * STAGE_PIECES;
-  int stage = 0;  // ring slot of the chunk at k0 (async path)
-  if constexpr (ASYNC) {
+  const int start_key = max(key_begin, range_lo & ~(CHUNK - 1));  // the chunk holding the window start
+
+  if constexpr (SHARED) {
+    // Ring slot s holds the 64 keys from k_slot = start_key + 64 i (i: the loop count); warp w stages
+    // chunk w of it. One barrier per slot: it publishes every warp's copies of this slot and tells that
+    // every warp is done with the previous slot, which is refilled right after it.
+    constexpr int SLOT_KEYS = WARPS * CHUNK;
+    const int my_first = key_lo & ~(CHUNK - 1);  // this tile's first chunk with a key in its window
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      stage_chunk<D>(P, table, kvh, first_key + s * stride, key_lo, key_end, lane, my_ring + s * STAGE_PIECES);
+      stage_chunk<D>(P, table, kvh, start_key + s * SLOT_KEYS + warp * CHUNK, range_lo, range_end, lane,
+                     ring + (s * WARPS + warp) * CHUNK_PIECES);
       cp_async_commit();
     }
+    int slot = 0;
+    for (int k_slot = start_key; k_slot < range_end; k_slot += SLOT_KEYS) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      const int refill = slot == 0 ? STAGES - 1 : slot - 1;
+      stage_chunk<D>(P, table, kvh, k_slot + (STAGES - 1) * SLOT_KEYS + warp * CHUNK, range_lo, range_end, lane,
+                     ring + (refill * WARPS + warp) * CHUNK_PIECES);
+      cp_async_commit();  // also when empty (past range_end): the group count stays one per slot
+      if (active) {
+        for (int c = 0; c < WARPS; ++c) {
+          const int k0 = k_slot + c * CHUNK;
+          if (k0 >= key_end) break;
+          if (k0 < my_first) continue;
+          read_stage<D>(ring + (slot * WARPS + c) * CHUNK_PIECES, g, t, kf, vf);
+          consume_chunk<D, T>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
+        }
+      }
+      slot = slot == STAGES - 1 ? 0 : slot + 1;
+    }
+  } else if constexpr (ASYNC) {
+    // A ring per warp: the 4 warps take interleaved chunks; STAGES - 1 of a warp's chunks are in flight
+    // while it computes on one.
+    const int stride = CHUNK * WARPS;
+    const int first_key = start_key + warp * CHUNK;
+    uint4* my_ring = ring + warp * STAGES * CHUNK_PIECES;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      stage_chunk<D>(P, table, kvh, first_key + s * stride, key_lo, key_end, lane, my_ring + s * CHUNK_PIECES);
+      cp_async_commit();
+    }
+    int slot = 0;
+    for (int k0 = first_key; k0 < key_end; k0 += stride) {
+      // Chunk k0 has landed once at most STAGES - 2 newer groups are pending; the warp barrier makes every
+      // lane's copies visible and also means all lanes are done reading the slot refilled just below.
+      cp_async_wait<STAGES - 2>();
+      __syncwarp();
+      read_stage<D>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
+      const int refill = slot == 0 ? STAGES - 1 : slot - 1;  // the slot read last iteration
+      stage_chunk<D>(P, table, kvh, k0 + (STAGES - 1) * stride, key_lo, key_end, lane,
+                     my_ring + refill * CHUNK_PIECES);
+      cp_async_commit();  // also when empty (past key_end): the group count stays one per chunk
+      slot = slot == STAGES - 1 ? 0 : slot + 1;
+      consume_chunk<D, T>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
+    }
   } else {
-    base = chunk_slot(P, table, first_key, key_end);
+    // Register pipeline: the next chunk's keys (and, for D = 64 where registers allow, its values) are
+    // requested before this chunk's arithmetic, so a warp always has loads in flight. DEPTH chunks ahead
+    // (D = 64 only): a D = 64 chunk is half the bytes of a D = 128 one, so one chunk ahead leaves too few
+    // bytes in flight per SM to cover the memory latency.
+    constexpr bool PREFETCH_V = D == 64;
+    constexpr int DEPTH = PREFETCH_V ? D64_PIPELINE_DEPTH : 1;
+    const int stride = ROW_SPLIT ? CHUNK : CHUNK * WARPS;
+    const int first_key = start_key + (ROW_SPLIT ? 0 : warp * CHUNK);
+    uint4 ka[2][D / 32], va[4][D / 64];  // the chunk after the next (DEPTH 2)
+    long long base = chunk_slot(P, table, first_key, key_end);
     load_keys<D>(P, table, base, kvh, first_key, key_lo, key_end, g, t, kf);
     if (PREFETCH_V) load_values<D>(P, table, base, kvh, first_key, key_lo, key_end, g, t, vf);
     if (DEPTH == 2) {
@@ -382,111 +518,43 @@ __device__ void attention_impl(const Params<T>& P) {
       load_keys<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, ka);
       load_values<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, va);
     }
-  }
-  for (int k0 = first_key; k0 < key_end; k0 += stride) {
-    uint4 kn[2][D / 32], vn[4][D / 64];
-    long long next_base = -1;
-    if constexpr (ASYNC) {
-      // Chunk k0 has landed once at most STAGES - 2 newer groups are pending; the warp barrier makes every
-      // lane's copies visible and also means all lanes are done reading the slot refilled just below.
-      cp_async_wait<STAGES - 2>();
-      __syncwarp();
-      read_stage<D>(my_ring + stage * STAGE_PIECES, g, t, kf, vf);
-      const int refill = stage == 0 ? STAGES - 1 : stage - 1;  // the slot read last iteration
-      stage_chunk<D>(P, table, kvh, k0 + (STAGES - 1) * stride, key_lo, key_end, lane,
-                     my_ring + refill * STAGE_PIECES);
-      cp_async_commit();  // also when empty (past key_end): the group count stays one per chunk
-      stage = stage == STAGES - 1 ? 0 : stage + 1;
-    } else {
+    for (int k0 = first_key; k0 < key_end; k0 += stride) {
+      uint4 kn[2][D / 32], vn[4][D / 64];
       const int next_key = k0 + DEPTH * stride;
-      next_base = chunk_slot(P, table, next_key, key_end);
+      const long long next_base = chunk_slot(P, table, next_key, key_end);
       if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_lo, key_end, g, t, vf);
       load_keys<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, kn);
       if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, vn);
-    }
-
-    float s[2][4];
+      consume_chunk<D, T>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) {
-        mma16816<T>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], kf[n][c].x, kf[n][c].y);
-        mma16816<T>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], kf[n][c].z,
-                 kf[n][c].w);
-      }
-    }
-    // Scale, causal mask (key position <= the row's query position), window mask and range mask.
-    float mx_lo = neg_inf(), mx_hi = neg_inf();
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int p = k0 + 8 * n + 2 * t + (e & 1);
-        const int pos = e < 2 ? pos_lo : pos_hi;
-        s[n][e] = (p < key_end && p <= pos && p > pos - window) ? s[n][e] * P.scale_log2 : neg_inf();
-      }
-      mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
-      mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
-    }
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-    // A row that has seen only masked keys keeps max -inf; subtract 0 then so no (-inf) - (-inf) = NaN.
-    const float base_lo = new_lo == neg_inf() ? 0.f : new_lo;
-    const float base_hi = new_hi == neg_inf() ? 0.f : new_hi;
-    const float alpha_lo = exp2f(m_lo - base_lo), alpha_hi = exp2f(m_hi - base_hi);
-    m_lo = new_lo;
-    m_hi = new_hi;
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      s[n][0] = exp2f(s[n][0] - base_lo);
-      s[n][1] = exp2f(s[n][1] - base_lo);
-      s[n][2] = exp2f(s[n][2] - base_hi);
-      s[n][3] = exp2f(s[n][3] - base_hi);
-    }
-    l_lo = l_lo * alpha_lo + s[0][0] + s[0][1] + s[1][0] + s[1][1];  // per-lane partial; quad-summed later
-    l_hi = l_hi * alpha_hi + s[0][2] + s[0][3] + s[1][2] + s[1][3];
-    // S accumulators of the two n8 tiles are exactly the A fragment of P for a k16 step.
-    const unsigned pa0 = pack_float2<T>(s[0][0], s[0][1]), pa1 = pack_float2<T>(s[0][2], s[0][3]);
-    const unsigned pa2 = pack_float2<T>(s[1][0], s[1][1]), pa3 = pack_float2<T>(s[1][2], s[1][3]);
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      o[j][0] *= alpha_lo; o[j][1] *= alpha_lo; o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
-      const unsigned b0 = pair_halves(vf[0][j / 8], vf[1][j / 8], j % 8);
-      const unsigned b1 = pair_halves(vf[2][j / 8], vf[3][j / 8], j % 8);
-      mma16816<T>(o[j], pa0, pa1, pa2, pa3, b0, b1);
-    }
-    if constexpr (ASYNC) continue;
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int c = 0; c < D / 32; ++c) {
-        kf[n][c] = DEPTH == 2 ? ka[n][c] : kn[n][c];
-        if (DEPTH == 2) ka[n][c] = kn[n][c];
-      }
-    if (PREFETCH_V) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-#pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-          vf[e][c] = DEPTH == 2 ? va[e][c] : vn[e][c];
-          if (DEPTH == 2) va[e][c] = vn[e][c];
+        for (int c = 0; c < D / 32; ++c) {
+          kf[n][c] = DEPTH == 2 ? ka[n][c] : kn[n][c];
+          if (DEPTH == 2) ka[n][c] = kn[n][c];
         }
+      if (PREFETCH_V) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c) {
+            vf[e][c] = DEPTH == 2 ? va[e][c] : vn[e][c];
+            if (DEPTH == 2) va[e][c] = vn[e][c];
+          }
+      }
+      base = next_base;
     }
-    base = next_base;
   }
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  st.l_lo += __shfl_xor_sync(0xffffffffu, st.l_lo, 1);
+  st.l_lo += __shfl_xor_sync(0xffffffffu, st.l_lo, 2);
+  st.l_hi += __shfl_xor_sync(0xffffffffu, st.l_hi, 1);
+  st.l_hi += __shfl_xor_sync(0xffffffffu, st.l_hi, 2);
 
   if constexpr (ASYNC) {  // the ring becomes s_o: no copy may still land, no warp may still read it
     cp_async_wait<0>();
     __syncthreads();
   }
+  if (!active) return;  // (after the CTA's last barrier)
   // Stash this warp's (max, sum, O) in shared memory in natural d order: accumulator e of n8 tile j is
   // row g (+8 for e >= 2), d = 64 (j / 8) + 8 (2t + e % 2) + j % 8.
   float* my_o = s_o + warp * ROWS * (D + PAD);
@@ -496,14 +564,14 @@ __device__ void attention_impl(const Params<T>& P) {
     for (int e = 0; e < 4; ++e) {
       const int r = g + 8 * (e >> 1);
       const int d = 64 * (j / 8) + 8 * (2 * t + (e & 1)) + j % 8;
-      my_o[r * (D + PAD) + d] = o[j][e];
+      my_o[r * (D + PAD) + d] = st.o[j][e];
     }
   }
   if (t == 0) {
-    s_m[warp * ROWS + g] = m_lo;
-    s_m[warp * ROWS + g + 8] = m_hi;
-    s_l[warp * ROWS + g] = l_lo;
-    s_l[warp * ROWS + g + 8] = l_hi;
+    s_m[warp * ROWS + g] = st.m_lo;
+    s_m[warp * ROWS + g + 8] = st.m_hi;
+    s_l[warp * ROWS + g] = st.l_lo;
+    s_l[warp * ROWS + g + 8] = st.l_hi;
   }
   if (ROW_SPLIT) {
     __syncwarp();

@@ -45,7 +45,8 @@ KERNELS = (
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 WARPS = 4
-D64_STAGES = 3  # cp.async ring depth of decode attention at head dim 64 (attention.cu's D64_STAGES)
+RING_STAGES = 3  # slots of attention.cu's cp.async rings (its RING_STAGES); 0: K/V through registers
+D64_DECODE_RING = True  # decode at head dim 64 uses a ring (attention.cu's D64_DECODE_RING)
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
 CHUNK_KEYS = KEYS_PER_ROUND // WARPS  # keys one warp consumes per step (attention.cu's CHUNK)
 MIN_PARTITION = 256  # shortest key range worth a split of its own
@@ -120,13 +121,14 @@ def plan_splits(num_ctas: int, max_context_len: int, partial_row_bytes: int) -> 
     return math.ceil(max(max_context_len, 1) / partition), partition
 
 
-def key_span(max_context_len: int, window: int) -> int:
-    """Most keys one row tile's splits must cover. Without a window, the context. With one, a tile's
-    range starts at its first row's window start rounded down to KEYS_PER_ROUND, and its rows span at
-    most ROWS_PER_TILE positions: window + ROWS_PER_TILE - 1 keys plus up to KEYS_PER_ROUND - 1 of rounding."""
+def key_span(max_context_len: int, window: int, rows_per_range: int = ROWS_PER_TILE) -> int:
+    """Most keys the splits of one key range must cover. A CTA reads the keys of `rows_per_range` rows
+    (one row tile; WARPS tiles when a row-split CTA shares its ring). Without a window, the context. With
+    one, the range starts at its first row's window start rounded down to KEYS_PER_ROUND, and its rows span
+    at most rows_per_range positions: window + rows_per_range - 1 keys plus up to KEYS_PER_ROUND - 1."""
     if window <= 0:
         return max_context_len
-    return min(max_context_len, window + ROWS_PER_TILE - 1 + KEYS_PER_ROUND - 1)
+    return min(max_context_len, window + rows_per_range - 1 + KEYS_PER_ROUND - 1)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -170,7 +172,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     row_split = tiles >= WARPS
     grid_x = math.ceil(tiles / WARPS) if row_split else tiles
     row_bytes = num_tokens * num_heads * head_dim * 4
-    span = key_span(max_context_len, int(window))
+    shared_range = row_split and RING_STAGES > 0  # the CTA's 4 tiles read one key range
+    span = key_span(max_context_len, int(window), ROWS_PER_TILE * (WARPS if shared_range else 1))
     if num_splits is None:
         num_splits, partition = plan_splits(num_seqs * num_kv_heads * grid_x, span, row_bytes)
     else:
@@ -200,11 +203,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 
 
 def ring_bytes(head_dim: int, row_split: bool) -> int:
-    """Dynamic shared memory of an attention launch: the cp.async ring of decode (key-split) CTAs at head
-    dim 64, WARPS x D64_STAGES chunks of 16 keys of K and V; 0 where the kernel keeps K/V in registers."""
-    if head_dim != 64 or row_split or D64_STAGES == 0:
+    """Dynamic shared memory of an attention launch: the cp.async ring, WARPS x RING_STAGES chunks of 16
+    keys of K and V, for row-split CTAs and for decode (key-split) CTAs at head dim 64; 0 where the kernel
+    keeps K/V in registers."""
+    if RING_STAGES == 0 or not (row_split or (head_dim == 64 and D64_DECODE_RING)):
         return 0
-    return WARPS * D64_STAGES * 2 * CHUNK_KEYS * head_dim * 2  # 2 bytes per element
+    return WARPS * RING_STAGES * 2 * CHUNK_KEYS * head_dim * 2  # 2 bytes per element
 
 
 def _attention_kernel(name: str, shared_bytes: int):
