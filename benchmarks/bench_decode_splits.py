@@ -7,7 +7,7 @@ heads, head dim 64, block size 16), context lengths uniform in 100..1900, block 
 Times are medians of CUDA-graph replays (bench_kernels.graph_ms), so launch overhead is excluded.
 
     PYTHONPATH=benchmarks python3 benchmarks/bench_decode_splits.py [--head-dim 64] [--max-context 1900]
-        [--variants stages3 depth2 stages2 stages4 registers] [--splits plan 1 2 4] [--prefill]
+        [--variants default depth2 decode2 prefill3 registers] [--splits plan 1 2 4] [--prefill]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--min-context", type=int, default=100)
     parser.add_argument("--max-context", type=int, default=1900)
-    parser.add_argument("--variants", nargs="+", default=["stages3"], choices=sorted(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
     parser.add_argument("--splits", nargs="+", type=lambda v: None if v == "plan" else int(v),
                         default=[None, 1, 2, 4])
     parser.add_argument("--prefill", action="store_true",
@@ -61,11 +61,11 @@ def main() -> None:
           f"copy {copy:,.0f} GB/s")
     rate = "TFLOP/s" if args.prefill else "GB/s"
     print(f"{'variant':>10}{'splits':>8}{'ms':>9}{rate:>9}{'of copy':>9}{'max|diff|':>11}")
-    original, stages = modules.read_source, launchers.RING_STAGES
+    original, stages = modules.read_source, (launchers.DECODE_RING_STAGES, launchers.PREFILL_RING_STAGES)
     reference = None
     for variant in args.variants:
         modules.read_source = lambda name, v=variant: _patched(original(name), v)
-        launchers.RING_STAGES = VARIANTS[variant][1]
+        launchers.DECODE_RING_STAGES, launchers.PREFILL_RING_STAGES = VARIANTS[variant][1]
         modules.clear_cache()
         for splits in args.splits:
             def run(splits=splits):
@@ -78,28 +78,28 @@ def main() -> None:
             gbs = kv_bytes / ms / 1e6
             figure = f"{flops / ms / 1e9:>9,.0f}{'':>9}" if args.prefill else f"{gbs:>9,.0f}{gbs / copy:>9.1%}"
             print(f"{variant:>10}{'plan' if splits is None else splits:>8}{ms:>9.3f}{figure}{diff:>11.2e}")
-    modules.read_source, launchers.RING_STAGES = original, stages
+    modules.read_source, (launchers.DECODE_RING_STAGES, launchers.PREFILL_RING_STAGES) = original, stages
     modules.clear_cache()
 
 
 # Source variants of cuda/attention.cu, compared in one process (the first is the reference output): a
-# variant is its source patches plus the launchers.RING_STAGES it needs (it sizes the shared-memory ring;
-# the register variants keep the ring's launch size, unused, which leaves their occupancy as it was).
+# variant is its source patches plus the (decode, prefill) ring depths it gives launchers, which size the
+# dynamic shared memory. The register variants keep the rings' launch size, unused (occupancy as before).
 # Measured 2026-11-30 on the H200 (batch 256, contexts 100..1900, plan), register pipeline: depth1
 # 0.198 ms (64.8% of copy), depth2 0.172 ms (74.7%, identical output), depth1 + lb4 0.177 ms (72.4%).
-# The cp.async ring (stagesN) came after; see benchmarks/NOTES.md for its figures.
-_REGISTERS = ("constexpr bool D64_DECODE_RING = true;", "constexpr bool D64_DECODE_RING = false;")
+# The cp.async rings came after; see benchmarks/NOTES.md for their figures.
+_DECODE = "constexpr int DECODE_RING_STAGES = 3;"
+_PREFILL = "constexpr int PREFILL_RING_STAGES = 2;"
 _DEPTH1 = ("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;")
 VARIANTS = {
-    "stages3": ([], 3),
-    "stages2": ([("constexpr int RING_STAGES = 3;", "constexpr int RING_STAGES = 2;")], 2),
-    "stages4": ([("constexpr int RING_STAGES = 3;", "constexpr int RING_STAGES = 4;")], 4),
-    "l2_128": ([("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::128B [")], 3),
-    "l2_256": ([("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::256B [")], 3),
-    "depth2": ([_REGISTERS], 3),
-    "depth1": ([_REGISTERS, _DEPTH1], 3),
-    "lb4": ([_REGISTERS, _DEPTH1, ("__launch_bounds__(128)", "__launch_bounds__(128, 4)")], 3),
-    "registers": ([("constexpr int RING_STAGES = 3;", "constexpr int RING_STAGES = 0;")], 0),  # no ring at all
+    "default": ([], (3, 2)),
+    "decode2": ([(_DECODE, _DECODE.replace("3", "2"))], (2, 2)),
+    "decode4": ([(_DECODE, _DECODE.replace("3", "4"))], (4, 2)),
+    "prefill3": ([(_PREFILL, _PREFILL.replace("2", "3"))], (3, 3)),
+    "l2_128": ([("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::128B [")], (3, 2)),
+    "depth2": ([(_DECODE, _DECODE.replace("3", "0"))], (3, 2)),
+    "depth1": ([(_DECODE, _DECODE.replace("3", "0")), _DEPTH1], (3, 2)),
+    "registers": ([(_DECODE, _DECODE.replace("3", "0")), (_PREFILL, _PREFILL.replace("2", "0"))], (0, 0)),
 }
 
 

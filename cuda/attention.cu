@@ -49,11 +49,13 @@ constexpr int ROWS = 16;   // rows in a warp tile (mma M)
 constexpr int CHUNK = 16;  // keys a warp consumes per step (mma K of the P.V product)
 constexpr int PAD = 4;     // floats of padding per shared-memory row of O (fewer bank conflicts)
 constexpr int D64_PIPELINE_DEPTH = 2;  // register pipeline: chunks of K/V requested ahead at D = 64 (1 or 2)
-// cp.async rings (see attention_impl): RING_STAGES slots, RING_STAGES - 1 of them in flight while the
-// warps compute on one. 0 = registers everywhere. launchers.RING_STAGES must match (it sizes the dynamic
-// shared memory). D64_DECODE_RING: decode at D = 64 takes a ring per warp (false: the register pipeline).
-constexpr int RING_STAGES = 3;
-constexpr bool D64_DECODE_RING = true;
+// cp.async rings (see attention_impl): N slots, N - 1 of them in flight while the warps compute on one;
+// 0 = the register pipeline instead. Decode at D = 64 (a ring per warp; D = 128 decode always uses
+// registers) and row-split CTAs (one shared ring). launchers.py keeps copies of both: they size the
+// dynamic shared memory. Measured on the H200 (benchmarks/NOTES.md): decode 3 slots (2 starve it, 4 cost
+// occupancy); row split 2 (3 slots of D = 128 chunks leave one CTA fewer per SM).
+constexpr int DECODE_RING_STAGES = 3;
+constexpr int PREFILL_RING_STAGES = 2;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -366,9 +368,10 @@ __device__ void attention_impl(const Params<T>& P) {
   // the launcher's ring_bytes), or registers. Decode (KEY_SPLIT) at D = 64: a ring per warp. ROW_SPLIT:
   // one ring per CTA, filled and read by its 4 warps together, so each chunk of K/V is read from memory
   // once per CTA instead of once per warp. D = 128 decode keeps the register pipeline.
-  constexpr bool ASYNC = RING_STAGES > 0 && (ROW_SPLIT || (D == 64 && D64_DECODE_RING));
+  constexpr int RING = ROW_SPLIT ? PREFILL_RING_STAGES : D == 64 ? DECODE_RING_STAGES : 0;
+  constexpr bool ASYNC = RING > 0;
   constexpr bool SHARED = ASYNC && ROW_SPLIT;
-  constexpr int STAGES = ASYNC ? RING_STAGES : 1;
+  constexpr int STAGES = ASYNC ? RING : 1;
   constexpr int CHUNK_PIECES = 2 * CHUNK * D / 8;  // uint4 per staged chunk (K and V)
   // [STAGES][WARPS][CHUNK_PIECES] (SHARED: slot s holds 4 consecutive chunks) or [WARPS][STAGES][...]
   extern __shared__ uint4 ring[];

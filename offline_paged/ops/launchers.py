@@ -45,8 +45,9 @@ KERNELS = (
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 WARPS = 4
-RING_STAGES = 3  # slots of attention.cu's cp.async rings (its RING_STAGES); 0: K/V through registers
-D64_DECODE_RING = True  # decode at head dim 64 uses a ring (attention.cu's D64_DECODE_RING)
+# Slots of attention.cu's cp.async rings (copies of its constants; 0: K/V through registers instead):
+DECODE_RING_STAGES = 3  # decode (key-split) CTAs at head dim 64, a ring per warp
+PREFILL_RING_STAGES = 2  # row-split CTAs, one ring shared by the 4 warps
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
 CHUNK_KEYS = KEYS_PER_ROUND // WARPS  # keys one warp consumes per step (attention.cu's CHUNK)
 MIN_PARTITION = 256  # shortest key range worth a split of its own
@@ -172,7 +173,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     row_split = tiles >= WARPS
     grid_x = math.ceil(tiles / WARPS) if row_split else tiles
     row_bytes = num_tokens * num_heads * head_dim * 4
-    shared_range = row_split and RING_STAGES > 0  # the CTA's 4 tiles read one key range
+    shared_range = row_split and PREFILL_RING_STAGES > 0  # the CTA's 4 tiles read one key range
     span = key_span(max_context_len, int(window), ROWS_PER_TILE * (WARPS if shared_range else 1))
     if num_splits is None:
         num_splits, partition = plan_splits(num_seqs * num_kv_heads * grid_x, span, row_bytes)
@@ -203,12 +204,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 
 
 def ring_bytes(head_dim: int, row_split: bool) -> int:
-    """Dynamic shared memory of an attention launch: the cp.async ring, WARPS x RING_STAGES chunks of 16
-    keys of K and V, for row-split CTAs and for decode (key-split) CTAs at head dim 64; 0 where the kernel
+    """Dynamic shared memory of an attention launch: the cp.async ring, WARPS x stages chunks of 16 keys
+    of K and V, for row-split CTAs and for decode (key-split) CTAs at head dim 64; 0 where the kernel
     keeps K/V in registers."""
-    if RING_STAGES == 0 or not (row_split or (head_dim == 64 and D64_DECODE_RING)):
-        return 0
-    return WARPS * RING_STAGES * 2 * CHUNK_KEYS * head_dim * 2  # 2 bytes per element
+    stages = PREFILL_RING_STAGES if row_split else DECODE_RING_STAGES if head_dim == 64 else 0
+    return WARPS * stages * 2 * CHUNK_KEYS * head_dim * 2  # 2 bytes per element
 
 
 def _attention_kernel(name: str, shared_bytes: int):
