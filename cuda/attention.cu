@@ -56,8 +56,6 @@ constexpr int D64_PIPELINE_DEPTH = 2;  // register pipeline: chunks of K/V reque
 // occupancy); row split 2 (3 slots of D = 128 chunks leave one CTA fewer per SM).
 constexpr int DECODE_RING_STAGES = 3;
 constexpr int PREFILL_RING_STAGES = 2;
-constexpr bool TABLE_AHEAD = true;  // decode ring: read each refill's block-table entry an iteration early
-#define D64_DECODE_MIN_CTAS 4
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -222,11 +220,11 @@ __device__ __forceinline__ int swizzle(int key) { return (((key >> 1) & 3) << 1)
 
 // Request chunk k0's keys and values into `stage` (cp.async, not waited for). Lane i copies pieces
 // i, i + 32, ...: four consecutive keys per instruction at D = 64, each key's D elements contiguous.
-// `base` is chunk_slot(P, table, k0, key_end), read by the caller (ahead of time, where it can).
 template <int D, typename T>
-__device__ __forceinline__ void stage_chunk(const Params<T>& P, const int* table, long long base, int kvh, int k0,
-                                            int key_lo, int key_end, int lane, uint4* stage) {
+__device__ __forceinline__ void stage_chunk(const Params<T>& P, const int* table, int kvh, int k0, int key_lo,
+                                            int key_end, int lane, uint4* stage) {
   constexpr int PIECES = D / 8;
+  const long long base = chunk_slot(P, table, k0, key_end);
 #pragma unroll
   for (int j = 0; j < CHUNK * PIECES / 32; ++j) {
     const int i = lane + 32 * j, key = i / PIECES, col = i % PIECES;
@@ -457,8 +455,7 @@ __device__ void attention_impl(const Params<T>& P) {
     const int my_first = key_lo & ~(CHUNK - 1);  // this tile's first chunk with a key in its window
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      const int k = start_key + s * SLOT_KEYS + warp * CHUNK;
-      stage_chunk<D>(P, table, chunk_slot(P, table, k, range_end), kvh, k, range_lo, range_end, lane,
+      stage_chunk<D>(P, table, kvh, start_key + s * SLOT_KEYS + warp * CHUNK, range_lo, range_end, lane,
                      ring + (s * WARPS + warp) * CHUNK_PIECES);
       cp_async_commit();
     }
@@ -467,8 +464,7 @@ __device__ void attention_impl(const Params<T>& P) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
       const int refill = slot == 0 ? STAGES - 1 : slot - 1;
-      const int k = k_slot + (STAGES - 1) * SLOT_KEYS + warp * CHUNK;
-      stage_chunk<D>(P, table, chunk_slot(P, table, k, range_end), kvh, k, range_lo, range_end, lane,
+      stage_chunk<D>(P, table, kvh, k_slot + (STAGES - 1) * SLOT_KEYS + warp * CHUNK, range_lo, range_end, lane,
                      ring + (refill * WARPS + warp) * CHUNK_PIECES);
       cp_async_commit();  // also when empty (past range_end): the group count stays one per slot
       if (active) {
@@ -490,14 +486,9 @@ __device__ void attention_impl(const Params<T>& P) {
     uint4* my_ring = ring + warp * STAGES * CHUNK_PIECES;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      const int k = first_key + s * stride;
-      stage_chunk<D>(P, table, chunk_slot(P, table, k, key_end), kvh, k, key_lo, key_end, lane,
-                     my_ring + s * CHUNK_PIECES);
+      stage_chunk<D>(P, table, kvh, first_key + s * stride, key_lo, key_end, lane, my_ring + s * CHUNK_PIECES);
       cp_async_commit();
     }
-    // The block-table entry of each refill is read one iteration before its copies are issued: a
-    // cp.async needs its address, so reading it on the spot stalls the warp for a load every chunk.
-    long long ahead = chunk_slot(P, table, first_key + (STAGES - 1) * stride, key_end);
     int slot = 0;
     for (int k0 = first_key; k0 < key_end; k0 += stride) {
       // Chunk k0 has landed once at most STAGES - 2 newer groups are pending; the warp barrier makes every
@@ -506,10 +497,8 @@ __device__ void attention_impl(const Params<T>& P) {
       __syncwarp();
       read_stage<D>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
       const int refill = slot == 0 ? STAGES - 1 : slot - 1;  // the slot read last iteration
-      const int k = k0 + (STAGES - 1) * stride;
-      const long long base = TABLE_AHEAD ? ahead : chunk_slot(P, table, k, key_end);
-      if (TABLE_AHEAD) ahead = chunk_slot(P, table, k + stride, key_end);
-      stage_chunk<D>(P, table, base, kvh, k, key_lo, key_end, lane, my_ring + refill * CHUNK_PIECES);
+      stage_chunk<D>(P, table, kvh, k0 + (STAGES - 1) * stride, key_lo, key_end, lane,
+                     my_ring + refill * CHUNK_PIECES);
       cp_async_commit();  // also when empty (past key_end): the group count stays one per chunk
       slot = slot == STAGES - 1 ? 0 : slot + 1;
       consume_chunk<D, T>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
@@ -600,8 +589,8 @@ __device__ void attention_impl(const Params<T>& P) {
 }  // namespace
 
 // One CTA of 128 threads per (row tile or 4 row tiles, kv head x split, sequence); see the top comment.
-#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, T, SUFFIX, MIN_CTAS)                                             \
-  extern "C" __global__ void __launch_bounds__(128, MIN_CTAS) paged_attention_d##D##_##MODE##_##SUFFIX(     \
+#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, T, SUFFIX)                                                       \
+  extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX(               \
       const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_o, float* partial_ml,           \
       const int* block_tables, const int* context_lens, const int* query_start_loc, int num_tokens,          \
       int num_kv_heads, int group, int block_size, int max_blocks_per_seq, int partition_size,               \
@@ -611,13 +600,11 @@ __device__ void attention_impl(const Params<T>& P) {
                       partition_size, num_splits, scale_log2, block_shift, window};                          \
     attention_impl<D, ROW_SPLIT, T>(p);                                                                      \
   }
-// MIN_CTAS: register caps that keep the rings' CTAs per SM: 4 for decode at D = 64 (128 registers), 3 for
-// row split at D = 128 (its 2-slot ring is 64 KiB; 162 registers, no spills).
-#define DEFINE_ATTENTION_ALL(T, SUFFIX)                                 \
-  DEFINE_ATTENTION(64, keysplit, false, T, SUFFIX, D64_DECODE_MIN_CTAS) \
-  DEFINE_ATTENTION(64, rowsplit, true, T, SUFFIX, 1)                    \
-  DEFINE_ATTENTION(128, keysplit, false, T, SUFFIX, 1)                  \
-  DEFINE_ATTENTION(128, rowsplit, true, T, SUFFIX, 3)
+#define DEFINE_ATTENTION_ALL(T, SUFFIX)            \
+  DEFINE_ATTENTION(64, keysplit, false, T, SUFFIX)  \
+  DEFINE_ATTENTION(64, rowsplit, true, T, SUFFIX)   \
+  DEFINE_ATTENTION(128, keysplit, false, T, SUFFIX) \
+  DEFINE_ATTENTION(128, rowsplit, true, T, SUFFIX)
 DEFINE_ATTENTION_ALL(__half, f16)
 DEFINE_ATTENTION_ALL(bf16_t, bf16)
 
