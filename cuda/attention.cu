@@ -20,18 +20,21 @@
 // form q_len * G "rows" (row f = query token f / G, head kvh * G + f % G): every row of a KV head reads the
 // same keys, so the rows are the M dimension of mma.m16n8k16 and K/V are loaded once for all of them.
 // A warp owns a tile of 16 rows and walks keys 16 at a time: S = Q K^T (two n8 tiles), an online softmax
-// in registers, O += P V. K/V go straight from global memory into mma B fragments; the head-dim
-// permutations that make every lane load 16 contiguous bytes are explained at load_k / load_v.
+// in registers, O += P V. K/V reach the mma B fragments through a cp.async ring in shared memory
+// (decode at D = 64, and every ROW_SPLIT CTA) or straight from global memory into registers (decode at
+// D = 128); the head-dim permutations that make every lane load 16 contiguous bytes are explained at
+// load_keys / load_values, and read_stage takes the same fragments from the ring.
 //
 // Grid: x = row tile (KEY_SPLIT) or group of 4 row tiles (ROW_SPLIT), y = kv_head * num_splits + split,
 //       z = sequence. Block: 128 threads = 4 warps.
 //   KEY_SPLIT (decode and short queries): the 4 warps share one row tile and take interleaved 16-key
 //     chunks of the split's key range; the CTA merges their (max, sum, O) through shared memory.
-//   ROW_SPLIT (long prefill chunks): each warp owns its own row tile and walks all keys of the split.
+//   ROW_SPLIT (long prefill chunks): each warp owns its own row tile and walks all keys of the split; the
+//     4 warps stage the keys of all 4 tiles into one shared ring, so each chunk is read once per CTA.
 // A split is a range of partition_size keys (a multiple of 64). With num_splits > 1 every CTA writes its
 // un-normalised partial O with its (max, sum) and merge_partials combines them (flash-decoding), so one
 // long sequence still spreads over the whole GPU.
-// With a window, a tile's key range starts at the window start of its first row: splits count from
+// With a window, a CTA's key range starts at the window start of its first row: splits count from
 // there (rounded down to a multiple of 64), and a warp starts at the 16-key chunk that holds it, so no
 // key block wholly before the window is read (those blocks may already be freed).
 #include <cuda_fp16.h>

@@ -213,7 +213,7 @@ def ring_bytes(head_dim: int, row_split: bool) -> int:
 
 def _attention_kernel(name: str, shared_bytes: int):
     """The attention kernel, allowed `shared_bytes` of dynamic shared memory (past 48 KiB needs the
-    opt-in attribute; it is set once per kernel and size)."""
+    opt-in attribute: raised the first time a launch asks for more than the kernel allows)."""
     k = _kernel("attention.cu", name)
     if shared_bytes > k.max_dynamic_shared_size_bytes:
         k.max_dynamic_shared_size_bytes = shared_bytes
