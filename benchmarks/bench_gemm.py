@@ -24,9 +24,8 @@ from offline_paged.ops.graphs import CublasGemm
 def projections(preset: str) -> list[tuple[str, int, int]]:
     """(name, K, N) of a layer's four projections and the LM head, for a preset's shape."""
     c = PRESETS[preset]
-    head_dim = c.hidden_size // c.num_attention_heads
-    q_kv = (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
-    return [("qkv", c.hidden_size, q_kv), ("o_proj", c.num_attention_heads * head_dim, c.hidden_size),
+    q_kv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    return [("qkv", c.hidden_size, q_kv), ("o_proj", c.num_attention_heads * c.head_dim, c.hidden_size),
             ("gate_up", c.hidden_size, 2 * c.intermediate_size), ("down", c.intermediate_size, c.hidden_size),
             ("lm_head", c.hidden_size, c.vocab_size)]
 
