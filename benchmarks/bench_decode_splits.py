@@ -8,6 +8,7 @@ Times are medians of CUDA-graph replays (bench_kernels.graph_ms), so launch over
 
     PYTHONPATH=benchmarks python3 benchmarks/bench_decode_splits.py [--head-dim 64] [--max-context 1900]
         [--variants default depth2 decode2 prefill3 registers] [--splits plan 1 2 4] [--prefill]
+        [--order random|longest-first|shortest-first]
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
     parser.add_argument("--splits", nargs="+", type=lambda v: None if v == "plan" else int(v),
                         default=[None, 1, 2, 4])
+    parser.add_argument("--order", choices=("random", "longest-first", "shortest-first"), default="random",
+                        help="the batch's sequence order by context length (the hardware hands CTAs out in "
+                             "launch order, so longest-first is the classic remedy for a ragged last wave)")
     parser.add_argument("--prefill", action="store_true",
                         help="every sequence's whole context is its query (a prefill step: the row-split kernel); "
                              "prints TFLOP/s of the causal products")
@@ -38,6 +42,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     block, d, hkv, h = 16, args.head_dim, args.num_kv_heads, args.num_heads
     lens = rng.integers(args.min_context, args.max_context + 1, args.batch)  # [S]
+    if args.order != "random":
+        lens = np.sort(lens)[::-1].copy() if args.order == "longest-first" else np.sort(lens)
     blocks_per_seq = -(-lens // block)
     num_blocks = int(blocks_per_seq.sum())
     max_blocks = int(-(-args.max_context // block))
