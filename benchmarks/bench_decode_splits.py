@@ -8,7 +8,7 @@ Times are medians of CUDA-graph replays (bench_kernels.graph_ms), so launch over
 
     PYTHONPATH=benchmarks python3 benchmarks/bench_decode_splits.py [--head-dim 64] [--max-context 1900]
         [--variants default depth2 decode2 prefill3 registers] [--splits plan 1 2 4] [--prefill]
-        [--order random|longest-first|shortest-first]
+        [--order random|longest-first|shortest-first|launch-order]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import cupy
 import numpy as np
 from bench_kernels import copy_bandwidth_gbs, graph_ms, random_f16
 
-from offline_paged.ops import launchers, kernel_modules as modules
+from offline_paged.ops import launchers, kernel_modules as modules, step_inputs_launcher
 
 
 def main() -> None:
@@ -32,9 +32,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
     parser.add_argument("--splits", nargs="+", type=lambda v: None if v == "plan" else int(v),
                         default=[None, 1, 2, 4])
-    parser.add_argument("--order", choices=("random", "longest-first", "shortest-first"), default="random",
+    parser.add_argument("--order", choices=("random", "longest-first", "shortest-first", "launch-order"),
+                        default="random",
                         help="the batch's sequence order by context length (the hardware hands CTAs out in "
-                             "launch order, so longest-first is the classic remedy for a ragged last wave)")
+                             "launch order, so longest-first is the classic remedy for a ragged last wave); "
+                             "launch-order: random, launched longest first through the kernel's launch_order "
+                             "(what the decode graphs do)")
     parser.add_argument("--prefill", action="store_true",
                         help="every sequence's whole context is its query (a prefill step: the row-split kernel); "
                              "prints TFLOP/s of the causal products")
@@ -42,7 +45,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     block, d, hkv, h = 16, args.head_dim, args.num_kv_heads, args.num_heads
     lens = rng.integers(args.min_context, args.max_context + 1, args.batch)  # [S]
-    if args.order != "random":
+    if args.order in ("longest-first", "shortest-first"):
         lens = np.sort(lens)[::-1].copy() if args.order == "longest-first" else np.sort(lens)
     blocks_per_seq = -(-lens // block)
     num_blocks = int(blocks_per_seq.sum())
@@ -59,6 +62,10 @@ def main() -> None:
     q = random_f16(int(q_lens.sum()) * h * d).reshape(-1, h, d)
     tables_d, lens_d = cupy.asarray(tables), cupy.asarray(lens.astype(np.int32))
     qsl = cupy.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))  # [S + 1]
+    order = None
+    if args.order == "launch-order":
+        order = cupy.empty(args.batch, dtype=cupy.int32)  # [S]
+        step_inputs_launcher.launch_order(lens_d, order)
     kv_bytes = int(lens.sum()) * hkv * d * 2 * 2  # K and V read once
     flops = 4 * h * d * int((lens * (lens + 1) // 2).sum())  # QK^T and PV over the causal triangle
     copy = copy_bandwidth_gbs()
@@ -76,7 +83,8 @@ def main() -> None:
         for splits in args.splits:
             def run(splits=splits):
                 return launchers.paged_attention(q, k_cache, v_cache, tables_d, lens_d, qsl, int(q_lens.max()),
-                                                 args.max_context, d ** -0.5, num_splits=splits)
+                                                 args.max_context, d ** -0.5, num_splits=splits,
+                                                 launch_order=order)
             out = run()
             reference = out if reference is None else reference
             diff = float(cupy.abs(out.astype(cupy.float32) - reference.astype(cupy.float32)).max())

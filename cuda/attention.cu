@@ -26,7 +26,7 @@
 // load_keys / load_values, and read_stage takes the same fragments from the ring.
 //
 // Grid: x = row tile (KEY_SPLIT) or group of 4 row tiles (ROW_SPLIT), y = kv_head * num_splits + split,
-//       z = sequence. Block: 128 threads = 4 warps.
+//       z = sequence (launch_order[z] when the caller gives an order, else z). Block: 128 threads = 4 warps.
 //   KEY_SPLIT (decode and short queries): the 4 warps share one row tile and take interleaved 16-key
 //     chunks of the split's key range; the CTA merges their (max, sum, O) through shared memory.
 //   ROW_SPLIT (long prefill chunks): each warp owns its own row tile and walks all keys of the split; the
@@ -146,6 +146,7 @@ struct Params {
   const int* block_tables;
   const int* context_lens;
   const int* query_start_loc;
+  const int* launch_order;  // [S]: grid slice z runs sequence launch_order[z]; null: sequence z
   int num_tokens;
   int num_kv_heads;
   int group;
@@ -386,7 +387,7 @@ __device__ void attention_impl(const Params<T>& P) {
   __shared__ float s_m[WARPS * ROWS];
   __shared__ float s_l[WARPS * ROWS];
 
-  const int seq = blockIdx.z;
+  const int seq = P.launch_order ? P.launch_order[blockIdx.z] : blockIdx.z;
   const int kvh = blockIdx.y / P.num_splits;
   const int split = blockIdx.y % P.num_splits;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -595,12 +596,13 @@ __device__ void attention_impl(const Params<T>& P) {
 #define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, T, SUFFIX)                                                       \
   extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX(               \
       const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_o, float* partial_ml,           \
-      const int* block_tables, const int* context_lens, const int* query_start_loc, int num_tokens,          \
-      int num_kv_heads, int group, int block_size, int max_blocks_per_seq, int partition_size,               \
-      int num_splits, float scale_log2, int block_shift, int window) {                                       \
+      const int* block_tables, const int* context_lens, const int* query_start_loc,                          \
+      const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                  \
+      int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,         \
+      int window) {                                                                                          \
     const Params<T> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,           \
-                      query_start_loc, num_tokens, num_kv_heads, group, block_size, max_blocks_per_seq,      \
-                      partition_size, num_splits, scale_log2, block_shift, window};                          \
+                      query_start_loc, launch_order, num_tokens, num_kv_heads, group, block_size,            \
+                      max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window};      \
     attention_impl<D, ROW_SPLIT, T>(p);                                                                      \
   }
 #define DEFINE_ATTENTION_ALL(T, SUFFIX)            \

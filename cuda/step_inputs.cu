@@ -13,6 +13,14 @@
 //   block_tables [b, M] int32 (out): the first ceil((p + 1) / B) entries of the row, zeros after
 //   (padding rows all zeros: they read block 0 slot 0, and their logits are never used).
 //   Grid: x = slot; block: 128 threads striding over M.
+//
+// launch_order
+//   context_lens [n] int32; order [n] int32 (out): the sequence indices by context length, longest first,
+//   ties in index order (a permutation of 0..n-1). Attention runs sequence order[z] as its z-th grid slice:
+//   the hardware hands CTAs out in launch order, so the longest sequences start first and the last wave
+//   holds short ones instead of a random mix that leaves SMs idle behind the longest (a 3.9-wave decode
+//   grid). Thread i counts the sequences ranked before it, O(n^2) over shared-memory tiles (n <= a few
+//   hundred: microseconds). Grid: x = ceil(n / 256); block: 256 threads.
 
 extern "C" __global__ void scatter_table_entries(const int* changes, int* row_tables, int num_changes, int row_width) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -37,4 +45,23 @@ extern "C" __global__ void decode_inputs(const int* slot_rows, const int* positi
     query_start_loc[slot] = slot;
     if (slot == num_slots - 1) query_start_loc[num_slots] = num_slots;
   }
+}
+
+extern "C" __global__ void launch_order(const int* context_lens, int* order, int n) {
+  constexpr int TILE = 256;
+  __shared__ int tile[TILE];
+  const int i = blockIdx.x * TILE + threadIdx.x;
+  const int mine = i < n ? context_lens[i] : 0;
+  int rank = 0;
+  for (int base = 0; base < n; base += TILE) {
+    __syncthreads();  // the previous tile is read by every thread
+    if (base + threadIdx.x < n) tile[threadIdx.x] = context_lens[base + threadIdx.x];
+    __syncthreads();
+    const int count = min(TILE, n - base);
+    for (int k = 0; k < count; ++k) {
+      const int other = tile[k];
+      rank += other > mine || (other == mine && base + k < i);
+    }
+  }
+  if (i < n) order[rank] = i;
 }

@@ -391,6 +391,34 @@ def test_silu_mul_matches_numpy_ops(num_tokens, inter, offset, dtype):
     assert_close(out.get(), ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_launch_order_changes_nothing_but_the_order(head_dim, num_splits, dtype):
+    """A launch order (a random permutation, or the device's longest-first one) gives bit for bit the result
+    of index order, for decode rows and for a mixed prefill/decode batch (the row-split kernel)."""
+    from offline_paged.ops import step_inputs_launcher
+
+    rng = np.random.default_rng(head_dim + (num_splits or 0))
+    for seqs in ([(1, c) for c in (300, 1, 17, 1000, 64, 65, 2, 999)],
+                 [(37, 37), (1, 90), (20, 133), (1, 1), (70, 70)]):
+        case = make_paged_case(rng, seqs, 16, 2, head_dim, 4, dtype=dtype)
+        args = [cupy.asarray(a) for a in case]
+        max_q, max_ctx = max(q for q, _ in seqs), max(c for _, c in seqs)
+        plain = launchers.paged_attention(*args, max_q, max_ctx, 0.125, num_splits=num_splits).get()
+        assert np.abs(plain.astype(np.float32)).max() > 0
+        longest_first = cupy.empty(len(seqs), dtype=cupy.int32)
+        step_inputs_launcher.launch_order(args[4], longest_first)
+        for order in (cupy.asarray(rng.permutation(len(seqs)).astype(np.int32)), longest_first):
+            ordered = launchers.paged_attention(*args, max_q, max_ctx, 0.125, num_splits=num_splits,
+                                                launch_order=order).get()
+            np.testing.assert_array_equal(ordered.view(np.uint16), plain.view(np.uint16))
+    case = make_paged_case(rng, [(1, 5)] * 8, 16, 2, head_dim, 4, dtype=dtype)
+    with pytest.raises(ValueError, match="launch_order must have 8 entries"):
+        launchers.paged_attention(*[cupy.asarray(a) for a in case], 1, 5, 0.125,
+                                  launch_order=cupy.arange(7, dtype=cupy.int32))
+
+
 def test_launchers_say_what_is_wrong():
     q = cupy.zeros((4, 8, 64), dtype=cupy.float32)
     cache = cupy.zeros((4, 16, 2, 64), dtype=cupy.float16)

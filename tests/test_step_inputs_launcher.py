@@ -40,3 +40,22 @@ def test_decode_inputs_kernel_matches_numpy():
         used = min(int(positions[i]) // block_size + 1, width) if real[i] else 0
         np.testing.assert_array_equal(tables[i, :used], row_tables[slot_rows[i], :used])
         assert not tables[i, used:].any()
+
+
+@pytest.mark.parametrize("num_seqs", [1, 7, 256, 257, 600])
+def test_launch_order_is_longest_first_with_ties_in_index_order(num_seqs):
+    """The attention launch order: a stable sort by context length, descending, over several 256-wide tiles,
+    with many ties (lengths drawn from a small range) and padding-like length-1 slots."""
+    rng = np.random.default_rng(num_seqs)
+    lens = rng.integers(1, 40, num_seqs).astype(np.int32)  # [n]
+    lens[rng.random(num_seqs) < 0.2] = 1
+    order = cupy.full(num_seqs, -1, dtype=cupy.int32)
+    step_inputs_launcher.launch_order(cupy.asarray(lens), order)
+    np.testing.assert_array_equal(order.get(), np.argsort(-lens, kind="stable"))
+
+
+def test_launch_order_says_what_is_wrong():
+    with pytest.raises(ValueError, match="order"):
+        step_inputs_launcher.launch_order(cupy.zeros(4, dtype=cupy.int32), cupy.zeros(3, dtype=cupy.int32))
+    with pytest.raises(ValueError, match="context_lens"):
+        step_inputs_launcher.launch_order(cupy.zeros(4, dtype=cupy.int64), cupy.zeros(4, dtype=cupy.int32))

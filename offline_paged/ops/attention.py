@@ -44,6 +44,9 @@ class AttentionMetadata:
     # there). False only where every row is some sequence's query (the decode graphs' buckets, whose
     # padding slots are one-token sequences): the CUDA kernel then writes every row and no zero-fill runs.
     unqueried_rows: bool = True
+    # [S] int32, a permutation of the sequences: the order the CUDA kernel launches them in (longest first,
+    # computed on the device by the decode graphs). None: index order. Only the speed depends on it.
+    launch_order: Any = None
 
     @property
     def num_seqs(self) -> int:

@@ -134,7 +134,7 @@ def key_span(max_context_len: int, window: int, rows_per_range: int = ROWS_PER_T
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                     max_query_len: int, max_context_len: int, scale: float, num_splits: int | None = None,
-                    window: int = 0, zero_fill: bool = True):
+                    window: int = 0, zero_fill: bool = True, launch_order=None):
     """Causal GQA attention of q [T, H, D] against paged K/V [N, B, Hkv, D]; returns out [T, H, D].
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1] and has context_lens[s] cached tokens
@@ -144,7 +144,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     before its window is read (those blocks may be freed). num_splits forces a split count (tests);
     None plans one. q, k_cache and v_cache are float16 or bfloat16, all the same. zero_fill=False skips
     zeroing the output first (a memset per call): only for callers whose every q row belongs to a sequence
-    (query_start_loc[S] == T), else the rows of no sequence come back uninitialised.
+    (query_start_loc[S] == T), else the rows of no sequence come back uninitialised. launch_order [S] int32:
+    a permutation of the sequences, run in that order (longest first balances the last wave of CTAs;
+    step_inputs_launcher.launch_order computes it on the device); None runs them in index order. It changes
+    the speed only, never the result.
     """
     suffix = _element_suffix("q", q)
     _check_array("q", q, q.dtype, 3)
@@ -153,6 +156,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     _check_array("block_tables", block_tables, np.int32, 2)
     _check_array("context_lens", context_lens, np.int32, 1)
     _check_array("query_start_loc", query_start_loc, np.int32, 1)
+    if launch_order is not None:
+        _check_array("launch_order", launch_order, np.int32, 1)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     num_seqs = context_lens.shape[0]
@@ -163,6 +168,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     _require(block_tables.shape[0] == num_seqs, f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
     _require(query_start_loc.shape[0] == num_seqs + 1,
              f"query_start_loc must have {num_seqs + 1} entries, got {query_start_loc.shape[0]}")
+    _require(launch_order is None or launch_order.shape[0] == num_seqs,
+             f"launch_order must have {num_seqs} entries (one per sequence), got "
+             f"{None if launch_order is None else launch_order.shape[0]}")
     _require(max_query_len >= 0 and max_context_len >= 0, "max_query_len / max_context_len must be >= 0")
     _require(isinstance(window, (int, np.integer)) and 0 <= window < 2**30,
              f"window must be an integer in [0, 2**30) (0 = no sliding window), got {window!r}")
@@ -191,6 +199,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     _attention_kernel(name, shared)(
         (grid_x, num_kv_heads * num_splits, num_seqs), (WARPS * 32,),
         (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
+         np.uint64(0) if launch_order is None else launch_order,  # a null pointer: index order
          np.int32(num_tokens), np.int32(num_kv_heads), np.int32(group), np.int32(block_size),
          np.int32(block_tables.shape[1]), np.int32(partition), np.int32(num_splits),
          np.float32(scale * math.log2(math.e)),

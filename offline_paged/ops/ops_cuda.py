@@ -49,7 +49,8 @@ class CudaOps:
         return launchers.paged_attention(
             cupy.ascontiguousarray(q), k_cache, v_cache, _int32(meta.block_tables), _int32(meta.context_lens),
             _int32(meta.query_start_loc), int(meta.max_query_len), int(meta.max_context_len), scale,
-            window=int(sliding_window or 0), zero_fill=meta.unqueried_rows)
+            window=int(sliding_window or 0), zero_fill=meta.unqueried_rows,
+            launch_order=None if meta.launch_order is None else _int32(meta.launch_order))
 
     def logits(self, hidden, lm_head):
         """hidden [K, E] @ lm_head [E, V] -> [K, V] float32: for fp16 and bf16 the GEMM writes its fp32

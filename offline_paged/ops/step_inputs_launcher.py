@@ -13,7 +13,8 @@ from offline_paged.ops.sampling_launcher import _check
 
 SOURCE = "step_inputs.cu"
 # Every (source, entry point) launched here (checked against the compiled source by tests/test_cuda_compile.py).
-KERNELS = (("step_inputs.cu", "scatter_table_entries"), ("step_inputs.cu", "decode_inputs"))
+KERNELS = (("step_inputs.cu", "scatter_table_entries"), ("step_inputs.cu", "decode_inputs"),
+           ("step_inputs.cu", "launch_order"))
 
 
 def _kernel(filename: str, name: str):
@@ -51,3 +52,13 @@ def decode_inputs(slot_rows, positions, writes, row_tables, slot_mapping, contex
             slot_rows, positions, writes, row_tables, np.int32(row_tables.shape[1]), slot_mapping, context_lens,
             query_start_loc, block_tables, np.int32(block_tables.shape[1]), np.int32(block_size),
             np.int32(num_slots)))
+
+
+def launch_order(context_lens, order) -> None:
+    """order [n] int32 (out): the sequences' indices by context_lens [n] int32, longest first, ties in
+    index order (the attention kernel's launch order; see step_inputs.cu)."""
+    _check("context_lens", context_lens, np.int32, (None,))
+    num_seqs = context_lens.shape[0]
+    _check("order", order, np.int32, (num_seqs,))
+    if num_seqs:
+        _kernel(SOURCE, "launch_order")((-(-num_seqs // 256),), (256,), (context_lens, order, np.int32(num_seqs)))

@@ -5,12 +5,14 @@ Legend: S sequences in the step, b bucket size (S rounded up), M max blocks per 
 
 Per bucket b one packed int32 device buffer holds the step's inputs at fixed addresses:
     uploaded: [input ids b | slot rows b | sample positions b | positions b | write flags b]
-    computed: [slot mapping b | context lens b | query_start_loc b + 1 | block tables b*M]
+    computed: [slot mapping b | context lens b | query_start_loc b + 1 | launch order b | block tables b*M]
 A step packs the five uploaded fields on the host (a few ints per sequence), copies them in one H2D copy,
 and `decode_inputs` (cuda/step_inputs.cu) computes the rest on the device from a device mirror of the
 runner's BlockTableRows [R, Mr], kept current by the entries that changed (`take_changes`: a new block
 per sequence every B steps, copy-on-write replacements); a new generation of the rows (more rows or
-columns) is copied whole. Then the graph captured for b is launched. Slots S..b are padding: slot row
+columns) is copied whole. `launch_order` (the same file) then ranks the slots by context length, longest
+first: attention launches its CTAs in that order, which evens out the grid's last wave. Then the graph
+captured for b is launched. Slots S..b are padding: slot row
 -1, token 0 at position 0, slot -1 (no KV write), context len 1 reading block 0 slot 0 (whatever is
 there; their logits are never read).
 
@@ -68,7 +70,7 @@ class _Bucket:
         self.size = size
         self.max_blocks = max_blocks
         self.host = np.zeros(self.NUM_UPLOADED * size, dtype=np.int32)  # the uploaded fields (host)
-        self.device = cupy.zeros(8 * size + 1 + size * max_blocks, dtype=cupy.int32)  # the layout above
+        self.device = cupy.zeros(9 * size + 1 + size * max_blocks, dtype=cupy.int32)  # the layout above
         self.graph = None
         self.logits = None  # [b, V] float32, written by every replay
         self.sample_graph = None  # captured on the first sampled replay; dropped when the row buffers move
@@ -81,12 +83,13 @@ class _Bucket:
         return tuple(packed[i * b:(i + 1) * b] for i in range(self.NUM_UPLOADED))
 
     def views(self, packed):
-        """(input ids, positions, slot mapping, context lens, query_start_loc, block tables) of `packed`."""
+        """(input ids, positions, slot mapping, context lens, query_start_loc, launch order, block tables)
+        of `packed`."""
         b = self.size
         ids, _, _, pos, _ = self.uploaded(packed)
         slots, ctx = packed[5 * b:6 * b], packed[6 * b:7 * b]
-        qsl = packed[7 * b:8 * b + 1]
-        return ids, pos, slots, ctx, qsl, packed[8 * b + 1:].reshape(b, self.max_blocks)
+        qsl, order = packed[7 * b:8 * b + 1], packed[8 * b + 1:9 * b + 1]
+        return ids, pos, slots, ctx, qsl, order, packed[9 * b + 1:].reshape(b, self.max_blocks)
 
     def sampling_views(self, packed):
         """(slot rows [b], sample positions [b]) of `packed`."""
@@ -198,11 +201,13 @@ class DecodeGraphs:
         return bucket, bucket.logits
 
     def _decode_inputs(self, bucket: _Bucket) -> None:
-        """Slot mapping, context lens, query_start_loc and block tables of the bucket, on the device."""
+        """Slot mapping, context lens, query_start_loc, launch order and block tables of the bucket, on the
+        device."""
         _, rows, _, pos, write = bucket.uploaded(bucket.device)
-        _, _, slots, ctx, qsl, tables = bucket.views(bucket.device)
+        _, _, slots, ctx, qsl, order, tables = bucket.views(bucket.device)
         row_tables = self._row_tables if self._row_tables is not None else cupy.zeros((1, 1), dtype=cupy.int32)
         step_kernels.decode_inputs(rows, pos, write, row_tables, slots, ctx, qsl, tables, self.block_size)
+        step_kernels.launch_order(ctx, order)
 
     def _sync_tables(self, table_rows) -> None:
         """Bring the device mirror of table_rows.tables up to date: the changed entries, or all of it
@@ -296,10 +301,10 @@ class DecodeGraphs:
     def _forward(self, bucket: _Bucket):
         """Llama.forward for one token per row through the capture-safe GEMM: every row's logits
         [b, V] float32, no host sync (attention plans its splits for the static max_model_len)."""
-        ids, pos, slots, ctx, qsl, tables = bucket.views(bucket.device)
+        ids, pos, slots, ctx, qsl, order, tables = bucket.views(bucket.device)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx,
                                  query_start_loc=qsl, max_query_len=1, max_context_len=self.max_model_len,
-                                 unqueried_rows=False)
+                                 unqueried_rows=False, launch_order=order)
         return self.model.forward(ids, pos, self.kv_cache, meta, None, matmul=self._gemm,
                                   logits_matmul=self._logits_gemm)
 
