@@ -62,11 +62,15 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _check_array(name: str, a, dtype, ndim: int, contiguous: bool = True) -> None:
-    _require(isinstance(a, cupy.ndarray), f"{name} must be a cupy.ndarray, got {type(a).__name__}")
-    _require(a.dtype == np.dtype(dtype), f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
-    _require(a.ndim == ndim, f"{name} must have {ndim} dims, got shape {a.shape}")
-    if contiguous:
-        _require(a.flags.c_contiguous, f"{name} must be C-contiguous (shape {a.shape}, strides {a.strides})")
+    """Messages are formatted only on failure (eager steps check a few arrays per kernel launch)."""
+    if not isinstance(a, cupy.ndarray):
+        raise ValueError(f"{name} must be a cupy.ndarray, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {a.shape}")
+    if contiguous and not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (shape {a.shape}, strides {a.strides})")
 
 
 def _element_suffix(name: str, a) -> str:

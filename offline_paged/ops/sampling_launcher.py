@@ -32,18 +32,17 @@ def _kernel(filename: str, name: str):
     return kernel(filename, name)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def _check(name: str, a, dtype, shape: tuple) -> None:
-    """`a` is a C-contiguous cupy array of `dtype`; `shape` entries of None match any size."""
-    _require(isinstance(a, cupy.ndarray), f"{name} must be a cupy.ndarray, got {type(a).__name__}")
-    _require(a.dtype == np.dtype(dtype), f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
-    _require(a.ndim == len(shape) and all(w is None or w == s for w, s in zip(shape, a.shape)),
-             f"{name} must have shape {tuple('*' if w is None else w for w in shape)}, got {a.shape}")
-    _require(a.flags.c_contiguous, f"{name} must be C-contiguous (shape {a.shape}, strides {a.strides})")
+    """`a` is a C-contiguous cupy array of `dtype`; `shape` entries of None match any size. (Called a dozen
+    times per decode step: the messages are formatted only on failure.)"""
+    if not isinstance(a, cupy.ndarray):
+        raise ValueError(f"{name} must be a cupy.ndarray, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
+    if a.ndim != len(shape) or any(w is not None and w != s for w, s in zip(shape, a.shape)):
+        raise ValueError(f"{name} must have shape {tuple('*' if w is None else w for w in shape)}, got {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (shape {a.shape}, strides {a.strides})")
 
 
 def prepare_rows(logits, rows, adjusted, raw_stats) -> None:
