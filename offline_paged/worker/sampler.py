@@ -37,9 +37,10 @@ class SamplingRequest:
     output_token_ids: Sequence[int]
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class SampleResult:
-    """The chosen token, its raw log-probability, and the raw top-k (None unless asked)."""
+    """The chosen token, its raw log-probability, and the raw top-k (None unless asked). Not frozen: one is
+    built per sequence per step, and a frozen dataclass's __init__ costs three times as much."""
 
     token_id: int
     logprob: float
