@@ -218,6 +218,8 @@ class Scheduler:
         raise RuntimeError(f"sequence {seq.seq_id} is not in the running queue")
 
     def _schedule_swapped(self, plan: _StepPlan) -> None:
+        if not self.swapped:
+            return  # the usual case: skip counting the running queue's occupancy (O(running))
         occupancy = _Occupancy(self.running)
         while self.swapped and plan.budget > 0:
             seq = self.swapped.head()
@@ -246,6 +248,8 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        if not self.waiting:
+            return  # as in _schedule_swapped: no occupancy count when nothing waits
         occupancy = _Occupancy(self.running)
         while self.waiting and plan.budget > 0:
             seq = self.waiting.head()
