@@ -13,7 +13,8 @@ runs; --clock cpu times with this thread's CPU clock instead of the wall clock, 
 disturbs less (time the process spends waiting for a core is not counted).
 --graphs times the CUDA-graph decode path instead (the GPU bench's default): decode steps go through a
 HostOnlyDecodeGraphs that does DecodeGraphs' host part (the five-int-per-slot pack, the block-table change
-feed, the dirty sampling rows) and samples in the "graph" (no eager sampler packing on those steps).
+feed, the dirty sampling rows) and samples in the "graph" (no eager sampler packing on those steps); its
+samples are unpacked by gpu_sampler._results, as PendingSamples.of_graph's are.
 """
 from __future__ import annotations
 
@@ -81,13 +82,29 @@ class HostOnlySampler:
         return mod._results(host, top_ks, asking, k_max, [r.params.logprobs is not None for r in requests])
 
 
+class HostOnlyGraphSamples:
+    """PendingSamples.of_graph's host part: results() unpacks a downloaded [S, 2] (token 7, logprob -1.0)
+    with gpu_sampler._results, as on the device."""
+
+    def __init__(self, gpu_sampler, num_seqs: int) -> None:
+        self._mod, self._num_seqs = gpu_sampler, num_seqs
+        self.token_ids = np.full(num_seqs, 7, dtype=np.int32)  # [S]
+
+    def results(self) -> list[SampleResult]:
+        host = np.tile(np.array([7.0, -1.0]), self._num_seqs)  # [S * 2] float64 (token id, logprob)
+        num_seqs = self._num_seqs
+        return self._mod._results(host, np.zeros(num_seqs, np.int64), np.zeros(0, np.int64), 0,
+                                  [False] * num_seqs)
+
+
 class HostOnlyDecodeGraphs:
     """DecodeGraphs' host-side work per replay, without a device (cuda_graph_runner.py: _Bucket.pack,
     _sync_tables, _sync_rows); logits are zeros and every graph-sampled token is 7."""
 
     buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-    def __init__(self, vocab: int, block_size: int, max_model_len: int) -> None:
+    def __init__(self, vocab: int, block_size: int, max_model_len: int, gpu_sampler) -> None:
+        self.gpu_sampler = gpu_sampler
         self.vocab, self.max_model_len = vocab, max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self._hosts = {b: np.zeros(5 * b, dtype=np.int32) for b in self.buckets}
@@ -116,7 +133,7 @@ class HostOnlyDecodeGraphs:
             np.concatenate([dirty.astype(np.uint64), sampling_rows.seeds[dirty],
                             sampling_rows.params[dirty].ravel().view(np.uint64)])
         logits = self.run(input_ids, positions, slot_rows, writes, table_rows, timer, fill, sample_positions)
-        return logits, ReadySamples([SampleResult(7, -1.0, None)] * len(slot_rows))
+        return logits, HostOnlyGraphSamples(self.gpu_sampler, len(slot_rows))
 
 
 def build_engine(num_requests: int, graphs: bool = False):
@@ -132,9 +149,11 @@ def build_engine(num_requests: int, graphs: bool = False):
         return np.zeros((len(logits_indices), vocab), dtype=np.float32)  # [K, V]
 
     runner.model.forward = forward
-    runner.gpu_sampler = HostOnlySampler(_gpu_sampler_host_part())
+    gpu_sampler = _gpu_sampler_host_part()
+    runner.gpu_sampler = HostOnlySampler(gpu_sampler)
     if graphs:
-        runner.attach_decode_graphs(HostOnlyDecodeGraphs(vocab, config.block_size, config.max_model_len))
+        runner.attach_decode_graphs(HostOnlyDecodeGraphs(vocab, config.block_size, config.max_model_len,
+                                                         gpu_sampler))
     return engine
 
 
