@@ -39,9 +39,12 @@ from offline_paged.core.seq_queue import SeqQueue
 from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledSequence:
-    """One sequence's share of a step: compute tokens [start, start + num_new_tokens)."""
+    """One sequence's share of a step: compute tokens [start, start + num_new_tokens). Read-only once built.
+
+    Not frozen on purpose: a frozen dataclass's __init__ sets every field through object.__setattr__,
+    about 4x the cost of a plain one, and a step builds one of these per running sequence."""
 
     seq: Sequence
     start: int
