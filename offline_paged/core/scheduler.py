@@ -187,9 +187,14 @@ class Scheduler:
             self._schedule_waiting(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decoding + prefilling:
+        decoding, prefilling = [], []
+        for seq in self.running:
+            num_uncomputed = seq.num_uncomputed_tokens
+            if num_uncomputed == 1:
+                decoding.append(seq)
+            elif num_uncomputed > 1:
+                prefilling.append(seq)
+        for seq in itertools.chain(decoding, prefilling):
             if plan.budget == 0:
                 return
             if seq.num_pending_tokens and self._ends_with_pending_token(seq):
@@ -283,28 +288,30 @@ class Scheduler:
         self.running.insert(seq)
 
     def _schedule(self, seq: Sequence, plan: _StepPlan) -> None:
-        start = seq.num_computed_tokens
-        num_new = min(seq.num_uncomputed_tokens, plan.budget)
+        start, num_tokens = seq.num_computed_tokens, seq.num_tokens
+        num_new = min(num_tokens - start, plan.budget)
         plan.budget -= num_new
-        done = start + num_new == seq.num_tokens
+        end = start + num_new
         group = seq.group
-        num_samples = (group.num_samples if group.needs_fork else 1) if done else 0
+        num_samples = 0  # the prefill is unfinished
+        if end == num_tokens:
+            num_samples = group.num_samples if group.needs_fork else 1
+        prompt_logprobs = None
+        if group.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
+            prompt_logprobs = group.params.prompt_logprobs
         plan.scheduled_ids.add(seq.seq_id)
-        plan.scheduled.append(ScheduledSequence(
-            seq=seq, start=start, num_new_tokens=num_new,
-            block_table=self.block_manager.block_table(seq.seq_id), num_samples=num_samples,
-            prompt_logprobs=(group.params.prompt_logprobs
-                             if group.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1 else None),
-            sample_position=seq.num_output_tokens,
+        plan.scheduled.append(ScheduledSequence(  # positional: a keyword call costs twice as much here
+            seq, start, num_new, self.block_manager.block_table(seq.seq_id), num_samples, prompt_logprobs,
+            seq.num_output_tokens,  # sample_position
         ))
-        seq.num_computed_tokens = start + num_new  # computed by this step (or the KV is in flight)
+        seq.num_computed_tokens = end  # computed by this step (or the KV is in flight)
         if num_samples and group.beam is None:
             seq.num_pending_tokens += 1  # a beam's token goes to its children, never to itself
         # Each layer writes the whole batch's K/V before any attention reads it, so the blocks this
         # step fills may be reused by a prompt admitted later in the same step: a batch job's shared
         # system prompt is computed once, not once per request of the first step. Blocks holding a
         # pending token are registered when the token is known (record_computed).
-        self._register_computed(seq, start + num_new)
+        self._register_computed(seq, end)
 
     # ----------------------------------------------------------------- preemption
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
@@ -352,7 +359,7 @@ class Scheduler:
 
     def _register_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Prefix-cache registration of seq's computed positions whose tokens are known."""
-        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, min(num_computed_tokens, seq.num_known_tokens))
+        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, min(num_computed_tokens, len(seq.token_ids)))
 
     def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """seq is done: its blocks go back at once."""
