@@ -122,6 +122,10 @@ class BlockManager:
         """Token positions of the sequence that have a reserved slot."""
         return self._get(seq_id).num_slots
 
+    def num_registered_blocks(self, seq_id: int) -> int:
+        """Leading full blocks of the sequence already offered to the prefix cache (``mark_computed``)."""
+        return self._get(seq_id).num_registered
+
     def is_swapped(self, seq_id: int) -> bool:
         return self._get(seq_id).swapped
 

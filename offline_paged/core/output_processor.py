@@ -36,7 +36,7 @@ class OutputProcessor:
             seq = item.seq
             if seq.is_finished:
                 continue  # finished (or aborted) while this lookahead step ran: its token is dropped
-            self.scheduler.record_computed(seq, item.start + item.num_new_tokens)
+            self.scheduler.record_computed(item)
             if result.prompt_logprobs is not None:
                 _extend_prompt_logprobs(seq.group, item.start, result.prompt_logprobs)
             if len(result.samples) != item.num_samples:

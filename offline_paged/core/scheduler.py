@@ -53,6 +53,9 @@ class ScheduledSequence:
     num_samples: int  # 0 while the prefill is unfinished, else 1, or the request's n to fork
     prompt_logprobs: int | None  # top-k for this chunk's prompt logprobs; None = not wanted
     sample_position: int  # output position of the token(s) sampled from this row
+    # Positions below this had known tokens when the step was scheduled, and their full blocks were offered
+    # to the prefix cache then; the rest (a pending input token) are offered by record_computed. 0: none were.
+    registered_end: int = 0
 
     @property
     def num_skip_write(self) -> int:
@@ -300,9 +303,10 @@ class Scheduler:
         if group.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
             prompt_logprobs = group.params.prompt_logprobs
         plan.scheduled_ids.add(seq.seq_id)
+        registered_end = min(end, len(seq.token_ids))  # positions whose tokens are known
         plan.scheduled.append(ScheduledSequence(  # positional: a keyword call costs twice as much here
             seq, start, num_new, self.block_manager.block_table(seq.seq_id), num_samples, prompt_logprobs,
-            seq.num_output_tokens,  # sample_position
+            seq.num_output_tokens, registered_end,  # sample_position, registered_end
         ))
         seq.num_computed_tokens = end  # computed by this step (or the KV is in flight)
         if num_samples and group.beam is None:
@@ -311,7 +315,7 @@ class Scheduler:
         # step fills may be reused by a prompt admitted later in the same step: a batch job's shared
         # system prompt is computed once, not once per request of the first step. Blocks holding a
         # pending token are registered when the token is known (record_computed).
-        self._register_computed(seq, end)
+        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, registered_end)
 
     # ----------------------------------------------------------------- preemption
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
@@ -350,16 +354,22 @@ class Scheduler:
         return False
 
     # ----------------------------------------------------------------- the output processor's seam
-    def record_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """A step computed seq's positions below `num_computed_tokens`: register the full blocks whose
-        tokens are now known with the prefix cache. Nothing to do for a sequence preempted or swapped
-        out since that step was scheduled (async scheduling)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self._register_computed(seq, num_computed_tokens)
+    def record_computed(self, item: ScheduledSequence) -> None:
+        """The step computed item's positions: register the full blocks whose tokens are now known with
+        the prefix cache. Nothing to do for a sequence preempted or swapped out since that step was
+        scheduled (async scheduling).
 
-    def _register_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Prefix-cache registration of seq's computed positions whose tokens are known."""
-        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, min(num_computed_tokens, len(seq.token_ids)))
+        _schedule registered the blocks below item.registered_end already, and a sequence's registration
+        only starts over after it leaves RUNNING (swap-out, free), which makes it skip here; so only a
+        block ending in (registered_end, end] can be new. Usually there is none: a synchronous step
+        knew all its tokens (registered_end = end), and an async decode step starts on its pending token
+        (registered_end = start), so a block ends there once every block_size steps."""
+        end = item.start + item.num_new_tokens
+        if end // self.block_manager.block_size == item.registered_end // self.block_manager.block_size:
+            return
+        seq = item.seq
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.mark_computed(seq.seq_id, seq.token_ids, min(end, len(seq.token_ids)))
 
     def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """seq is done: its blocks go back at once."""
