@@ -42,7 +42,8 @@ class LaunchedStep:
     output: Any  # the SchedulerOutput it runs
     samples: Any  # ReadySamples or gpu_sampler.PendingSamples: token_ids [R] (device) and results()
     sample_index: dict[int, int]  # seq id -> index in samples.token_ids of the token it will append
-    owners: list[int]  # per sampling request: index of its scheduled sequence
+    owners: list[int] | None  # per sampling request: index of its scheduled sequence; None: request i is
+    #                           sequence i's only sample (every sequence draws one: the decode graph's samples)
     prompt_logprobs: list  # per scheduled sequence: entries or None (computed at launch)
     forward_timer: DeviceTimer | None
     used_cuda_graph: bool
@@ -51,9 +52,13 @@ class LaunchedStep:
     def wait(self) -> ExecuteOutput:
         """The step's results on the host (waits for the device once; later calls return the same)."""
         if self._done is None:
-            per_seq: list[list] = [[] for _ in self.output.scheduled]
-            for owner, sample in zip(self.owners, self.samples.results()):
-                per_seq[owner].append(sample)
-            results = [SequenceResult(samples, prompt) for samples, prompt in zip(per_seq, self.prompt_logprobs)]
+            if self.owners is None:
+                results = [SequenceResult([sample], prompt)
+                           for sample, prompt in zip(self.samples.results(), self.prompt_logprobs)]
+            else:
+                per_seq: list[list] = [[] for _ in self.output.scheduled]
+                for owner, sample in zip(self.owners, self.samples.results()):
+                    per_seq[owner].append(sample)
+                results = [SequenceResult(samples, prompt) for samples, prompt in zip(per_seq, self.prompt_logprobs)]
             self._done = ExecuteOutput(results, self.forward_timer, self.used_cuda_graph)
         return self._done

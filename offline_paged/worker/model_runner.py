@@ -130,8 +130,7 @@ class ModelRunner:
                 if timer is not None:
                     timer.stop()
                 sample_index = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
-                return LaunchedStep(output, graph_samples, sample_index, list(range(len(offsets))),
-                                    [None] * len(offsets), timer, True)
+                return LaunchedStep(output, graph_samples, sample_index, None, [None] * len(offsets), timer, True)
         else:
             packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
             if self.mirror is not None:  # the other ranks rebuild the block tables from their row mirrors
