@@ -48,8 +48,9 @@ class StatsTracker:
         in_use = manager.num_gpu_blocks - manager.num_free_blocks
         return manager.slot_utilization(), in_use / manager.num_gpu_blocks
 
-    def record_postprocess(self, output, results) -> None:
-        self.num_generated_tokens += sum(len(r.samples) for r in results)
+    def record_postprocess(self, num_samples: int) -> None:
+        """After a step's results are processed: num_samples tokens were sampled (dropped lookahead ones too)."""
+        self.num_generated_tokens += num_samples
 
     def record_finished(self, group: SequenceGroup) -> None:
         self.num_requests_finished += 1

@@ -207,8 +207,9 @@ class Scheduler:
 
     def _ends_with_pending_token(self, seq: Sequence) -> bool:
         """Whether the token still pending will make seq stop by length (max_tokens, max_model_len)."""
-        return (seq.num_output_tokens >= seq.group.params.max_tokens
-                or (self.max_model_len is not None and seq.num_tokens >= self.max_model_len))
+        num_tokens = seq.num_tokens
+        return (num_tokens - seq.num_prompt_tokens >= seq.group.params.max_tokens  # num_output_tokens
+                or (self.max_model_len is not None and num_tokens >= self.max_model_len))
 
     def _reserve_slots(self, seq: Sequence, plan: _StepPlan) -> bool:
         """Reserve KV slots for all of seq's tokens, preempting the youngest running sequences
@@ -254,7 +255,8 @@ class Scheduler:
         copies = self.block_manager.try_append_slots(seq.seq_id, needed)
         if copies is None:
             return False
-        plan.copies += copies
+        if copies:
+            plan.copies += copies
         seq.num_slots += needed
         return True
 
@@ -306,7 +308,7 @@ class Scheduler:
         registered_end = min(end, len(seq.token_ids))  # positions whose tokens are known
         plan.scheduled.append(ScheduledSequence(  # positional: a keyword call costs twice as much here
             seq, start, num_new, self.block_manager.block_table(seq.seq_id), num_samples, prompt_logprobs,
-            seq.num_output_tokens, registered_end,  # sample_position, registered_end
+            num_tokens - seq.num_prompt_tokens, registered_end,  # sample_position (num_output_tokens), registered_end
         ))
         seq.num_computed_tokens = end  # computed by this step (or the KV is in flight)
         if num_samples and group.beam is None:
