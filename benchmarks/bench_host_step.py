@@ -8,6 +8,7 @@ sampler's kernels are stubbed out, so what is timed is the Python the GPU path r
 The workload is the `bench` random one scaled down in output length: prompts 100..1024, every request
 decodes exactly --output-len tokens, max_num_batched_tokens 8192, so most steps are 256-sequence
 decodes like the H200 run's. Prints mean ms per step for the whole step and for each part.
+The engine schedules asynchronously, as on the GPU (--sync: the synchronous loop, the CPU default).
 --repeat N runs the whole workload N times (a fresh engine each) and prints each figure's median over the
 runs; --clock cpu times with this thread's CPU clock instead of the wall clock, which a shared, busy host
 disturbs less (time the process spends waiting for a core is not counted).
@@ -136,11 +137,11 @@ class HostOnlyDecodeGraphs:
         return logits, HostOnlyGraphSamples(self.gpu_sampler, len(slot_rows))
 
 
-def build_engine(num_requests: int, graphs: bool = False):
+def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool = True):
     tiny = dummy_model("tiny")  # 2 layers, hidden 64: the host's share of a step is what is measured
     model = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, max_position_embeddings=4096))
     config = EngineConfig(device="cpu", num_kv_blocks=num_requests * 2200 // 16 + 64, max_num_seqs=256,
-                          max_num_batched_tokens=8192, max_model_len=4096)
+                          max_num_batched_tokens=8192, max_model_len=4096, async_scheduling=async_scheduling)
     engine = LLMEngine(config, loaded_model=model)
     runner = engine.runner
     vocab = model.config.vocab_size
@@ -180,7 +181,7 @@ class Timer:
 
 def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[str, float]]:
     """(steps, {label: seconds}) of one pass over the workload: "whole step" and each timed part."""
-    engine = build_engine(args.num_requests, args.graphs)
+    engine = build_engine(args.num_requests, args.graphs, async_scheduling=not args.sync)
     clock = CLOCKS[args.clock]
     timer = Timer(clock)
     timer.wrap(engine.scheduler, "schedule", "schedule")
@@ -212,6 +213,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--graphs", action="store_true", help="time the CUDA-graph decode path's host part")
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile by own time")
+    parser.add_argument("--sync", action="store_true",
+                        help="the synchronous loop (the CPU engine's default); by default the engine schedules "
+                             "asynchronously, as on the GPU (decode inputs pending, results processed a step late)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of the whole workload; medians are printed")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: perf_counter; cpu: this thread's CPU time")
