@@ -163,26 +163,30 @@ class BlockManager:
         before index num_slots // B is full. The other entries ("tails"; one per sequence in the paged layout)
         may be part-filled; a shared block takes the fill of its fullest holder, so a tail block is counted
         part-filled only when every one of its references (its ref count) is a tail entry, and then with
-        the largest tail fill.
+        the largest tail fill. An unshared tail block (the usual case) is therefore counted at once.
         """
         held = self.gpu_allocator.num_blocks - self.gpu_allocator.num_free_blocks
         if held == 0:
             return 0.0
-        bs = self.block_size
-        tails: dict[BlockId, list[int]] = {}  # block id -> [largest fill among tail entries, tail entries]
+        bs, is_shared = self.block_size, self.gpu_allocator.is_shared
+        empty = 0  # reserved-but-empty slots of held blocks
+        shared_tails: dict[BlockId, list[int]] = {}  # block id -> [largest fill among tail entries, tail entries]
         for seq in self._seqs.values():
             if seq.swapped:
                 continue
             table, num_slots = seq.block_table, seq.num_slots
             for i in range(num_slots // bs, len(table)):
-                fill = max(num_slots - i * bs, 0)
-                entry = tails.get(table[i])
+                block_id, fill = table[i], max(num_slots - i * bs, 0)
+                if not is_shared(block_id):  # its one reference is this tail entry
+                    empty += bs - fill
+                    continue
+                entry = shared_tails.get(block_id)
                 if entry is None:
-                    tails[table[i]] = [fill, 1]
+                    shared_tails[block_id] = [fill, 1]
                 else:
                     entry[0], entry[1] = max(entry[0], fill), entry[1] + 1
         ref_count = self.gpu_allocator.ref_count
-        empty = sum(bs - fill for block_id, (fill, count) in tails.items() if count == ref_count(block_id))
+        empty += sum(bs - fill for block_id, (fill, count) in shared_tails.items() if count == ref_count(block_id))
         return (held * bs - empty) / (held * bs)
 
     @property
