@@ -177,16 +177,20 @@ def input_tokens(item) -> list[int]:
 def pending_inputs(scheduled, previous, upload):
     """None when every input token is known; else a function that writes the pending ones into a step's
     device input ids [T] (or [b] for a graph bucket), gathered from `previous`'s sampled ids."""
+    sample_index = {} if previous is None else previous.sample_index
     token_index, dst, src = 0, [], []
     for item in scheduled:
+        start, num_new, seq_id = item.start, item.num_new_tokens, item.seq.seq_id
         known = len(item.seq.token_ids)
-        for position in range(max(item.start, known), item.start + item.num_new_tokens):
-            if position != known or previous is None or item.seq.seq_id not in previous.sample_index:
-                raise RuntimeError(f"sequence {item.seq.seq_id}: input token at {position} is pending "
+        if start + num_new > known:  # pending: only position `known` can be, sampled by `previous`
+            index = sample_index.get(seq_id)
+            position = start if start > known else known if index is None else known + 1
+            if start > known or index is None or start + num_new > known + 1:
+                raise RuntimeError(f"sequence {seq_id}: input token at {position} is pending "
                                    "but no launched step samples it")
-            dst.append(token_index + position - item.start)
-            src.append(previous.sample_index[item.seq.seq_id])
-        token_index += item.num_new_tokens
+            dst.append(token_index + known - start)
+            src.append(index)
+        token_index += num_new
     if not dst:
         return None
     indices = upload(np.asarray(dst + src, dtype=np.int32))  # [2n] int32 (device)
