@@ -71,12 +71,19 @@ class BlockTableRows:
             self._sources[row] = table
             self._widen(num_entries)
             self.tables[row, num_entries:] = 0
-        # The blocks this step writes may have been replaced by copy-on-write since the last sync.
-        bs, tables = self.block_size, self.tables
-        for col in range(min(start // bs, synced), min((start + max(num_new, 1) - 1) // bs + 1, synced)):
-            if tables.item(row, col) != table[col]:  # usually one block (item(): a Python int, no numpy scalar)
-                tables[row, col] = table[col]
+        # The blocks this step writes may have been replaced by copy-on-write since the last sync (item(): a
+        # Python int, no numpy scalar). A decode writes one block: the loop's range, without building one.
+        bs = self.block_size
+        if num_new == 1:
+            col = start // bs
+            if col < synced and self.tables.item(row, col) != table[col]:
+                self.tables[row, col] = table[col]
                 self._record(row, col, col + 1)
+        else:
+            for col in range(min(start // bs, synced), min((start + max(num_new, 1) - 1) // bs + 1, synced)):
+                if self.tables.item(row, col) != table[col]:
+                    self.tables[row, col] = table[col]
+                    self._record(row, col, col + 1)
         if num_entries > synced:
             self._widen(num_entries)
             self.tables[row, synced:num_entries] = table[synced:num_entries]
