@@ -37,9 +37,10 @@ class SamplingRequest:
     output_token_ids: Sequence[int]
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class SampleResult:
-    """The chosen token, its raw log-probability, and the raw top-k (None unless asked)."""
+    """The chosen token, its raw log-probability, and the raw top-k (None unless asked). Read-only once built
+    (not frozen: one is built per sampled row per step, and a frozen __init__ costs about 4x a plain one)."""
 
     token_id: int
     logprob: float
