@@ -308,7 +308,7 @@ class Scheduler:
         registered_end = min(end, len(seq.token_ids))  # positions whose tokens are known
         plan.scheduled.append(ScheduledSequence(  # positional: a keyword call costs twice as much here
             seq, start, num_new, self.block_manager.block_table(seq.seq_id), num_samples, prompt_logprobs,
-            num_tokens - seq.num_prompt_tokens, registered_end,  # sample_position (num_output_tokens), registered_end
+            num_tokens - seq.num_prompt_tokens, registered_end,  # sample_position (= num_output_tokens)
         ))
         seq.num_computed_tokens = end  # computed by this step (or the KV is in flight)
         if num_samples and group.beam is None:

@@ -4,8 +4,9 @@
   mapping, context lengths, query_start_loc, logits rows and block tables (gathered from the persistent
   BlockTableRows) into one int32 array and uploads it once (`StepUpload`).
 - Decode-only steps replayed from CUDA graphs: `decode_columns` gives the few per-sequence ints the graph
-  uploads (and what the graph's sampler needs), in one pass over the scheduled sequences; the slot mapping, context lengths and block tables are derived from them on the device
-  (cuda/step_inputs.cu, with the same formula as `slot_mapping`).
+  uploads (and what the graph's sampler needs), in one pass over the scheduled sequences; the slot
+  mapping, context lengths and block tables are derived from them on the device (cuda/step_inputs.cu,
+  with the same formula as `slot_mapping`).
 - The memory-profiling step: `synthetic_prefill`.
 - Pending input tokens (async scheduling): `pending_inputs` gathers them on the device from the step
   that samples them, on either path.
