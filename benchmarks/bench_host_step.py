@@ -3,13 +3,19 @@ sampler's kernels are stubbed out, so what is timed is the Python the GPU path r
 (schedule, input packing, the device sampler's host-side packing and unpacking, postprocess, stats).
 
     python benchmarks/bench_host_step.py [--num-requests 256] [--output-len 128] [--graphs] [--profile]
+                                         [--repeat 3] [--clock wall|cpu]
 
 The workload is the `bench` random one scaled down in output length: prompts 100..1024, every request
 decodes exactly --output-len tokens, max_num_batched_tokens 8192, so most steps are 256-sequence
 decodes like the H200 run's. Prints mean ms per step for the whole step and for each part.
+The engine schedules asynchronously, as on the GPU (--sync: the synchronous loop, the CPU default).
+--repeat N runs the whole workload N times (a fresh engine each) and prints each figure's median over the
+runs; --clock cpu times with this thread's CPU clock instead of the wall clock, which a shared, busy host
+disturbs less (time the process spends waiting for a core is not counted).
 --graphs times the CUDA-graph decode path instead (the GPU bench's default): decode steps go through a
 HostOnlyDecodeGraphs that does DecodeGraphs' host part (the five-int-per-slot pack, the block-table change
-feed, the dirty sampling rows) and samples in the "graph" (no eager sampler packing on those steps).
+feed, the dirty sampling rows) and samples in the "graph" (no eager sampler packing on those steps); its
+samples are unpacked by gpu_sampler._results, as PendingSamples.of_graph's are.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import argparse
 import dataclasses
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 import types
@@ -76,13 +83,29 @@ class HostOnlySampler:
         return mod._results(host, top_ks, asking, k_max, [r.params.logprobs is not None for r in requests])
 
 
+class HostOnlyGraphSamples:
+    """PendingSamples.of_graph's host part: results() unpacks a downloaded [S, 2] (token 7, logprob -1.0)
+    with gpu_sampler._results, as on the device."""
+
+    def __init__(self, gpu_sampler, num_seqs: int) -> None:
+        self._mod, self._num_seqs = gpu_sampler, num_seqs
+        self.token_ids = np.full(num_seqs, 7, dtype=np.int32)  # [S]
+
+    def results(self) -> list[SampleResult]:
+        host = np.tile(np.array([7.0, -1.0]), self._num_seqs)  # [S * 2] float64 (token id, logprob)
+        num_seqs = self._num_seqs
+        return self._mod._results(host, np.zeros(num_seqs, np.int64), np.zeros(0, np.int64), 0,
+                                  [False] * num_seqs)
+
+
 class HostOnlyDecodeGraphs:
     """DecodeGraphs' host-side work per replay, without a device (cuda_graph_runner.py: _Bucket.pack,
     _sync_tables, _sync_rows); logits are zeros and every graph-sampled token is 7."""
 
     buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-    def __init__(self, vocab: int, block_size: int, max_model_len: int) -> None:
+    def __init__(self, vocab: int, block_size: int, max_model_len: int, gpu_sampler) -> None:
+        self.gpu_sampler = gpu_sampler
         self.vocab, self.max_model_len = vocab, max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self._hosts = {b: np.zeros(5 * b, dtype=np.int32) for b in self.buckets}
@@ -111,14 +134,14 @@ class HostOnlyDecodeGraphs:
             np.concatenate([dirty.astype(np.uint64), sampling_rows.seeds[dirty],
                             sampling_rows.params[dirty].ravel().view(np.uint64)])
         logits = self.run(input_ids, positions, slot_rows, writes, table_rows, timer, fill, sample_positions)
-        return logits, ReadySamples([SampleResult(7, -1.0, None)] * len(slot_rows))
+        return logits, HostOnlyGraphSamples(self.gpu_sampler, len(slot_rows))
 
 
-def build_engine(num_requests: int, graphs: bool = False):
+def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool = True):
     tiny = dummy_model("tiny")  # 2 layers, hidden 64: the host's share of a step is what is measured
     model = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, max_position_embeddings=4096))
     config = EngineConfig(device="cpu", num_kv_blocks=num_requests * 2200 // 16 + 64, max_num_seqs=256,
-                          max_num_batched_tokens=8192, max_model_len=4096)
+                          max_num_batched_tokens=8192, max_model_len=4096, async_scheduling=async_scheduling)
     engine = LLMEngine(config, loaded_model=model)
     runner = engine.runner
     vocab = model.config.vocab_size
@@ -127,50 +150,52 @@ def build_engine(num_requests: int, graphs: bool = False):
         return np.zeros((len(logits_indices), vocab), dtype=np.float32)  # [K, V]
 
     runner.model.forward = forward
-    runner.gpu_sampler = HostOnlySampler(_gpu_sampler_host_part())
+    gpu_sampler = _gpu_sampler_host_part()
+    runner.gpu_sampler = HostOnlySampler(gpu_sampler)
     if graphs:
-        runner.attach_decode_graphs(HostOnlyDecodeGraphs(vocab, config.block_size, config.max_model_len))
+        runner.attach_decode_graphs(HostOnlyDecodeGraphs(vocab, config.block_size, config.max_model_len,
+                                                         gpu_sampler))
     return engine
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
 class Timer:
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
         self.totals: dict[str, float] = {}
 
     def wrap(self, obj, name: str, label: str) -> None:
-        original = getattr(obj, name)
+        original, clock = getattr(obj, name), self.clock
 
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return original(*args, **kwargs)
             finally:
-                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t0
+                self.totals[label] = self.totals.get(label, 0.0) + clock() - t0
 
         setattr(obj, name, timed)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--graphs", action="store_true", help="time the CUDA-graph decode path's host part")
-    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile by own time")
-    args = parser.parse_args()
-    engine = build_engine(args.num_requests, args.graphs)
-    timer = Timer()
+def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[str, float]]:
+    """(steps, {label: seconds}) of one pass over the workload: "whole step" and each timed part."""
+    engine = build_engine(args.num_requests, args.graphs, async_scheduling=not args.sync)
+    clock = CLOCKS[args.clock]
+    timer = Timer(clock)
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "_prepare", "runner._prepare")
     timer.wrap(engine.runner, "launch", "runner.launch")
     timer.wrap(engine.runner.gpu_sampler, "sample", "gpu_sampler host part")
+    timer.wrap(engine, "_process", "engine._process")  # wait() + postprocess + stats + finished outputs
     timer.wrap(engine.output_processor, "process", "postprocess")
     timer.wrap(engine._stats, "record_schedule", "stats.record_schedule")
     for index, request in enumerate(random_workload(args.num_requests, output_len=(args.output_len,) * 2,
                                                     vocab_size=200)):
         engine.add_request(f"r{index}", prompt_token_ids=[t + 4 for t in request.prompt_token_ids],
                            params=request.params)
-    profiler = cProfile.Profile() if args.profile else None
-    num_steps, start = 0, time.perf_counter()
+    num_steps, start = 0, clock()
     if profiler:
         profiler.enable()
     while engine.has_unfinished_requests():
@@ -179,11 +204,30 @@ def main() -> None:
         num_steps += 1
     if profiler:
         profiler.disable()
-    wall = time.perf_counter() - start
-    print(f"{num_steps} steps, {args.num_requests} requests x {args.output_len} output tokens")
-    print(f"{'whole step':<24}{1e3 * wall / num_steps:8.3f} ms")
-    for label, total in timer.totals.items():
-        print(f"{label:<24}{1e3 * total / num_steps:8.3f} ms")
+    return num_steps, {"whole step": clock() - start, **timer.totals}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--graphs", action="store_true", help="time the CUDA-graph decode path's host part")
+    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile by own time")
+    parser.add_argument("--sync", action="store_true",
+                        help="the synchronous loop (the CPU engine's default); by default the engine schedules "
+                             "asynchronously, as on the GPU (decode inputs pending, results processed a step late)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of the whole workload; medians are printed")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: perf_counter; cpu: this thread's CPU time")
+    args = parser.parse_args()
+    profiler = cProfile.Profile() if args.profile else None
+    runs = [run_once(args, profiler) for _ in range(args.repeat)]
+    num_steps = runs[0][0]
+    print(f"{num_steps} steps, {args.num_requests} requests x {args.output_len} output tokens, "
+          f"{args.clock} clock, median of {args.repeat} run(s)")
+    for label in runs[0][1]:
+        per_step = sorted(1e3 * totals.get(label, 0.0) / steps for steps, totals in runs)
+        print(f"{label:<24}{statistics.median(per_step):8.3f} ms")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 

@@ -387,7 +387,7 @@ class LLMEngine:
     def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
         executed = launched.wait()
         finished = self.output_processor.process(launched.output, executed.results)
-        self._stats.record_postprocess(launched.output, executed.results)
+        self._stats.record_postprocess(executed.num_samples)
         return [self._finish(group) for group in finished]
 
     def _finish(self, group: SequenceGroup) -> RequestOutput:

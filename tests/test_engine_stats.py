@@ -1,13 +1,13 @@
-"""StatsTracker's KV slot utilization (tail entries only) equals BlockManager.utilization (the whole-table
-walk that defines it) after every schedule, whatever shares blocks: prefix-cache hits, n > 1 forks,
-beam search, recompute and swap preemption, and the contiguous layout's reserved empty blocks."""
+"""StatsTracker's KV slot utilization (BlockManager.slot_utilization: tail entries only) equals
+BlockManager.utilization (the whole-table walk that defines it) after every schedule, whatever shares
+blocks: prefix-cache hits, n > 1 forks, beam search, recompute and swap preemption, and the contiguous
+layout's reserved empty blocks."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from offline_paged.core.engine_stats import slot_utilization
 from offline_paged.core.sampling_params import SamplingParams
 
 from tiny_engine import tiny_engine
@@ -44,7 +44,7 @@ def test_slot_utilization_equals_the_table_walk(overrides):
     def checked_schedule():
         output = schedule()
         manager = engine.scheduler.block_manager
-        checked.append((slot_utilization(manager, engine.scheduler.running), manager.utilization))
+        checked.append((manager.slot_utilization(), manager.utilization))
         return output
 
     engine.scheduler.schedule = checked_schedule

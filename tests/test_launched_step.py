@@ -38,5 +38,18 @@ def test_wait_groups_samples_by_owner_in_order_and_keeps_prompt_logprobs():
     done = step.wait()
     assert [[s.token_id for s in r.samples] for r in done.results] == [[1, 3], [], [2]]
     assert [r.prompt_logprobs for r in done.results] == prompt_logprobs
-    assert done.used_cuda_graph is True and done.forward_timer is None
+    assert done.used_cuda_graph is True and done.forward_timer is None and done.num_samples == 3
     assert step.wait() is done and samples.calls == 1  # the device is waited for once
+
+
+def test_wait_without_owners_gives_each_sequence_its_own_sample():
+    """owners=None (the decode graph's samples): sample i is sequence i's only one."""
+    samples = ReadySamples([_sample(4), _sample(8)])
+    step = LaunchedStep(output=SimpleNamespace(scheduled=["a", "b"]), samples=samples, sample_index={},
+                        owners=None, prompt_logprobs=[None, None], forward_timer=None, used_cuda_graph=True)
+    done = step.wait()
+    assert len(done.results) == 2 and done.num_samples == 2
+    assert [[s.token_id for s in r.samples] for r in done.results] == [[4], [8]]
+    assert [r.prompt_logprobs for r in done.results] == [None, None]
+    assert done.results[1].samples[0].token_id == 8 and done.results[-1].samples[0].token_id == 8
+    assert [r.samples[0].token_id for r in done.results[::-1]] == [8, 4]

@@ -141,6 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finished: set[str] = set()
         self.aborted: set[str] = set()
         self.num_preempted = 0
+        self.recorded_end: dict[int, int] = {}  # seq id -> end of its last processed chunk since it was resident
 
     @precondition(lambda self: self.scheduler is not None)
     @rule(prompt=st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=14),
@@ -174,6 +175,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             "a sequence scheduled in this step was preempted in it"
         assert len({item.seq.seq_id for item in output.scheduled}) == len(output.scheduled)
         self.num_preempted += output.num_preempted_recompute + output.num_preempted_swap
+        for seq_id in output.freed_seq_ids:  # blocks gone: a sequence's registration starts over
+            self.recorded_end.pop(seq_id, None)
         results = self.runner.execute(output)
         if self.in_flight is not None:
             self._process(*self.in_flight)
@@ -184,6 +187,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._process(output, results)
 
     def _process(self, output, results) -> None:
+        for item in output.scheduled:
+            if item.seq.status is SequenceStatus.RUNNING:  # still resident: its chunk is recorded now
+                end = item.start + item.num_new_tokens
+                self.recorded_end[item.seq.seq_id] = max(self.recorded_end.get(item.seq.seq_id, 0), end)
         for group in self.processor.process(output, results):
             self.finished.add(group.request_id)
             got = sorted(seq.output_token_ids for seq in group.seqs)
@@ -220,6 +227,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         holders = {seq.seq_id for q in (s.running, s.swapped) for seq in q}
         assert s.block_manager.num_seqs == len(holders)
         assert all(seq.seq_id in s.block_manager for q in (s.running, s.swapped) for seq in q)
+
+    @invariant()
+    def prefix_cache_holds_exactly_the_processed_known_blocks(self):
+        """Every full block of a processed chunk is in the prefix cache (for a later prompt to hit), and no
+        block is there before its K/V is computed and its tokens are known."""
+        if self.scheduler is None or not self.scheduler.block_manager.enable_prefix_caching:
+            return
+        manager = self.scheduler.block_manager
+        for seq in self.scheduler.running:
+            registered = manager.num_registered_blocks(seq.seq_id)
+            assert registered >= self.recorded_end.get(seq.seq_id, 0) // self.block_size, \
+                f"seq {seq.seq_id}: a processed step's full block is missing from the prefix cache"
+            assert registered <= min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size, \
+                f"seq {seq.seq_id}: a block was cached before it was computed and known"
 
     @invariant()
     def running_within_limits(self):

@@ -1,4 +1,4 @@
-"""step_inputs: the synthetic memory-profiling step and the decode-graph fields (CPU)."""
+"""step_inputs: the synthetic memory-profiling step and the decode-graph columns (CPU)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from offline_paged.worker.step_inputs import decode_fields, synthetic_prefill
+from offline_paged.worker.step_inputs import decode_columns, pending_inputs, synthetic_prefill
 
 
 @pytest.mark.parametrize("num_tokens, num_seqs, block_size", [(100, 7, 16), (5, 9, 4), (64, 1, 16), (33, 4, 8)])
@@ -25,11 +25,51 @@ def test_synthetic_prefill_puts_every_token_in_its_own_slot_of_its_own_blocks(nu
     np.testing.assert_array_equal(step["query_start_loc"], np.concatenate([[0], np.cumsum(lens)]))
 
 
-def test_decode_fields_flag_cached_tokens_and_leave_pending_ids_zero():
-    def item(token_ids, start, skip):
-        return SimpleNamespace(seq=SimpleNamespace(token_ids=token_ids), start=start, num_skip_write=skip)
+def _item(seq_id, token_ids, start, skip, num_new=1, num_samples=1, prompt_logprobs=None):
+    seq = SimpleNamespace(seq_id=seq_id, token_ids=token_ids, num_skip_write=skip)
+    return SimpleNamespace(seq=seq, start=start, num_new_tokens=num_new, num_samples=num_samples,
+                           prompt_logprobs=prompt_logprobs, sample_position=len(token_ids) - 1)
 
-    positions, ids, writes = decode_fields([item([5, 6, 7], 2, 0), item([8, 9], 2, 0), item([1, 2, 3, 4], 1, 3)])
-    assert positions.tolist() == [2, 2, 1]
-    assert ids.tolist() == [7, 0, 2]  # the second one's token is still pending: filled on the device
-    assert writes.tolist() == [True, True, False]
+
+def test_decode_columns_flag_cached_tokens_and_leave_pending_ids_zero():
+    columns = decode_columns([_item(4, [5, 6, 7], 2, 0), _item(9, [8, 9], 2, 0), _item(1, [1, 2, 3, 4], 1, 3)])
+    assert columns.positions.tolist() == [2, 2, 1]
+    assert columns.input_ids.tolist() == [7, 0, 2]  # the second one's token is still pending: filled on the device
+    assert columns.writes.tolist() == [True, True, False]
+    assert columns.seq_ids.tolist() == [4, 9, 1]
+    assert columns.sample_positions.tolist() == [2, 1, 3]
+    assert columns.one_sample_each
+
+
+def test_decode_columns_refuse_a_chunk_and_flag_forks_and_prompt_logprobs():
+    assert decode_columns([_item(0, [5, 6], 1, 0), _item(1, [5, 6, 7], 0, 0, num_new=3)]) is None
+    assert not decode_columns([_item(0, [5, 6], 1, 0), _item(1, [7, 8], 1, 0, num_samples=3)]).one_sample_each
+    assert not decode_columns([_item(0, [5, 6], 1, 0, prompt_logprobs=2)]).one_sample_each
+    assert not decode_columns([_item(0, [5, 6], 1, 0, num_samples=0)]).one_sample_each
+
+
+def test_pending_inputs_gather_each_pending_token_from_the_step_that_samples_it():
+    # A decode with its token pending (sampled as entry 2 of the previous step), a chunk of known tokens, a
+    # chunk whose last token is pending (entry 3), and a decode whose token is pending (entry 0).
+    items = [_item(10, [5, 6, 7], 3, 0), _item(11, [1, 2, 3, 4, 5], 1, 0, num_new=3),
+             _item(13, [1, 2, 3], 1, 0, num_new=3), _item(12, [8], 1, 0)]
+    previous = SimpleNamespace(sample_index={10: 2, 12: 0, 13: 3, 99: 1},
+                               samples=SimpleNamespace(token_ids=np.array([40, 41, 42, 43], dtype=np.int32)))
+    fill = pending_inputs(items, previous, lambda host: host)
+    input_ids = np.zeros(8, dtype=np.int32)  # [T]: 1 + 3 + 3 + 1 tokens
+    fill(input_ids)
+    assert input_ids.tolist() == [42, 0, 0, 0, 0, 0, 43, 40]
+    assert pending_inputs(items[1:2], None, lambda host: host) is None  # nothing pending
+
+
+@pytest.mark.parametrize("item, sample_index", [
+    (_item(10, [5, 6, 7], 3, 0), {}),  # no launched step samples it
+    (_item(10, [5, 6, 7], 3, 0, num_new=2), {10: 0}),  # two tokens pending: only one can be in flight
+    (_item(10, [5, 6, 7], 4, 0), {10: 0}),  # starts past the one pending token
+])
+def test_pending_inputs_refuse_a_token_no_step_samples(item, sample_index):
+    previous = SimpleNamespace(sample_index=sample_index, samples=SimpleNamespace(token_ids=np.zeros(1, np.int32)))
+    with pytest.raises(RuntimeError, match="sequence 10: input token at . is pending"):
+        pending_inputs([item], previous, lambda host: host)
+    with pytest.raises(RuntimeError, match="is pending"):
+        pending_inputs([item], None, lambda host: host)

@@ -122,6 +122,10 @@ class BlockManager:
         """Token positions of the sequence that have a reserved slot."""
         return self._get(seq_id).num_slots
 
+    def num_registered_blocks(self, seq_id: int) -> int:
+        """Leading full blocks of the sequence already offered to the prefix cache (``mark_computed``)."""
+        return self._get(seq_id).num_registered
+
     def is_swapped(self, seq_id: int) -> bool:
         return self._get(seq_id).swapped
 
@@ -151,6 +155,39 @@ class BlockManager:
                 if used >= fill.get(block_id, 0):
                     fill[block_id] = used
         return sum(fill.values()) / (len(fill) * bs) if fill else 0.0
+
+    def slot_utilization(self) -> float:
+        """``utilization`` without the walk over whole tables: O(resident sequences), for every step's stats.
+
+        Blocks held = pool - free (free counts cached-but-free blocks, which are not held). A table entry
+        before index num_slots // B is full. The other entries ("tails"; one per sequence in the paged layout)
+        may be part-filled; a shared block takes the fill of its fullest holder, so a tail block is counted
+        part-filled only when every one of its references (its ref count) is a tail entry, and then with
+        the largest tail fill. An unshared tail block (the usual case) is therefore counted at once.
+        """
+        held = self.gpu_allocator.num_blocks - self.gpu_allocator.num_free_blocks
+        if held == 0:
+            return 0.0
+        bs, is_shared = self.block_size, self.gpu_allocator.is_shared
+        empty = 0  # reserved-but-empty slots of held blocks
+        shared_tails: dict[BlockId, list[int]] = {}  # block id -> [largest fill among tail entries, tail entries]
+        for seq in self._seqs.values():
+            if seq.swapped:
+                continue
+            table, num_slots = seq.block_table, seq.num_slots
+            for i in range(num_slots // bs, len(table)):
+                block_id, fill = table[i], max(num_slots - i * bs, 0)
+                if not is_shared(block_id):  # its one reference is this tail entry
+                    empty += bs - fill
+                    continue
+                entry = shared_tails.get(block_id)
+                if entry is None:
+                    shared_tails[block_id] = [fill, 1]
+                else:
+                    entry[0], entry[1] = max(entry[0], fill), entry[1] + 1
+        ref_count = self.gpu_allocator.ref_count
+        empty += sum(bs - fill for block_id, (fill, count) in shared_tails.items() if count == ref_count(block_id))
+        return (held * bs - empty) / (held * bs)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

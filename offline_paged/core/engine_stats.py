@@ -6,9 +6,9 @@ the waste paging exists to bound: one part-filled block per sequence at most. Bl
 held / pool size.
 
 BlockManager.utilization walks every table entry (O(blocks held), ~14k entries at 256 sequences);
-measured every step it cost more host time than the scheduler. `slot_utilization` gets the same figure
-from the blocks that can be part-filled alone: held blocks come from the free count, and only the
-entries at or past a sequence's last reserved slot (one per sequence in the paged layout) are looked at.
+measured every step it cost more host time than the scheduler. BlockManager.slot_utilization gets the
+same figure from the blocks that can be part-filled alone: held blocks come from the free count, and only
+the entries at or past a sequence's last reserved slot (one per sequence in the paged layout) are looked at.
 """
 from __future__ import annotations
 
@@ -46,10 +46,11 @@ class StatsTracker:
     def _measure(self, scheduler) -> tuple[float, float]:
         manager = scheduler.block_manager
         in_use = manager.num_gpu_blocks - manager.num_free_blocks
-        return slot_utilization(manager, scheduler.running), in_use / manager.num_gpu_blocks
+        return manager.slot_utilization(), in_use / manager.num_gpu_blocks
 
-    def record_postprocess(self, output, results) -> None:
-        self.num_generated_tokens += sum(len(r.samples) for r in results)
+    def record_postprocess(self, num_samples: int) -> None:
+        """After a step's results are processed: num_samples tokens were sampled (dropped lookahead ones too)."""
+        self.num_generated_tokens += num_samples
 
     def record_finished(self, group: SequenceGroup) -> None:
         self.num_requests_finished += 1
@@ -76,34 +77,6 @@ class StatsTracker:
             block_size=self.block_size,
             num_steps=self.num_steps,
         )
-
-
-def slot_utilization(manager, resident) -> float:
-    """BlockManager.utilization without the walk over whole tables; `resident` = every sequence that
-    holds device blocks (the scheduler's running list).
-
-    Blocks held = pool - free (free counts cached-but-free blocks, which are not held). A table entry
-    before index num_slots // B is full. The other entries ("tails") may be part-filled; a shared block
-    takes the fill of its fullest holder, so a tail block is counted part-filled only when every one of
-    its references (its ref count) is a tail entry, and then with the largest tail fill.
-    """
-    held = manager.num_gpu_blocks - manager.num_free_blocks
-    if held == 0:
-        return 0.0
-    bs = manager.block_size
-    tails: dict[int, list[int]] = {}  # block id -> [largest fill among tail entries, tail entries]
-    for seq in resident:
-        table, num_slots = manager.block_table(seq.seq_id), manager.num_slots(seq.seq_id)
-        for i in range(num_slots // bs, len(table)):
-            fill = max(num_slots - i * bs, 0)
-            entry = tails.get(table[i])
-            if entry is None:
-                tails[table[i]] = [fill, 1]
-            else:
-                entry[0], entry[1] = max(entry[0], fill), entry[1] + 1
-    ref_count = manager.gpu_allocator.ref_count
-    empty = sum(bs - fill for block_id, (fill, count) in tails.items() if count == ref_count(block_id))
-    return (held * bs - empty) / (held * bs)
 
 
 def combine_stats(snapshots: list[EngineStats]) -> EngineStats:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from offline_paged.core.beam_search import BeamStep
 from offline_paged.core.scheduler import Scheduler, SchedulerOutput
-from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup, SequenceResult
+from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup, SequenceResult, SequenceStatus
 
 # Called after a token is appended: returns (reason, stop_reason) when the sequence must stop.
 StopChecker = Callable[[Sequence], "tuple[FinishReason, int | str | None] | None"]
@@ -34,23 +34,27 @@ class OutputProcessor:
         finished: list[SequenceGroup] = []
         for item, result in zip(output.scheduled, results):
             seq = item.seq
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # finished (or aborted) while this lookahead step ran: its token is dropped
-            self.scheduler.record_computed(seq, item.start + item.num_new_tokens)
+            self.scheduler.record_computed(item)
+            group, samples = seq.group, result.samples
             if result.prompt_logprobs is not None:
-                _extend_prompt_logprobs(seq.group, item.start, result.prompt_logprobs)
-            if len(result.samples) != item.num_samples:
+                _extend_prompt_logprobs(group, item.start, result.prompt_logprobs)
+            if len(samples) != item.num_samples:
                 raise RuntimeError(f"sequence {seq.seq_id}: expected {item.num_samples} samples, "
-                                   f"got {len(result.samples)}")
-            if seq.group.beam is not None:
-                if result.samples:
-                    self._beam_result(seq, result.samples[0])
-            else:
-                targets = self._fork(seq, len(result.samples)) if len(result.samples) > 1 else (seq,)
-                for target, sample in zip(targets, result.samples):
+                                   f"got {len(samples)}")
+            if group.beam is not None:
+                if samples:
+                    self._beam_result(seq, samples[0])
+            elif len(samples) == 1:
+                self._append(seq, samples[0])
+            elif samples:
+                for target, sample in zip(self._fork(seq, len(samples)), samples):
                     self._append(target, sample)
-            if seq.group.is_finished and seq.group not in finished:
-                finished.append(seq.group)
+            # A group is finished when every sequence in group.seqs is, and an unfinished sequence is always
+            # among them (beam parents leave it retired, i.e. FINISHED): while seq runs, skip the group walk.
+            if seq.status is SequenceStatus.FINISHED and group.is_finished and group not in finished:
+                finished.append(group)
         return finished
 
     def _append(self, seq: Sequence, sample) -> None:

@@ -39,9 +39,12 @@ from offline_paged.core.seq_queue import SeqQueue
 from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledSequence:
-    """One sequence's share of a step: compute tokens [start, start + num_new_tokens)."""
+    """One sequence's share of a step: compute tokens [start, start + num_new_tokens). Read-only once built.
+
+    Not frozen on purpose: a frozen dataclass's __init__ sets every field through object.__setattr__,
+    about 4x the cost of a plain one, and a step builds one of these per running sequence."""
 
     seq: Sequence
     start: int
@@ -50,6 +53,9 @@ class ScheduledSequence:
     num_samples: int  # 0 while the prefill is unfinished, else 1, or the request's n to fork
     prompt_logprobs: int | None  # top-k for this chunk's prompt logprobs; None = not wanted
     sample_position: int  # output position of the token(s) sampled from this row
+    # Positions below this had known tokens when the step was scheduled, and their full blocks were offered
+    # to the prefix cache then; the rest (a pending input token) are offered by record_computed. 0: none were.
+    registered_end: int = 0
 
     @property
     def num_skip_write(self) -> int:
@@ -184,9 +190,14 @@ class Scheduler:
             self._schedule_waiting(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decoding + prefilling:
+        decoding, prefilling = [], []
+        for seq in self.running:
+            num_uncomputed = seq.num_uncomputed_tokens
+            if num_uncomputed == 1:
+                decoding.append(seq)
+            elif num_uncomputed > 1:
+                prefilling.append(seq)
+        for seq in itertools.chain(decoding, prefilling):
             if plan.budget == 0:
                 return
             if seq.num_pending_tokens and self._ends_with_pending_token(seq):
@@ -196,8 +207,9 @@ class Scheduler:
 
     def _ends_with_pending_token(self, seq: Sequence) -> bool:
         """Whether the token still pending will make seq stop by length (max_tokens, max_model_len)."""
-        return (seq.num_output_tokens >= seq.group.params.max_tokens
-                or (self.max_model_len is not None and seq.num_tokens >= self.max_model_len))
+        num_tokens = seq.num_tokens
+        return (num_tokens - seq.num_prompt_tokens >= seq.group.params.max_tokens  # num_output_tokens
+                or (self.max_model_len is not None and num_tokens >= self.max_model_len))
 
     def _reserve_slots(self, seq: Sequence, plan: _StepPlan) -> bool:
         """Reserve KV slots for all of seq's tokens, preempting the youngest running sequences
@@ -218,6 +230,8 @@ class Scheduler:
         raise RuntimeError(f"sequence {seq.seq_id} is not in the running queue")
 
     def _schedule_swapped(self, plan: _StepPlan) -> None:
+        if not self.swapped:
+            return  # the usual case: skip counting the running queue's occupancy (O(running))
         occupancy = _Occupancy(self.running)
         while self.swapped and plan.budget > 0:
             seq = self.swapped.head()
@@ -241,11 +255,14 @@ class Scheduler:
         copies = self.block_manager.try_append_slots(seq.seq_id, needed)
         if copies is None:
             return False
-        plan.copies += copies
+        if copies:
+            plan.copies += copies
         seq.num_slots += needed
         return True
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        if not self.waiting:
+            return  # as in _schedule_swapped: no occupancy count when nothing waits
         occupancy = _Occupancy(self.running)
         while self.waiting and plan.budget > 0:
             seq = self.waiting.head()
@@ -276,28 +293,31 @@ class Scheduler:
         self.running.insert(seq)
 
     def _schedule(self, seq: Sequence, plan: _StepPlan) -> None:
-        start = seq.num_computed_tokens
-        num_new = min(seq.num_uncomputed_tokens, plan.budget)
+        start, num_tokens = seq.num_computed_tokens, seq.num_tokens
+        num_new = min(num_tokens - start, plan.budget)
         plan.budget -= num_new
-        done = start + num_new == seq.num_tokens
+        end = start + num_new
         group = seq.group
-        num_samples = (group.num_samples if group.needs_fork else 1) if done else 0
+        num_samples = 0  # the prefill is unfinished
+        if end == num_tokens:
+            num_samples = group.num_samples if group.needs_fork else 1
+        prompt_logprobs = None
+        if group.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
+            prompt_logprobs = group.params.prompt_logprobs
         plan.scheduled_ids.add(seq.seq_id)
-        plan.scheduled.append(ScheduledSequence(
-            seq=seq, start=start, num_new_tokens=num_new,
-            block_table=self.block_manager.block_table(seq.seq_id), num_samples=num_samples,
-            prompt_logprobs=(group.params.prompt_logprobs
-                             if group.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1 else None),
-            sample_position=seq.num_output_tokens,
+        registered_end = min(end, len(seq.token_ids))  # positions whose tokens are known
+        plan.scheduled.append(ScheduledSequence(  # positional: a keyword call costs twice as much here
+            seq, start, num_new, self.block_manager.block_table(seq.seq_id), num_samples, prompt_logprobs,
+            num_tokens - seq.num_prompt_tokens, registered_end,  # sample_position (= num_output_tokens)
         ))
-        seq.num_computed_tokens = start + num_new  # computed by this step (or the KV is in flight)
+        seq.num_computed_tokens = end  # computed by this step (or the KV is in flight)
         if num_samples and group.beam is None:
             seq.num_pending_tokens += 1  # a beam's token goes to its children, never to itself
         # Each layer writes the whole batch's K/V before any attention reads it, so the blocks this
         # step fills may be reused by a prompt admitted later in the same step: a batch job's shared
         # system prompt is computed once, not once per request of the first step. Blocks holding a
         # pending token are registered when the token is known (record_computed).
-        self._register_computed(seq, start + num_new)
+        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, registered_end)
 
     # ----------------------------------------------------------------- preemption
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
@@ -336,16 +356,22 @@ class Scheduler:
         return False
 
     # ----------------------------------------------------------------- the output processor's seam
-    def record_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """A step computed seq's positions below `num_computed_tokens`: register the full blocks whose
-        tokens are now known with the prefix cache. Nothing to do for a sequence preempted or swapped
-        out since that step was scheduled (async scheduling)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self._register_computed(seq, num_computed_tokens)
+    def record_computed(self, item: ScheduledSequence) -> None:
+        """The step computed item's positions: register the full blocks whose tokens are now known with
+        the prefix cache. Nothing to do for a sequence preempted or swapped out since that step was
+        scheduled (async scheduling).
 
-    def _register_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Prefix-cache registration of seq's computed positions whose tokens are known."""
-        self.block_manager.mark_computed(seq.seq_id, seq.token_ids, min(num_computed_tokens, seq.num_known_tokens))
+        _schedule registered the blocks below item.registered_end already, and a sequence's registration
+        only starts over after it leaves RUNNING (swap-out, free), which makes it skip here; so only a
+        block ending in (registered_end, end] can be new. Usually there is none: a synchronous step
+        knew all its tokens (registered_end = end), and an async decode step starts on its pending token
+        (registered_end = start), so a block ends there once every block_size steps."""
+        end = item.start + item.num_new_tokens
+        if end // self.block_manager.block_size == item.registered_end // self.block_manager.block_size:
+            return
+        seq = item.seq
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.mark_computed(seq.seq_id, seq.token_ids, min(end, len(seq.token_ids)))
 
     def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """seq is done: its blocks go back at once."""

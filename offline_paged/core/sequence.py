@@ -44,9 +44,10 @@ class TokenSample:
     top_logprobs: dict[int, float] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SequenceResult:
-    """What the runner produced for one scheduled sequence in one step.
+    """What the runner produced for one scheduled sequence in one step. Read-only once built (not frozen:
+    one is built per scheduled sequence per step, and a frozen __init__ costs about 4x a plain one).
 
     samples: empty while a prefill is unfinished; one per sequence otherwise; num_samples of the
     request when the prompt row is drawn for a fork. prompt_logprobs: entries for the prompt
@@ -107,7 +108,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens  # num_tokens - computed
 
     @property
     def is_finished(self) -> bool:
@@ -185,7 +186,7 @@ class SequenceGroup:
 
     @property
     def needs_fork(self) -> bool:
-        return not self.forked and self.num_samples > 1 and self.beam is None
+        return not self.forked and len(self.sample_seeds) > 1 and self.beam is None  # num_samples > 1
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -1,12 +1,13 @@
 """BlockTableRows: the running sequences' block tables as rows of one host array that lives across steps.
 
 Data structure: `tables` [R, M] int32 (R rows and M columns, each grown by doubling as needed), a
-dict seq id -> row, per row the number of entries already copied and the identity of the block
-manager's list they came from, and a stack of free rows. A step syncs each scheduled sequence's row
-with O(changes) work: the entries appended since the last step, plus the blocks this step writes
-(the only ones a copy-on-write can have replaced). A sequence whose blocks were freed (finished,
-preempted, swapped out, parked) is released by id (`SchedulerOutput.freed_seq_ids`); its next
-schedule starts a fresh row. A table list that is not the one a row was synced from is copied whole.
+dict seq id -> row, per row the number of entries already copied (a Python list: a sync reads and writes
+it per sequence, which costs a fraction of numpy scalar access; `lens` is its array copy) and the
+identity of the block manager's list they came from, and a stack of free rows. A step syncs each
+scheduled sequence's row with O(changes) work: the entries appended since the last step, plus the
+blocks this step writes (the only ones a copy-on-write can have replaced). A sequence whose blocks were
+freed (finished, preempted, swapped out, parked) is released by id (`SchedulerOutput.freed_seq_ids`);
+its next schedule starts a fresh row. A table list that is not the one a row was synced from is copied whole.
 Padding entries are 0.
 
 Step inputs then come from numpy fancy indexing of `tables` (one C-level gather per step) instead of
@@ -26,7 +27,7 @@ class BlockTableRows:
     def __init__(self, block_size: int, max_blocks: int = 64, num_rows: int = 64) -> None:
         self.block_size = block_size
         self.tables = np.zeros((num_rows, max_blocks), dtype=np.int32)  # [R, M]
-        self.lens = np.zeros(num_rows, dtype=np.int64)  # [R] entries synced per row
+        self._lens = [0] * num_rows  # entries synced per row
         self._sources: list[object] = [None] * num_rows  # the list each row was synced from
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
@@ -40,46 +41,54 @@ class BlockTableRows:
     def num_rows_used(self) -> int:
         return len(self._row_of)
 
+    @property
+    def lens(self) -> np.ndarray:
+        """[R] int64 entries synced per row (a copy: a row's length changes only through sync and release)."""
+        return np.array(self._lens, dtype=np.int64)
+
     def release(self, seq_ids) -> None:
         """Forget the rows of sequences whose blocks were freed (unknown ids are ignored)."""
         for seq_id in seq_ids:
             row = self._row_of.pop(seq_id, None)
             if row is not None:
-                self.lens[row] = 0
+                self._lens[row] = 0
                 self._sources[row] = None
                 self._free_rows.append(row)
 
     def sync(self, scheduled) -> np.ndarray:
         """Bring the rows of a step's ScheduledSequences up to date; returns their rows [S] int64."""
-        rows = np.empty(len(scheduled), dtype=np.int64)  # [S]
-        for i, item in enumerate(scheduled):
-            rows[i] = self._sync_one(item.seq.seq_id, item.block_table, item.start, item.num_new_tokens)
-        return rows
+        rows = [self._sync_one(item.seq.seq_id, item.block_table, item.start, item.num_new_tokens)
+                for item in scheduled]
+        return np.array(rows, dtype=np.int64)  # [S]
 
     def _sync_one(self, seq_id: int, table: list[int], start: int, num_new: int) -> int:
         row = self._row_of.get(seq_id)
         if row is None:
             row = self._take_row(seq_id)
-        num_entries = len(table)
-        if num_entries > self.tables.shape[1]:
-            self._widen(num_entries)
-        synced = int(self.lens[row])
+        num_entries, synced = len(table), self._lens[row]
         if self._sources[row] is not table or num_entries < synced:
-            synced = 0  # another list (or a shorter one): copy it whole
+            synced = self._lens[row] = 0  # another list (or a shorter one): copy it whole
             self._sources[row] = table
+            self._widen(num_entries)
             self.tables[row, num_entries:] = 0
-        # The blocks this step writes may have been replaced by copy-on-write since the last sync.
-        first_written = min(start // self.block_size, synced)
-        last_written = min((start + max(num_new, 1) - 1) // self.block_size + 1, synced)
-        tables = self.tables
-        for col in range(first_written, last_written):  # usually one block
-            if tables[row, col] != table[col]:
-                tables[row, col] = table[col]
+        # The blocks this step writes may have been replaced by copy-on-write since the last sync (item(): a
+        # Python int, no numpy scalar). A decode writes one block: the loop's range, without building one.
+        bs = self.block_size
+        if num_new == 1:
+            col = start // bs
+            if col < synced and self.tables.item(row, col) != table[col]:
+                self.tables[row, col] = table[col]
                 self._record(row, col, col + 1)
+        else:
+            for col in range(min(start // bs, synced), min((start + max(num_new, 1) - 1) // bs + 1, synced)):
+                if self.tables.item(row, col) != table[col]:
+                    self.tables[row, col] = table[col]
+                    self._record(row, col, col + 1)
         if num_entries > synced:
-            tables[row, synced:num_entries] = table[synced:num_entries]
+            self._widen(num_entries)
+            self.tables[row, synced:num_entries] = table[synced:num_entries]
             self._record(row, synced, num_entries)
-        self.lens[row] = num_entries
+            self._lens[row] = num_entries
         return row
 
     def _record(self, row: int, first: int, end: int) -> None:
@@ -118,12 +127,15 @@ class BlockTableRows:
     def _grow(self) -> None:
         old = self.tables.shape[0]
         self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])  # [2R, M]
-        self.lens = np.concatenate([self.lens, np.zeros_like(self.lens)])  # [2R]
+        self._lens += [0] * old
         self._sources += [None] * old
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
         self.generation += 1
 
     def _widen(self, num_entries: int) -> None:
+        """Make room for rows of `num_entries` entries (nothing to do when they fit)."""
+        if num_entries <= self.tables.shape[1]:
+            return
         width = max(num_entries, 2 * self.tables.shape[1])
         wider = np.zeros((self.tables.shape[0], width), dtype=np.int32)  # [R, M']
         wider[:, :self.tables.shape[1]] = self.tables

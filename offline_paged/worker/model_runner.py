@@ -31,7 +31,7 @@ from offline_paged.worker.block_table_rows import BlockTableRows, MirroredRows
 from offline_paged.worker.launched_step import LaunchedStep, ReadySamples
 from offline_paged.worker.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
 from offline_paged.worker.sampling_rows import SamplingRows
-from offline_paged.worker.step_inputs import (EagerBatch, StepUpload, decode_fields, eager_batch,
+from offline_paged.worker.step_inputs import (DecodeColumns, EagerBatch, StepUpload, decode_columns, eager_batch,
                                               pack_eager, pending_inputs, synthetic_prefill, unpack_eager)
 from offline_paged.worker.step_report import DeviceTimer
 
@@ -130,8 +130,7 @@ class ModelRunner:
                 if timer is not None:
                     timer.stop()
                 sample_index = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
-                return LaunchedStep(output, graph_samples, sample_index, list(range(len(offsets))),
-                                    [None] * len(offsets), timer, True)
+                return LaunchedStep(output, graph_samples, sample_index, None, [None] * len(offsets), timer, True)
         else:
             packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
             if self.mirror is not None:  # the other ranks rebuild the block tables from their row mirrors
@@ -157,13 +156,16 @@ class ModelRunner:
         (PendingSamples) when every row can be sampled there, else None (the eager sampler samples the
         logits). rows [S]: block-table rows."""
         graphs = self.decode_graphs
-        if graphs is None or any(item.num_new_tokens != 1 for item in scheduled):
+        if graphs is None:
             return None
+        columns = decode_columns(scheduled)
+        if columns is None:
+            return None  # some sequence computes more than one token
         num_seqs = len(scheduled)
-        starts, input_ids, writes = decode_fields(scheduled)  # [S] each
+        starts, input_ids, writes = columns.positions, columns.input_ids, columns.writes  # [S] each
         if not graphs.fits(num_seqs, int(starts.max()) + 1, int(self.table_rows.lens[rows].max())):
             return None
-        sample_positions = self._graph_sample_positions(scheduled, rows)
+        sample_positions = self._graph_sample_positions(scheduled, rows, columns)
         if self.mirror is not None:  # the other ranks replay the same bucket on their row mirrors
             self._send_mirror(moves, ("graph", input_ids, starts, writes, rows))
         if sample_positions is None:
@@ -173,23 +175,19 @@ class ModelRunner:
                                                 self.sampling_rows, timer, fill)
         return logits, list(range(num_seqs)), samples
 
-    def _graph_sample_positions(self, scheduled, rows: np.ndarray) -> np.ndarray | None:
+    def _graph_sample_positions(self, scheduled, rows: np.ndarray, columns: DecodeColumns) -> np.ndarray | None:
         """[S] output positions to sample in the decode graph, or None when some row needs the eager
         sampler (penalties, logprobs, constraints, a min_tokens ban, a fork, prompt logprobs). Rows are
         repacked in `sampling_rows` only when their sequence changed."""
-        if self.sampling_rows is None:
+        if self.sampling_rows is None or not columns.one_sample_each:
             return None
-        num_seqs = len(scheduled)
-        if any(item.num_samples != 1 or item.prompt_logprobs is not None for item in scheduled):
-            return None
-        seq_ids = np.fromiter((item.seq.seq_id for item in scheduled), np.int64, num_seqs)  # [S]
 
         def describe(i: int):
             seq = scheduled[i].seq
             return seq.group.params, seq.sampling_seed, seq.group.beam is not None
 
-        self.sampling_rows.update(rows, seq_ids, describe)
-        sample_positions = np.fromiter((item.sample_position for item in scheduled), np.int64, num_seqs)  # [S]
+        self.sampling_rows.update(rows, columns.seq_ids, describe)
+        sample_positions = columns.sample_positions  # [S]
         return sample_positions if self.sampling_rows.graph_ready(rows, sample_positions) else None
 
     # ----------------------------------------------------------------- tensor parallel

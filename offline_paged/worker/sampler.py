@@ -39,8 +39,8 @@ class SamplingRequest:
 
 @dataclass(slots=True)
 class SampleResult:
-    """The chosen token, its raw log-probability, and the raw top-k (None unless asked). Not frozen: one is
-    built per sequence per step, and a frozen dataclass's __init__ costs three times as much."""
+    """The chosen token, its raw log-probability, and the raw top-k (None unless asked). Read-only once built
+    (not frozen: one is built per sampled row per step, and a frozen __init__ costs about 4x a plain one)."""
 
     token_id: int
     logprob: float

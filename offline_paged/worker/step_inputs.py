@@ -3,9 +3,10 @@
 - Eager steps (any mix of prefill chunks and decodes): `eager_batch` packs input ids, positions, slot
   mapping, context lengths, query_start_loc, logits rows and block tables (gathered from the persistent
   BlockTableRows) into one int32 array and uploads it once (`StepUpload`).
-- Decode-only steps replayed from CUDA graphs: `decode_fields` gives the few per-sequence ints the graph
-  uploads; the slot mapping, context lengths and block tables are derived from them on the device
-  (cuda/step_inputs.cu, with the same formula as `slot_mapping`).
+- Decode-only steps replayed from CUDA graphs: `decode_columns` gives the few per-sequence ints the graph
+  uploads (and what the graph's sampler needs), in one pass over the scheduled sequences; the slot
+  mapping, context lengths and block tables are derived from them on the device (cuda/step_inputs.cu,
+  with the same formula as `slot_mapping`).
 - The memory-profiling step: `synthetic_prefill`.
 - Pending input tokens (async scheduling): `pending_inputs` gathers them on the device from the step
   that samples them, on either path.
@@ -105,15 +106,39 @@ def unpack_eager(host_packed: np.ndarray, layout: tuple, upload) -> EagerBatch:
     return EagerBatch(ids, pos, meta, logits_indices, offsets)
 
 
-def decode_fields(scheduled) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A decode-only step's per-sequence fields for the graph path: (positions [S], input ids [S] (0 where
-    pending), write flags [S] (False: the cached token's K/V is not rewritten)). The slot mapping, context
-    lengths and block tables are computed from them on the device (cuda/step_inputs.cu)."""
-    num_seqs = len(scheduled)
-    starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
-    skips = np.fromiter((item.num_skip_write for item in scheduled), np.int64, num_seqs)  # [S]
-    input_ids = np.fromiter((input_token(item) for item in scheduled), np.int64, num_seqs)  # [S]
-    return starts, input_ids, starts >= skips
+@dataclass(slots=True)
+class DecodeColumns:
+    """A decode-only step's per-sequence fields for the graph path. The slot mapping, context lengths and
+    block tables are computed from positions and writes on the device (cuda/step_inputs.cu)."""
+
+    positions: np.ndarray  # [S] int64
+    input_ids: np.ndarray  # [S] int64, 0 where pending (filled on the device)
+    writes: np.ndarray  # [S] bool, False: the cached token's K/V is not rewritten
+    seq_ids: np.ndarray  # [S] int64
+    sample_positions: np.ndarray  # [S] int64 output position each row samples
+    one_sample_each: bool  # every row draws exactly one token and asks no prompt logprobs
+
+
+def decode_columns(scheduled) -> DecodeColumns | None:
+    """The step's DecodeColumns, or None when some sequence computes more than one token (not a decode-only
+    step). One Python pass over the sequences; the arrays are built from its lists."""
+    positions, input_ids, writes, seq_ids, sample_positions = [], [], [], [], []
+    one_sample_each = True
+    for item in scheduled:
+        if item.num_new_tokens != 1:
+            return None
+        seq, start = item.seq, item.start
+        token_ids = seq.token_ids
+        positions.append(start)
+        input_ids.append(token_ids[start] if start < len(token_ids) else 0)  # 0: pending
+        writes.append(start >= seq.num_skip_write)
+        seq_ids.append(seq.seq_id)
+        sample_positions.append(item.sample_position)
+        if item.num_samples != 1 or item.prompt_logprobs is not None:
+            one_sample_each = False
+    return DecodeColumns(np.array(positions, dtype=np.int64), np.array(input_ids, dtype=np.int64),
+                         np.array(writes, dtype=bool), np.array(seq_ids, dtype=np.int64),
+                         np.array(sample_positions, dtype=np.int64), one_sample_each)
 
 
 def synthetic_prefill(num_tokens: int, num_seqs: int, block_size: int) -> dict[str, np.ndarray]:
@@ -143,12 +168,6 @@ def slot_mapping(block_tables: np.ndarray, owner: np.ndarray, positions: np.ndar
     return slots
 
 
-def input_token(item) -> int:
-    """A decode row's input token; 0 when it is still pending (filled on the device)."""
-    ids = item.seq.token_ids
-    return ids[item.start] if item.start < len(ids) else 0
-
-
 def input_tokens(item) -> list[int]:
     """A chunk's input tokens; zeros for pending ones (filled on the device)."""
     ids = item.seq.token_ids[item.start:item.start + item.num_new_tokens]
@@ -159,16 +178,20 @@ def input_tokens(item) -> list[int]:
 def pending_inputs(scheduled, previous, upload):
     """None when every input token is known; else a function that writes the pending ones into a step's
     device input ids [T] (or [b] for a graph bucket), gathered from `previous`'s sampled ids."""
+    sample_index = {} if previous is None else previous.sample_index
     token_index, dst, src = 0, [], []
     for item in scheduled:
+        start, num_new, seq_id = item.start, item.num_new_tokens, item.seq.seq_id
         known = len(item.seq.token_ids)
-        for position in range(max(item.start, known), item.start + item.num_new_tokens):
-            if position != known or previous is None or item.seq.seq_id not in previous.sample_index:
-                raise RuntimeError(f"sequence {item.seq.seq_id}: input token at {position} is pending "
+        if start + num_new > known:  # pending: only position `known` can be, sampled by `previous`
+            index = sample_index.get(seq_id)
+            position = start if start > known else known if index is None else known + 1
+            if start > known or index is None or start + num_new > known + 1:
+                raise RuntimeError(f"sequence {seq_id}: input token at {position} is pending "
                                    "but no launched step samples it")
-            dst.append(token_index + position - item.start)
-            src.append(previous.sample_index[item.seq.seq_id])
-        token_index += item.num_new_tokens
+            dst.append(token_index + known - start)
+            src.append(index)
+        token_index += num_new
     if not dst:
         return None
     indices = upload(np.asarray(dst + src, dtype=np.int32))  # [2n] int32 (device)
