@@ -266,3 +266,23 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def test_a_lookahead_steps_pending_token_fills_its_block_when_the_step_is_processed():
+    """Async scheduling: a decode step scheduled on a pending input token cannot offer that token's block to
+    the prefix cache when it is scheduled; record_computed must, when the step is processed, even if the
+    sequence is not scheduled again first (the state machine's next schedule() would cover the gap)."""
+    manager = BlockManager(8, 8, block_size=4, watermark=0.0, enable_prefix_caching=True)
+    scheduler = Scheduler(manager, max_num_seqs=2, max_num_batched_tokens=16)
+    processor = OutputProcessor(scheduler, stop_checker)
+    params = SamplingParams(max_tokens=5)
+    group = SequenceGroup("r0", 0, None, [3, 4, 5], params, [0])
+    scheduler.add_group(group)
+    seq = group.seqs[0]
+    prefill = scheduler.schedule()  # positions 0..2, samples the token at position 3
+    decode = scheduler.schedule()  # position 3, its input still pending
+    assert [item.num_new_tokens for item in prefill.scheduled + decode.scheduled] == [3, 1]
+    for output, token in ((prefill, 6), (decode, 7)):
+        processor.process(output, [SequenceResult([TokenSample(token, -0.5)])])
+    assert seq.token_ids == [3, 4, 5, 6, 7] and seq.status is SequenceStatus.RUNNING
+    assert manager.num_registered_blocks(seq.seq_id) == 1, "block 0 (positions 0..3) is computed and known"
