@@ -185,8 +185,10 @@ def pending_inputs(scheduled, previous, upload):
         known = len(item.seq.token_ids)
         if start + num_new > known:  # pending: only position `known` can be, sampled by `previous`
             index = sample_index.get(seq_id)
-            position = start if start > known else known if index is None else known + 1
             if start > known or index is None or start + num_new > known + 1:
+                # The first position nothing feeds: the chunk starts past the known tokens, or `previous`
+                # does not sample position `known`, or the chunk needs the one after it too.
+                position = start if start > known else known if index is None else known + 1
                 raise RuntimeError(f"sequence {seq_id}: input token at {position} is pending "
                                    "but no launched step samples it")
             dst.append(token_index + known - start)
