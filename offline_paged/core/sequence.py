@@ -108,7 +108,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens  # num_tokens - computed
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -186,7 +186,7 @@ class SequenceGroup:
 
     @property
     def needs_fork(self) -> bool:
-        return not self.forked and len(self.sample_seeds) > 1 and self.beam is None  # num_samples > 1
+        return not self.forked and self.num_samples > 1 and self.beam is None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

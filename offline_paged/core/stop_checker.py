@@ -24,8 +24,7 @@ class StopChecker:
         """Look at seq's newest token; return (reason, stop_reason) if it must stop now."""
         params = seq.group.params
         token_id = seq.token_ids[-1]
-        num_known = len(seq.token_ids)  # a lookahead step's pending token does not count
-        num_outputs = num_known - seq.num_prompt_tokens
+        num_outputs = seq.num_known_output_tokens  # a lookahead step's pending token does not count
         if num_outputs >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 seq.finished_by_eos = True
@@ -38,7 +37,7 @@ class StopChecker:
                     return FinishReason.STOP, hit
         elif params.stop:
             self._detokenizer(seq).push([token_id])  # keep the text current for later checks
-        if num_outputs >= params.max_tokens or num_known >= self.max_model_len:
+        if num_outputs >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None
 
