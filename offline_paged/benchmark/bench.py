@@ -332,7 +332,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
             num_output += sum(len(c.token_ids) for c in output.outputs)
         steps.append(_record(t1 - start, t1 - t0, report, engine, manager))
         timers.append(report.forward_timer)
-        schedules.append(report.scheduled)  # frozen ScheduledSequences: safe to read later
+        schedules.append(report.scheduled)  # ScheduledSequences are read-only once built: safe to read later
         if len(steps) % 16 == 0:
             memory.sample()
     wall = time.perf_counter() - start
