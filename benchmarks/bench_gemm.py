@@ -5,6 +5,8 @@ GEMM path help?
 For each model shape and row count: the median of CUDA-graph replays (bench_kernels.graph_ms for ours;
 torch's own CUDA graph for torch) of one projection, its TFLOP/s and the weight bytes per second
 against the device-to-device copy bandwidth measured here. ratio = ours / torch (> 1: torch is faster).
+Ours three ways: cublasGemmEx with the default algorithm (CublasGemm), cuBLASLt's first heuristic
+candidate, and cuBLASLt's fastest candidate by timing (TunedGemm); tuned/Ex < 1: tuning wins.
 
     PYTHONPATH=benchmarks python3 benchmarks/bench_gemm.py [--rows 64 128 256] [--presets llama-3.2-1b]
 """
@@ -18,6 +20,7 @@ import torch
 from bench_kernels import copy_bandwidth_gbs, graph_ms, torch_graph_ms
 
 from offline_paged.models.dummy_weights import PRESETS
+from offline_paged.ops.cublaslt import TunedGemm
 from offline_paged.ops.graphs import CublasGemm
 
 
@@ -30,12 +33,16 @@ def projections(preset: str) -> list[tuple[str, int, int]]:
             ("lm_head", c.hidden_size, c.vocab_size)]
 
 
-def ours(x, w, out, out_dtype, gemms: dict):
-    """One CublasGemm call on the current stream (graph_ms's capture stream; made at its warm-up call)."""
+GEMMS = {"gemmEx": CublasGemm, "lt_first": lambda stream: TunedGemm(stream, tune=False), "lt_tuned": TunedGemm}
+
+
+def ours(kind: str, x, w, out, out_dtype, gemms: dict):
+    """One call of GEMMS[kind] on the current stream (graph_ms's capture stream; made at its warm-up call,
+    where TunedGemm times its candidates)."""
     stream = cupy.cuda.get_current_stream()
-    if stream.ptr not in gemms:
-        gemms[stream.ptr] = CublasGemm(stream)
-    return gemms[stream.ptr](x, w, out_dtype=out_dtype, out=out)
+    if (kind, stream.ptr) not in gemms:
+        gemms[kind, stream.ptr] = GEMMS[kind](stream)
+    return gemms[kind, stream.ptr](x, w, out_dtype=out_dtype, out=out)
 
 
 def main() -> None:
@@ -47,7 +54,8 @@ def main() -> None:
     copy = copy_bandwidth_gbs()
     gemms: dict = {}
     print(f"copy bandwidth {copy:,.0f} GB/s")
-    print(f"{'preset':<14}{'proj':<9}{'rows':>6}{'ours us':>9}{'TFLOP/s':>9}{'w of copy':>10}{'torch us':>10}{'ratio':>7}")
+    print(f"{'preset':<14}{'proj':<9}{'rows':>6}{'Ex us':>8}{'TFLOP/s':>9}{'w of copy':>10}{'torch us':>10}{'ratio':>7}"
+          f"{'Lt 1st us':>10}{'Lt tuned us':>12}{'tuned/Ex':>9}")
     for preset in args.presets:
         for name, k, n in projections(preset):
             w = cupy.random.standard_normal((k, n), dtype=cupy.float32).astype(cupy.float16)  # [K, N]
@@ -59,12 +67,14 @@ def main() -> None:
                 x = cupy.random.standard_normal((rows, k), dtype=cupy.float32).astype(cupy.float16)  # [T, K]
                 out = cupy.empty((rows, n), dtype=out_dtype or np.float16)
                 x_t = torch.as_tensor(x, device="cuda")
-                ms = graph_ms(lambda: ours(x, w, out, out_dtype, gemms), repeats=args.repeats)
+                ms, first_ms, tuned_ms = (graph_ms(lambda: ours(kind, x, w, out, out_dtype, gemms), repeats=args.repeats)
+                                          for kind in GEMMS)
                 # torch's matmul writes fp16 (ours writes the LM head's fp32 accumulator: more bytes)
                 torch_ms = torch_graph_ms(lambda: torch.matmul(x_t, w_t), args.repeats)
                 flops = 2 * rows * k * n
                 print(f"{preset:<14}{name:<9}{rows:>6}{ms * 1e3:>9.1f}{flops / ms / 1e9:>9.0f}"
-                      f"{k * n * 2 / ms / 1e6 / copy:>10.1%}{torch_ms * 1e3:>10.1f}{ms / torch_ms:>7.2f}")
+                      f"{k * n * 2 / ms / 1e6 / copy:>10.1%}{torch_ms * 1e3:>10.1f}{ms / torch_ms:>7.2f}"
+                      f"{first_ms * 1e3:>10.1f}{tuned_ms * 1e3:>12.1f}{tuned_ms / ms:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ Legend: T rows (tokens), K inner dim, N output dim.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 
 import cupy
 import numpy as np
@@ -25,6 +27,21 @@ _CUDA_R_32F = 0
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 << 20  # what PyTorch gives cuBLAS on Hopper
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No cyclic garbage collection inside a stream capture. A collection there may finalize another
+    object's CUDA resources (a memory pool's cudaFree, a stream or event destroyed), calls that are not
+    allowed while a stream captures: they invalidate the capture (cudaErrorStreamCaptureInvalidated).
+    Seen on the device when an earlier engine's DecodeGraphs became garbage in a reference cycle."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _libcublas() -> ctypes.CDLL:
@@ -62,6 +79,40 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
 
+def check_gemm_args(x, w, out_dtype, out):
+    """Validate a GEMM call x [T, K] @ w [K, N] -> [T, N] (see CublasGemm.__call__) and return
+    ((T, K, N, op_w, input cudaDataType, output cudaDataType), out), allocating `out` when it is None."""
+    for name, a in (("x", x), ("w", w)):
+        if not isinstance(a, cupy.ndarray) or a.ndim != 2 or _cuda_type(a.dtype) in (None, _CUDA_R_32F):
+            raise ValueError(f"{name} must be a 2-D float16 or bfloat16 cupy.ndarray, got "
+                             f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"x is {x.dtype.name} but w is {w.dtype.name}")
+    in_type = _cuda_type(x.dtype)
+    if not x.flags.c_contiguous:
+        raise ValueError(f"x must be C-contiguous (shape {x.shape}, strides {x.strides})")
+    (num_rows, inner), (w_inner, num_out) = x.shape, w.shape
+    if inner != w_inner:
+        raise ValueError(f"x is [{num_rows}, {inner}] but w is [{w_inner}, {num_out}]")
+    if w.flags.c_contiguous:
+        op_w = _OP_N
+    elif w.flags.f_contiguous:
+        op_w = _OP_T
+    else:
+        raise ValueError(f"w must be C- or F-contiguous (shape {w.shape}, strides {w.strides})")
+    out_dtype = x.dtype if out_dtype is None else np.dtype(out_dtype)
+    if out_dtype not in (x.dtype, np.dtype(np.float32)):
+        raise ValueError(f"out_dtype must be {x.dtype.name} (the input dtype) or float32, got {out_dtype}")
+    out_type = _cuda_type(out_dtype)
+    if out is None:
+        out = cupy.empty((num_rows, num_out), dtype=out_dtype)  # [T, N]
+    elif (not isinstance(out, cupy.ndarray) or out.shape != (num_rows, num_out) or out.dtype != out_dtype
+          or not out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous {out_dtype.name} cupy.ndarray of shape "
+                         f"{(num_rows, num_out)}, got {getattr(out, 'dtype', type(out))} {getattr(out, 'shape', '')}")
+    return (num_rows, inner, num_out, op_w, in_type, out_type), out
+
+
 class CublasGemm:
     """fp16 / bf16 GEMMs with fp32 accumulation (CUBLAS_COMPUTE_32F) on `stream` only (a handle and workspace of its own).
 
@@ -85,36 +136,10 @@ class CublasGemm:
         returns a [T, N] of `out_dtype`: None = x's dtype, or float32 (the fp32 accumulator written as
         is: the LM head's logits). `out`: a C-contiguous [T, N] array of that dtype to write into
         (returned); None: a new array."""
-        for name, a in (("x", x), ("w", w)):
-            if not isinstance(a, cupy.ndarray) or a.ndim != 2 or _cuda_type(a.dtype) in (None, _CUDA_R_32F):
-                raise ValueError(f"{name} must be a 2-D float16 or bfloat16 cupy.ndarray, got "
-                                 f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")
-        if w.dtype != x.dtype:
-            raise ValueError(f"x is {x.dtype.name} but w is {w.dtype.name}")
-        in_type = _cuda_type(x.dtype)
-        if not x.flags.c_contiguous:
-            raise ValueError(f"x must be C-contiguous (shape {x.shape}, strides {x.strides})")
-        (num_rows, inner), (w_inner, num_out) = x.shape, w.shape
-        if inner != w_inner:
-            raise ValueError(f"x is [{num_rows}, {inner}] but w is [{w_inner}, {num_out}]")
-        if w.flags.c_contiguous:
-            op_w, ld_w = _OP_N, num_out
-        elif w.flags.f_contiguous:
-            op_w, ld_w = _OP_T, inner
-        else:
-            raise ValueError(f"w must be C- or F-contiguous (shape {w.shape}, strides {w.strides})")
-        out_dtype = x.dtype if out_dtype is None else np.dtype(out_dtype)
-        if out_dtype not in (x.dtype, np.dtype(np.float32)):
-            raise ValueError(f"out_dtype must be {x.dtype.name} (the input dtype) or float32, got {out_dtype}")
-        out_type = _cuda_type(out_dtype)
-        if out is None:
-            out = cupy.empty((num_rows, num_out), dtype=out_dtype)  # [T, N]
-        elif (not isinstance(out, cupy.ndarray) or out.shape != (num_rows, num_out) or out.dtype != out_dtype
-              or not out.flags.c_contiguous):
-            raise ValueError(f"out must be a C-contiguous {out_dtype.name} cupy.ndarray of shape "
-                             f"{(num_rows, num_out)}, got {getattr(out, 'dtype', type(out))} {getattr(out, 'shape', '')}")
+        (num_rows, inner, num_out, op_w, in_type, out_type), out = check_gemm_args(x, w, out_dtype, out)
         if out.size == 0:
             return out
+        ld_w = num_out if op_w == _OP_N else inner
         _check(self._lib.cublasGemmEx(
             self._handle, op_w, _OP_N, num_out, num_rows, inner,
             self._one.ctypes.data, w.data.ptr, in_type, ld_w,

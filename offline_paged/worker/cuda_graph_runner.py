@@ -36,8 +36,6 @@ many buckets cost little memory; the engine captures them all at start (`capture
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 
 import cupy
@@ -46,23 +44,9 @@ import numpy as np
 from offline_paged.ops import sampling_launcher as kernels
 from offline_paged.ops import step_inputs_launcher as step_kernels
 from offline_paged.ops.attention import AttentionMetadata
-from offline_paged.ops.graphs import CublasGemm
+from offline_paged.ops.cublaslt import TunedGemm
+from offline_paged.ops.graphs import gc_paused
 from offline_paged.ops.pinned import PinnedUpload
-
-@contextlib.contextmanager
-def _gc_paused():
-    """No cyclic garbage collection inside a stream capture. A collection there may finalize another
-    object's CUDA resources (a memory pool's cudaFree, a stream or event destroyed), calls that are not
-    allowed while a stream captures: they invalidate the capture (cudaErrorStreamCaptureInvalidated).
-    Seen on the device when an earlier engine's DecodeGraphs became garbage in a reference cycle."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, *range(64, 257, 16), *range(288, 513, 32))  # batch sizes with a graph
 
@@ -268,10 +252,10 @@ class DecodeGraphs:
         cupy.cuda.Device().synchronize()
         with cupy.cuda.using_allocator(self._pool.malloc), self._stream:
             if self._gemm is None:
-                self._gemm = CublasGemm(self._stream)
+                self._gemm = TunedGemm(self._stream)
             self._forward(bucket)  # compiles kernels, initialises cuBLAS, fills the pool
             self._stream.synchronize()
-            with _gc_paused():
+            with gc_paused():
                 self._stream.begin_capture()
                 try:
                     bucket.logits = self._forward(bucket)
@@ -293,7 +277,7 @@ class DecodeGraphs:
         with cupy.cuda.using_allocator(self._pool.malloc), self._stream:
             self._sample(bucket)
             self._stream.synchronize()
-            with _gc_paused():
+            with gc_paused():
                 self._stream.begin_capture()
                 try:
                     self._sample(bucket)

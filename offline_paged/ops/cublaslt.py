@@ -1,0 +1,191 @@
+"""TunedGemm: CublasGemm's product through cuBLASLt, with the algorithm for each shape picked by timing.
+
+cuBLAS's default heuristic picks one kernel per shape. At a decode step's few hundred rows the product is
+small (a 256 x 2048 output is 32 tiles of 128 x 128 on a 132-SM GPU), and the heuristic's first pick is
+not always the fastest candidate it lists. So the first call of each shape, made outside any stream
+capture, asks cuBLASLt for its candidates (split-K ones included), times each on the stream, and keeps
+the fastest; every later call of that shape, captured or not, runs that algorithm. A shape first seen
+inside a capture takes the heuristic's first candidate (timing there is impossible).
+
+Layout: row-major x [T, K] @ W [K, N] -> out [T, N] is column-major out^T [N, T] = W^T [N, K] x^T [K, T],
+as in graphs.py: A = W (op N with ld N when C-contiguous, op T with ld K when F-contiguous), B = x
+(column-major [K, T], ld K), C = D = out (column-major [N, T], ld N).
+Legend: T rows, K inner dim, N output dim.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import statistics
+
+import cupy
+import numpy as np
+
+from offline_paged.ops.graphs import _OP_N, _OP_T, WORKSPACE_BYTES, check_gemm_args, gc_paused
+
+_CUDA_R_32F = 0
+_CUBLAS_COMPUTE_32F = 68
+_DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
+_PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
+NUM_CANDIDATES = 16  # heuristic candidates asked for per shape
+
+
+class _Algo(ctypes.Structure):  # cublasLtMatmulAlgo_t
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
+    _fields_ = [("algo", _Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def _liblt() -> ctypes.CDLL:
+    """libcublasLt from the folder of the libcublas CuPy loaded (they ship together)."""
+    cupy.cuda.device.get_cublas_handle()  # makes CuPy load libcublas
+    with open("/proc/self/maps") as maps:
+        dirs = sorted({os.path.dirname(line.split()[-1]) for line in maps if "/libcublas" in line})
+    candidates = [path for d in dirs for path in sorted(glob.glob(os.path.join(d, "libcublasLt.so*")))]
+    if not candidates:
+        raise RuntimeError(f"libcublasLt not found next to libcublas (looked in {dirs})")
+    lib = ctypes.CDLL(candidates[0])
+    p, i, u64, i64, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+    signatures = {
+        "cublasLtCreate": [ctypes.POINTER(p)],
+        "cublasLtDestroy": [p],
+        "cublasLtMatmulDescCreate": [ctypes.POINTER(p), i, i],
+        "cublasLtMatmulDescDestroy": [p],
+        "cublasLtMatmulDescSetAttribute": [p, i, p, size],
+        "cublasLtMatrixLayoutCreate": [ctypes.POINTER(p), i, u64, u64, i64],
+        "cublasLtMatrixLayoutDestroy": [p],
+        "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(p)],
+        "cublasLtMatmulPreferenceDestroy": [p],
+        "cublasLtMatmulPreferenceSetAttribute": [p, i, p, size],
+        "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(_Heuristic), ctypes.POINTER(i)],
+        "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(_Algo), p, size, p],
+    }
+    for name, argtypes in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+
+class _Plan:
+    """The descriptors of one shape and its candidate algorithms; `chosen` indexes the one that runs."""
+
+    def __init__(self, lib, handle, key, workspace_bytes: int) -> None:
+        num_rows, inner, num_out, op_w, in_type, out_type = key
+        self._lib = lib
+        self.desc, self.a, self.b, self.c = (ctypes.c_void_p() for _ in range(4))
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
+        for attr, op in ((_DESC_TRANSA, op_w), (_DESC_TRANSB, _OP_N)):
+            value = ctypes.c_int(op)
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), 4), "MatmulDescSetAttribute")
+        a_rows, a_cols, a_ld = (num_out, inner, num_out) if op_w == _OP_N else (inner, num_out, inner)
+        for layout, args in ((self.a, (in_type, a_rows, a_cols, a_ld)), (self.b, (in_type, inner, num_rows, inner)),
+                             (self.c, (out_type, num_out, num_rows, num_out))):
+            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), *args), "MatrixLayoutCreate")
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
+        limit = ctypes.c_uint64(workspace_bytes)
+        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
+               "MatmulPreferenceSetAttribute")
+        results, count = (_Heuristic * NUM_CANDIDATES)(), ctypes.c_int(0)
+        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.a, self.b, self.c, self.c, pref,
+                                                    NUM_CANDIDATES, results, ctypes.byref(count))
+        lib.cublasLtMatmulPreferenceDestroy(pref)
+        _check(status, f"MatmulAlgoGetHeuristic for [{num_rows}, {inner}] @ [{inner}, {num_out}]")
+        self.algos = [results[j].algo for j in range(count.value) if results[j].state == 0]
+        if not self.algos:
+            raise RuntimeError(f"cuBLASLt has no algorithm for [{num_rows}, {inner}] @ [{inner}, {num_out}]")
+        self.chosen = 0
+        self.times_ms: list[float] = []  # per candidate, when tuned
+
+    def __del__(self) -> None:
+        lib = self._lib
+        for layout in (self.a, self.b, self.c):
+            if layout.value:
+                lib.cublasLtMatrixLayoutDestroy(layout)
+        if self.desc.value:
+            lib.cublasLtMatmulDescDestroy(self.desc)
+
+
+class TunedGemm:
+    """fp16 / bf16 GEMMs with fp32 accumulation through cuBLASLt on `stream` only, with an explicitly owned
+    workspace (no allocation inside a capture) and a timed choice of algorithm per shape (see the module
+    docstring). The same calls as CublasGemm; call it inside `with stream:`."""
+
+    def __init__(self, stream: cupy.cuda.Stream, workspace_bytes: int = WORKSPACE_BYTES, repeats: int = 5,
+                 tune: bool = True) -> None:
+        self._lib = _liblt()
+        self._handle = ctypes.c_void_p()
+        _check(self._lib.cublasLtCreate(ctypes.byref(self._handle)), "cublasLtCreate")
+        self.stream = stream
+        self.repeats = repeats
+        self.tune = tune  # False: always the heuristic's first candidate
+        self._workspace = cupy.empty(workspace_bytes, dtype=cupy.uint8)  # [bytes]
+        self._one = np.ones(1, dtype=np.float32)  # host scalars, read when the call is made
+        self._zero = np.zeros(1, dtype=np.float32)
+        self.plans: dict[tuple, _Plan] = {}
+
+    def __call__(self, x, w, out_dtype=None, out=None):
+        """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous) -> out [T, N] of `out_dtype` (None: x's
+        dtype, or float32), written into `out` when given. See CublasGemm.__call__."""
+        key, out = check_gemm_args(x, w, out_dtype, out)
+        if out.size == 0:
+            return out
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = _Plan(self._lib, self._handle, key, self._workspace.nbytes)
+            if self.tune and not _capturing(self.stream):
+                self._tune(plan, x, w, out)
+        self._run(plan, plan.algos[plan.chosen], x, w, out)
+        return out
+
+    def _run(self, plan: _Plan, algo: _Algo, x, w, out, stream=None) -> None:
+        _check(self._lib.cublasLtMatmul(
+            self._handle, plan.desc, self._one.ctypes.data, w.data.ptr, plan.a, x.data.ptr, plan.b,
+            self._zero.ctypes.data, out.data.ptr, plan.c, out.data.ptr, plan.c, ctypes.byref(algo),
+            self._workspace.data.ptr, self._workspace.nbytes, (stream or self.stream).ptr), "cublasLtMatmul")
+
+    def _tune(self, plan: _Plan, x, w, out) -> None:
+        """Time every candidate and keep the fastest. Each is captured `repeats` times into a graph on a
+        private stream and the median of three replays is taken: launched one by one from Python, a call
+        of a few microseconds would time the host's launch instead."""
+        self.stream.synchronize()  # x and w are ready
+        stream = cupy.cuda.Stream(non_blocking=True)
+        plan.times_ms = []
+        for algo in plan.algos:
+            self._run(plan, algo, x, w, out, stream)  # warm-up (loads the kernel)
+            with gc_paused():
+                stream.begin_capture()
+                try:
+                    for _ in range(self.repeats):
+                        self._run(plan, algo, x, w, out, stream)
+                finally:
+                    graph = stream.end_capture()
+            times = []
+            for _ in range(3):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
+                graph.launch(stream)
+                end.record(stream)
+                end.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(start, end) / self.repeats)
+            plan.times_ms.append(statistics.median(times))
+        plan.chosen = int(np.argmin(plan.times_ms))
+
+    def __del__(self) -> None:
+        self.plans = {}
+        handle = getattr(self, "_handle", None)
+        if handle is not None and handle.value:
+            self._lib.cublasLtDestroy(handle)
+
+
+def _capturing(stream: cupy.cuda.Stream) -> bool:
+    return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
