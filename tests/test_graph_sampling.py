@@ -105,6 +105,40 @@ def test_a_planted_seed_change_changes_the_draw(graphs):
     assert draws[0] != draws[2]
 
 
+class _FailingSampleCapture(DecodeGraphs):
+    """Raises once from inside its first sampling capture, before any kernel is captured: a graph ended
+    there is empty, and launching it would leave the samples of the buffers' last writer."""
+
+    failures = 1
+
+    def _sample(self, bucket):
+        if self.failures and cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
+            self.failures -= 1
+            raise RuntimeError("planted capture failure")
+        super()._sample(bucket)
+
+
+def test_a_failed_sampling_capture_keeps_no_graph_and_the_next_step_captures_again(graphs):
+    failing = _FailingSampleCapture(graphs.model, graphs.kv_cache, 16, max_model_len=512, buckets=(16,))
+    rng = np.random.default_rng(6)
+    free_blocks = rng.permutation(4096).tolist()
+    ids, positions, slots, tables = _decode_step(rng, 16, free_blocks, 16)
+    step_rows = StepRows(16, max_blocks=32)
+    rows, sample_positions, writes = step_rows.step(tables, positions), np.full(16, 3), np.zeros(16, bool)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)]
+    sampling_rows = SamplingRows(num_rows=16)
+    sampling_rows.update(rows, np.arange(16), lambda i: (params[i % 2], 40 + i, False))
+    with pytest.raises(RuntimeError, match="planted capture failure"):
+        failing.run_and_sample(ids, positions, rows, writes, step_rows.table_rows, sample_positions, sampling_rows)
+    # Other input ids: other logits, so samples left over from the failed call's warm-up cannot pass.
+    logits, samples = failing.run_and_sample(rng.integers(0, 49152, 16), positions, rows, writes,
+                                             step_rows.table_rows, sample_positions, sampling_rows)
+    requests = [SamplingRequest(params[i % 2], 40 + i, 3, (), ()) for i in range(16)]
+    expected = GpuSampler((2,)).sample(logits[:16], list(range(16)), requests)
+    assert [r.token_id for r in samples.results()] == [r.token_id for r in expected]
+    assert failing.num_sampled_replays == 1
+
+
 def _requests(vocab, fallback: str | None):
     rng = np.random.default_rng(17)
     requests = {}

@@ -36,6 +36,7 @@ many buckets cost little memory; the engine captures them all at start (`capture
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import cupy
@@ -249,41 +250,41 @@ class DecodeGraphs:
         bucket.pack([], [], [], [])  # all slots padding: warm-up writes no KV
         bucket.device[:bucket.host.size].set(bucket.host)
         self._decode_inputs(bucket)
-        cupy.cuda.Device().synchronize()
-        with cupy.cuda.using_allocator(self._pool.malloc), self._stream:
-            if self._gemm is None:
-                self._gemm = TunedGemm(self._stream)
-            self._forward(bucket)  # compiles kernels, initialises cuBLAS, fills the pool
-            self._stream.synchronize()
-            with gc_paused():
-                self._stream.begin_capture()
-                try:
-                    bucket.logits = self._forward(bucket)
-                finally:
-                    bucket.graph = self._stream.end_capture()
-        self._stream.synchronize()
+        if self._gemm is None:
+            self._gemm = TunedGemm(self._stream)
+        bucket.graph, bucket.logits = self._capture_graph(lambda: self._forward(bucket))
         self._captured[size] = bucket
         return bucket
 
     def _capture_sampling(self, bucket: _Bucket) -> None:
-        """Capture the bucket's sampling graph (warmed up once first: kernels compile outside the capture).
-        Its temporaries come from the private pool, like the forward's. `sampled` and `token_ids` outlive
-        the step (the download, the next step's input ids), so they come from the default pool: no
-        graph's temporaries can ever share their memory."""
+        """Capture the bucket's sampling graph. Its temporaries come from the private pool, like the
+        forward's. `sampled` and `token_ids` outlive the step (the download, the next step's input ids),
+        so they come from the default pool: no graph's temporaries can ever share their memory."""
         if bucket.sampled is None:
             bucket.sampled = cupy.zeros((bucket.size, 2), dtype=cupy.float64)  # [b, 2]
             bucket.token_ids = cupy.zeros(bucket.size, dtype=cupy.int32)  # [b]
+        bucket.sample_graph, _ = self._capture_graph(lambda: self._sample(bucket))
+
+    def _capture_graph(self, work):
+        """(graph, result) of `work()` captured on the private stream: run once first (kernels compile, the
+        GEMM picks its algorithms, the private pool fills), then captured with the garbage collector
+        paused. If the capture fails, the exception propagates and no graph is kept: the next use
+        captures again (a graph ended after a failure would be a partial one)."""
         cupy.cuda.Device().synchronize()
         with cupy.cuda.using_allocator(self._pool.malloc), self._stream:
-            self._sample(bucket)
+            work()
             self._stream.synchronize()
             with gc_paused():
                 self._stream.begin_capture()
                 try:
-                    self._sample(bucket)
-                finally:
-                    bucket.sample_graph = self._stream.end_capture()
+                    result = work()
+                except BaseException:
+                    with contextlib.suppress(cupy.cuda.runtime.CUDARuntimeError):
+                        self._stream.end_capture()  # leaves capture mode; the partial graph is dropped
+                    raise
+                graph = self._stream.end_capture()
         self._stream.synchronize()
+        return graph, result
 
     def _sample(self, bucket: _Bucket) -> None:
         """Every slot of bucket.logits sampled as GpuSampler.sample_async samples a row without penalties,
