@@ -29,6 +29,12 @@ class DeviceTimer:
         self._end.synchronize()
         return self._xp.cuda.get_elapsed_time(self._start, self._end) / 1e3
 
+    def idle_since_s(self, previous: "DeviceTimer") -> float:
+        """Device seconds from the end of `previous` (an earlier step's forward) to the start of this one:
+        what the device spent outside the forwards (the samples' download, waiting for the host)."""
+        self._start.synchronize()
+        return self._xp.cuda.get_elapsed_time(previous._end, self._start) / 1e3
+
 
 @dataclass(frozen=True, slots=True)
 class StepReport:
