@@ -37,8 +37,19 @@ def test_bench_runs_with_and_without_cuda_graphs(graphs):
     assert run["num_output_tokens"] == expected
     split = run["time_split"]
     assert split["forward_device_ms"] > 0
+    # the device's idle time between forwards lies inside the steps' wall time
+    assert 0 <= split["device_idle_ms"] < split["step_ms"]
     assert (split["num_cuda_graph_steps"] > 0) == graphs
     assert report["device"] and "git_commit" in report
+
+
+def test_bench_steps_report_the_device_idle_before_each_forward():
+    (run,) = _bench("--cuda-graphs", "--json-steps")["runs"]
+    steps = run["steps"]
+    assert steps[0]["idle_before_s"] is None  # no forward before the first
+    idle = [s["idle_before_s"] for s in steps[1:] if s["forward_s"]]
+    assert idle and all(0 <= x < 1 for x in idle)
+    assert sum(idle) / len(steps) * 1e3 == pytest.approx(run["time_split"]["device_idle_ms"])
 
 
 @pytest.mark.parametrize("graphs", [True, False])

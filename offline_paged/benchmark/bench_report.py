@@ -54,6 +54,8 @@ def _format_split(split: dict) -> str:
     if split["forward_device_ms"] is not None:
         text += (f"; forward on the device {split['forward_device_ms']:.2f} ms, host-only "
                  f"{split['host_ms']:.2f} ms ({split['host_ms'] / max(split['step_ms'], 1e-12):.0%})")
+    if split.get("device_idle_ms") is not None:
+        text += f", device idle between forwards {split['device_idle_ms']:.3f} ms"
     return text
 
 
