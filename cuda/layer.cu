@@ -22,8 +22,7 @@
 //
 // rope_write_kv_{same,f32}_cache_{f16,bf16} (rope, then cache.cu's write_kv, in one kernel)
 //   q, positions, cos_sin as rope; k, v [T, Hkv, D] T, [Hkv, D] contiguous per token, token strides
-//   k_stride, v_stride
-//   (q, k, v are usually views into one fused qkv row)
+//   k_stride, v_stride (q, k, v are usually views into one fused qkv row)
 //   slot_mapping [T] int32: token t's K/V go to row slot_mapping[t] of the caches; negative: no K/V write
 //   q_out        [T, H, D] T contiguous (new): rotated q, bit for bit rope's (the same rotate8/rotate1)
 //   k_cache, v_cache [N, B, Hkv, D] T contiguous, row s = slot s of [N*B, Hkv, D]: rotated k, v as is
