@@ -7,6 +7,8 @@
 //   k_cache, v_cache [N, B, Hkv, D] same type, contiguous; slot s = block * B + offset is row s of [N*B, Hkv, D]
 //   slot_mapping [T] int32; a negative slot means "padding, skip"
 //   Grid: x = token (T CTAs); block: 128 threads striding over the row's Hkv*D/8 16-byte vectors.
+//   (The model's forward writes K/V with layer.cu's rope_write_kv, which rotates k on the way; this one is
+//   the plain copy.)
 //
 // copy_blocks
 //   kv_cache     [L, 2, N, E] fp16 or bf16 contiguous, E = B * Hkv * D elements per block (a multiple of 8)

@@ -1,4 +1,5 @@
-// The elementwise parts of a decoder layer: fused RMSNorm (+ residual add), RoPE, SiLU * mul.
+// The elementwise parts of a decoder layer: fused RMSNorm (+ residual add), RoPE (alone, or fused with
+// the KV-cache write), SiLU * mul.
 // Element type T: every kernel exists for fp16 (__half, names ending _f16) and bf16 (bf16_t, _bf16: the
 // bits of a bfloat16, converted with PTX cvt, no cuda_bf16.h needed). T in and out, fp32 arithmetic
 // inside, each output rounded to T once (round to nearest even).
@@ -18,6 +19,16 @@
 //   q_out [T, H, D], k_out [T, Hkv, D] T contiguous (new arrays; the inputs are left alone)
 //   Grid: x = token; block threads stride over (H + Hkv) * D/2 pairs, or over (H + Hkv) * D/16 units of
 //   8 consecutive pairs when D/2 % 8 == 0, both strides % 8 == 0 and all pointers are 16-byte aligned.
+//
+// rope_write_kv_{same,f32}_cache_{f16,bf16} (rope, then cache.cu's write_kv, in one kernel)
+//   q, positions, cos_sin as rope; k, v [T, Hkv, D] T, [Hkv, D] contiguous per token, token strides
+//   k_stride, v_stride (q, k, v are usually views into one fused qkv row)
+//   slot_mapping [T] int32: token t's K/V go to row slot_mapping[t] of the caches; negative: no K/V write
+//   q_out        [T, H, D] T contiguous (new): rotated q, bit for bit rope's (the same rotate8/rotate1)
+//   k_cache, v_cache [N, B, Hkv, D] T contiguous, row s = slot s of [N*B, Hkv, D]: rotated k, v as is
+//   Grid: x = token; block threads stride over H * D/2 q pairs, then (slot >= 0 only) Hkv * D/2 k pairs and
+//   Hkv * D v elements; on the vector path (rope's condition, plus v_stride % 8 == 0 and v, k_cache, v_cache
+//   16-byte aligned) over H * D/16 q units, Hkv * D/16 k units (8 pairs each) and Hkv * D/8 v 16-byte copies.
 //
 // add_bias_{f16,bf16}
 //   x [T, N] T contiguous, updated in place: x[t, j] + bias[j] rounded once; bias [N] T.
@@ -203,6 +214,34 @@ __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T*
   }
 }
 
+// Rotate-half RoPE of 8 consecutive pairs: src/dst point at element j of a head, cs at the table row's
+// entry j (cos; sin D/2 later). rope and rope_write_kv both rotate through these two helpers, so their
+// arithmetic (and the compiler's contraction of it) is one and the same: their outputs agree bit for bit.
+template <typename T, typename CacheT>
+__device__ __forceinline__ void rotate8(const T* src, const CacheT* cs, int half_dim, T* dst) {
+  float x1[VEC], x2[VEC], c[VEC], s[VEC], y1[VEC], y2[VEC];
+  load8_float(src, x1);
+  load8_float(src + half_dim, x2);
+  load8_float(cs, c);
+  load8_float(cs + half_dim, s);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    y1[i] = x1[i] * c[i] - x2[i] * s[i];
+    y2[i] = x2[i] * c[i] + x1[i] * s[i];
+  }
+  store8_float(dst, y1);
+  store8_float(dst + half_dim, y2);
+}
+
+// The same for one pair (the scalar paths).
+template <typename T, typename CacheT>
+__device__ __forceinline__ void rotate1(const T* src, const CacheT* cs, int half_dim, T* dst) {
+  const float x1 = to_float(src[0]), x2 = to_float(src[half_dim]);
+  const float c = to_float(cs[0]), s = to_float(cs[half_dim]);
+  dst[0] = from_float<T>(x1 * c - x2 * s);
+  dst[half_dim] = from_float<T>(x2 * c + x1 * s);
+}
+
 template <typename T, typename CacheT>
 __device__ void rope_impl(const T* q, const T* k, const int* positions, const CacheT* cos_sin, T* q_out,
                           T* k_out, long long q_stride, long long k_stride, int num_heads, int num_kv_heads,
@@ -223,20 +262,8 @@ __device__ void rope_impl(const T* q, const T* k, const int* positions, const Ca
       const bool is_q = u < q_units;
       const int unit = is_q ? u : u - q_units;
       const int head = unit / units_per_head, j = (unit - head * units_per_head) * VEC;
-      const T* src = (is_q ? q_row : k_row) + head * head_dim + j;
-      T* dst = (is_q ? q_out_row : k_out_row) + head * head_dim + j;
-      float x1[VEC], x2[VEC], c[VEC], s[VEC], y1[VEC], y2[VEC];
-      load8_float(src, x1);
-      load8_float(src + half_dim, x2);
-      load8_float(table + j, c);
-      load8_float(table + j + half_dim, s);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        y1[i] = x1[i] * c[i] - x2[i] * s[i];
-        y2[i] = x2[i] * c[i] + x1[i] * s[i];
-      }
-      store8_float(dst, y1);
-      store8_float(dst + half_dim, y2);
+      rotate8((is_q ? q_row : k_row) + head * head_dim + j, table + j, half_dim,
+              (is_q ? q_out_row : k_out_row) + head * head_dim + j);
     }
     return;
   }
@@ -245,13 +272,64 @@ __device__ void rope_impl(const T* q, const T* k, const int* positions, const Ca
     const bool is_q = i < q_pairs;
     const int pair = is_q ? i : i - q_pairs;
     const int head = pair / half_dim, j = pair % half_dim;
-    const T* src = is_q ? q_row : k_row;
-    T* dst = is_q ? q_out_row : k_out_row;
-    const float x1 = to_float(src[head * head_dim + j]);
-    const float x2 = to_float(src[head * head_dim + j + half_dim]);
-    const float c = to_float(table[j]), s = to_float(table[j + half_dim]);
-    dst[head * head_dim + j] = from_float<T>(x1 * c - x2 * s);
-    dst[head * head_dim + j + half_dim] = from_float<T>(x2 * c + x1 * s);
+    rotate1((is_q ? q_row : k_row) + head * head_dim + j, table + j, half_dim,
+            (is_q ? q_out_row : k_out_row) + head * head_dim + j);
+  }
+}
+
+// rope followed by write_kv in one pass: q rotated into q_out, k rotated straight into its cache row,
+// v copied there unchanged; a token with a negative slot has only its q rotated.
+template <typename T, typename CacheT>
+__device__ void rope_write_kv_impl(const T* q, const T* k, const T* v, const int* positions, const CacheT* cos_sin,
+                                   const int* slot_mapping, T* q_out, T* k_cache, T* v_cache, long long q_stride,
+                                   long long k_stride, long long v_stride, int num_heads, int num_kv_heads,
+                                   int head_dim) {
+  const int token = blockIdx.x;
+  const int half_dim = head_dim / 2;
+  const int slot = slot_mapping[token];
+  const int kv_heads = slot < 0 ? 0 : num_kv_heads;  // KV heads this token writes
+  const CacheT* table = cos_sin + (size_t)positions[token] * head_dim;
+  const T* q_row = q + token * q_stride;
+  const T* k_row = k + token * k_stride;
+  const T* v_row = v + token * v_stride;
+  T* q_out_row = q_out + (size_t)token * num_heads * head_dim;
+  const size_t cache_row = (size_t)(slot < 0 ? 0 : slot) * num_kv_heads * head_dim;
+  T* k_dst = k_cache + cache_row;
+  T* v_dst = v_cache + cache_row;
+  const bool vec = half_dim % VEC == 0 && q_stride % VEC == 0 && k_stride % VEC == 0 && v_stride % VEC == 0 &&
+                   aligned16(q) && aligned16(k) && aligned16(v) && aligned16(cos_sin) && aligned16(q_out) &&
+                   aligned16(k_cache) && aligned16(v_cache);
+  if (vec) {  // units: q's and k's 8-pair rotations (as rope_impl), then v's 8-element copies
+    const int units_per_head = half_dim / VEC;
+    const int q_units = num_heads * units_per_head;
+    const int rotations = q_units + kv_heads * units_per_head;
+    const int units = rotations + kv_heads * head_dim / VEC;
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      if (u < rotations) {
+        const bool is_q = u < q_units;
+        const int unit = is_q ? u : u - q_units;
+        const int head = unit / units_per_head, j = (unit - head * units_per_head) * VEC;
+        rotate8((is_q ? q_row : k_row) + head * head_dim + j, table + j, half_dim,
+                (is_q ? q_out_row : k_dst) + head * head_dim + j);
+      } else {
+        const int at = (u - rotations) * VEC;
+        *reinterpret_cast<uint4*>(v_dst + at) = *reinterpret_cast<const uint4*>(v_row + at);
+      }
+    }
+    return;
+  }
+  const int q_pairs = num_heads * half_dim;
+  const int rotations = q_pairs + kv_heads * half_dim;
+  for (int i = threadIdx.x; i < rotations + kv_heads * head_dim; i += blockDim.x) {
+    if (i < rotations) {
+      const bool is_q = i < q_pairs;
+      const int pair = is_q ? i : i - q_pairs;
+      const int head = pair / half_dim, j = pair % half_dim;
+      rotate1((is_q ? q_row : k_row) + head * head_dim + j, table + j, half_dim,
+              (is_q ? q_out_row : k_dst) + head * head_dim + j);
+    } else {
+      v_dst[i - rotations] = v_row[i - rotations];
+    }
   }
 }
 
@@ -312,6 +390,20 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
     rope_impl<T, float>(q, k, positions, cos_sin, q_out, k_out, q_stride, k_stride, num_heads,              \
                         num_kv_heads, head_dim);                                                            \
   }                                                                                                         \
+  extern "C" __global__ void rope_write_kv_same_cache_##SUFFIX(                                             \
+      const T* q, const T* k, const T* v, const int* positions, const T* cos_sin, const int* slot_mapping,    \
+      T* q_out, T* k_cache, T* v_cache, long long q_stride, long long k_stride, long long v_stride,           \
+      int num_heads, int num_kv_heads, int head_dim) {                                                        \
+    rope_write_kv_impl<T, T>(q, k, v, positions, cos_sin, slot_mapping, q_out, k_cache, v_cache, q_stride,    \
+                             k_stride, v_stride, num_heads, num_kv_heads, head_dim);                          \
+  }                                                                                                           \
+  extern "C" __global__ void rope_write_kv_f32_cache_##SUFFIX(                                              \
+      const T* q, const T* k, const T* v, const int* positions, const float* cos_sin, const int* slot_mapping, \
+      T* q_out, T* k_cache, T* v_cache, long long q_stride, long long k_stride, long long v_stride,           \
+      int num_heads, int num_kv_heads, int head_dim) {                                                        \
+    rope_write_kv_impl<T, float>(q, k, v, positions, cos_sin, slot_mapping, q_out, k_cache, v_cache, q_stride, \
+                                 k_stride, v_stride, num_heads, num_kv_heads, head_dim);                      \
+  }                                                                                                           \
   extern "C" __global__ void silu_mul_##SUFFIX(const T* gate_up, T* out, long long num_tokens, int inter) { \
     silu_mul_impl<T>(gate_up, out, num_tokens, inter);                                                      \
   }                                                                                                         \

@@ -174,8 +174,10 @@ class Llama:
         v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
         if layer.q_norm is not None:
             q, k = self._head_norm(q, layer.q_norm), self._head_norm(k, layer.k_norm)
-        q, k = self.ops.rope(q, k, positions, self.cos_sin_cache)
-        self.ops.write_kv(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
+        # RoPE and the KV-cache write in one op (one kernel on the GPU): attention reads K/V from the
+        # cache only, so the rotated k goes straight there.
+        q = self.ops.rope_write_kv(q, k, v, positions, self.cos_sin_cache, layer_cache[0], layer_cache[1],
+                                   meta.slot_mapping)  # [T, H, D]
         out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale,
                                  sliding_window=c.sliding_window)  # [T, H, D]
         return self._all_reduce(matmul(out.reshape(num_tokens, q_dim), layer.o_proj))  # [T, E]

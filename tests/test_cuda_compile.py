@@ -125,7 +125,8 @@ def test_layer_kernels_have_16_byte_paths_and_no_64_bit_division(tmp_path):
     bandwidth fix), and silu_mul divides no 64-bit index per element."""
     entries = _ptx_entries(CUDA_DIR / "layer.cu", tmp_path)
     for suffix in ("f16", "bf16"):
-        for name in ("rms_norm", "silu_mul", "rope_same_cache", "rope_f32_cache"):
+        for name in ("rms_norm", "silu_mul", "rope_same_cache", "rope_f32_cache", "rope_write_kv_same_cache",
+                     "rope_write_kv_f32_cache"):
             body = entries[f"{name}_{suffix}"]
             assert re.search(r"ld\.global(\.nc)?\.v4\.", body), f"{name}_{suffix}: no 16-byte load in its PTX"
             assert re.search(r"st(\.global)?\.v4\.", body), f"{name}_{suffix}: no 16-byte store in its PTX"

@@ -377,6 +377,114 @@ def test_rope_matches_numpy_ops_on_strided_views(cache_kind, head_dim, dtype):
     assert_close(k_out.get(), k_ref, TOL[dtype])
 
 
+def rope_write_kv_case(rng, num_tokens, head_dim, dtype, cache_kind, num_heads=9, num_kv_heads=3):
+    """(qkv [T, (H + 2Hkv) D] on the GPU, positions, cos_sin table, slots, k_cache, v_cache [N, B, Hkv, D] host)
+    with random values everywhere. Every 5th token from the 4th on has slot -1; the others draw distinct
+    slots from 1.., so cache row 0 is never a target (a -1 read as a row would land there)."""
+    from offline_paged.models.config import LlamaConfig
+    from offline_paged.models.rope import cos_sin_cache
+
+    config = LlamaConfig(vocab_size=10, hidden_size=num_heads * head_dim, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                         rope_theta=1e5, max_position_embeddings=4096)
+    table = cos_sin_cache(config, dtype if cache_kind == "same" else np.float32)
+    qkv = cupy.asarray(rng.standard_normal((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)).astype(dtype))
+    positions = rng.integers(1, 4096, num_tokens).astype(np.int32)
+    num_blocks, block_size = -(-(num_tokens + 1) // 16) + 2, 16
+    slots = (1 + rng.permutation(num_blocks * block_size - 1)[:num_tokens]).astype(np.int32)
+    slots[3::5] = -1
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (rng.standard_normal(cache_shape).astype(dtype) for _ in range(2))
+    return qkv, positions, table, slots, k_cache, v_cache
+
+
+def split_qkv(qkv, num_heads, num_kv_heads, head_dim):
+    """The strided [T, heads, D] views of q, k and v that Llama._attention cuts from the fused projection."""
+    num_tokens, q_dim, kv_dim = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    return (qkv[:, :q_dim].reshape(num_tokens, num_heads, head_dim),
+            qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, num_kv_heads, head_dim),
+            qkv[:, q_dim + kv_dim:].reshape(num_tokens, num_kv_heads, head_dim))
+
+
+def bits(a):
+    return cupy.asnumpy(a).view(np.uint16)
+
+
+# Head dims 64, 128: the vector path; 72 (D/2 = 36): the scalar path. "contiguous": q and k new arrays and
+# v a view (what Qwen3's per-head q/k norm leaves), else all three views into the fused qkv rows.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_kind", ["same", "float32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 72])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+@pytest.mark.parametrize("layout", ["views", "contiguous"])
+def test_rope_write_kv_equals_rope_then_write_kv_bit_for_bit(layout, num_tokens, head_dim, cache_kind, dtype):
+    rng = np.random.default_rng([num_tokens, head_dim])
+    num_heads, num_kv_heads = 9, 3
+    qkv, positions, table, slots, k_host, v_host = rope_write_kv_case(rng, num_tokens, head_dim, dtype, cache_kind)
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    if layout == "contiguous":
+        q, k = cupy.ascontiguousarray(q), cupy.ascontiguousarray(k)
+    table_gpu, positions_gpu, slots_gpu = cupy.asarray(table), cupy.asarray(positions), cupy.asarray(slots)
+    qkv_before = bits(qkv)
+
+    q_want, k_rotated = launchers.rope(q, k, positions_gpu, table_gpu)  # the two-kernel path
+    k_want, v_want = cupy.asarray(k_host), cupy.asarray(v_host)
+    launchers.write_kv(k_rotated, v, k_want, v_want, slots_gpu)
+    k_got, v_got = cupy.asarray(k_host), cupy.asarray(v_host)
+    q_got = launchers.rope_write_kv(q, k, v, positions_gpu, table_gpu, k_got, v_got, slots_gpu)
+
+    assert q_got.dtype == dtype and q_got.shape == q.shape and q_got.flags.c_contiguous
+    np.testing.assert_array_equal(bits(q_got), bits(q_want))
+    np.testing.assert_array_equal(bits(k_got), bits(k_want))
+    np.testing.assert_array_equal(bits(v_got), bits(v_want))
+    np.testing.assert_array_equal(bits(qkv), qkv_before)  # the inputs are left alone
+    # Rows no token targets (row 0 and those of the -1 slots among them) keep the random fill.
+    untouched = np.setdiff1d(np.arange(k_host.shape[0] * k_host.shape[1]), slots[slots >= 0])
+    rows = lambda a: a.reshape(-1, num_kv_heads, head_dim)  # noqa: E731
+    np.testing.assert_array_equal(rows(bits(k_got))[untouched], rows(k_host.view(np.uint16))[untouched])
+    np.testing.assert_array_equal(rows(bits(v_got))[untouched], rows(v_host.view(np.uint16))[untouched])
+
+    # Against the NumPy reference in fp32 (same rounded inputs): rotated within fp16/bf16 rounding, v exact.
+    k_ref, v_ref = k_host.astype(np.float32), v_host.astype(np.float32)
+    f32 = lambda a: cupy.asnumpy(a).astype(np.float32)  # noqa: E731
+    q_ref = NumpyOps().rope_write_kv(f32(q), f32(k), f32(v), positions, table.astype(np.float32), k_ref, v_ref,
+                                     slots)
+    assert_close(q_got.get(), q_ref, TOL[dtype])
+    assert_close(k_got.get(), k_ref, TOL[dtype])
+    np.testing.assert_array_equal(v_got.get().astype(np.float32), v_ref)
+
+
+def test_rope_write_kv_refuses_bad_input():
+    rng = np.random.default_rng(7)
+    qkv, positions, table, slots, k_host, v_host = rope_write_kv_case(rng, 7, 64, np.float16, "float32")
+    q, k, v = split_qkv(qkv, 9, 3, 64)
+    args = dict(q=q, k=k, v=v, positions=cupy.asarray(positions), cos_sin=cupy.asarray(table),
+                k_cache=cupy.asarray(k_host), v_cache=cupy.asarray(v_host), slot_mapping=cupy.asarray(slots))
+    refusals = [
+        (dict(q=q.astype(cupy.float32)), "q must be float16 or bfloat16, got float32"),
+        (dict(v=cupy.asarray(cupy.asnumpy(v).astype(BF16))), "v must be float16, got bfloat16"),
+        (dict(k_cache=cupy.asarray(k_host.astype(BF16))), "k_cache must be float16, got bfloat16"),
+        (dict(cos_sin=cupy.asarray(table, dtype=cupy.float64)), "cos_sin_cache must be a contiguous 2-D"),
+        (dict(slot_mapping=args["slot_mapping"].astype(cupy.int64)), "slot_mapping must be int32"),
+        (dict(positions=args["positions"][:6]), "6 positions for 7 tokens"),
+        (dict(slot_mapping=args["slot_mapping"][:6]), "slot_mapping has 6 slots for 7 tokens"),
+        (dict(v=v[:, :2]), r"v shape \(7, 2, 64\) != k shape \(7, 3, 64\)"),
+        (dict(k=k[:5], v=v[:5]), r"k shape \(5, 3, 64\) does not fit q shape \(7, 9, 64\)"),
+        (dict(v_cache=cupy.asarray(np.ascontiguousarray(v_host[:, :8]))),
+         r"k_cache shape \(\d+, 16, 3, 64\) != v_cache shape"),
+        (dict(k_cache=cupy.asarray(np.ascontiguousarray(k_host[..., :32])),
+              v_cache=cupy.asarray(np.ascontiguousarray(v_host[..., :32]))),
+         r"k rows \(3, 64\) do not match cache rows \(3, 32\)"),
+        (dict(v_cache=args["v_cache"][:, ::2]), "v_cache must be C-contiguous"),
+    ]
+    for change, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            launchers.rope_write_kv(**(args | change))
+    k_cache_before = bits(args["k_cache"])
+    launchers.rope_write_kv(**args)  # the unchanged arguments are accepted
+    assert (bits(args["k_cache"]) != k_cache_before).any()
+
+
 # 1536 / 8192 columns: vector path; 50 / 1540: scalar; offset 1: unaligned, so scalar; 70000 rows: more
 # than gridDim.y holds, so the kernel's row loop strides.
 @pytest.mark.parametrize("dtype", DTYPES)

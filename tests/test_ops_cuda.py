@@ -64,6 +64,20 @@ def test_each_op_matches_numpy_ops(dtype):
     for g, r in zip(got, want):
         assert rel_error(g.get(), r) < tol
 
+    # rope_write_kv: host int64 positions and slots (CudaOps converts them), the caches filled at random.
+    v = f16(rng.standard_normal((9, 2, 64)))
+    slots = np.array([3, 40, -1, 7, 0, 12, -1, 63, 21])
+    k_cache, v_cache = f16(rng.standard_normal((4, 16, 2, 64))), f16(rng.standard_normal((4, 16, 2, 64)))
+    k_gpu, v_gpu = cupy.asarray(k_cache), cupy.asarray(v_cache)
+    got = cuda.rope_write_kv(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), pos,
+                             cupy.asarray(table.astype(np.float32)), k_gpu, v_gpu, slots)
+    k_ref, v_ref = k_cache.astype(np.float32), v_cache.astype(np.float32)
+    want = ref.rope_write_kv(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), pos,
+                             table.astype(np.float32), k_ref, v_ref, slots)
+    assert rel_error(got.get(), want) < tol
+    assert rel_error(k_gpu.get(), k_ref) < tol
+    assert rel_error(v_gpu.get(), v_ref) == 0
+
     # write_kv + attention through AttentionMetadata: two sequences, one prefill chunk, one decode.
     kv = np.zeros((1, 2, 6, 16, 2, 64), dtype)
     tables, ctx, qlens = [[4, 1], [5]], [20, 3], [20, 1]

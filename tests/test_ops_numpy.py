@@ -55,6 +55,41 @@ def test_rope_rotates_halves_by_position_angle():
     np.testing.assert_allclose(rk[1, 0, [1, 5]], [-np.sin(0.3), np.cos(0.3)], atol=1e-12)
 
 
+def test_rope_write_kv_is_rope_then_write_kv():
+    """The fused op returns rope's q and leaves the caches as write_kv of rope's k (and of v) would, with the
+    views into one qkv row the model passes; rows of negative slots and untargeted rows keep their values."""
+    rng = np.random.default_rng(8)
+    num_tokens, num_heads, d = 6, 4, 8
+    qkv = rng.standard_normal((num_tokens, (num_heads + 2 * HKV) * d)).astype(np.float32)  # [T, (H + 2Hkv) D]
+    q = qkv[:, :num_heads * d].reshape(num_tokens, num_heads, d)  # [T, H, D]
+    k = qkv[:, num_heads * d:(num_heads + HKV) * d].reshape(num_tokens, HKV, d)  # [T, Hkv, D]
+    v = qkv[:, (num_heads + HKV) * d:].reshape(num_tokens, HKV, d)  # [T, Hkv, D]
+    angles = np.arange(20)[:, None] * 0.3 ** np.arange(d // 2)  # [P, D/2]
+    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)  # [P, D]
+    positions = np.array([3, 19, 7, 1, 12, 5])
+    slots = np.array([9, -1, 2, 14, -1, 0], np.int32)
+    k_cache, v_cache = rng.standard_normal((2, 4, 4, HKV, d)).astype(np.float32)  # [N, B, Hkv, D] each
+    k_fill = k_cache.copy()
+    k_want, v_want = k_cache.copy(), v_cache.copy()
+    ops = NumpyOps()
+    q_want, k_rotated = ops.rope(q, k, positions, table)
+    ops.write_kv(k_rotated, v, k_want, v_want, slots)
+    qkv_before = qkv.copy()
+
+    q_got = ops.rope_write_kv(q, k, v, positions, table, k_cache, v_cache, slots)
+
+    np.testing.assert_array_equal(q_got, q_want)
+    np.testing.assert_array_equal(k_cache, k_want)
+    np.testing.assert_array_equal(v_cache, v_want)
+    np.testing.assert_array_equal(qkv, qkv_before)
+    rows = k_cache.reshape(16, HKV, d)
+    np.testing.assert_array_equal(rows[[2, 9, 14, 0]], k_rotated[[2, 0, 3, 5]])
+    assert not np.allclose(rows[9], k[0], atol=1e-3)  # rotated (position 19), not copied as is
+    np.testing.assert_array_equal(v_cache.reshape(16, HKV, d)[[2, 9, 14, 0]], v[[2, 0, 3, 5]])
+    untouched = [r for r in range(16) if r not in (0, 2, 9, 14)]
+    np.testing.assert_array_equal(rows[untouched], k_fill.reshape(16, HKV, d)[untouched])
+
+
 def test_silu_mul_is_silu_of_the_first_half_times_the_second():
     rng = np.random.default_rng(5)
     gate_up = (rng.standard_normal((3, 2 * 6)) * 4).astype(np.float32)  # [T, 2I]

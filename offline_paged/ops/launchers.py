@@ -35,11 +35,13 @@ KERNELS = (
     ("attention.cu", "paged_attention_d128_keysplit_f16"), ("attention.cu", "paged_attention_d128_rowsplit_f16"),
     ("attention.cu", "merge_partials_f16"),
     ("layer.cu", "rms_norm_f16"), ("layer.cu", "rope_same_cache_f16"), ("layer.cu", "rope_f32_cache_f16"),
+    ("layer.cu", "rope_write_kv_same_cache_f16"), ("layer.cu", "rope_write_kv_f32_cache_f16"),
     ("layer.cu", "silu_mul_f16"), ("layer.cu", "add_bias_f16"),
     ("attention.cu", "paged_attention_d64_keysplit_bf16"), ("attention.cu", "paged_attention_d64_rowsplit_bf16"),
     ("attention.cu", "paged_attention_d128_keysplit_bf16"), ("attention.cu", "paged_attention_d128_rowsplit_bf16"),
     ("attention.cu", "merge_partials_bf16"),
     ("layer.cu", "rms_norm_bf16"), ("layer.cu", "rope_same_cache_bf16"), ("layer.cu", "rope_f32_cache_bf16"),
+    ("layer.cu", "rope_write_kv_same_cache_bf16"), ("layer.cu", "rope_write_kv_f32_cache_bf16"),
     ("layer.cu", "silu_mul_bf16"), ("layer.cu", "add_bias_bf16"),
     ("cache.cu", "write_kv"), ("cache.cu", "copy_blocks"),
 )
@@ -295,10 +297,9 @@ def rms_norm(x, weight, eps: float, residual=None):
     return out, residual_out
 
 
-def rope(q, k, positions, cos_sin):
-    """Rotate-half RoPE; returns new contiguous (q [T, H, D], k [T, Hkv, D]) of q's dtype (float16 or
-    bfloat16; k the same). cos_sin [P, D] of q's dtype or float32."""
-    suffix = _element_suffix("q", q)
+def _check_rope_inputs(q, k, positions, cos_sin) -> tuple[int, int]:
+    """rope's and rope_write_kv's checks of q [T, H, D], k [T, Hkv, D] (q's dtype, row-strided views
+    allowed), positions [T] int32 and cos_sin [P, D]; returns the row strides (q_stride, k_stride)."""
     q_stride = _check_rows("q", q, 3, q.dtype)
     k_stride = _check_rows("k", k, 3, q.dtype)
     _check_array("positions", positions, np.int32, 1)
@@ -306,11 +307,20 @@ def rope(q, k, positions, cos_sin):
              and cos_sin.flags.c_contiguous,
              f"cos_sin_cache must be a contiguous 2-D {q.dtype.name}/float32 cupy array, got "
              f"{getattr(cos_sin, 'dtype', type(cos_sin))}")
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, _, head_dim = q.shape
     _require(k.shape[0] == num_tokens and k.shape[2] == head_dim, f"k shape {k.shape} does not fit q shape {q.shape}")
     _require(positions.shape[0] == num_tokens, f"{positions.shape[0]} positions for {num_tokens} tokens")
     _require(cos_sin.shape[1] == head_dim, f"cos_sin_cache is {cos_sin.shape[1]} wide, head dim is {head_dim}")
     _require(head_dim % 2 == 0, f"head dim {head_dim} must be even")
+    return q_stride, k_stride
+
+
+def rope(q, k, positions, cos_sin):
+    """Rotate-half RoPE; returns new contiguous (q [T, H, D], k [T, Hkv, D]) of q's dtype (float16 or
+    bfloat16; k the same). cos_sin [P, D] of q's dtype or float32."""
+    suffix = _element_suffix("q", q)
+    q_stride, k_stride = _check_rope_inputs(q, k, positions, cos_sin)
+    num_tokens, num_heads, head_dim = q.shape
     q_out = cupy.empty(q.shape, dtype=q.dtype)
     k_out = cupy.empty(k.shape, dtype=q.dtype)
     if num_tokens:
@@ -323,6 +333,40 @@ def rope(q, k, positions, cos_sin):
             (q, k, positions, cos_sin, q_out, k_out, np.int64(q_stride), np.int64(k_stride),
              np.int32(num_heads), np.int32(k.shape[1]), np.int32(head_dim)))
     return q_out, k_out
+
+
+def rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    """rope, then write_kv, in one kernel: returns the rotated q as a new contiguous [T, H, D] array and
+    writes rotated k[t] and v[t] as they are into k_cache / v_cache row slot_mapping[t] ([N, B, Hkv, D];
+    negative slot: token t writes nothing, its q is still rotated). No rotated k is returned (attention
+    reads K from the cache). Bit for bit the results of rope + write_kv. q, k, v, caches: float16 or
+    bfloat16, all alike (row-strided views of one qkv row are fine); cos_sin [P, D] of q's dtype or float32."""
+    suffix = _element_suffix("q", q)
+    q_stride, k_stride = _check_rope_inputs(q, k, positions, cos_sin)
+    v_stride = _check_rows("v", v, 3, q.dtype)
+    _check_array("k_cache", k_cache, q.dtype, 4)
+    _check_array("v_cache", v_cache, q.dtype, 4)
+    _check_array("slot_mapping", slot_mapping, np.int32, 1)
+    _require(v.shape == k.shape, f"v shape {v.shape} != k shape {k.shape}")
+    _require(k_cache.shape == v_cache.shape, f"k_cache shape {k_cache.shape} != v_cache shape {v_cache.shape}")
+    _require(k.shape[1:] == k_cache.shape[2:], f"k rows {k.shape[1:]} do not match cache rows {k_cache.shape[2:]}")
+    num_tokens, num_heads, head_dim = q.shape
+    _require(slot_mapping.shape[0] == num_tokens,
+             f"slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
+    q_out = cupy.empty(q.shape, dtype=q.dtype)
+    if num_tokens:
+        name = f"rope_write_kv_{'f32' if cos_sin.dtype == np.float32 else 'same'}_cache_{suffix}"
+        num_kv_heads = k.shape[1]
+        pairs, v_elems = (num_heads + num_kv_heads) * (head_dim // 2), num_kv_heads * head_dim  # per token
+        vector = _vector_path(head_dim // 2, q, k, v, cos_sin, q_out, k_cache, v_cache) \
+            and q_stride % VECTOR_WIDTH == 0 and k_stride % VECTOR_WIDTH == 0 and v_stride % VECTOR_WIDTH == 0
+        units = (pairs + v_elems) // VECTOR_WIDTH if vector else pairs + v_elems
+        _kernel("layer.cu", name)(
+            (num_tokens,), (_block_threads(units, 256),),
+            (q, k, v, positions, cos_sin, slot_mapping, q_out, k_cache, v_cache, np.int64(q_stride),
+             np.int64(k_stride), np.int64(v_stride), np.int32(num_heads), np.int32(num_kv_heads),
+             np.int32(head_dim)))
+    return q_out
 
 
 def silu_mul(gate_up):

@@ -42,6 +42,12 @@ class CudaOps:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         launchers.write_kv(k, v, k_cache, v_cache, _int32(slot_mapping))
 
+    def rope_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+        """rope then write_kv in one kernel: returns the rotated q [T, H, D]; the rotated k and v go
+        straight into the cache rows slot_mapping[t] (negative: skipped). Bit for bit rope + write_kv."""
+        return launchers.rope_write_kv(q, k, v, _int32(positions), cos_sin_cache, k_cache, v_cache,
+                                       _int32(slot_mapping))
+
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                   sliding_window: int | None = None):
         """Paged causal GQA attention; [T, H, D] -> [T, H, D]. sliding_window: a query at position p

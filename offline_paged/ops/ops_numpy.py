@@ -42,6 +42,13 @@ class NumpyOps:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv_reference(np, k, v, k_cache, v_cache, slot_mapping)
 
+    def rope_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+        """rope, then write_kv of the rotated k and of v (negative slots skipped); returns the rotated q
+        [T, H, D]. The definition CudaOps' one-kernel version must equal."""
+        q, k = self.rope(q, k, positions, cos_sin_cache)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                   sliding_window: int | None = None):
         """Paged causal GQA attention; [T, H, D] -> [T, H, D]. With `sliding_window` w, a query at
