@@ -12,7 +12,7 @@ import ml_dtypes  # noqa: E402  (bf16 arrays; a GPU run without it must fail, no
 pytestmark = pytest.mark.gpu
 
 from offline_paged.ops.cublaslt import TunedGemm  # noqa: E402
-from offline_paged.ops.graphs import CublasGemm  # noqa: E402
+from offline_paged.ops.graphs import CublasGemm, gc_paused  # noqa: E402
 
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -85,9 +85,10 @@ def test_tuned_gemm_first_seen_inside_a_capture_takes_the_first_candidate():
     gemm = TunedGemm(stream)
     x = cupy.asarray(rng.standard_normal((32, 512)).astype(np.float16))  # [T, K]
     w = cupy.asarray(rng.standard_normal((512, 768)).astype(np.float16))  # [K, N]
-    with stream:
+    out = cupy.empty((32, 768), dtype=np.float16)  # [T, N], written by the replay (no allocation in the capture)
+    with stream, gc_paused():
         stream.begin_capture()
-        out = gemm(x, w)  # [T, N], written by the replay
+        gemm(x, w, out=out)
         graph = stream.end_capture()
     (plan,) = gemm.plans.values()
     assert plan.chosen == 0 and plan.times_ms == []

@@ -188,4 +188,7 @@ class TunedGemm:
 
 
 def _capturing(stream: cupy.cuda.Stream) -> bool:
-    return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
+    try:
+        return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
+    except cupy.cuda.runtime.CUDARuntimeError:  # a capture already invalidated is still a capture
+        return True
