@@ -468,7 +468,7 @@ def test_rope_write_kv_refuses_bad_input():
         (dict(slot_mapping=args["slot_mapping"].astype(cupy.int64)), "slot_mapping must be int32"),
         (dict(positions=args["positions"][:6]), "6 positions for 7 tokens"),
         (dict(slot_mapping=args["slot_mapping"][:6]), "slot_mapping has 6 slots for 7 tokens"),
-        (dict(v=v[:, :2]), r"v shape \(7, 2, 64\) != k shape \(7, 3, 64\)"),
+        (dict(v=v[:, :2]), r"k shape \(7, 3, 64\) != v shape \(7, 2, 64\)"),
         (dict(k=k[:5], v=v[:5]), r"k shape \(5, 3, 64\) does not fit q shape \(7, 9, 64\)"),
         (dict(v_cache=cupy.asarray(np.ascontiguousarray(v_host[:, :8]))),
          r"k_cache shape \(\d+, 16, 3, 64\) != v_cache shape"),

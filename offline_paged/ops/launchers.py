@@ -235,11 +235,8 @@ def _attention_kernel(name: str, shared_bytes: int):
     return k
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """k_cache/v_cache row slot_mapping[t] <- k[t] / v[t] ([T, Hkv, D] rows; negative slot = skip).
-    float16 or bfloat16, all four the same (the kernel copies bytes)."""
-    _element_suffix("k_cache", k_cache)
-    k_stride = _check_rows("k", k, 3, k_cache.dtype)
+def _check_kv_write(k, v, k_cache, v_cache, slot_mapping) -> int:
+    """The checks a K/V cache write needs (k's own rows checked by the caller); returns v's row stride."""
     v_stride = _check_rows("v", v, 3, k_cache.dtype)
     _check_array("k_cache", k_cache, k_cache.dtype, 4)
     _check_array("v_cache", v_cache, k_cache.dtype, 4)
@@ -248,6 +245,15 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     _require(k_cache.shape == v_cache.shape, f"k_cache shape {k_cache.shape} != v_cache shape {v_cache.shape}")
     _require(k.shape[1:] == k_cache.shape[2:], f"k rows {k.shape[1:]} do not match cache rows {k_cache.shape[2:]}")
     _require(slot_mapping.shape[0] == k.shape[0], f"slot_mapping has {slot_mapping.shape[0]} slots for {k.shape[0]} tokens")
+    return v_stride
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """k_cache/v_cache row slot_mapping[t] <- k[t] / v[t] ([T, Hkv, D] rows; negative slot = skip).
+    float16 or bfloat16, all four the same (the kernel copies bytes)."""
+    _element_suffix("k_cache", k_cache)
+    k_stride = _check_rows("k", k, 3, k_cache.dtype)
+    v_stride = _check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     row_elems = k.shape[1] * k.shape[2]
     _require(row_elems % 8 == 0, f"Hkv * D = {row_elems} must be a multiple of 8 (16-byte vectors)")
     if k.shape[0] == 0:
@@ -343,16 +349,9 @@ def rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
     bfloat16, all alike (row-strided views of one qkv row are fine); cos_sin [P, D] of q's dtype or float32."""
     suffix = _element_suffix("q", q)
     q_stride, k_stride = _check_rope_inputs(q, k, positions, cos_sin)
-    v_stride = _check_rows("v", v, 3, q.dtype)
     _check_array("k_cache", k_cache, q.dtype, 4)
-    _check_array("v_cache", v_cache, q.dtype, 4)
-    _check_array("slot_mapping", slot_mapping, np.int32, 1)
-    _require(v.shape == k.shape, f"v shape {v.shape} != k shape {k.shape}")
-    _require(k_cache.shape == v_cache.shape, f"k_cache shape {k_cache.shape} != v_cache shape {v_cache.shape}")
-    _require(k.shape[1:] == k_cache.shape[2:], f"k rows {k.shape[1:]} do not match cache rows {k_cache.shape[2:]}")
+    v_stride = _check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
-    _require(slot_mapping.shape[0] == num_tokens,
-             f"slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
     q_out = cupy.empty(q.shape, dtype=q.dtype)
     if num_tokens:
         name = f"rope_write_kv_{'f32' if cos_sin.dtype == np.float32 else 'same'}_cache_{suffix}"
