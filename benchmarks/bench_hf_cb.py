@@ -6,7 +6,7 @@ its drawn length. transformers gets its best settings where the installed versio
 graphs and async batching (ContinuousBatchingConfig), the manager's own choice of paged attention, fp16, greedy decoding (cheaper
 for it than our bench's temperature-1 sampling). Random weights: the throughput does not depend on them.
 
-    python benchmarks/bench_hf_cb.py --preset llama-3.2-1b [--num-requests 256] [--json]
+    python benchmarks/bench_hf_cb.py --preset llama-3.2-1b [--num-requests 256] [--no-cuda-graphs]
 
 Prints one JSON record (output tok/s, wall, settings actually used). Needs torch with CUDA.
 """
