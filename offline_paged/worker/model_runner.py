@@ -134,7 +134,7 @@ class ModelRunner:
         else:
             packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
             if self.mirror is not None:  # the other ranks rebuild the block tables from their row mirrors
-                self._send_mirror(moves, ("eager", packed[:-layout[0][-1]], layout, rows,
+                self._send_mirror(moves, ("eager", packed[:packed.size - layout[0][-1]], layout, rows,
                                           self.table_rows.lens[rows]))
             batch = unpack_eager(packed, layout, self._upload)
             if fill is not None:
