@@ -22,7 +22,8 @@ import statistics
 import cupy
 import numpy as np
 
-from offline_paged.ops.graphs import _OP_N, _OP_T, WORKSPACE_BYTES, check_gemm_args, gc_paused
+from offline_paged.ops.graphs import (_OP_N, _OP_T, WORKSPACE_BYTES, check_gemm_args, check_status, gc_paused,
+                                      libcublas_paths)
 
 _CUDA_R_32F = 0
 _CUBLAS_COMPUTE_32F = 68
@@ -42,9 +43,7 @@ class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
 
 def _liblt() -> ctypes.CDLL:
     """libcublasLt from the folder of the libcublas CuPy loaded (they ship together)."""
-    cupy.cuda.device.get_cublas_handle()  # makes CuPy load libcublas
-    with open("/proc/self/maps") as maps:
-        dirs = sorted({os.path.dirname(line.split()[-1]) for line in maps if "/libcublas" in line})
+    dirs = sorted({os.path.dirname(path) for path in libcublas_paths()})
     candidates = [path for d in dirs for path in sorted(glob.glob(os.path.join(d, "libcublasLt.so*")))]
     if not candidates:
         raise RuntimeError(f"libcublasLt not found next to libcublas (looked in {dirs})")
@@ -70,11 +69,6 @@ def _liblt() -> ctypes.CDLL:
     return lib
 
 
-def _check(status: int, what: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
-
-
 class _Plan:
     """The descriptors of one shape and its candidate algorithms; `chosen` indexes the one that runs."""
 
@@ -82,24 +76,26 @@ class _Plan:
         num_rows, inner, num_out, op_w, in_type, out_type = key
         self._lib = lib
         self.desc, self.a, self.b, self.c = (ctypes.c_void_p() for _ in range(4))
-        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
+        check_status(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F),
+                     "MatmulDescCreate")
         for attr, op in ((_DESC_TRANSA, op_w), (_DESC_TRANSB, _OP_N)):
             value = ctypes.c_int(op)
-            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), 4), "MatmulDescSetAttribute")
+            check_status(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), 4),
+                         "MatmulDescSetAttribute")
         a_rows, a_cols, a_ld = (num_out, inner, num_out) if op_w == _OP_N else (inner, num_out, inner)
         for layout, args in ((self.a, (in_type, a_rows, a_cols, a_ld)), (self.b, (in_type, inner, num_rows, inner)),
                              (self.c, (out_type, num_out, num_rows, num_out))):
-            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), *args), "MatrixLayoutCreate")
+            check_status(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), *args), "MatrixLayoutCreate")
         pref = ctypes.c_void_p()
-        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
+        check_status(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
         limit = ctypes.c_uint64(workspace_bytes)
-        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
+        check_status(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
                "MatmulPreferenceSetAttribute")
         results, count = (_Heuristic * NUM_CANDIDATES)(), ctypes.c_int(0)
         status = lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.a, self.b, self.c, self.c, pref,
                                                     NUM_CANDIDATES, results, ctypes.byref(count))
         lib.cublasLtMatmulPreferenceDestroy(pref)
-        _check(status, f"MatmulAlgoGetHeuristic for [{num_rows}, {inner}] @ [{inner}, {num_out}]")
+        check_status(status, f"MatmulAlgoGetHeuristic for [{num_rows}, {inner}] @ [{inner}, {num_out}]")
         self.algos = [results[j].algo for j in range(count.value) if results[j].state == 0]
         if not self.algos:
             raise RuntimeError(f"cuBLASLt has no algorithm for [{num_rows}, {inner}] @ [{inner}, {num_out}]")
@@ -124,7 +120,7 @@ class TunedGemm:
                  tune: bool = True) -> None:
         self._lib = _liblt()
         self._handle = ctypes.c_void_p()
-        _check(self._lib.cublasLtCreate(ctypes.byref(self._handle)), "cublasLtCreate")
+        check_status(self._lib.cublasLtCreate(ctypes.byref(self._handle)), "cublasLtCreate")
         self.stream = stream
         self.repeats = repeats
         self.tune = tune  # False: always the heuristic's first candidate
@@ -148,7 +144,7 @@ class TunedGemm:
         return out
 
     def _run(self, plan: _Plan, algo: _Algo, x, w, out, stream=None) -> None:
-        _check(self._lib.cublasLtMatmul(
+        check_status(self._lib.cublasLtMatmul(
             self._handle, plan.desc, self._one.ctypes.data, w.data.ptr, plan.a, x.data.ptr, plan.b,
             self._zero.ctypes.data, out.data.ptr, plan.c, out.data.ptr, plan.c, ctypes.byref(algo),
             self._workspace.data.ptr, self._workspace.nbytes, (stream or self.stream).ptr), "cublasLtMatmul")

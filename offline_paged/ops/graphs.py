@@ -44,14 +44,19 @@ def gc_paused():
             gc.enable()
 
 
-def _libcublas() -> ctypes.CDLL:
-    """The libcublas CuPy already loaded (found in this process's mappings), so both share one copy."""
+def libcublas_paths() -> list[str]:
+    """The paths of the libcublas CuPy loaded (found in this process's mappings), sorted."""
     cupy.cuda.device.get_cublas_handle()  # makes CuPy load it
     with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "/libcublas.so" in line}
+        return sorted({line.split()[-1] for line in maps if "/libcublas.so" in line})
+
+
+def _libcublas() -> ctypes.CDLL:
+    """The libcublas CuPy already loaded, so both share one copy."""
+    paths = libcublas_paths()
     if not paths:
         raise RuntimeError("libcublas is not loaded in this process; cannot build a capture-safe GEMM")
-    lib = ctypes.CDLL(sorted(paths)[0])
+    lib = ctypes.CDLL(paths[0])
     handle_p = ctypes.c_void_p
     lib.cublasCreate_v2.argtypes = [ctypes.POINTER(handle_p)]
     lib.cublasDestroy_v2.argtypes = [handle_p]
@@ -74,7 +79,7 @@ def _cuda_type(dtype) -> int | None:
     return _CUDA_R_16BF if dtype.name == "bfloat16" else None  # ml_dtypes.bfloat16
 
 
-def _check(status: int, what: str) -> None:
+def check_status(status: int, what: str) -> None:
     if status != 0:
         raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
@@ -121,12 +126,12 @@ class CublasGemm:
     def __init__(self, stream: cupy.cuda.Stream, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         self._lib = _libcublas()
         self._handle = ctypes.c_void_p()
-        _check(self._lib.cublasCreate_v2(ctypes.byref(self._handle)), "cublasCreate")
+        check_status(self._lib.cublasCreate_v2(ctypes.byref(self._handle)), "cublasCreate")
         self.stream = stream
         # SetStream resets the workspace to cuBLAS's default, so the workspace is set after it.
-        _check(self._lib.cublasSetStream_v2(self._handle, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
+        check_status(self._lib.cublasSetStream_v2(self._handle, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
         self._workspace = cupy.empty(workspace_bytes, dtype=cupy.uint8)  # [bytes]
-        _check(self._lib.cublasSetWorkspace_v2(self._handle, ctypes.c_void_p(self._workspace.data.ptr),
+        check_status(self._lib.cublasSetWorkspace_v2(self._handle, ctypes.c_void_p(self._workspace.data.ptr),
                                                workspace_bytes), "cublasSetWorkspace")
         self._one = np.ones(1, dtype=np.float32)  # host scalars: cuBLAS reads them when the call is made
         self._zero = np.zeros(1, dtype=np.float32)
@@ -140,7 +145,7 @@ class CublasGemm:
         if out.size == 0:
             return out
         ld_w = num_out if op_w == _OP_N else inner
-        _check(self._lib.cublasGemmEx(
+        check_status(self._lib.cublasGemmEx(
             self._handle, op_w, _OP_N, num_out, num_rows, inner,
             self._one.ctypes.data, w.data.ptr, in_type, ld_w,
             x.data.ptr, in_type, inner,
