@@ -37,6 +37,10 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--workload", type=click.Choice(["random", "file"]), default="random", show_default=True)
 @click.option("--input-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSONL job for --workload file.")
+@click.option("--dataset", type=click.Choice(["nano-vllm", "sharegpt-like"]), default="nano-vllm", show_default=True,
+              help="Lengths of --workload random: nano-vllm (uniform in --input-len / --output-len) or "
+                   "sharegpt-like (log-normal with ShareGPT's mean prompt and output lengths, 161 / 338 "
+                   "tokens, clipped to 4..2048; --input-len / --output-len are ignored).")
 @click.option("--num-requests", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--input-len", default="100:1024", show_default=True, callback=_length_range,
               help="Prompt length range LOW:HIGH (uniform, inclusive) or one length.")
@@ -89,7 +93,6 @@ def bench(**options: Any) -> None:
         _bench_data_parallel(options)
         return
     from offline_paged.worker.backend import checkpoint_dtype, select_backend
-    from offline_paged.benchmark.bench import random_workload
 
     results, backends, requests = [], [], None
     tensor_parallel_size = options["tensor_parallel_size"]
@@ -107,16 +110,7 @@ def bench(**options: Any) -> None:
         if requests is None:
             vocab_size, tokenizer = ((loaded.config.vocab_size, loaded.tokenizer) if whole
                                      else _vocab_and_tokenizer(options))
-            if options["workload"] == "random":
-                requests = random_workload(options["num_requests"], options["input_len"], options["output_len"],
-                                           vocab_size, options["seed"], options["temperature"])
-            else:
-                from offline_paged.benchmark.bench import file_workload
-
-                try:
-                    requests = file_workload(options["input_file"], tokenizer)
-                except (ValueError, OSError) as exc:
-                    raise click.UsageError(str(exc)) from None
+            requests = _workload(options, vocab_size, tokenizer)
         tag = f" {backend.dtype.name}" if len(dtypes) > 1 else ""
         if whole:
             results += _run_all(options | {"dtype": dtype}, backend, loaded, requests, tag=tag)
@@ -304,8 +298,10 @@ def _vocab_and_tokenizer(options: dict):
 
 
 def _workload(options: dict, vocab_size: int, tokenizer):
-    from offline_paged.benchmark.bench import file_workload, random_workload
+    from offline_paged.benchmark.bench import file_workload, random_workload, sharegpt_like_workload
 
+    if options["workload"] == "random" and options["dataset"] == "sharegpt-like":
+        return sharegpt_like_workload(options["num_requests"], vocab_size, options["seed"], options["temperature"])
     if options["workload"] == "random":
         return random_workload(options["num_requests"], options["input_len"], options["output_len"],
                                vocab_size, options["seed"], options["temperature"])
@@ -339,8 +335,7 @@ def _emit(options: dict, results: list, backend, dtype_names: str | None = None)
     if options["tensor_parallel_size"] != 1:
         source += f", tensor parallel {options['tensor_parallel_size']}"
     header = (f"offline-paged bench: {source}, {backend.name} {dtype_names or backend.dtype.name}, workload "
-              f"{options['workload']}" + (f" N={options['num_requests']} in={_span(options['input_len'])} "
-                                          f"out={_span(options['output_len'])}" if options["workload"] == "random" else ""))
+              f"{options['workload']}" + _workload_label(options))
     if options["as_json"]:
         runs = [json.loads(r.to_json(with_steps=options["json_steps"])) for r in results]
         click.echo(json.dumps({"header": header, "git_commit": _git_commit(), "device": _device_name(backend),
@@ -350,6 +345,15 @@ def _emit(options: dict, results: list, backend, dtype_names: str | None = None)
     if options["plot"]:
         plot_kv(results, options["plot"])
         click.echo(f"plot written to {options['plot']}", err=True)
+
+
+def _workload_label(options: dict) -> str:
+    """" N=256 in=100:1024 out=100:1024" or " sharegpt-like N=4096" for random workloads; "" for a file."""
+    if options["workload"] != "random":
+        return ""
+    if options["dataset"] == "sharegpt-like":
+        return f" sharegpt-like N={options['num_requests']}"
+    return f" N={options['num_requests']} in={_span(options['input_len'])} out={_span(options['output_len'])}"
 
 
 def _span(bounds: tuple[int, int]) -> str:

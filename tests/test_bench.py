@@ -3,12 +3,14 @@ on a tiny CPU engine, report formatting, and the CLI's argument errors. No timin
 (Dummy weights: test_dummy_weights.py.)"""
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from tiny_engine import VOCAB_SIZE, tiny_model
 
 from offline_paged.benchmark.bench import (BenchRequest, RooflineModel, file_workload, max_total_len,
-                                           parse_length_range, random_workload, run_bench, warm_up)
+                                           parse_length_range, random_workload, run_bench, sharegpt_like_workload,
+                                           warm_up)
 from offline_paged.benchmark.bench_report import format_report
 from offline_paged.cli.main import cli
 from offline_paged.core.config import EngineConfig
@@ -53,6 +55,26 @@ def test_random_workload_defaults_match_the_issue():
 def test_random_workload_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         random_workload(**({"vocab_size": 10} | kwargs))
+
+
+def test_sharegpt_like_workload_is_seeded_with_sharegpts_means_and_a_long_tail():
+    requests = sharegpt_like_workload(4096, vocab_size=50, seed=3)
+    assert requests == sharegpt_like_workload(4096, vocab_size=50, seed=3)
+    assert requests != sharegpt_like_workload(4096, vocab_size=50, seed=4)
+    inputs = np.array([len(r.prompt_token_ids) for r in requests])
+    outputs = np.array([r.params.max_tokens for r in requests])
+    assert inputs.min() >= 4 and outputs.min() >= 4 and max(inputs.max(), outputs.max()) <= 2048
+    # the means of the published distribution (clipping moves them by well under 5%)
+    assert abs(inputs.mean() / 161.31 - 1) < 0.08 and abs(outputs.mean() / 337.99 - 1) < 0.08
+    assert np.median(outputs) < 0.8 * outputs.mean()  # log-normal: a long right tail, not uniform
+    assert all(r.params.min_tokens == r.params.max_tokens and r.params.ignore_eos for r in requests)
+    assert all(0 <= t < 50 for r in requests[:50] for t in r.prompt_token_ids)
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_requests=0), dict(max_len=3)])
+def test_sharegpt_like_workload_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        sharegpt_like_workload(**kwargs)
 
 
 def test_file_workload_tokenizes_every_kind_of_line(tmp_path):
@@ -211,3 +233,14 @@ def test_cli_runs_a_file_workload_on_a_tiny_model(tmp_path):
     data = json.loads(result.stdout.splitlines()[-1])
     assert [r["kv_layout"] for r in data["runs"]] == ["paged", "contiguous"]
     assert all(r["num_output_tokens"] == 7 for r in data["runs"])
+
+
+def test_cli_runs_the_sharegpt_like_dataset_and_names_it():
+    result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--dataset",
+                                      "sharegpt-like", "--num-requests", "3", "--seed", "1", "--no-roofline",
+                                      "--no-warmup", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.splitlines()[-1])
+    assert "sharegpt-like N=3" in data["header"]
+    expected = sharegpt_like_workload(3, vocab_size=100, seed=1)
+    assert data["runs"][0]["num_output_tokens"] == sum(r.params.max_tokens for r in expected)

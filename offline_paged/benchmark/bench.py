@@ -71,6 +71,41 @@ def random_workload(num_requests: int = 256, input_len: tuple[int, int] = (100, 
     return requests
 
 
+# ShareGPT's mean prompt and output lengths as the vLLM paper reports them (Kwon et al., SOSP 2023:
+# 161.31 and 337.99 tokens), and a spread that gives the long right tail such chat logs have.
+SHAREGPT_MEAN_INPUT_LEN = 161.31
+SHAREGPT_MEAN_OUTPUT_LEN = 337.99
+SHAREGPT_SIGMA = 1.0  # of the underlying normal; the median is the mean / e^(sigma^2 / 2)
+
+
+def sharegpt_like_workload(num_requests: int = 256, vocab_size: int = 32000, seed: int = 0,
+                           temperature: float = 1.0, max_len: int = 2048) -> list[BenchRequest]:
+    """`num_requests` prompts of random token ids whose prompt and output lengths are drawn
+    log-normally with ShareGPT's published means (before clipping to [4, max_len] each, as vLLM's
+    ShareGPT sampler drops prompts under 4 tokens and over-long pairs); `ignore_eos` with
+    min_tokens = max_tokens as in random_workload. Same arguments, same workload."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    if max_len < 4:
+        raise ValueError(f"max_len must be >= 4, got {max_len}")
+    rng = np.random.default_rng(seed)
+    inputs, outputs = (_lognormal_lengths(rng, mean, num_requests, max_len)
+                       for mean in (SHAREGPT_MEAN_INPUT_LEN, SHAREGPT_MEAN_OUTPUT_LEN))
+    requests = []
+    for index, (num_in, num_out) in enumerate(zip(inputs, outputs)):
+        prompt = rng.integers(0, vocab_size, int(num_in)).tolist()
+        params = SamplingParams(max_tokens=int(num_out), min_tokens=int(num_out), ignore_eos=True,
+                                temperature=temperature, seed=seed * 1_000_003 + index)
+        requests.append(BenchRequest(prompt, params))
+    return requests
+
+
+def _lognormal_lengths(rng, mean: float, count: int, max_len: int) -> np.ndarray:
+    """[count] int lengths, log-normal with the given mean (before clipping to [4, max_len])."""
+    mu = np.log(mean) - SHAREGPT_SIGMA ** 2 / 2
+    return np.clip(np.rint(rng.lognormal(mu, SHAREGPT_SIGMA, count)), 4, max_len).astype(np.int64)
+
+
 def file_workload(path: str | Path, tokenizer) -> list[BenchRequest]:
     """The requests of a JSONL job (native or OpenAI batch lines), tokenized up front.
 
