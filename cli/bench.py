@@ -59,6 +59,9 @@ def _size(ctx, param, value: str | None) -> int | None:
               help="Repeat to sweep, e.g. --block-size 8 --block-size 16 (default: 16).")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
+@click.option("--admission-batch", type=click.IntRange(min=1), default=None,
+              help="While every running sequence decodes, admit waiting ones only once this many fit "
+                   "(default: max-num-seqs // 16 on CUDA, 1 on the CPU; 1 = whenever one fits).")
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None,
               help="Default: the workload's longest prompt + max_tokens.")
 @click.option("--kv-cache-memory", default=None, callback=_size, help="KV pool bytes, e.g. 8GiB (same for every run).")
@@ -275,6 +278,7 @@ def _engine_config(options: dict, device: str, layout: str, block_size: int, max
         model=options["model"], device=device, dtype=options["dtype"], block_size=block_size,
         kv_cache_memory=options["kv_cache_memory"], num_kv_blocks=options["num_kv_blocks"],
         max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
+        admission_batch=options["admission_batch"],
         max_model_len=max_model_len, enable_prefix_caching=not options["no_prefix_caching"],
         preemption_mode=options["preemption"], gpu_memory_utilization=options["gpu_memory_utilization"],
         kv_layout=layout, seed=options["seed"], cuda_graphs=options["cuda_graphs"],

@@ -76,7 +76,8 @@ class LLMEngine:
                                           config.watermark, config.enable_prefix_caching,
                                           self.max_model_len if config.kv_layout == "contiguous" else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.preemption, self.max_model_len)
+                                   config.max_num_batched_tokens, config.preemption, self.max_model_len,
+                                   config.resolved_admission_batch(self.backend.name))
         self.runner = ModelRunner(model, self.backend, num_gpu_blocks, num_cpu_blocks,
                                   config.block_size, Sampler(self.eos_token_ids),
                                   cuda_graphs=config.cuda_graphs, max_model_len=self.max_model_len,

@@ -10,6 +10,7 @@ finished outputs must equal the model's whatever the scheduling, pool size or pr
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -123,9 +124,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.scheduler is None)
     @rule(num_gpu_blocks=st.integers(8, 40), block_size=st.sampled_from([2, 4]),
           max_num_seqs=st.integers(1, 6), max_tokens_budget=st.integers(4, 24),
-          swap=st.booleans(), prefix_caching=st.booleans(), lookahead=st.booleans())
+          swap=st.booleans(), prefix_caching=st.booleans(), lookahead=st.booleans(),
+          admission_batch=st.integers(1, 4))
     def setup(self, num_gpu_blocks, block_size, max_num_seqs, max_tokens_budget, swap, prefix_caching,
-              lookahead):
+              lookahead, admission_batch):
         self.lookahead = lookahead  # async scheduling: a step is processed after the next is scheduled
         self.in_flight = None
         self.block_size = block_size
@@ -133,7 +135,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         manager = BlockManager(num_gpu_blocks, num_gpu_blocks, block_size, watermark=0.05,
                                enable_prefix_caching=prefix_caching)
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
-        self.scheduler = Scheduler(manager, max_num_seqs, max_tokens_budget, mode)
+        self.scheduler = Scheduler(manager, max_num_seqs, max_tokens_budget, mode,
+                                   admission_batch=admission_batch)
         self.runner = FakeRunner(num_gpu_blocks, num_gpu_blocks, block_size, lambda: self.scheduler.running)
         self.processor = OutputProcessor(self.scheduler, stop_checker)
         self.groups: dict[str, SequenceGroup] = {}
@@ -286,3 +289,75 @@ def test_a_lookahead_steps_pending_token_fills_its_block_when_the_step_is_proces
         processor.process(output, [SequenceResult([TokenSample(token, -0.5)])])
     assert seq.token_ids == [3, 4, 5, 6, 7] and seq.status is SequenceStatus.RUNNING
     assert manager.num_registered_blocks(seq.seq_id) == 1, "block 0 (positions 0..3) is computed and known"
+
+
+# ------------------------------------------------------------------------------ admission in batches
+def _decoding_scheduler(admission_batch: int, num_running: int = 4, num_waiting: int = 3, max_num_seqs: int = 4,
+                        running_max_tokens=lambda i: 2 + i):
+    """A scheduler whose `num_running` sequences have been prefilled and now decode, with `num_waiting`
+    more queued behind them (max_num_seqs full)."""
+    manager = BlockManager(64, 0, block_size=4, watermark=0.0, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                          admission_batch=admission_batch)
+    processor = OutputProcessor(scheduler, stop_checker)
+    groups = []
+    for i in range(num_running + num_waiting):
+        max_tokens = running_max_tokens(i) if i < num_running else 3  # by default one finishes per step
+        group = SequenceGroup(f"r{i}", i, None, [2 + i % 5, 3, 4], SamplingParams(max_tokens=max_tokens), [i])
+        scheduler.add_group(group)
+        groups.append(group)
+    return scheduler, processor, groups
+
+
+def _run_step(scheduler, processor):
+    output = scheduler.schedule()
+    processor.process(output, [SequenceResult([TokenSample(5, -0.5)]) for _ in output.scheduled])
+    return output
+
+
+@pytest.mark.parametrize("admission_batch, admitted_after", [(1, 1), (2, 2), (3, 3)])
+def test_waiting_sequences_are_admitted_once_a_batch_of_them_fits(admission_batch, admitted_after):
+    """While everything running decodes, the waiting sequences come in only when `admission_batch` slots are
+    free (here one running sequence finishes per step), all at once, so one step prefills instead of one
+    per finish; with 1 (vLLM's policy) each is admitted as soon as a slot frees."""
+    scheduler, processor, groups = _decoding_scheduler(admission_batch)
+    prefill = _run_step(scheduler, processor)
+    assert len(prefill.scheduled) == 4 and len(scheduler.waiting) == 3
+    admissions = []  # (decode step index, sequences prefilled in it)
+    for step in range(8):
+        output = _run_step(scheduler, processor)
+        prefilled = [item for item in output.scheduled if item.num_new_tokens > 1]
+        if prefilled:
+            admissions.append((step, len(prefilled)))
+    first_step, first_count = admissions[0]
+    assert first_count == min(admission_batch, 3), admissions
+    # one sequence finishes per step from decode step 1 on; admission waits for `admitted_after` of them
+    assert first_step == admitted_after, admissions
+
+
+def test_the_last_waiting_sequences_are_not_held_for_a_batch_that_cannot_come():
+    """Fewer waiting than admission_batch: they come in as soon as they all fit."""
+    scheduler, processor, _ = _decoding_scheduler(admission_batch=8, num_waiting=1)
+    _run_step(scheduler, processor)
+    steps = [_run_step(scheduler, processor) for _ in range(3)]
+    assert [sum(item.num_new_tokens > 1 for item in s.scheduled) for s in steps] == [0, 1, 0]
+
+
+def test_admission_is_held_back_at_most_max_admission_deferral_steps():
+    from offline_paged.core import scheduler as scheduler_module
+
+    scheduler, processor, groups = _decoding_scheduler(admission_batch=4, num_running=4, num_waiting=4,
+                                                       running_max_tokens=lambda i: 500)  # never free a slot
+    _run_step(scheduler, processor)
+    scheduler.abort_group(groups[0])  # one slot frees: 1 < 4, so the waiting ones are held back
+    held = [_run_step(scheduler, processor) for _ in range(scheduler_module.MAX_ADMISSION_DEFERRAL)]
+    assert all(item.num_new_tokens == 1 for output in held for item in output.scheduled)
+    admitted = _run_step(scheduler, processor)
+    assert sum(item.num_new_tokens > 1 for item in admitted.scheduled) == 1
+
+
+def test_admission_batch_must_be_positive():
+    manager = BlockManager(8, 0, block_size=4)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="admission_batch"):
+            Scheduler(manager, max_num_seqs=2, max_num_batched_tokens=8, admission_batch=bad)

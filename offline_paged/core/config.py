@@ -64,6 +64,9 @@ class EngineConfig:
     # Shard the model over N processes (one GPU each on CUDA, NCCL; pipes on the CPU); rank 0 runs the
     # scheduler. N must divide the heads, KV heads and intermediate size (models/tp_shard.py).
     tensor_parallel_size: int = 1
+    # While every running sequence decodes, admit waiting ones only once this many fit (core/scheduler.py):
+    # fewer steps that prefill beside the decodes. None = auto: max_num_seqs // 16 on CUDA, 1 on the CPU.
+    admission_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:
@@ -98,12 +101,22 @@ class EngineConfig:
                 or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         _require_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.admission_batch is not None:
+            _require_positive("admission_batch", self.admission_batch)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
 
     @property
     def preemption(self) -> PreemptionMode:
         return PreemptionMode(self.preemption_mode)
+
+    def resolved_admission_batch(self, backend_name: str) -> int:
+        """admission_batch, or its default on this backend: batches of max_num_seqs // 16 on CUDA, where a
+        step that prefills runs eagerly beside the decode graphs (measured at N = 1024 in
+        benchmarks/RESULTS.md); 1 on the CPU, where a mixed step costs about its tokens."""
+        if self.admission_batch is not None:
+            return self.admission_batch
+        return max(1, self.max_num_seqs // 16) if backend_name == "cuda" else 1
 
 
 def _require_positive(name: str, value: object) -> None:
