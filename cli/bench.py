@@ -61,7 +61,7 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
 @click.option("--admission-batch", type=click.IntRange(min=1), default=None,
               help="While every running sequence decodes, admit waiting ones only once this many fit "
-                   "(default: max-num-seqs // 16 on CUDA, 1 on the CPU; 1 = whenever one fits).")
+                   "(default: max-num-seqs // 8 on CUDA, 1 on the CPU; 1 = whenever one fits).")
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None,
               help="Default: the workload's longest prompt + max_tokens.")
 @click.option("--kv-cache-memory", default=None, callback=_size, help="KV pool bytes, e.g. 8GiB (same for every run).")

@@ -83,8 +83,8 @@ def test_base_config_loads_and_round_trips(tmp_path):
 def test_admission_batch_defaults_by_backend_and_is_validated():
     from offline_paged.core.config import EngineConfig
 
-    assert EngineConfig(max_num_seqs=256).resolved_admission_batch("cuda") == 16
-    assert EngineConfig(max_num_seqs=8).resolved_admission_batch("cuda") == 1
+    assert EngineConfig(max_num_seqs=256).resolved_admission_batch("cuda") == 32
+    assert EngineConfig(max_num_seqs=7).resolved_admission_batch("cuda") == 1
     assert EngineConfig(max_num_seqs=256).resolved_admission_batch("cpu") == 1
     assert EngineConfig(admission_batch=5).resolved_admission_batch("cpu") == 5
     with pytest.raises(ValueError, match="admission_batch"):

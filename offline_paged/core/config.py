@@ -65,7 +65,7 @@ class EngineConfig:
     # scheduler. N must divide the heads, KV heads and intermediate size (models/tp_shard.py).
     tensor_parallel_size: int = 1
     # While every running sequence decodes, admit waiting ones only once this many fit (core/scheduler.py):
-    # fewer steps that prefill beside the decodes. None = auto: max_num_seqs // 16 on CUDA, 1 on the CPU.
+    # fewer steps that prefill beside the decodes. None = auto: max_num_seqs // 8 on CUDA, 1 on the CPU.
     admission_batch: int | None = None
 
     def __post_init__(self) -> None:
@@ -111,12 +111,12 @@ class EngineConfig:
         return PreemptionMode(self.preemption_mode)
 
     def resolved_admission_batch(self, backend_name: str) -> int:
-        """admission_batch, or its default on this backend: batches of max_num_seqs // 16 on CUDA, where a
+        """admission_batch, or its default on this backend: batches of max_num_seqs // 8 on CUDA, where a
         step that prefills runs eagerly beside the decode graphs (measured at N = 1024 in
         benchmarks/RESULTS.md); 1 on the CPU, where a mixed step costs about its tokens."""
         if self.admission_batch is not None:
             return self.admission_batch
-        return max(1, self.max_num_seqs // 16) if backend_name == "cuda" else 1
+        return max(1, self.max_num_seqs // 8) if backend_name == "cuda" else 1
 
 
 def _require_positive(name: str, value: object) -> None:
