@@ -38,6 +38,9 @@ for name in $RUNS; do
     1b_eager) run $name --dummy-weights llama-3.2-1b --no-cuda-graphs ;;
     8b_graphs) run $name --dummy-weights llama-3.1-8b --cuda-graphs ;;
     1b_graphs_n1024) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024 ;;
+    1b_graphs_n1024_a1) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024 --admission-batch 1 ;;
+    1b_graphs_n4096) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 4096 ;;
+    1b_sharegpt_n4096) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 4096 --dataset sharegpt-like ;;
     qwen3_0.6b) run $name --dummy-weights qwen3-0.6b --cuda-graphs ;;
     qwen2.5_7b) run $name --dummy-weights qwen2.5-7b --cuda-graphs ;;
     1b_bf16_fp16) run $name --dummy-weights llama-3.2-1b --cuda-graphs --dtype bfloat16 --dtype float16 ;;
@@ -48,16 +51,16 @@ done
 
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
-print(f"{'run':<18}{'out tok/s':>11}{'step ms':>9}{'host %':>8}{'sched':>7}{'exec':>7}{'post':>7}{'fwd dev':>8}{'graph steps':>12}{'% floor':>9}")
+print(f"{'run':<20}{'out tok/s':>11}{'step ms':>9}{'host %':>8}{'sched':>7}{'exec':>7}{'post':>7}{'fwd dev':>8}{'graph steps':>12}{'% floor':>9}")
 for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json")):
     try:
         record = json.loads(path.read_text().strip().splitlines()[-1])
     except (ValueError, IndexError):
-        print(f"{path.stem[6:]:<18} (no record)"); continue
+        print(f"{path.stem[6:]:<20} (no record)"); continue
     for r in record["runs"]:
         t = r["time_split"]; roof = r["roofline"] or {}
         name = path.stem[6:] + (f" [{r['label']}]" if len(record["runs"]) > 1 else "")
-        print(f"{name:<18}{r['output_tokens_per_s']:>11,.0f}{t['step_ms']:>9.2f}"
+        print(f"{name:<20}{r['output_tokens_per_s']:>11,.0f}{t['step_ms']:>9.2f}"
               f"{t['host_ms'] / t['step_ms']:>8.0%}{t['schedule_ms']:>7.2f}{t['execute_ms']:>7.2f}"
               f"{t['postprocess_ms']:>7.2f}{t['forward_device_ms'] or 0:>8.2f}{t['num_cuda_graph_steps']:>12}"
               f"{roof.get('fraction_of_floor', 0):>9.1%}")
