@@ -1,0 +1,102 @@
+"""Prefill attention on tensor cores (GPU): TFLOP/s of prefill_attention.cu (FlashAttention-2 style) and of
+attention.cu's row-split kernel on the same call, and their ratio.
+
+The call: one sequence whose chunk of `--tokens` queries (default 8,192) sits on a cached prefix of
+`--prefix` tokens (default 0: a whole prompt), block size 16, block table shuffled over the pool. Shapes:
+8B (32 heads, 8 KV heads, head dim 128) and 1B (32 / 8 / 64), fp16 and bf16. FLOPs counted as
+4 * D * H * (causal key-query pairs). Each figure is the median of `--repeats` CUDA-event-timed calls
+after two warm-up calls (launch overhead included: one kernel per call, a few microseconds of a
+millisecond-long call).
+
+    python3 benchmarks/bench_prefill_attention.py [--tokens 8192] [--prefix 0] [--repeats 15]
+        [--shapes 8b 1b] [--dtypes fp16 bf16]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+from offline_paged.ops import launchers
+
+SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # (query heads, KV heads, head dim)
+DTYPES = {"fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
+BLOCK_SIZE = 16
+
+
+def event_ms(fn, repeats: int) -> float:
+    """Median milliseconds of fn() between two CUDA events on the current stream, after two warm-ups."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def make_call(shape, dtype, tokens: int, prefix: int, seed: int = 0):
+    """The arguments of one paged_attention call (a chunk of `tokens` queries on `prefix` cached tokens)."""
+    num_heads, num_kv_heads, head_dim = shape
+    context = prefix + tokens
+    num_blocks = -(-context // BLOCK_SIZE)
+    rng = np.random.default_rng(seed)
+    table = cupy.asarray(rng.permutation(num_blocks).astype(np.int32)[None, :])  # [1, M]
+
+    def normal(*dims):
+        return cupy.random.standard_normal(dims, dtype=cupy.float32).astype(dtype)
+
+    k_cache = normal(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)  # [N, B, Hkv, D]
+    v_cache = normal(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)  # [N, B, Hkv, D]
+    q = normal(tokens, num_heads, head_dim)  # [T, H, D]
+    context_lens = cupy.asarray([context], dtype=cupy.int32)  # [1]
+    query_start_loc = cupy.asarray([0, tokens], dtype=cupy.int32)  # [2]
+    return (q, k_cache, v_cache, table, context_lens, query_start_loc, tokens, context, head_dim ** -0.5)
+
+
+def causal_pairs(tokens: int, prefix: int) -> int:
+    """Key-query pairs a causal chunk computes: each query sees the prefix and the chunk up to itself."""
+    return tokens * prefix + tokens * (tokens + 1) // 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--prefix", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    args = parser.parse_args()
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    print(f"{props['name'].decode()}: {args.tokens}-token chunk on a {args.prefix}-token prefix, block size "
+          f"{BLOCK_SIZE}, shuffled table; median of {args.repeats} CUDA-event-timed calls")
+    rows = []
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        flops = 4 * shape[2] * shape[0] * causal_pairs(args.tokens, args.prefix)
+        for dtype_name in args.dtypes:
+            call = make_call(shape, DTYPES[dtype_name], args.tokens, args.prefix)
+            results = {}
+            for kernel in ("prefill", "rowsplit"):
+                out = launchers.paged_attention(*call, kernel=kernel)
+                ms = event_ms(lambda kernel=kernel: launchers.paged_attention(*call, kernel=kernel), args.repeats)
+                results[kernel] = (ms, out.astype(cupy.float32))
+            diff = float(cupy.abs(results["prefill"][1] - results["rowsplit"][1]).max())
+            scale = float(cupy.abs(results["rowsplit"][1]).max())
+            rows.append((shape_name, dtype_name, results["prefill"][0], results["rowsplit"][0], flops, diff / scale))
+    print(f"{'shape':>6}{'dtype':>6}{'prefill ms':>12}{'TFLOP/s':>9}{'rowsplit ms':>13}{'TFLOP/s':>9}{'ratio':>7}"
+          f"{'max|diff|/max':>15}")
+    for shape_name, dtype_name, fa_ms, rs_ms, flops, rel in rows:
+        print(f"{shape_name:>6}{dtype_name:>6}{fa_ms:>12.3f}{flops / fa_ms / 1e9:>9.1f}{rs_ms:>13.3f}"
+              f"{flops / rs_ms / 1e9:>9.1f}{rs_ms / fa_ms:>7.2f}{rel:>15.2e}")
+
+
+if __name__ == "__main__":
+    main()
