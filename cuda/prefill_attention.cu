@@ -29,7 +29,8 @@
 // [64 keys][D / 8 pieces of 16 bytes]; piece c of key k sits at c ^ (k % 8), so the 8 row addresses of
 // each ldmatrix 8x8 matrix (8 keys, one piece) fall in 8 distinct bank groups. K/V tiles arrive by
 // cp.async (16 bytes a copy, zero-filled outside the CTA's key range: no slot past a context or
-// before a window is read), STAGES - 1 tiles in flight while the warps compute on one; one
+// before a window is read), double-buffered: tile i + 1 is copied while the warps compute on tile i,
+// and each thread reads its block-table entries a tile earlier still, so no copy waits on the table. One
 // __syncthreads per tile both publishes the landed tile and frees the stage refilled next.
 //
 // Grid: x = kv_head * num_splits + split, y = row tile counted from the last (the tiles with the most
@@ -151,32 +152,43 @@ struct Params {
   int window;        // 0 = none
 };
 
-// Element offset of (key position p, kv head kvh, dim 0) in the cache pool.
-template <typename T>
-__device__ __forceinline__ size_t cache_offset(const Params<T>& P, const int* table, int p, int kvh, int D) {
-  size_t slot;
-  if (P.block_shift >= 0) {
-    slot = ((size_t)table[p >> P.block_shift] << P.block_shift) + (p & ((1 << P.block_shift) - 1));
-  } else {
-    slot = (size_t)table[p / P.block_size] * P.block_size + p % P.block_size;
+// A thread's share of a K/V tile: the keys threadIdx.x / PIECES + (THREADS / PIECES) j, piece
+// threadIdx.x % PIECES of each (16 threads per key at D = 128: a key's D elements are contiguous).
+template <int D>
+constexpr int KEYS_PER_THREAD = TILE_KEYS * (D / 8) / THREADS;
+
+// The cache slots of this thread's keys of tile k0, or -1 for keys outside [range_lo, range_end) (those
+// are zero-filled and their table entries never read). Fetched a tile ahead, so that no cp.async waits
+// for a block-table read.
+template <int D, typename T>
+__device__ __forceinline__ void tile_slots(const Params<T>& P, const int* table, int k0, int range_lo, int range_end,
+                                           int (&slots)[KEYS_PER_THREAD<D>]) {
+  constexpr int PIECES = D / 8;
+#pragma unroll
+  for (int j = 0; j < KEYS_PER_THREAD<D>; ++j) {
+    const int p = k0 + threadIdx.x / PIECES + (THREADS / PIECES) * j;
+    if (p < range_lo || p >= range_end) {
+      slots[j] = -1;
+    } else if (P.block_shift >= 0) {
+      slots[j] = (table[p >> P.block_shift] << P.block_shift) + (p & ((1 << P.block_shift) - 1));
+    } else {
+      slots[j] = table[p / P.block_size] * P.block_size + p % P.block_size;
+    }
   }
-  return (slot * P.num_kv_heads + kvh) * D;
 }
 
-// Request key tile k0 (K and V) into the stage at `stage` (a shared address); keys outside
-// [range_lo, range_end) are zero-filled. Thread i copies pieces i, i + 256, ...: 16 threads per key at
-// D = 128, each key's D elements contiguous in the pool.
+// Request a tile's K and V (cp.async, not waited for) into the stage at shared address `stage`.
 template <int D, typename T>
-__device__ __forceinline__ void load_tile(const Params<T>& P, const int* table, int kvh, int k0, int range_lo,
-                                          int range_end, unsigned stage) {
+__device__ __forceinline__ void copy_tile(const Params<T>& P, int kvh, const int (&slots)[KEYS_PER_THREAD<D>],
+                                          unsigned stage) {
   constexpr int PIECES = D / 8;
   constexpr int TILE_BYTES = TILE_KEYS * PIECES * 16;
+  const int piece = threadIdx.x % PIECES;
 #pragma unroll
-  for (int j = 0; j < TILE_KEYS * PIECES / THREADS; ++j) {
-    const int i = threadIdx.x + THREADS * j, key = i / PIECES, piece = i % PIECES;
-    const int p = k0 + key;
-    const bool ok = p >= range_lo && p < range_end;
-    const size_t offset = ok ? cache_offset(P, table, p, kvh, D) + 8 * piece : 0;
+  for (int j = 0; j < KEYS_PER_THREAD<D>; ++j) {
+    const int key = threadIdx.x / PIECES + (THREADS / PIECES) * j;
+    const bool ok = slots[j] >= 0;
+    const size_t offset = ok ? ((size_t)slots[j] * P.num_kv_heads + kvh) * D + 8 * piece : 0;
     const unsigned at = stage + (key * PIECES + (piece ^ (key & 7))) * 16;
     cp_async16(at, P.k_cache + offset, ok);
     cp_async16(at + TILE_BYTES, P.v_cache + offset, ok);
@@ -302,6 +314,7 @@ __device__ __forceinline__ void write_row(const Params<T>& P, size_t th, int spl
 template <int D, typename T>
 __device__ void prefill_impl(const Params<T>& P) {
   static_assert(D == 64 || D == 128, "head dim must be 64 or 128");
+  static_assert(PREFILL_STAGES == 2, "the loop below double-buffers: one tile copied while one is used");
   constexpr int STAGE_BYTES = 2 * TILE_KEYS * D * 2;  // K and V of one tile
   extern __shared__ uint4 ring[];  // [PREFILL_STAGES][K, V][TILE_KEYS][D / 8] (swizzled pieces)
 
@@ -331,13 +344,12 @@ __device__ void prefill_impl(const Params<T>& P) {
   const int* table = P.block_tables + (size_t)seq * P.max_blocks_per_seq;
   const unsigned ring_base = shared_address(ring);
 
-  // Start the first tiles' copies, then fetch Q while they fly.
-#pragma unroll
-  for (int s = 0; s < PREFILL_STAGES - 1; ++s) {
-    if (s < num_tiles)
-      load_tile<D>(P, table, kvh, key_begin + s * TILE_KEYS, range_lo, range_end, ring_base + s * STAGE_BYTES);
-    cp_async_commit();
-  }
+  // Start tile 0's copies and fetch tile 1's slots, then fetch Q while they fly.
+  int slots[KEYS_PER_THREAD<D>];
+  tile_slots<D>(P, table, key_begin, range_lo, range_end, slots);
+  if (num_tiles > 0) copy_tile<D>(P, kvh, slots, ring_base);
+  cp_async_commit();
+  tile_slots<D>(P, table, key_begin + TILE_KEYS, range_lo, range_end, slots);
 
   // This warp's rows; a warp past the last row keeps to the barriers and computes nothing.
   const int warp_row0 = row0 + warp * WARP_ROWS;
@@ -371,15 +383,13 @@ __device__ void prefill_impl(const Params<T>& P) {
   st.l_lo = st.l_hi = 0.f;
 
   for (int i = 0; i < num_tiles; ++i) {
-    // Tile i has landed once at most STAGES - 2 newer groups are pending; the barrier publishes every
-    // thread's copies and says every warp is done with the stage refilled just below (read at i - 1).
-    cp_async_wait<PREFILL_STAGES - 2>();
+    // Tile i has landed once no group is pending; the barrier publishes every thread's copies and says
+    // every warp is done with the other stage (read at i - 1), which tile i + 1 refills at once.
+    cp_async_wait<0>();
     __syncthreads();
-    const int ahead = i + PREFILL_STAGES - 1;
-    if (ahead < num_tiles)
-      load_tile<D>(P, table, kvh, key_begin + ahead * TILE_KEYS, range_lo, range_end,
-                   ring_base + (ahead % PREFILL_STAGES) * STAGE_BYTES);
-    cp_async_commit();  // also when empty: one group per tile keeps the wait count right
+    if (i + 1 < num_tiles) copy_tile<D>(P, kvh, slots, ring_base + ((i + 1) % PREFILL_STAGES) * STAGE_BYTES);
+    cp_async_commit();
+    tile_slots<D>(P, table, key_begin + (i + 2) * TILE_KEYS, range_lo, range_end, slots);
     const int k0 = key_begin + i * TILE_KEYS;
     const bool skip = k0 > warp_pos_max || k0 + TILE_KEYS - 1 <= warp_pos_min - window;
     if (active && !skip) {
