@@ -9,7 +9,10 @@ after two warm-up calls (launch overhead included: one kernel per call, a few mi
 millisecond-long call).
 
     python3 benchmarks/bench_prefill_attention.py [--tokens 8192] [--prefix 0] [--repeats 15]
-        [--shapes 8b 1b] [--dtypes fp16 bf16]
+        [--shapes 8b 1b] [--dtypes fp16 bf16] [--variants default d64-one-cta]
+
+--variants adds rows for patched copies of prefill_attention.cu (VARIANTS below), compiled in the same
+process; the row-split figure is measured once per shape and dtype.
 """
 from __future__ import annotations
 
@@ -20,11 +23,15 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from offline_paged.ops import launchers
+from offline_paged.ops import kernel_modules as modules, launchers
 
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # (query heads, KV heads, head dim)
 DTYPES = {"fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 BLOCK_SIZE = 16
+# Source patches of cuda/prefill_attention.cu: d64-one-cta lets head dim 64 use up to 255 registers (one CTA
+# per SM, no spills) instead of two CTAs per SM at 128 registers (a few bytes spilled).
+VARIANTS = {"default": [], "d64-one-cta": [("DEFINE_PREFILL(64, 2, __half", "DEFINE_PREFILL(64, 1, __half"),
+                                           ("DEFINE_PREFILL(64, 2, bf16_t", "DEFINE_PREFILL(64, 1, bf16_t")]}
 
 
 def event_ms(fn, repeats: int) -> float:
@@ -73,30 +80,43 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS))
     args = parser.parse_args()
     props = cupy.cuda.runtime.getDeviceProperties(0)
     print(f"{props['name'].decode()}: {args.tokens}-token chunk on a {args.prefix}-token prefix, block size "
           f"{BLOCK_SIZE}, shuffled table; median of {args.repeats} CUDA-event-timed calls")
     rows = []
+    original = modules.read_source
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
         flops = 4 * shape[2] * shape[0] * causal_pairs(args.tokens, args.prefix)
         for dtype_name in args.dtypes:
             call = make_call(shape, DTYPES[dtype_name], args.tokens, args.prefix)
-            results = {}
-            for kernel in ("prefill", "rowsplit"):
-                out = launchers.paged_attention(*call, kernel=kernel)
-                ms = event_ms(lambda kernel=kernel: launchers.paged_attention(*call, kernel=kernel), args.repeats)
-                results[kernel] = (ms, out.astype(cupy.float32))
-            diff = float(cupy.abs(results["prefill"][1] - results["rowsplit"][1]).max())
-            scale = float(cupy.abs(results["rowsplit"][1]).max())
-            rows.append((shape_name, dtype_name, results["prefill"][0], results["rowsplit"][0], flops, diff / scale))
-    print(f"{'shape':>6}{'dtype':>6}{'prefill ms':>12}{'TFLOP/s':>9}{'rowsplit ms':>13}{'TFLOP/s':>9}{'ratio':>7}"
-          f"{'max|diff|/max':>15}")
-    for shape_name, dtype_name, fa_ms, rs_ms, flops, rel in rows:
-        print(f"{shape_name:>6}{dtype_name:>6}{fa_ms:>12.3f}{flops / fa_ms / 1e9:>9.1f}{rs_ms:>13.3f}"
+            row_split = launchers.paged_attention(*call, kernel="rowsplit").astype(cupy.float32)
+            rs_ms = event_ms(lambda: launchers.paged_attention(*call, kernel="rowsplit"), args.repeats)
+            for variant in args.variants:
+                modules.read_source = lambda name, v=variant: _patched(original(name), v) \
+                    if name == "prefill_attention.cu" else original(name)
+                modules.clear_cache()
+                out = launchers.paged_attention(*call, kernel="prefill").astype(cupy.float32)
+                ms = event_ms(lambda: launchers.paged_attention(*call, kernel="prefill"), args.repeats)
+                rel = float(cupy.abs(out - row_split).max()) / float(cupy.abs(row_split).max())
+                rows.append((shape_name, dtype_name, variant, ms, rs_ms, flops, rel))
+            modules.read_source = original
+            modules.clear_cache()
+    print(f"{'shape':>6}{'dtype':>6}{'variant':>13}{'prefill ms':>12}{'TFLOP/s':>9}{'rowsplit ms':>13}{'TFLOP/s':>9}"
+          f"{'ratio':>7}{'max|diff|/max':>15}")
+    for shape_name, dtype_name, variant, fa_ms, rs_ms, flops, rel in rows:
+        print(f"{shape_name:>6}{dtype_name:>6}{variant:>13}{fa_ms:>12.3f}{flops / fa_ms / 1e9:>9.1f}{rs_ms:>13.3f}"
               f"{flops / rs_ms / 1e9:>9.1f}{rs_ms / fa_ms:>7.2f}{rel:>15.2e}")
 
+
+def _patched(source: str, variant: str) -> str:
+    for old, new in VARIANTS[variant]:
+        if old not in source:
+            raise ValueError(f"variant {variant}: {old!r} not in prefill_attention.cu")
+        source = source.replace(old, new)
+    return source
 
 if __name__ == "__main__":
     main()
