@@ -9,7 +9,7 @@ after two warm-up calls (launch overhead included: one kernel per call, a few mi
 millisecond-long call).
 
     python3 benchmarks/bench_prefill_attention.py [--tokens 8192] [--prefix 0] [--repeats 15]
-        [--shapes 8b 1b] [--dtypes fp16 bf16] [--variants default d64-one-cta]
+        [--shapes 8b 1b] [--dtypes fp16 bf16] [--variants default d64-one-cta stages3]
 
 --variants adds rows for patched copies of prefill_attention.cu (VARIANTS below), compiled in the same
 process; the row-split figure is measured once per shape and dtype.
@@ -28,10 +28,16 @@ from offline_paged.ops import kernel_modules as modules, launchers
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # (query heads, KV heads, head dim)
 DTYPES = {"fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 BLOCK_SIZE = 16
-# Source patches of cuda/prefill_attention.cu: d64-one-cta lets head dim 64 use up to 255 registers (one CTA
-# per SM, no spills) instead of two CTAs per SM at 128 registers (a few bytes spilled).
-VARIANTS = {"default": [], "d64-one-cta": [("DEFINE_PREFILL(64, 2, __half", "DEFINE_PREFILL(64, 1, __half"),
-                                           ("DEFINE_PREFILL(64, 2, bf16_t", "DEFINE_PREFILL(64, 1, bf16_t")]}
+# Source patches of cuda/prefill_attention.cu and the stage count they give the launcher (it sizes the shared
+# memory): d64-one-cta lets head dim 64 use up to 255 registers (one CTA per SM, no spills) instead of two
+# CTAs per SM at 128 registers (a few bytes spilled); stages3 keeps two K/V tiles in flight instead of one.
+_STAGES = "constexpr int PREFILL_STAGES = 2;"
+VARIANTS = {
+    "default": ([], 2),
+    "d64-one-cta": ([("DEFINE_PREFILL(64, 2, __half", "DEFINE_PREFILL(64, 1, __half"),
+                     ("DEFINE_PREFILL(64, 2, bf16_t", "DEFINE_PREFILL(64, 1, bf16_t")], 2),
+    "stages3": ([(_STAGES, _STAGES.replace("2", "3"))], 3),
+}
 
 
 def event_ms(fn, repeats: int) -> float:
@@ -86,7 +92,7 @@ def main() -> None:
     print(f"{props['name'].decode()}: {args.tokens}-token chunk on a {args.prefix}-token prefix, block size "
           f"{BLOCK_SIZE}, shuffled table; median of {args.repeats} CUDA-event-timed calls")
     rows = []
-    original = modules.read_source
+    original, stages = modules.read_source, launchers.PREFILL_STAGES
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
         flops = 4 * shape[2] * shape[0] * causal_pairs(args.tokens, args.prefix)
@@ -97,12 +103,13 @@ def main() -> None:
             for variant in args.variants:
                 modules.read_source = lambda name, v=variant: _patched(original(name), v) \
                     if name == "prefill_attention.cu" else original(name)
+                launchers.PREFILL_STAGES = VARIANTS[variant][1]
                 modules.clear_cache()
                 out = launchers.paged_attention(*call, kernel="prefill").astype(cupy.float32)
                 ms = event_ms(lambda: launchers.paged_attention(*call, kernel="prefill"), args.repeats)
                 rel = float(cupy.abs(out - row_split).max()) / float(cupy.abs(row_split).max())
                 rows.append((shape_name, dtype_name, variant, ms, rs_ms, flops, rel))
-            modules.read_source = original
+            modules.read_source, launchers.PREFILL_STAGES = original, stages
             modules.clear_cache()
     print(f"{'shape':>6}{'dtype':>6}{'variant':>13}{'prefill ms':>12}{'TFLOP/s':>9}{'rowsplit ms':>13}{'TFLOP/s':>9}"
           f"{'ratio':>7}{'max|diff|/max':>15}")
@@ -112,7 +119,7 @@ def main() -> None:
 
 
 def _patched(source: str, variant: str) -> str:
-    for old, new in VARIANTS[variant]:
+    for old, new in VARIANTS[variant][0]:
         if old not in source:
             raise ValueError(f"variant {variant}: {old!r} not in prefill_attention.cu")
         source = source.replace(old, new)

@@ -29,9 +29,9 @@
 // [64 keys][D / 8 pieces of 16 bytes]; piece c of key k sits at c ^ (k % 8), so the 8 row addresses of
 // each ldmatrix 8x8 matrix (8 keys, one piece) fall in 8 distinct bank groups. K/V tiles arrive by
 // cp.async (16 bytes a copy, zero-filled outside the CTA's key range: no slot past a context or
-// before a window is read), double-buffered: tile i + 1 is copied while the warps compute on tile i,
-// and each thread reads its block-table entries a tile earlier still, so no copy waits on the table. One
-// __syncthreads per tile both publishes the landed tile and frees the stage refilled next.
+// before a window is read), PREFILL_STAGES - 1 tiles in flight while the warps compute on one (2 stages:
+// double-buffered), and each thread reads its block-table entries a tile earlier still, so no copy waits
+// on the table. One __syncthreads per tile both publishes the landed tile and frees the stage refilled next.
 //
 // Grid: x = kv_head * num_splits + split, y = row tile counted from the last (the tiles with the most
 // keys launch first; x varies fastest, so all kv heads of a heavy tile go before the lighter tiles),
@@ -273,19 +273,24 @@ __device__ __forceinline__ void attend_tile(const Params<T>& P, const unsigned (
   }
   // O += P V, 16 keys per k step: S's n tiles 2ks, 2ks + 1 are exactly P's A fragment. ldmatrix.trans
   // matrices: 0 / 1 keys 16ks + r / 16ks + 8 + r at piece 2mp (b0, b1 of d tile 2mp); 2 / 3 at piece 2mp + 1.
+  unsigned pa[4][4];  // packed before the products, so S's 32 floats are dead during them
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
-    const unsigned pa[4] = {pack_float2<T>(s[2 * ks][0], s[2 * ks][1]), pack_float2<T>(s[2 * ks][2], s[2 * ks][3]),
-                            pack_float2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                            pack_float2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+    pa[ks][0] = pack_float2<T>(s[2 * ks][0], s[2 * ks][1]);
+    pa[ks][1] = pack_float2<T>(s[2 * ks][2], s[2 * ks][3]);
+    pa[ks][2] = pack_float2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+    pa[ks][3] = pack_float2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+  }
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
     const int key = 16 * ks + 8 * (mat & 1) + r;
 #pragma unroll
     for (int mp = 0; mp < D / 16; ++mp) {
       const int piece = (2 * mp + (mat >> 1)) ^ r;
       unsigned b0, b1, b2, b3;
       ldmatrix_x4_trans(v_stage + (key * PIECES + piece) * 16, b0, b1, b2, b3);
-      mma16816<T>(st.o[2 * mp], pa, b0, b1);
-      mma16816<T>(st.o[2 * mp + 1], pa, b2, b3);
+      mma16816<T>(st.o[2 * mp], pa[ks], b0, b1);
+      mma16816<T>(st.o[2 * mp + 1], pa[ks], b2, b3);
     }
   }
 }
@@ -314,7 +319,7 @@ __device__ __forceinline__ void write_row(const Params<T>& P, size_t th, int spl
 template <int D, typename T>
 __device__ void prefill_impl(const Params<T>& P) {
   static_assert(D == 64 || D == 128, "head dim must be 64 or 128");
-  static_assert(PREFILL_STAGES == 2, "the loop below double-buffers: one tile copied while one is used");
+  static_assert(PREFILL_STAGES >= 2, "one stage in use while the next tiles are copied");
   constexpr int STAGE_BYTES = 2 * TILE_KEYS * D * 2;  // K and V of one tile
   extern __shared__ uint4 ring[];  // [PREFILL_STAGES][K, V][TILE_KEYS][D / 8] (swizzled pieces)
 
@@ -346,10 +351,13 @@ __device__ void prefill_impl(const Params<T>& P) {
 
   // Start tile 0's copies and fetch tile 1's slots, then fetch Q while they fly.
   int slots[KEYS_PER_THREAD<D>];
-  tile_slots<D>(P, table, key_begin, range_lo, range_end, slots);
-  if (num_tiles > 0) copy_tile<D>(P, kvh, slots, ring_base);
-  cp_async_commit();
-  tile_slots<D>(P, table, key_begin + TILE_KEYS, range_lo, range_end, slots);
+#pragma unroll
+  for (int s = 0; s < PREFILL_STAGES - 1; ++s) {
+    tile_slots<D>(P, table, key_begin + s * TILE_KEYS, range_lo, range_end, slots);
+    if (s < num_tiles) copy_tile<D>(P, kvh, slots, ring_base + s * STAGE_BYTES);
+    cp_async_commit();
+  }
+  tile_slots<D>(P, table, key_begin + (PREFILL_STAGES - 1) * TILE_KEYS, range_lo, range_end, slots);
 
   // This warp's rows; a warp past the last row keeps to the barriers and computes nothing.
   const int warp_row0 = row0 + warp * WARP_ROWS;
@@ -383,13 +391,15 @@ __device__ void prefill_impl(const Params<T>& P) {
   st.l_lo = st.l_hi = 0.f;
 
   for (int i = 0; i < num_tiles; ++i) {
-    // Tile i has landed once no group is pending; the barrier publishes every thread's copies and says
-    // every warp is done with the other stage (read at i - 1), which tile i + 1 refills at once.
-    cp_async_wait<0>();
+    // Tile i has landed once at most STAGES - 2 newer groups are pending; the barrier publishes every
+    // thread's copies and says every warp is done with the stage read at i - 1, refilled at once with
+    // tile i + STAGES - 1 (whose slots were fetched last iteration).
+    cp_async_wait<PREFILL_STAGES - 2>();
     __syncthreads();
-    if (i + 1 < num_tiles) copy_tile<D>(P, kvh, slots, ring_base + ((i + 1) % PREFILL_STAGES) * STAGE_BYTES);
-    cp_async_commit();
-    tile_slots<D>(P, table, key_begin + (i + 2) * TILE_KEYS, range_lo, range_end, slots);
+    const int ahead = i + PREFILL_STAGES - 1;
+    if (ahead < num_tiles) copy_tile<D>(P, kvh, slots, ring_base + (ahead % PREFILL_STAGES) * STAGE_BYTES);
+    cp_async_commit();  // also when empty: one group per tile keeps the wait count right
+    tile_slots<D>(P, table, key_begin + (ahead + 1) * TILE_KEYS, range_lo, range_end, slots);
     const int k0 = key_begin + i * TILE_KEYS;
     const bool skip = k0 > warp_pos_max || k0 + TILE_KEYS - 1 <= warp_pos_min - window;
     if (active && !skip) {
