@@ -9,7 +9,7 @@ after two warm-up calls (launch overhead included: one kernel per call, a few mi
 millisecond-long call).
 
     python3 benchmarks/bench_prefill_attention.py [--tokens 8192] [--prefix 0] [--repeats 15]
-        [--shapes 8b 1b] [--dtypes fp16 bf16] [--variants default d64-one-cta stages3]
+        [--shapes 8b 1b] [--dtypes fp16 bf16] [--variants default d64-one-cta stages3] [--decodes 0]
 
 --variants adds rows for patched copies of prefill_attention.cu (VARIANTS below), compiled in the same
 process; the row-split figure is measured once per shape and dtype.
@@ -55,23 +55,29 @@ def event_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def make_call(shape, dtype, tokens: int, prefix: int, seed: int = 0):
-    """The arguments of one paged_attention call (a chunk of `tokens` queries on `prefix` cached tokens)."""
+def make_call(shape, dtype, tokens: int, prefix: int, decode_contexts=(), seed: int = 0):
+    """The arguments of one paged_attention call: a chunk of `tokens` queries on `prefix` cached tokens, then
+    one decode query per entry of decode_contexts (a mixed step), blocks shuffled over one pool."""
     num_heads, num_kv_heads, head_dim = shape
-    context = prefix + tokens
-    num_blocks = -(-context // BLOCK_SIZE)
+    contexts = np.array([prefix + tokens, *decode_contexts], dtype=np.int32)  # [S]
+    q_lens = np.array([tokens] + [1] * len(decode_contexts), dtype=np.int32)  # [S]
+    blocks = -(-contexts // BLOCK_SIZE)  # [S]
     rng = np.random.default_rng(seed)
-    table = cupy.asarray(rng.permutation(num_blocks).astype(np.int32)[None, :])  # [1, M]
+    pool = rng.permutation(int(blocks.sum())).astype(np.int32)
+    table = np.zeros((len(contexts), int(blocks.max())), dtype=np.int32)  # [S, M]
+    starts = np.concatenate([[0], np.cumsum(blocks)])
+    for s, n in enumerate(blocks):
+        table[s, :n] = pool[starts[s]:starts[s] + n]
 
     def normal(*dims):
         return cupy.random.standard_normal(dims, dtype=cupy.float32).astype(dtype)
 
-    k_cache = normal(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)  # [N, B, Hkv, D]
-    v_cache = normal(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)  # [N, B, Hkv, D]
-    q = normal(tokens, num_heads, head_dim)  # [T, H, D]
-    context_lens = cupy.asarray([context], dtype=cupy.int32)  # [1]
-    query_start_loc = cupy.asarray([0, tokens], dtype=cupy.int32)  # [2]
-    return (q, k_cache, v_cache, table, context_lens, query_start_loc, tokens, context, head_dim ** -0.5)
+    k_cache = normal(len(pool), BLOCK_SIZE, num_kv_heads, head_dim)  # [N, B, Hkv, D]
+    v_cache = normal(len(pool), BLOCK_SIZE, num_kv_heads, head_dim)  # [N, B, Hkv, D]
+    q = normal(int(q_lens.sum()), num_heads, head_dim)  # [T, H, D]
+    query_start_loc = cupy.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))  # [S + 1]
+    return (q, k_cache, v_cache, cupy.asarray(table), cupy.asarray(contexts), query_start_loc, tokens,
+            int(contexts.max()), head_dim ** -0.5)
 
 
 def causal_pairs(tokens: int, prefix: int) -> int:
@@ -87,17 +93,22 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS))
+    parser.add_argument("--decodes", type=int, default=0,
+                        help="add this many decode queries (contexts uniform in 100..1900) beside the chunk: a "
+                             "mixed step; TFLOP/s then count the chunk's and the decodes' key-query pairs")
     args = parser.parse_args()
+    decode_contexts = np.random.default_rng(1).integers(100, 1901, args.decodes).tolist()
     props = cupy.cuda.runtime.getDeviceProperties(0)
-    print(f"{props['name'].decode()}: {args.tokens}-token chunk on a {args.prefix}-token prefix, block size "
+    print(f"{props['name'].decode()}: {args.tokens}-token chunk on a {args.prefix}-token prefix"
+          f"{f' beside {args.decodes} decodes' if args.decodes else ''}, block size "
           f"{BLOCK_SIZE}, shuffled table; median of {args.repeats} CUDA-event-timed calls")
     rows = []
     original, stages = modules.read_source, launchers.PREFILL_STAGES
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
-        flops = 4 * shape[2] * shape[0] * causal_pairs(args.tokens, args.prefix)
+        flops = 4 * shape[2] * shape[0] * (causal_pairs(args.tokens, args.prefix) + sum(decode_contexts))
         for dtype_name in args.dtypes:
-            call = make_call(shape, DTYPES[dtype_name], args.tokens, args.prefix)
+            call = make_call(shape, DTYPES[dtype_name], args.tokens, args.prefix, decode_contexts)
             row_split = launchers.paged_attention(*call, kernel="rowsplit").astype(cupy.float32)
             rs_ms = event_ms(lambda: launchers.paged_attention(*call, kernel="rowsplit"), args.repeats)
             for variant in args.variants:

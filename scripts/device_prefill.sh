@@ -46,6 +46,7 @@ PY
     bench)
       python3 benchmarks/bench_prefill_attention.py --variants default d64-one-cta stages3 2>&1 | tee "$OUT/bench.log" | tail -8
       python3 benchmarks/bench_prefill_attention.py --tokens 2048 --prefix 6144 --repeats 10 2>&1 | tee -a "$OUT/bench.log" | tail -6
+      python3 benchmarks/bench_prefill_attention.py --tokens 1024 --decodes 256 --repeats 10 2>&1 | tee -a "$OUT/bench.log" | tail -6
       note bench "see $OUT/bench.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
