@@ -51,7 +51,7 @@ constexpr int THREADS = 32 * WARPS;
 constexpr int WARP_ROWS = 16;               // rows per warp (mma M)
 constexpr int TILE_ROWS = WARPS * WARP_ROWS;  // rows per CTA
 constexpr int TILE_KEYS = 64;               // keys per K/V tile (one softmax rescale each)
-constexpr int PREFILL_STAGES = 2;           // cp.async stages (launchers.py keeps a copy: it sizes shared memory)
+constexpr int PREFILL_STAGES = 3;           // cp.async stages (launchers.py keeps a copy: it sizes shared memory)
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 

@@ -44,7 +44,7 @@ PY
         2>&1 | tee "$OUT/launchers.log" | tail -8
       note launchers "$(tail -1 "$OUT/launchers.log")" ;;
     bench)
-      python3 benchmarks/bench_prefill_attention.py --variants default d64-one-cta stages3 2>&1 | tee "$OUT/bench.log" | tail -8
+      python3 benchmarks/bench_prefill_attention.py --variants default d64-one-cta stages2 2>&1 | tee "$OUT/bench.log" | tail -8
       python3 benchmarks/bench_prefill_attention.py --tokens 2048 --prefix 6144 --repeats 10 2>&1 | tee -a "$OUT/bench.log" | tail -6
       python3 benchmarks/bench_prefill_attention.py --tokens 1024 --decodes 256 --repeats 10 2>&1 | tee -a "$OUT/bench.log" | tail -6
       note bench "see $OUT/bench.log" ;;

@@ -58,7 +58,7 @@ CHUNK_KEYS = KEYS_PER_ROUND // WARPS  # keys one warp consumes per step (attenti
 # prefill_attention.cu (the FlashAttention-2-style kernel of long query chunks), copies of its constants:
 PREFILL_TILE_ROWS = 128  # (query token, head) rows per CTA: 8 warps x 16
 PREFILL_TILE_KEYS = 64  # keys per K/V tile (a multiple of it is every split's partition)
-PREFILL_STAGES = 2  # cp.async stages of K/V tiles: they size its dynamic shared memory
+PREFILL_STAGES = 3  # cp.async stages of K/V tiles (two in flight): they size its dynamic shared memory
 PREFILL_THREADS = 256
 MAX_GRID_Y_TILES = 65535  # its row tiles run along gridDim.y
 # Which kernel paged_attention launches (None: it decides per call, see choose_attention_kernel):
