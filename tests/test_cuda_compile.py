@@ -149,3 +149,44 @@ def test_launcher_constants_match_the_kernel(name):
     found = re.search(rf"constexpr int {name} = (\d+);", (CUDA_DIR / "attention.cu").read_text(encoding="utf-8"))
     assert found, f"attention.cu defines no constexpr int {name}"
     assert int(found.group(1)) == _python_constant(OPS_DIR / "launchers.py", name)
+
+
+@pytest.mark.parametrize("kernel_name,python_name", [("PREFILL_STAGES", "PREFILL_STAGES"),
+                                                     ("TILE_ROWS", "PREFILL_TILE_ROWS"),
+                                                     ("TILE_KEYS", "PREFILL_TILE_KEYS"),
+                                                     ("THREADS", "PREFILL_THREADS")])
+def test_prefill_launcher_constants_match_the_kernel(kernel_name, python_name):
+    """The launcher sizes prefill_attention.cu's grid, block and shared memory from copies of its constants."""
+    source = (CUDA_DIR / "prefill_attention.cu").read_text(encoding="utf-8")
+    values = {name: int(value) for name, value in re.findall(r"constexpr int (\w+) = (\d+);", source)}
+    values["TILE_ROWS"] = values["WARPS"] * values["WARP_ROWS"]  # defined as their product
+    values["THREADS"] = 32 * values["WARPS"]
+    assert values[kernel_name] == _python_constant(OPS_DIR / "launchers.py", python_name)
+
+
+@needs_nvcc
+def test_prefill_kernels_run_on_tensor_cores_from_shared_memory(tmp_path):
+    """Every prefill entry point takes K/V through cp.async into shared memory, feeds the tensor cores with
+    ldmatrix (transposed for V) and mma.sync, and exponentiates on the SFU (ex2.approx): the FlashAttention-2
+    data path, not a fallback that still computes the right numbers slowly."""
+    entries = _ptx_entries(CUDA_DIR / "prefill_attention.cu", tmp_path)
+    names = {f"prefill_attention_d{d}_{s}" for d in (64, 128) for s in ("f16", "bf16")}
+    assert set(entries) == names
+    for name, body in entries.items():
+        for needle in ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                       "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "mma.sync.aligned.m16n8k16.row.col.f32",
+                       "ex2.approx", "bar.sync"):
+            assert needle in body, f"{name}: no {needle} in its PTX"
+
+
+@needs_nvcc
+def test_prefill_kernel_at_head_dim_128_keeps_everything_in_registers(tmp_path):
+    """At D = 128 the kernel runs one 256-thread CTA per SM and may use 255 registers: nothing may spill
+    (a spill in the key loop costs more than the occupancy it would buy)."""
+    result = subprocess.run(["nvcc", "-arch=sm_90", "--std=c++17", "-c", "-Xptxas", "-v",
+                             str(CUDA_DIR / "prefill_attention.cu"), "-o", str(tmp_path / "p.o")],
+                            capture_output=True, text=True, timeout=300, check=True)
+    blocks = re.split(r"Compiling entry function '", result.stderr)[1:]
+    spills = {b.split("'")[0]: re.search(r"(\d+) bytes spill stores", b).group(1) for b in blocks}
+    assert {n for n in spills if "d128" in n} == {"prefill_attention_d128_f16", "prefill_attention_d128_bf16"}
+    assert all(spills[n] == "0" for n in spills if "d128" in n), spills

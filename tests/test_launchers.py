@@ -87,7 +87,7 @@ def windowed_attention_reference(q, k_cache, v_cache, tables, ctx, qsl, scale, w
     return out
 
 
-def run_attention(case, num_splits=None, window=0):
+def run_attention(case, num_splits=None, window=0, kernel=None):
     from offline_paged.ops.attention import AttentionMetadata
 
     q, k_cache, v_cache, tables, ctx, qsl = case
@@ -95,7 +95,8 @@ def run_attention(case, num_splits=None, window=0):
     q_lens = np.diff(qsl)
     out = launchers.paged_attention(
         cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache), cupy.asarray(tables), cupy.asarray(ctx),
-        cupy.asarray(qsl), int(q_lens.max()), int(ctx.max()), scale, num_splits=num_splits, window=window)
+        cupy.asarray(qsl), int(q_lens.max()), int(ctx.max()), scale, num_splits=num_splits, window=window,
+        kernel=kernel)
     assert out.dtype == q.dtype
     if window:
         return out.get(), windowed_attention_reference(q, k_cache, v_cache, tables, ctx, qsl, scale, window)
@@ -140,14 +141,16 @@ def test_forced_key_splits_merge_exactly(num_splits, head_dim, dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_prefill_and_chunked_prefill_in_mixed_batches(head_dim, group, block_size, dtype):
-    """Full prefills, chunks on top of a cached prefix, and decodes in one batch."""
+@pytest.mark.parametrize("kernel", [None, "rowsplit"])
+def test_prefill_and_chunked_prefill_in_mixed_batches(kernel, head_dim, group, block_size, dtype):
+    """Full prefills, chunks on top of a cached prefix, and decodes in one batch (the launcher's choice,
+    and attention.cu's row-split kernel, which the launcher now picks only for 64..127 rows)."""
     rng = np.random.default_rng(block_size * 100 + group)
     seqs = [(37, 37), (1, 90), (16, 16), (20, 133), (1, 1), (70, 70), (5, block_size * 4 + 1)]
     case = make_paged_case(rng, seqs, block_size, 2, head_dim, group, dtype=dtype)
-    out, ref = run_attention(case)
+    out, ref = run_attention(case, kernel=kernel)
     assert_close(out, ref, TOL[dtype])
-    out_split, _ = run_attention(case, num_splits=3)
+    out_split, _ = run_attention(case, num_splits=3, kernel=kernel)
     assert_close(out_split, ref, TOL[dtype])
 
 
@@ -213,7 +216,8 @@ def test_sliding_window_decode_matches_reference(block_size, window, contexts, h
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("block_size,window", [(16, 20), (8, 50), (32, 33), (16, 128)])
-def test_sliding_window_prefill_and_chunks_in_mixed_batches(head_dim, group, block_size, window, dtype):
+@pytest.mark.parametrize("kernel", [None, "rowsplit"])
+def test_sliding_window_prefill_and_chunks_in_mixed_batches(kernel, head_dim, group, block_size, window, dtype):
     """Prefills longer than the window (ROW_SPLIT tiles whose rows have different window starts),
     chunks on top of a prefix longer than the window, decodes and short prefills, with and without
     forced splits; blocks before each sequence's first window are poisoned."""
@@ -222,7 +226,7 @@ def test_sliding_window_prefill_and_chunks_in_mixed_batches(head_dim, group, blo
     case = make_paged_case(rng, seqs, block_size, 2, head_dim, group, spare_blocks=1, dtype=dtype)
     free_blocks_before_windows(case, window, spare_block(case))
     for num_splits in (None, 1, 2, 5):
-        out, ref = run_attention(case, num_splits=num_splits, window=window)
+        out, ref = run_attention(case, num_splits=num_splits, window=window, kernel=kernel)
         assert_close(out, ref, TOL[dtype])
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
@@ -44,6 +45,8 @@ KERNELS = (
     ("layer.cu", "rope_write_kv_same_cache_bf16"), ("layer.cu", "rope_write_kv_f32_cache_bf16"),
     ("layer.cu", "silu_mul_bf16"), ("layer.cu", "add_bias_bf16"),
     ("cache.cu", "write_kv"), ("cache.cu", "copy_blocks"),
+    ("prefill_attention.cu", "prefill_attention_d64_f16"), ("prefill_attention.cu", "prefill_attention_d128_f16"),
+    ("prefill_attention.cu", "prefill_attention_d64_bf16"), ("prefill_attention.cu", "prefill_attention_d128_bf16"),
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 WARPS = 4
@@ -52,6 +55,14 @@ DECODE_RING_STAGES = 3  # decode (key-split) CTAs at head dim 64, a ring per war
 PREFILL_RING_STAGES = 2  # row-split CTAs, one ring shared by the 4 warps
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
 CHUNK_KEYS = KEYS_PER_ROUND // WARPS  # keys one warp consumes per step (attention.cu's CHUNK)
+# prefill_attention.cu (the FlashAttention-2-style kernel of long query chunks), copies of its constants:
+PREFILL_TILE_ROWS = 128  # (query token, head) rows per CTA: 8 warps x 16
+PREFILL_TILE_KEYS = 64  # keys per K/V tile (a multiple of it is every split's partition)
+PREFILL_STAGES = 3  # cp.async stages of K/V tiles (two in flight): they size its dynamic shared memory
+PREFILL_THREADS = 256
+MAX_GRID_Y_TILES = 65535  # its row tiles run along gridDim.y
+# Which kernel paged_attention launches (None: it decides per call, see choose_attention_kernel):
+ATTENTION_KERNELS = ("keysplit", "rowsplit", "prefill")
 MIN_PARTITION = 256  # shortest key range worth a split of its own
 MAX_PARTIAL_BYTES = 256 << 20  # cap on the fp32 split workspace
 VECTOR_WIDTH = 8  # 16-bit elements per 16-byte access in layer.cu's vector paths
@@ -138,9 +149,19 @@ def key_span(max_context_len: int, window: int, rows_per_range: int = ROWS_PER_T
     return min(max_context_len, window + rows_per_range - 1 + KEYS_PER_ROUND - 1)
 
 
+def choose_attention_kernel(max_query_len: int, group: int) -> str:
+    """The kernel paged_attention runs when the caller names none: "prefill" (prefill_attention.cu) once
+    the longest query fills a 128-row tile, else attention.cu's "rowsplit" (4 warp tiles of 16 rows per CTA)
+    from 64 rows and "keysplit" below (decode: the warps share one row tile and split its keys)."""
+    rows = max_query_len * group
+    if rows >= PREFILL_TILE_ROWS:
+        return "prefill"
+    return "rowsplit" if rows >= ROWS_PER_TILE * WARPS else "keysplit"
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                     max_query_len: int, max_context_len: int, scale: float, num_splits: int | None = None,
-                    window: int = 0, zero_fill: bool = True, launch_order=None):
+                    window: int = 0, zero_fill: bool = True, launch_order=None, kernel: str | None = None):
     """Causal GQA attention of q [T, H, D] against paged K/V [N, B, Hkv, D]; returns out [T, H, D].
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1] and has context_lens[s] cached tokens
@@ -153,7 +174,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     (query_start_loc[S] == T), else the rows of no sequence come back uninitialised. launch_order [S] int32:
     a permutation of the sequences, run in that order (longest first balances the last wave of CTAs;
     step_inputs_launcher.launch_order computes it on the device); None runs them in index order. It changes
-    the speed only, never the result.
+    the speed only, never the result. kernel: one of ATTENTION_KERNELS to force (tests, benchmarks); None
+    lets choose_attention_kernel pick by the longest query. Every kernel gives the same result up to
+    rounding; the semantics above hold for each.
     """
     suffix = _element_suffix("q", q)
     _check_array("q", q, q.dtype, 3)
@@ -180,17 +203,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     _require(max_query_len >= 0 and max_context_len >= 0, "max_query_len / max_context_len must be >= 0")
     _require(isinstance(window, (int, np.integer)) and 0 <= window < 2**30,
              f"window must be an integer in [0, 2**30) (0 = no sliding window), got {window!r}")
+    _require(kernel is None or kernel in ATTENTION_KERNELS,
+             f"kernel must be None or one of {ATTENTION_KERNELS}, got {kernel!r}")
     if num_seqs == 0 or num_tokens == 0 or max_query_len == 0:
         return cupy.zeros(q.shape, dtype=q.dtype)
     group = num_heads // num_kv_heads
-    tiles = math.ceil(max_query_len * group / ROWS_PER_TILE)
-    row_split = tiles >= WARPS
-    grid_x = math.ceil(tiles / WARPS) if row_split else tiles
+    kernel = kernel or choose_attention_kernel(max_query_len, group)
+    launch = _attention_launch(kernel, head_dim, max_query_len * group, suffix)
     row_bytes = num_tokens * num_heads * head_dim * 4
-    shared_range = row_split and PREFILL_RING_STAGES > 0  # the CTA's 4 tiles read one key range
-    span = key_span(max_context_len, int(window), ROWS_PER_TILE * (WARPS if shared_range else 1))
+    span = key_span(max_context_len, int(window), launch.rows_per_range)
     if num_splits is None:
-        num_splits, partition = plan_splits(num_seqs * num_kv_heads * grid_x, span, row_bytes)
+        num_splits, partition = plan_splits(num_seqs * num_kv_heads * launch.row_tiles, span, row_bytes)
     else:
         partition = math.ceil(max(span, 1) / num_splits / KEYS_PER_ROUND) * KEYS_PER_ROUND
     # One split writes rows in place (rows of no sequence must read 0); with several, the merge writes all.
@@ -200,17 +223,19 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         partial_ml = cupy.zeros((num_splits, num_tokens, num_heads, 2), dtype=cupy.float32)
     else:
         partial_o = partial_ml = out  # never read or written with one split
-    name = f"paged_attention_d{head_dim}_{'rowsplit' if row_split else 'keysplit'}_{suffix}"
-    shared = ring_bytes(head_dim, row_split)
-    _attention_kernel(name, shared)(
-        (grid_x, num_kv_heads * num_splits, num_seqs), (WARPS * 32,),
+    heads_and_splits = num_kv_heads * num_splits
+    grid = ((heads_and_splits, launch.row_tiles, num_seqs) if kernel == "prefill"
+            else (launch.row_tiles, heads_and_splits, num_seqs))
+    _require(grid[1] <= MAX_GRID_Y_TILES, f"{grid[1]} row tiles or kv heads x splits exceed the grid's y limit")
+    _shared_memory_kernel(launch.source, launch.name, launch.shared_bytes)(
+        grid, (launch.threads,),
         (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
          np.uint64(0) if launch_order is None else launch_order,  # a null pointer: index order
          np.int32(num_tokens), np.int32(num_kv_heads), np.int32(group), np.int32(block_size),
          np.int32(block_tables.shape[1]), np.int32(partition), np.int32(num_splits),
          np.float32(scale * math.log2(math.e)),
          np.int32(block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1),
-         np.int32(window)), shared_mem=shared)
+         np.int32(window)), shared_mem=launch.shared_bytes)
     if num_splits > 1:
         _kernel("attention.cu", f"merge_partials_{suffix}")(
             (num_tokens * num_heads,), (head_dim,),
@@ -218,18 +243,51 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionLaunch:
+    """How one attention kernel is launched: its entry point, CTA shape and shared memory, the row tiles
+    its grid holds per (sequence, kv head) and the rows whose keys one CTA reads (key_span's bound)."""
+
+    source: str
+    name: str
+    threads: int
+    shared_bytes: int
+    row_tiles: int
+    rows_per_range: int
+
+
+def _attention_launch(kernel: str, head_dim: int, max_rows: int, suffix: str) -> AttentionLaunch:
+    """The launch of `kernel` ("prefill", "rowsplit" or "keysplit") for sequences of at most max_rows
+    (query token, head) rows."""
+    if kernel == "prefill":
+        return AttentionLaunch("prefill_attention.cu", f"prefill_attention_d{head_dim}_{suffix}", PREFILL_THREADS,
+                               prefill_shared_bytes(head_dim), math.ceil(max_rows / PREFILL_TILE_ROWS),
+                               PREFILL_TILE_ROWS)
+    row_split = kernel == "rowsplit"
+    tiles = math.ceil(max_rows / ROWS_PER_TILE)
+    shared_range = row_split and PREFILL_RING_STAGES > 0  # the CTA's 4 tiles read one key range
+    return AttentionLaunch("attention.cu", f"paged_attention_d{head_dim}_{kernel}_{suffix}", WARPS * 32,
+                           ring_bytes(head_dim, row_split), math.ceil(tiles / WARPS) if row_split else tiles,
+                           ROWS_PER_TILE * (WARPS if shared_range else 1))
+
+
+def prefill_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of prefill_attention.cu: PREFILL_STAGES tiles of 64 keys of K and V."""
+    return PREFILL_STAGES * 2 * PREFILL_TILE_KEYS * head_dim * 2  # 2 bytes per element
+
+
 def ring_bytes(head_dim: int, row_split: bool) -> int:
-    """Dynamic shared memory of an attention launch: the cp.async ring, WARPS x stages chunks of 16 keys
+    """Dynamic shared memory of an attention.cu launch: the cp.async ring, WARPS x stages chunks of 16 keys
     of K and V, for row-split CTAs and for decode (key-split) CTAs at head dim 64; 0 where the kernel
     keeps K/V in registers."""
     stages = PREFILL_RING_STAGES if row_split else DECODE_RING_STAGES if head_dim == 64 else 0
     return WARPS * stages * 2 * CHUNK_KEYS * head_dim * 2  # 2 bytes per element
 
 
-def _attention_kernel(name: str, shared_bytes: int):
-    """The attention kernel, allowed `shared_bytes` of dynamic shared memory (past 48 KiB needs the
-    opt-in attribute: raised the first time a launch asks for more than the kernel allows)."""
-    k = _kernel("attention.cu", name)
+def _shared_memory_kernel(source: str, name: str, shared_bytes: int):
+    """The kernel, allowed `shared_bytes` of dynamic shared memory (past 48 KiB needs the opt-in
+    attribute: raised the first time a launch asks for more than the kernel allows)."""
+    k = _kernel(source, name)
     if shared_bytes > k.max_dynamic_shared_size_bytes:
         k.max_dynamic_shared_size_bytes = shared_bytes
     return k
