@@ -105,6 +105,42 @@ def test_each_op_matches_numpy_ops(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 24])
+def test_attention_runs_leading_decodes_apart_from_the_prefills(dtype, window):
+    """A mixed step (5 decodes first, then a 40-token prompt chunk on a cached prefix and a 70-token prompt:
+    160+ rows per KV head, the prefill kernel's size) gives the reference's result with the decodes split
+    off (num_leading_decodes) and in one launch; shuffled block tables, random K/V in every slot."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(7)
+    cuda, ref = CudaOps(), NumpyOps()
+    block, hkv, group, d = 16, 2, 4, 64
+    contexts, qlens = [33, 100, 7, 250, 64, 90, 70], [1, 1, 1, 1, 1, 40, 70]
+    num_blocks = sum(-(-c // block) for c in contexts)
+    perm = rng.permutation(num_blocks)
+    tables, at = [], 0
+    for c in contexts:
+        n = -(-c // block)
+        tables.append([int(b) for b in perm[at:at + n]])
+        at += n
+    cache = rng.standard_normal((2, num_blocks, block, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((sum(qlens), hkv * group, d)).astype(np.float32)
+    meta = build_metadata(np, tables, contexts, qlens, [-1] * sum(qlens))
+    want = ref.attention(q, cache[0], cache[1], meta, 0.125, sliding_window=window)
+    kv = cupy.asarray(cache.astype(dtype))
+    q_gpu = cupy.asarray(q.astype(dtype))
+    meta_gpu = build_metadata(cupy, tables, contexts, qlens, [-1] * sum(qlens))
+    split = cuda.attention(q_gpu, kv[0], kv[1], replace(meta_gpu, num_leading_decodes=5), 0.125,
+                           sliding_window=window).get()
+    whole = cuda.attention(q_gpu, kv[0], kv[1], meta_gpu, 0.125, sliding_window=window).get()
+    assert rel_error(split, want) < OP_TOL[dtype]
+    assert rel_error(whole, want) < OP_TOL[dtype]
+    # any split point within the leading decodes gives the same result (here one decode stays with the prompts)
+    assert rel_error(cuda.attention(q_gpu, kv[0], kv[1], replace(meta_gpu, num_leading_decodes=4), 0.125,
+                                    sliding_window=window).get(), want) < OP_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_copy_blocks_with_host_ids_and_with_a_chain(dtype):
     rng = np.random.default_rng(1)
     kv = rng.standard_normal((2, 2, 8, 16, 1, 64)).astype(dtype)

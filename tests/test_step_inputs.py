@@ -73,3 +73,26 @@ def test_pending_inputs_refuse_a_token_no_step_samples(item, sample_index):
         pending_inputs([item], previous, lambda host: host)
     with pytest.raises(RuntimeError, match="is pending"):
         pending_inputs([item], None, lambda host: host)
+
+
+def _chunk(seq_id, num_tokens, start, num_new):
+    item = _item(seq_id, list(range(2, 2 + num_tokens)), start, 0, num_new=num_new)
+    item.block_table = list(range(seq_id * 8, seq_id * 8 + 8))
+    item.num_skip_write = 0
+    return item
+
+
+@pytest.mark.parametrize("query_lens, expected", [([1, 1, 1, 5], 3), ([1, 1, 1], 0), ([4, 1, 1], 0),
+                                                  ([1, 6, 1, 3], 1), ([7], 0)])
+def test_pack_eager_counts_the_leading_decodes(query_lens, expected):
+    """The attention of an eager step runs its leading one-token sequences apart (num_leading_decodes);
+    0 when every sequence decodes (nothing to split) or the first one is a chunk."""
+    from offline_paged.worker.block_table_rows import BlockTableRows
+    from offline_paged.worker.step_inputs import pack_eager
+
+    items = [_chunk(i, 20, 20 - n, n) for i, n in enumerate(query_lens)]
+    table_rows = BlockTableRows(4, max_blocks=8)
+    rows = table_rows.sync(items)
+    packed, layout = pack_eager(items, table_rows, rows)
+    assert layout[-1] == expected
+    assert layout[2] == max(query_lens)

@@ -47,6 +47,10 @@ class AttentionMetadata:
     # [S] int32, a permutation of the sequences: the order the CUDA kernel launches them in (longest first,
     # computed on the device by the decode graphs). None: index order. Only the speed depends on it.
     launch_order: Any = None
+    # The first this-many sequences are decodes (one query row each; the scheduler puts them first). The
+    # CUDA backend then runs them through the decode kernel and the rest through the prefill kernel, instead
+    # of one launch sized for the longest query. 0: one launch for all. The result is the same.
+    num_leading_decodes: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -51,11 +51,23 @@ class CudaOps:
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                   sliding_window: int | None = None):
         """Paged causal GQA attention; [T, H, D] -> [T, H, D]. sliding_window: a query at position p
-        sees only keys at positions > p - sliding_window (None or 0: the whole causal context)."""
+        sees only keys at positions > p - sliding_window (None or 0: the whole causal context).
+        With meta.num_leading_decodes = d (0 < d < S, a longer query after them), rows [0, d) go through
+        the decode kernel and the rest through the kernel of their longest query, in two launches."""
+        q = cupy.ascontiguousarray(q)
+        tables, lens, starts = _int32(meta.block_tables), _int32(meta.context_lens), _int32(meta.query_start_loc)
+        window = int(sliding_window or 0)
+        d = meta.num_leading_decodes
+        if 0 < d < lens.shape[0] and meta.launch_order is None and meta.max_query_len > 1:
+            decodes = launchers.paged_attention(q[:d], k_cache, v_cache, tables[:d], lens[:d], starts[:d + 1], 1,
+                                                int(meta.max_context_len), scale, window=window, zero_fill=False)
+            rest = launchers.paged_attention(q[d:], k_cache, v_cache, tables[d:], lens[d:], starts[d:] - d,
+                                             int(meta.max_query_len), int(meta.max_context_len), scale,
+                                             window=window, zero_fill=meta.unqueried_rows)
+            return cupy.concatenate([decodes, rest])  # [T, H, D]
         return launchers.paged_attention(
-            cupy.ascontiguousarray(q), k_cache, v_cache, _int32(meta.block_tables), _int32(meta.context_lens),
-            _int32(meta.query_start_loc), int(meta.max_query_len), int(meta.max_context_len), scale,
-            window=int(sliding_window or 0), zero_fill=meta.unqueried_rows,
+            q, k_cache, v_cache, tables, lens, starts, int(meta.max_query_len), int(meta.max_context_len), scale,
+            window=window, zero_fill=meta.unqueried_rows,
             launch_order=None if meta.launch_order is None else _int32(meta.launch_order))
 
     def logits(self, hidden, lm_head):

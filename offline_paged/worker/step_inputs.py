@@ -66,7 +66,7 @@ def eager_batch(scheduled, table_rows, rows: np.ndarray, upload) -> EagerBatch:
 
 def pack_eager(scheduled, table_rows, rows: np.ndarray) -> tuple[np.ndarray, tuple]:
     """The eager step's index arrays packed into one int32 host array, and its layout (part sizes, block
-    table shape, max query and context lengths, logits offsets). Tensor-parallel rank 0 sends exactly
+    table shape, max query and context lengths, logits offsets, leading decode sequences). Tensor-parallel rank 0 sends exactly
     this pair to the other ranks. Per-sequence Python is limited to reading each item's fields once; the
     rest is numpy."""
     block_size, num_seqs = table_rows.block_size, len(scheduled)
@@ -85,14 +85,16 @@ def pack_eager(scheduled, table_rows, rows: np.ndarray) -> tuple[np.ndarray, tup
     positions = np.arange(num_tokens) - query_start_loc[owner] + starts[owner]  # [T]
     slots = slot_mapping(block_tables, owner, positions, skips[owner], block_size)  # [T]
     parts = [input_ids, positions, slots, context_lens, query_start_loc, rows_needed, block_tables.ravel()]
+    longer = np.flatnonzero(query_lens != 1)
+    num_leading_decodes = int(longer[0]) if longer.size else 0  # 0 when all decode: no split
     layout = (tuple(part.size for part in parts), block_tables.shape, int(query_lens.max()),
-              int(context_lens.max()), offsets)
+              int(context_lens.max()), offsets, num_leading_decodes)
     return np.concatenate(parts).astype(np.int32), layout  # [sum of part sizes] int32
 
 
 def unpack_eager(host_packed: np.ndarray, layout: tuple, upload) -> EagerBatch:
     """Upload a `pack_eager`ed step once and slice its views."""
-    sizes, table_shape, max_query_len, max_context_len, offsets = layout
+    sizes, table_shape, max_query_len, max_context_len, offsets, num_leading_decodes = layout
     packed = upload(host_packed)  # [sum of part sizes] int32 (device)
     views, at = [], 0
     for size in sizes:
@@ -102,6 +104,7 @@ def unpack_eager(host_packed: np.ndarray, layout: tuple, upload) -> EagerBatch:
     meta = AttentionMetadata(
         slot_mapping=slot_view, block_tables=tables.reshape(table_shape), context_lens=ctx,
         query_start_loc=qsl, max_query_len=max_query_len, max_context_len=max_context_len,
+        num_leading_decodes=num_leading_decodes,
     )
     return EagerBatch(ids, pos, meta, logits_indices, offsets)
 
