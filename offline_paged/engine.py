@@ -24,6 +24,7 @@ from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.core.scheduler import Scheduler
 from offline_paged.core.sequence import Sequence, SequenceGroup
 from offline_paged.core.stop_checker import StopChecker
+from offline_paged.models.hub import resolve_model
 from offline_paged.models.pooling import PoolingConfig
 from offline_paged.worker.backend import checkpoint_dtype, select_backend
 from offline_paged.worker.launched_step import LaunchedStep
@@ -52,6 +53,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
+        if loaded_model is None and config.model is not None:  # a hub id -> its local snapshot
+            config = dataclasses.replace(config, model=str(resolve_model(config.model)))
         self.config = config
         # dtype="auto" reads the checkpoint's config.json torch_dtype (before loading: loads convert on the way)
         source = getattr(loaded_model, "source", None) or config.model

@@ -1,0 +1,68 @@
+"""models/hub.py: a hub id resolves from a Hugging Face cache laid out as huggingface_hub lays it out,
+offline included, at the asked revision; a miss names both places it looked; local paths pass through."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fixtures_hf_cache import add_to_hf_cache
+from fixtures_tiny_model import write_tiny_model
+
+from offline_paged.models.hub import hf_cache_dir, is_hub_id, resolve_model
+from offline_paged.models.loader import load_model, load_tokenizer
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-hub"), seed=3)
+
+
+def test_a_hub_id_loads_from_the_cache_offline(hf_cache, tiny_dir):
+    snapshot = add_to_hf_cache(hf_cache, "TinyOrg/Tiny-LM", tiny_dir)
+    assert resolve_model("TinyOrg/Tiny-LM") == snapshot
+    loaded = load_model("TinyOrg/Tiny-LM")
+    assert loaded.source == str(snapshot)
+    assert loaded.config.vocab_size == load_model(tiny_dir).config.vocab_size
+    assert load_tokenizer("TinyOrg/Tiny-LM")[1].encode("hi") == load_model(tiny_dir).tokenizer.encode("hi")
+
+
+def test_revision_picks_the_snapshot_its_ref_names(hf_cache, tiny_dir):
+    add_to_hf_cache(hf_cache, "TinyOrg/Tiny-LM", tiny_dir, commit="a" * 40)
+    other = add_to_hf_cache(hf_cache, "TinyOrg/Tiny-LM", tiny_dir, commit="b" * 40, revision="v2")
+    assert resolve_model("TinyOrg/Tiny-LM", revision="v2") == other
+    assert resolve_model("TinyOrg/Tiny-LM", revision="b" * 40) == other
+    assert resolve_model("TinyOrg/Tiny-LM") != other
+
+
+def test_hf_home_gives_the_cache_when_hf_hub_cache_is_unset(tmp_path, monkeypatch, tiny_dir):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hf_cache_dir() == tmp_path / "hf" / "hub"
+    snapshot = add_to_hf_cache(tmp_path / "hf" / "hub", "Org/Model", tiny_dir)
+    assert resolve_model("Org/Model") == snapshot
+
+
+def test_a_missing_hub_id_names_the_local_path_and_the_cache(hf_cache):
+    with pytest.raises(FileNotFoundError) as info:
+        load_model("NoSuchOrg/no-such-model")
+    message = str(info.value)
+    assert str(Path("NoSuchOrg/no-such-model").resolve()) in message and str(hf_cache) in message
+    assert "HF_HUB_OFFLINE" in message
+
+
+def test_local_paths_and_default_pass_through(tmp_path, tiny_dir):
+    assert resolve_model(str(tiny_dir)) == str(tiny_dir)
+    assert resolve_model("default") == "default" and resolve_model(None) is None
+    assert not is_hub_id(str(tiny_dir)) and not is_hub_id("model.gguf") and not is_hub_id("a/b/c")
+    assert is_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ValueError, match="revision"):
+        resolve_model(str(tiny_dir), revision="main")
