@@ -116,3 +116,15 @@ def test_pool_normalises_to_unit_length():
     hidden = np.arange(12, dtype=np.float32).reshape(3, 4)  # [T, E]
     assert np.linalg.norm(pool(hidden, PoolingConfig("MEAN", True))) == pytest.approx(1.0)
     np.testing.assert_array_equal(pool(hidden, PoolingConfig("LAST", False)), hidden[-1])
+
+
+@pytest.mark.gpu
+def test_cuda_embeddings_match_the_cpu_reference(family_model):
+    """The pooling forward on the CUDA backend (fp16) agrees with the NumPy float64 one."""
+    path, model = family_model
+    prompts = random_prompts(5, [3, 17, 40], model.config.vocab_size)
+    reference = LLM(str(path), device="cpu", dtype="float64", num_kv_blocks=64).embed(prompts, use_tqdm=False)
+    cuda = LLM(str(path), device="cuda", dtype="float16", num_kv_blocks=64, max_num_batched_tokens=32)
+    for ours, ref in zip(cuda.embed(prompts, use_tqdm=False), reference):
+        np.testing.assert_allclose(ours.outputs.embedding, ref.outputs.embedding, atol=2e-2)
+    assert cuda.generate("w1 w2", use_tqdm=False)[0].outputs[0].token_ids  # generation still runs after
