@@ -66,3 +66,23 @@ def test_local_paths_and_default_pass_through(tmp_path, tiny_dir):
     assert is_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct")
     with pytest.raises(ValueError, match="revision"):
         resolve_model(str(tiny_dir), revision="main")
+
+
+def test_generate_takes_a_hub_id_and_a_missing_one_is_one_error_line(hf_cache, tiny_dir, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from offline_paged.cli.main import cli
+
+    add_to_hf_cache(hf_cache, "TinyOrg/Tiny-LM", tiny_dir)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": "gpt-4o", "prompt": "hi", "max_tokens": 2}}) + "\n")
+    args = ["generate", str(source), "-o", str(out), "--device", "cpu", "--num-kv-blocks", "32", "--no-progress"]
+    result = CliRunner().invoke(cli, [*args, "-m", "TinyOrg/Tiny-LM"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["response"]["body"]["model"] == "TinyOrg/Tiny-LM"
+    missing = CliRunner().invoke(cli, [*args, "--no-resume", "-m", "TinyOrg/absent"])
+    assert missing.exit_code == 2 and "Traceback" not in missing.output
+    assert "not in the Hugging Face cache" in missing.output and str(hf_cache) in missing.output
