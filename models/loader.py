@@ -65,7 +65,8 @@ def load_model(name_or_path: str | Path | None = None, xp: Any = None, dtype=Non
                             "*.safetensors + tokenizer.json), a .gguf file, a hub id (ORG/NAME), or 'default'")
 
 
-def load_tokenizer(name_or_path: str | Path | None = None, revision: str | None = None) -> tuple[LlamaConfig, Tokenizer]:
+def load_tokenizer(name_or_path: str | Path | None = None,
+                   revision: str | None = None) -> tuple[LlamaConfig, Tokenizer]:
     """The config and tokenizer of what `load_model` would load, without reading any weights (a
     data-parallel coordinator renders chat templates and decodes while its workers hold the model)."""
     if name_or_path is None or str(name_or_path) == "default":

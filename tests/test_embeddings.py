@@ -105,7 +105,8 @@ def test_pooling_config_reads_sentence_transformers_and_refuses_what_it_cannot_c
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(ValueError, match="pooling_mode_max_tokens is not supported"):
         PoolingConfig.from_dir(tmp_path)
-    (tmp_path / "modules.json").write_text(json.dumps([{"path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    (tmp_path / "modules.json").write_text(json.dumps(
+        [{"path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
     with pytest.raises(ValueError, match="'Dense' is not supported"):
         PoolingConfig.from_dir(tmp_path)
     with pytest.raises(ValueError, match="pooling_type"):

@@ -4,8 +4,8 @@
     lm_eval.simple_evaluate(model="offline-paged", model_args="pretrained=DIR,dtype=float32", tasks=[...])
 
 model_args follow lm-eval's vllm backend: pretrained (an HF directory, a hub id ORG/NAME from the HF cache,
-a .gguf file, or nothing for the default model), dtype, max_model_len (or max_length), device, seed, max_gen_toks, add_bos_token,
-prefix_token_id; batch_size / max_batch_size are accepted (every task runs as one generate call, the
+a .gguf file, or nothing for the default model), dtype, max_model_len (or max_length), device, seed,
+max_gen_toks, add_bos_token, prefix_token_id; batch_size / max_batch_size are accepted (every task runs as one generate call, the
 engine batches it); other engine arguments (num_kv_blocks, kv_cache_memory, block_size, ...) pass to LLM.
 
 Scoring: each (context, continuation) pair is one request with max_tokens=0, prompt_logprobs=1 and

@@ -13,7 +13,8 @@ shape of OpenAI's output file; vLLM's run-batch instead writes its message to th
 with no body). Ids carry a per-run token, so two runs never share a response id; "model" is the model
 that ran (the job's served model name), never the body's; usage carries prompt_tokens_details.cached_tokens
 (prompt tokens served by the prefix cache). An embeddings line gets OpenAI's {"object": "list", "data":
-[{"object": "embedding", "index", "embedding"}], "model", "usage"} body. Completions with echo lead with the prompt (its first token has no log-probability);
+[{"object": "embedding", "index", "embedding"}], "model", "usage"} body. Completions with echo lead with
+the prompt (its first token has no log-probability);
 chat top_logprobs hold exactly the top_logprobs asked for.
 Log-probabilities are the raw model's (see sampling_params); -inf is written as -9999.0.
 """
