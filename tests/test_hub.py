@@ -86,3 +86,35 @@ def test_generate_takes_a_hub_id_and_a_missing_one_is_one_error_line(hf_cache, t
     missing = CliRunner().invoke(cli, [*args, "--no-resume", "-m", "TinyOrg/absent"])
     assert missing.exit_code == 2 and "Traceback" not in missing.output
     assert "not in the Hugging Face cache" in missing.output and str(hf_cache) in missing.output
+
+
+def test_online_a_cache_miss_downloads_weights_and_configs_only(tmp_path, monkeypatch, tiny_dir):
+    """Without HF_HUB_OFFLINE a miss goes to snapshot_download (faked here: no hub in tests) with
+    patterns that take safetensors, JSON and templates, never pickles; its failure is named."""
+    import fnmatch
+
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, *, local_files_only=False, allow_patterns=None, **kwargs):
+        calls.append((repo_id, local_files_only, allow_patterns, kwargs.get("revision")))
+        if local_files_only:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        if repo_id == "Org/unreachable":
+            raise OSError("network is unreachable")
+        return str(tiny_dir)
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert resolve_model("Org/Model", revision="v3") == tiny_dir
+    assert [(c[0], c[1], c[3]) for c in calls] == [("Org/Model", True, "v3"), ("Org/Model", False, "v3")]
+    patterns = calls[-1][2]
+    wanted = ["model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json",
+              "tokenizer.json", "tokenizer_config.json", "generation_config.json", "1_Pooling/config.json",
+              "chat_template.jinja"]
+    assert all(any(fnmatch.fnmatch(name, p) for p in patterns) for name in wanted)
+    assert not any(fnmatch.fnmatch(name, p) for p in patterns for name in ("pytorch_model.bin", "model.pt"))
+    with pytest.raises(FileNotFoundError, match="downloading it failed: OSError: network is unreachable"):
+        resolve_model("Org/unreachable")
