@@ -167,7 +167,8 @@ def _check_options(options: dict) -> None:
         from offline_paged.benchmark.bench_report import matplotlib_available
 
         if not matplotlib_available():
-            raise click.UsageError("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+            raise click.UsageError("--plot needs matplotlib, which is not installed "
+                                   "(pip install 'offline-paged[plot]')")
     if options["dummy_preset"]:
         from offline_paged.models.dummy_weights import PRESETS
 

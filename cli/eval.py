@@ -4,7 +4,8 @@ lm-eval loads no model plugins by itself, so this command imports our backend (r
 type "offline-paged"), makes it the default `--model`, and hands every other flag to lm-eval's own
 `run` command unchanged: `--model_args pretrained=DIR dtype=float32`, `--include_path`, `--limit`,
 `--num_fewshot`, `--output_path`, `--log_samples`, ... Without `pretrained` the default model is used.
-Exit code 2 when it cannot start (lm-eval not installed).
+Exit code 2 when it cannot start (lm-eval not installed) or lm-eval stops with an error (a bad task name,
+model argument or model): one "error:" line, never a traceback.
 """
 from __future__ import annotations
 
@@ -32,4 +33,9 @@ def eval_command(lm_eval_args: tuple[str, ...]) -> None:
     elif not any(a in ("--model", "-M") or a.startswith("--model=") for a in args):
         args = ["--model", "offline-paged", *args]
     sys.argv = ["offline-paged eval", "run", *args]  # lm-eval's parser reads sys.argv
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bad task name, model argument or model: one line, exit 2
+        raise CouldNotStart(f"lm-eval stopped: {type(exc).__name__}: {exc}") from None

@@ -51,9 +51,12 @@ def parse_size(text: str) -> int:
 @click.argument("prompts", metavar="PROMPTS.jsonl", type=click.Path(allow_dash=True, dir_okay=False))
 @click.option("-o", "--output", default="-", show_default=True, metavar="OUT.jsonl",
               type=click.Path(allow_dash=True, dir_okay=False), help="Output JSONL ('-' = stdout).")
-@click.option("-m", "--model", default=None, help="HF model dir, .gguf file, or 'default' (SmolLM2-135M-Instruct).")
+@click.option("-m", "--model", default=None, help="HF model dir, hub id (ORG/NAME, from the HF cache or downloaded), "
+                                                  ".gguf file, or 'default' (SmolLM2-135M-Instruct).")
+@click.option("--served-model-name", default=None, help="The \"model\" of OpenAI responses (default: --model's value).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16", "float64"]), default="auto",
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16", "float64", "half", "float"]),
+              default="auto",
               show_default=True, help="auto: float32 on the CPU; on CUDA the checkpoint's torch_dtype "
                                       "(bfloat16 or float16; float32 checkpoints run in float16).")
 @click.option("--max-num-seqs", type=int, default=256, show_default=True)
@@ -153,7 +156,8 @@ def _run(engine, writer: JsonlWriter, resume: ResumeState, prompts: str,
     max_pending = max(options["max_pending"], 2 * getattr(engine, "capacity", 0))
     try:
         with _input_lines(prompts) as lines, stop.installed():
-            runner = JobRunner(engine, writer, defaults=defaults, model_name=options["model"] or "default",
+            model_name = options["served_model_name"] or options["model"] or "SmolLM2-135M-Instruct"
+            runner = JobRunner(engine, writer, defaults=defaults, model_name=model_name,
                                done_keys=resume.done_keys, num_failed_before=resume.num_errors,
                                max_pending=max_pending, progress=progress,
                                should_stop=stop.is_set)
@@ -231,7 +235,8 @@ def _build_engine(options: dict[str, Any]):
     memory = options["kv_cache_memory"]
     try:
         config = EngineConfig(
-            model=options["model"], device=options["device"], dtype=options["dtype"],
+            model=options["model"], device=options["device"],
+            dtype={"half": "float16", "float": "float32"}.get(options["dtype"], options["dtype"]),  # vLLM's spellings
             block_size=options["block_size"], num_kv_blocks=options["num_kv_blocks"],
             kv_cache_memory=parse_size(memory) if memory else None,
             max_num_seqs=options["max_num_seqs"], max_model_len=options["max_model_len"],

@@ -26,6 +26,8 @@ def write_hf_dir(out_dir: str | Path, config: LlamaConfig, weights: dict[str, np
     _write_json(out_dir / "config.json", config.to_dict())
     tensors = {name: np.ascontiguousarray(w) for name, w in sorted(weights.items())}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors creates its file 0600; give it the mode (umask applied) every other file here gets
+    (out_dir / "model.safetensors").chmod((out_dir / "config.json").stat().st_mode & 0o777)
     tokenizer.save(out_dir)
     generation = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": sorted(tokenizer.eos_token_ids)}
     _write_json(out_dir / "generation_config.json", {k: v for k, v in generation.items() if v is not None})

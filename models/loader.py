@@ -23,6 +23,7 @@ import numpy as np
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import LlamaConfig
+from .hub import resolve_model
 from .tokenizer import Tokenizer
 from .weight_upload import load_tensors, to_device
 from .weight_spec import check_checkpoint_names, expected_weight_shapes
@@ -40,16 +41,17 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str | Path | None = None, xp: Any = None, dtype=None,
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, revision: str | None = None) -> LoadedModel:
     """None or "default": SmolLM2-135M-Instruct (pulled and converted on first use);
-    a path ending in .gguf: imported from GGUF; otherwise an HF model directory.
+    a path ending in .gguf: imported from GGUF; a hub id ("ORG/NAME", at `revision`): its snapshot in
+    the Hugging Face cache, downloaded when absent (models/hub.py); otherwise an HF model directory.
     With `xp` (numpy or cupy) the weights are converted to `xp` arrays in `dtype` (default: the
     checkpoint's dtype) while loading; without it they are lazy host views (see the module docstring)."""
     if name_or_path is None or str(name_or_path) == "default":
         from .default_model import ensure_default_model
 
         return load_hf_dir(ensure_default_model(), xp, dtype, progress)
-    path = Path(name_or_path)
+    path = Path(resolve_model(name_or_path, revision))
     if path.suffix == ".gguf":
         from .gguf_import import import_gguf
 
@@ -60,17 +62,18 @@ def load_model(name_or_path: str | Path | None = None, xp: Any = None, dtype=Non
     if path.is_dir():
         return load_hf_dir(path, xp, dtype, progress)
     raise FileNotFoundError(f"{path}: no such model; expected an HF model directory (config.json + "
-                            "*.safetensors + tokenizer.json), a .gguf file, or 'default'")
+                            "*.safetensors + tokenizer.json), a .gguf file, a hub id (ORG/NAME), or 'default'")
 
 
-def load_tokenizer(name_or_path: str | Path | None = None) -> tuple[LlamaConfig, Tokenizer]:
+def load_tokenizer(name_or_path: str | Path | None = None,
+                   revision: str | None = None) -> tuple[LlamaConfig, Tokenizer]:
     """The config and tokenizer of what `load_model` would load, without reading any weights (a
     data-parallel coordinator renders chat templates and decodes while its workers hold the model)."""
     if name_or_path is None or str(name_or_path) == "default":
         from .default_model import ensure_default_model
 
         name_or_path = ensure_default_model()
-    path = Path(name_or_path)
+    path = Path(resolve_model(name_or_path, revision))
     if path.suffix == ".gguf":
         from .gguf_import import GgufMetadata, config_from_reader, open_gguf
         from .gguf_tokenizer import build_tokenizer

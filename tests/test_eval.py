@@ -52,3 +52,26 @@ def test_missing_lm_eval_is_error_colon_and_exit_2(monkeypatch):
     result = CliRunner().invoke(cli, ["eval", "--tasks", "x"])
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: lm-eval is not installed") and "offline-paged[eval]" in result.output
+
+
+def test_an_error_inside_lm_eval_is_one_error_line_and_exit_2(fake_lm_eval, monkeypatch):
+    def fails():
+        raise ValueError("Tasks not found: nosuchtask")
+
+    monkeypatch.setattr(sys.modules["lm_eval.__main__"], "cli_evaluate", fails)
+    result = CliRunner().invoke(cli, ["eval", "--tasks", "nosuchtask"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.startswith("error: lm-eval stopped: ValueError: Tasks not found: nosuchtask")
+
+
+def test_lm_evals_default_cuda_device_falls_back_to_auto_without_cuda(monkeypatch, capsys):
+    pytest.importorskip("lm_eval")
+    from offline_paged.entrypoints import lm_eval as backend
+    from offline_paged.worker import backend as worker_backend
+
+    monkeypatch.setattr(worker_backend, "cuda_available", lambda: False)
+    assert backend._device("cuda") == "auto" and backend._device("cuda:0") == "auto"
+    assert "no CUDA device" in capsys.readouterr().err
+    assert backend._device("cpu") == "cpu" and backend._device(None) == "auto"
+    monkeypatch.setattr(worker_backend, "cuda_available", lambda: True)
+    assert backend._device("cuda:1") == "cuda"

@@ -55,7 +55,8 @@ def test_openai_batch_records_validate_against_the_openai_types(tmp_path):
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps(x) + "\n" for x in lines))
     result = CliRunner().invoke(cli, ["generate", str(source), "-o", str(out), "-m", str(model), "--device", "cpu",
-                                      "--block-size", "4", "--num-kv-blocks", "64", "--no-progress"])
+                                      "--block-size", "4", "--num-kv-blocks", "64", "--no-progress",
+                                      "--served-model-name", "served", "--dtype", "float"])
     assert result.exit_code == 1, result.output  # the one bad line
     records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(records) == {x["custom_id"] for x in lines}
@@ -68,7 +69,7 @@ def test_openai_batch_records_validate_against_the_openai_types(tmp_path):
         assert response["status_code"] == 200 and record["error"] is None
         kind = ChatCompletion if custom_id.startswith("chat") else Completion
         body = kind.model_validate(_sdk_shape(response["body"]))
-        assert body.model == "m" and body.usage is not None
+        assert body.model == "served" and body.usage is not None  # the model that ran, never the body's "m"
     chat = ChatCompletion.model_validate(records["chat-lp"]["response"]["body"])
     for token in chat.choices[0].logprobs.content:
         assert len(token.top_logprobs) == 2 and token.bytes is not None

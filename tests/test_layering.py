@@ -23,6 +23,9 @@ LAYERS = ["offline_paged.cli", "offline_paged", "offline_paged.entrypoints", "of
           "offline_paged.worker", "offline_paged.core", "offline_paged.models", "offline_paged.ops"]
 RANK = {layer: len(LAYERS) - i for i, layer in enumerate(LAYERS)}
 RANK["offline_paged.entrypoints"] = RANK["offline_paged"]  # the package root re-exports the entry points
+# vLLM's module paths (offline_paged.sampling_params, .outputs, ...) re-export the public API
+VLLM_PATHS = ("sampling_params", "pooling_params", "inputs", "outputs", "lora", "distributed")
+RANK.update({f"offline_paged.{name}": RANK["offline_paged"] for name in VLLM_PATHS})
 # The pure-Python engine core, by rank: imports go to strictly lower ranks only.
 CORE_RANKS = {
     "allocator": 0, "config": 0, "sampling_params": 0, "sequence": 0, "outputs": 0,

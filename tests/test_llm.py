@@ -61,7 +61,7 @@ def test_detokenize_false_gives_ids_only(llm):
 
 @pytest.mark.parametrize(("kwargs", "named"), [
     (dict(quantization="awq"), "quantization"), (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
-    (dict(trust_remote_code=True), "trust_remote_code"), (dict(speculative_config={}), "speculative_config"),
+    (dict(runner="draft"), "runner"), (dict(speculative_config={}), "speculative_config"),
     (dict(tokenizer="/elsewhere"), "tokenizer"),
 ])
 def test_unsupported_llm_arguments_are_refused_by_name(model_dir, kwargs, named):
@@ -71,8 +71,32 @@ def test_unsupported_llm_arguments_are_refused_by_name(model_dir, kwargs, named)
 
 def test_harmless_vllm_arguments_are_accepted(model_dir):
     llm = LLM(str(model_dir), device="cpu", dtype="auto", enforce_eager=True, tensor_parallel_size=1,
-              trust_remote_code=False, seed=None, disable_log_stats=True, kv_cache_memory_bytes=1 << 22)
+              trust_remote_code=True, seed=None, disable_log_stats=True, kv_cache_memory_bytes=1 << 22,
+              swap_space=0.25, runner="generate")
     assert llm.llm_engine.config.cuda_graphs is False and llm.llm_engine.config.kv_cache_memory == 1 << 22
+    assert llm.llm_engine.config.swap_space == 1 << 28  # GiB, as in vLLM
+
+
+def test_chat_takes_openai_text_content_parts(llm):
+    plain = llm.chat([{"role": "user", "content": "ab cd"}], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "ab "}, {"type": "text", "text": "cd"}]}],
+                     SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
+    assert parts[0].prompt == plain[0].prompt and parts[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="image_url not supported"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_a_hub_id_and_revision_load_from_the_hf_cache(model_dir, tmp_path, monkeypatch):
+    from fixtures_hf_cache import add_to_hf_cache
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = add_to_hf_cache(tmp_path / "hub", "TinyOrg/tiny", model_dir, commit="c" * 40, revision="v1")
+    llm = LLM("TinyOrg/tiny", revision="v1", device="cpu", num_kv_blocks=64)
+    assert llm.llm_engine.config.model == str(snapshot) and llm.model_name == "TinyOrg/tiny"
+    assert llm.generate("ab", SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(FileNotFoundError, match="not in the Hugging Face cache"):
+        LLM("TinyOrg/tiny", device="cpu")  # no refs/main
 
 
 @pytest.mark.parametrize(("call", "named"), [

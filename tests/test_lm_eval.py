@@ -114,3 +114,22 @@ def test_eval_command_runs_a_local_task_on_our_backend(tiny_dir, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "offline-paged (" in result.stdout and "|offline_paged_mc|" in result.stdout
+
+
+def test_simple_evaluate_takes_an_instance_a_hub_id_and_trust_remote_code(tiny_dir, tmp_path, monkeypatch):
+    """What the README shows: an OfflinePagedLM instance (pretrained= a hub id in the HF cache, lm-eval's
+    trust_remote_code=True, lm-eval's default device=cuda on a CPU-only machine) scores like a path."""
+    from fixtures_hf_cache import add_to_hf_cache
+
+    from offline_paged.entrypoints.lm_eval import OfflinePagedLM
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    add_to_hf_cache(tmp_path / "hub", "TinyOrg/tiny-eval", tiny_dir)
+    model = OfflinePagedLM(pretrained="TinyOrg/tiny-eval", dtype="float32", device="cuda:0",
+                           trust_remote_code=True, max_model_len=MAX_LENGTH + 1)
+    manager = task_manager(tmp_path)
+    result = lm_eval.simple_evaluate(model=model, tasks=["offline_paged_mc"], task_manager=manager, log_samples=True)
+    by_path = evaluate("offline-paged", f"pretrained={tiny_dir},dtype=float32,device=cpu,"
+                       f"max_model_len={MAX_LENGTH + 1}", manager)
+    assert responses(result, "offline_paged_mc") == responses(by_path, "offline_paged_mc")

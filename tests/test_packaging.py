@@ -115,3 +115,11 @@ def test_the_kernel_loader_reads_the_installed_sources(installed: Path) -> None:
     size, where = result.stdout.splitlines()
     assert int(size) == len((REPO_ROOT / "cuda" / "attention.cu").read_text(encoding="utf-8"))
     assert Path(where).is_relative_to(installed), f"kernel sources read from {where}, not the install"
+
+
+def test_license_is_an_spdx_string_and_the_plot_extra_brings_matplotlib() -> None:
+    """setuptools deprecates the `project.license` table (removal announced for 2027-02); `bench --plot`
+    needs matplotlib, which only the `plot` extra installs."""
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    assert any(r.startswith("matplotlib") for r in PYPROJECT["project"]["optional-dependencies"]["plot"])
+    assert any(r.startswith("huggingface_hub") for r in PYPROJECT["project"]["dependencies"])

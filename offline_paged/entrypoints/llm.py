@@ -20,7 +20,11 @@ from offline_paged.entrypoints.generation_config import sampling_defaults
 from offline_paged.entrypoints.hf_tokenizer import HFTokenizer, render_chat
 from offline_paged.entrypoints.inputs import prompt_fields
 from offline_paged.entrypoints.llm_args import engine_kwargs
+from offline_paged.entrypoints.pooling_outputs import (EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
+                                                       PoolingParams, PoolingRequestOutput)
 from offline_paged.entrypoints.progress import RequestProgress
+from offline_paged.models.hub import resolve_model
+from offline_paged.models.pooling import PoolingConfig
 
 Prompt = str | list[int] | Mapping[str, Any]
 
@@ -43,16 +47,20 @@ class LLM:
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | None = "auto",
                  *, loaded_model=None, data_parallel_size: int = 1, tensor_parallel_size: int = 1,
                  **kwargs: Any) -> None:
-        config_kwargs, generation_config = engine_kwargs(model, dtype, kwargs)
-        config = EngineConfig(device=device, tensor_parallel_size=tensor_parallel_size, **config_kwargs)
+        args = engine_kwargs(model, dtype, kwargs)
+        if loaded_model is None and model is not None:  # a hub id -> its local snapshot (models/hub.py)
+            args.config["model"] = str(resolve_model(model, args.revision))
+        config = EngineConfig(device=device, tensor_parallel_size=tensor_parallel_size, **args.config)
         if tensor_parallel_size != 1 and data_parallel_size != 1:
             raise ValueError("tensor_parallel_size and data_parallel_size cannot be combined yet")
         if data_parallel_size == 1:
             self.engine = LLMEngine(config, loaded_model=loaded_model)
         else:
             self.engine = _coordinator(config, loaded_model, data_parallel_size)
-        source = getattr(loaded_model, "source", None) if loaded_model is not None else self._source(model)
-        self._default_sampling = sampling_defaults(source, generation_config)
+        source = getattr(loaded_model, "source", None) if loaded_model is not None else self._source(config.model)
+        self.model_name = args.served_model_name or model or "SmolLM2-135M-Instruct"
+        self._default_sampling = sampling_defaults(source, args.generation_config)
+        self._pooling = PoolingConfig.from_dir(source).with_overrides(args.pooler_config)
         self._tokenizer = HFTokenizer(self.engine.tokenizer)
         self._next_id = 0
 
@@ -128,11 +136,53 @@ class LLM:
         tokenizer = self.engine.tokenizer
         prompts = []
         for conversation in conversations:
-            text = render_chat(tokenizer, [dict(m) for m in conversation], add_generation_prompt,
+            text = render_chat(tokenizer, [_text_message(m) for m in conversation], add_generation_prompt,
                                chat_template, chat_template_kwargs or {})
             prompts.append({"prompt_token_ids": self._tokenizer.encode(text, add_special_tokens=False),
                             "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool | Callable = True, lora_request=None, truncate_prompt_tokens: int | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: one embedding per prompt (text, token ids or prompt dicts), pooled as the
+        model's sentence-transformers config says (else last token, normalised); `pooler_config=` at
+        construction or `PoolingParams(normalize=...)` here override it."""
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
+                                       out.prompt_token_ids)
+                for out in self.encode(prompts, pooling_params, use_tqdm, lora_request, "embed",
+                                       truncate_prompt_tokens)]
+
+    def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool | Callable = True, lora_request=None, pooling_task: str = "embed",
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode for pooling_task "embed": `outputs.data` is a float32 array [hidden_size]."""
+        _refuse(lora_request=lora_request)
+        if pooling_task != "embed":
+            raise ValueError(f"pooling_task={pooling_task!r} is not supported (only \"embed\")")
+        if not hasattr(self.engine, "embed"):
+            raise ValueError("embeddings are not supported with data_parallel_size > 1")
+        pooling = self._pooling
+        if pooling_params is not None and pooling_params.normalize is not None:
+            pooling = dataclasses.replace(pooling, normalize=pooling_params.normalize)
+        token_ids = [self._token_ids(p, truncate_prompt_tokens) for p in _as_prompt_list(prompts)]
+        vectors = self.engine.embed(token_ids, pooling)
+        first = self._next_id
+        self._next_id += len(token_ids)
+        return [PoolingRequestOutput(f"embd-{first + i}", PoolingOutput(vector), ids)
+                for i, (ids, vector) in enumerate(zip(token_ids, vectors))]
+
+    def _token_ids(self, prompt: Prompt, truncate: int | None) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.engine.tokenizer.encode(prompt)
+        elif isinstance(prompt, Mapping):
+            text, ids = prompt_fields(prompt)
+            ids = self.engine.tokenizer.encode(text) if ids is None else ids
+        else:
+            ids = list(prompt)
+        if truncate == -1:  # vLLM: as many as max_model_len allows
+            truncate = self.engine.max_model_len
+        return ids[-truncate:] if truncate else ids
 
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams, lora_request=None,
                     use_tqdm: bool | Callable = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
@@ -220,6 +270,19 @@ def _refuse(**arguments: Any) -> None:
     for name, value in arguments.items():
         if value is not None:
             raise ValueError(f"{name} is not supported")
+
+
+def _text_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat message whose OpenAI content parts ([{"type": "text", "text": ...}, ...]) are joined
+    into one string, as the JSONL path does; any other part type is refused by name."""
+    message = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):
+        kinds = sorted({str(p.get("type")) if isinstance(p, Mapping) else type(p).__name__ for p in content} - {"text"})
+        if kinds:
+            raise ValueError(f"content part type(s) {', '.join(kinds)} not supported (only text parts)")
+        message["content"] = "".join(str(p.get("text", "")) for p in content)
+    return message
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -3,9 +3,9 @@
     import offline_paged.entrypoints.lm_eval  # registers the model type
     lm_eval.simple_evaluate(model="offline-paged", model_args="pretrained=DIR,dtype=float32", tasks=[...])
 
-model_args follow lm-eval's vllm backend: pretrained (an HF directory, a .gguf file, or nothing for the
-default model), dtype, max_model_len (or max_length), device, seed, max_gen_toks, add_bos_token,
-prefix_token_id; batch_size / max_batch_size are accepted (every task runs as one generate call, the
+model_args follow lm-eval's vllm backend: pretrained (an HF directory, a hub id ORG/NAME from the HF cache,
+a .gguf file, or nothing for the default model), dtype, max_model_len (or max_length), device, seed,
+max_gen_toks, add_bos_token, prefix_token_id; batch_size / max_batch_size are accepted (every task runs as one generate call, the
 engine batches it); other engine arguments (num_kv_blocks, kv_cache_memory, block_size, ...) pass to LLM.
 
 Scoring: each (context, continuation) pair is one request with max_tokens=0, prompt_logprobs=1 and
@@ -15,6 +15,7 @@ lm-eval's hf backend (so the same model directory gives the same token ids).
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lm_eval.api.model import TemplateLM
@@ -169,7 +170,17 @@ def _generation_params(max_gen_toks: int, until: list[str], kwargs: dict[str, An
 
 
 def _device(device: str | None) -> str:
-    """lm-eval's device strings ("cuda:0", "cpu", None) -> ours ("cuda", "cpu", "auto")."""
+    """lm-eval's device strings ("cuda:0", "cpu", None) -> ours ("cuda", "cpu", "auto"). lm-eval hands
+    every backend "cuda" by default, so "cuda" on a machine without a usable CUDA device picks the way
+    the engine's "auto" does (the CPU) instead of failing, and says so on stderr."""
     if device is None:
         return "auto"
-    return str(device).split(":")[0]
+    name = str(device).split(":")[0]
+    if name == "cuda":
+        from offline_paged.worker.backend import cuda_available
+
+        if not cuda_available():
+            print("offline-paged: lm-eval asked for device=cuda but no CUDA device is usable; "
+                  "running on the CPU (device=auto)", file=sys.stderr)
+            return "auto"
+    return name

@@ -5,9 +5,13 @@ Formats are detected per line:
   a line without "id" gets "line-<N>" (N = 1-based line number).
 - scoring: {"id"?, "context", "continuation"}: the log-likelihood of the continuation given the
   context and whether greedy decoding would produce it (lm-evaluation-harness's loglikelihood).
-- OpenAI Batch API: {"custom_id", "method": "POST", "url", "body"} with url "/v1/completions"
-  or "/v1/chat/completions"; the custom_id is the request id.
-Blank lines are ignored. Sampling fields missing from a line come from the job's defaults.
+- OpenAI Batch API: {"custom_id", "method": "POST", "url", "body"} with url "/v1/completions",
+  "/v1/chat/completions" or "/v1/embeddings"; the custom_id is the request id.
+Blank lines are ignored. Sampling fields missing from a line come from the job's defaults; a native
+line without max_tokens gets SamplingParams' 16 (vLLM's default), while an OpenAI line without
+max_tokens / max_completion_tokens (and no job default) generates to the end of the context, as OpenAI
+and vLLM's OpenAI server do. OpenAI's logit_bias ({"token id": -100..100}) maps onto SamplingParams';
+response_format {"type": "text"} is the default and accepted.
 Lines are split on b"\n" only (a bare CR inside a line is part of that line), and a UTF-8 byte
 order mark before the first line is skipped (`read_lines`). Whatever a line holds, `parse_line`
 returns one JobRequest or one LineError: it never raises.
@@ -27,15 +31,19 @@ NATIVE = "native"
 SCORE = "score"
 COMPLETIONS = "completions"
 CHAT = "chat"
-URLS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
+EMBEDDINGS = "embeddings"
+URLS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT, "/v1/embeddings": EMBEDDINGS}
+# max_tokens of an OpenAI line that sets none: more than any context, so the context length ends it
+UNTIL_CONTEXT_END = 2**31 - 1
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _OPENAI_KEYS = ("custom_id", "method", "url", "body")
 # vLLM's extra body fields, accepted in OpenAI bodies under their SamplingParams names
 _VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                 "stop_token_ids", "skip_special_tokens", "use_beam_search", "prompt_logprobs")
 _COMMON_BODY = ("max_tokens", "temperature", "top_p", "n", "stop", "seed",
-                "presence_penalty", "frequency_penalty") + _VLLM_EXTRAS
-_IGNORED_BODY = ("model", "user", "metadata", "store", "stream_options", "parallel_tool_calls")
+                "presence_penalty", "frequency_penalty", "logit_bias") + _VLLM_EXTRAS
+_IGNORED_BODY = ("model", "user", "metadata", "store", "stream_options", "parallel_tool_calls",
+                 "response_format")  # refused by _reject_unsupported unless {"type": "text"}
 # OpenAI fields we know and cannot honour: refused as "not supported", never as "unknown"
 _UNSUPPORTED_BODY = ("tools", "tool_choice", "functions", "function_call", "response_format",
                      "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
@@ -64,6 +72,7 @@ class JobRequest:
     echo: bool = False  # OpenAI completions: the prompt (and its logprobs) lead the choice
     generate: bool = True  # False for OpenAI max_tokens 0: one token runs, none is returned
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables of a chat line
+    inputs: tuple[str | tuple[int, ...], ...] | None = None  # an embeddings line's texts / token-id lists
 
     @property
     def key(self) -> str:
@@ -320,14 +329,21 @@ def _parse_openai(line_number: int, obj: dict, defaults: Mapping[str, Any]) -> J
         raise ValueError("body must be a JSON object")
     if api == CHAT:
         return _chat_request(line_number, custom_id, body, defaults)
+    if api == EMBEDDINGS:
+        return _embeddings_request(line_number, custom_id, body)
     return _completion_request(line_number, custom_id, body, defaults)
+
+
+def _openai_params(defaults: Mapping[str, Any], fields: dict[str, Any]) -> SamplingParams:
+    """No max_tokens anywhere: generate to the end of the context (OpenAI's rule, not vLLM's 16)."""
+    return SamplingParams.from_dict({"max_tokens": UNTIL_CONTEXT_END, **defaults, **fields})
 
 
 def _completion_request(line_number: int, custom_id: str, body: dict,
                         defaults: Mapping[str, Any]) -> JobRequest:
     _reject_unsupported(body, suffix=None)
     _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY +
-                    ("prompt", "logprobs", "best_of", "echo", "stream", "suffix", "logit_bias"))
+                    ("prompt", "logprobs", "best_of", "echo", "stream", "suffix"))
     fields = _common_fields(body)
     if body.get("logprobs") is not None:
         fields["logprobs"] = body["logprobs"]
@@ -337,11 +353,14 @@ def _completion_request(line_number: int, custom_id: str, body: dict,
     generate = not _is_zero(fields.get("max_tokens"))
     if not generate:  # scoring the prompt only: one token runs, the output drops it
         fields["max_tokens"] = 1
-    params = SamplingParams.from_dict({**defaults, **fields})
+    params = _openai_params(defaults, fields)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and (
             isinstance(prompt[0], str) or isinstance(prompt[0], list)):
         prompt = prompt[0]  # one prompt in a batch of one (text, or token ids as lm-eval sends)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise ValueError(f"prompt holds {len(prompt)} prompts; a batch line takes one prompt (a string or "
+                         "one token-id list): put each prompt on its own line with its own custom_id")
     kind = {"prompt_token_ids": _check_token_ids(prompt)} if isinstance(prompt, list) else \
         {"prompt": _check_prompt(prompt)}
     return JobRequest(line_number, custom_id, COMPLETIONS, params, **kind,
@@ -374,7 +393,7 @@ def _chat_request(line_number: int, custom_id: str, body: dict,
                   defaults: Mapping[str, Any]) -> JobRequest:
     _reject_unsupported(body)
     _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + ("messages", "max_completion_tokens",
-                    "logprobs", "top_logprobs", "stream", "logit_bias", "chat_template_kwargs"))
+                    "logprobs", "top_logprobs", "stream", "chat_template_kwargs"))
     fields = _common_fields(body)
     if body.get("max_completion_tokens") is not None:
         fields["max_tokens"] = body["max_completion_tokens"]
@@ -382,7 +401,7 @@ def _chat_request(line_number: int, custom_id: str, body: dict,
         raise ValueError(f"logprobs must be true or false for chat, got {body['logprobs']!r:.60}")
     if body.get("logprobs"):
         fields["logprobs"] = body.get("top_logprobs") or 0
-    params = SamplingParams.from_dict({**defaults, **fields})
+    params = _openai_params(defaults, fields)
     return JobRequest(line_number, custom_id, CHAT, params,
                       messages=_check_messages(body.get("messages")), model=_model(body),
                       chat_template_kwargs=_template_kwargs(body))
@@ -390,7 +409,31 @@ def _chat_request(line_number: int, custom_id: str, body: dict,
 
 def _common_fields(body: dict) -> dict[str, Any]:
     # OpenAI sends null for "not set"; null then means "job default"
-    return {k: body[k] for k in _COMMON_BODY if body.get(k) is not None}
+    fields = {k: body[k] for k in _COMMON_BODY if body.get(k) is not None}
+    bias = fields.get("logit_bias")
+    if isinstance(bias, dict) and any(isinstance(v, (int, float)) and not -100 <= v <= 100 for v in bias.values()):
+        raise ValueError("logit_bias values must be between -100 and 100 (OpenAI's range)")
+    if bias == {}:
+        del fields["logit_bias"]
+    return fields
+
+
+def _embeddings_request(line_number: int, custom_id: str, body: dict) -> JobRequest:
+    """OpenAI's embeddings body: input is a string, a list of strings, a token-id list, or a list of
+    them; encoding_format "float" only; dimensions is not supported."""
+    _reject_unknown(body, ("input", "model", "user", "encoding_format", "dimensions"))
+    if body.get("encoding_format", "float") not in ("float", None):
+        raise ValueError(f"encoding_format {body['encoding_format']!r:.40} is not supported (only \"float\")")
+    if body.get("dimensions") is not None:
+        raise ValueError("dimensions is not supported (embeddings keep the model's hidden size)")
+    value = body.get("input")
+    if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(t, int) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("input must be a non-empty string, a list of strings, or token-id lists")
+    inputs = tuple(_check_prompt(v) if isinstance(v, str) else tuple(_check_token_ids(v)) for v in value)
+    return JobRequest(line_number, custom_id, EMBEDDINGS, SamplingParams(max_tokens=1), inputs=inputs,
+                      model=_model(body))
 
 
 def _reject_unknown(body: dict, known: tuple[str, ...]) -> None:
@@ -401,12 +444,10 @@ def _reject_unknown(body: dict, known: tuple[str, ...]) -> None:
 
 def _reject_unsupported(body: dict, **harmless: Any) -> None:
     for name in _UNSUPPORTED_BODY:
-        if body.get(name) is not None:
+        if body.get(name) is not None and not (name == "response_format" and body[name] == {"type": "text"}):
             raise ValueError(f"{name} is not supported")
     if body.get("stream"):
         raise ValueError("stream is not supported in a batch job")
-    if body.get("logit_bias"):
-        raise ValueError("logit_bias is not supported")
     for name, value in harmless.items():
         if body.get(name, value) != value:
             raise ValueError(f"{name} is not supported")

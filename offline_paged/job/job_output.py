@@ -10,8 +10,11 @@ Native error: {"id", "line", "error": {"type", "message"}}.
 OpenAI lines get {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}
 where body is a completion / chat.completion object, or {"error": {...}} with a 4xx status (the
 shape of OpenAI's output file; vLLM's run-batch instead writes its message to the top-level "error"
-with no body). Ids carry a per-run token, so two runs never share a response id; "model" echoes the
-body's own. Completions with echo lead with the prompt (its first token has no log-probability);
+with no body). Ids carry a per-run token, so two runs never share a response id; "model" is the model
+that ran (the job's served model name), never the body's; usage carries prompt_tokens_details.cached_tokens
+(prompt tokens served by the prefix cache). An embeddings line gets OpenAI's {"object": "list", "data":
+[{"object": "embedding", "index", "embedding"}], "model", "usage"} body. Completions with echo lead with
+the prompt (its first token has no log-probability);
 chat top_logprobs hold exactly the top_logprobs asked for.
 Log-probabilities are the raw model's (see sampling_params); -inf is written as -9999.0.
 """
@@ -146,9 +149,23 @@ def openai_record(request: JobRequest, output: RequestOutput, model_name: str,
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{_suffix(request.line_number, run_id)}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": request.model or model_name,
+        "model": model_name,
         "choices": choices,
-        "usage": {k: counts[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        "usage": {**{k: counts[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                  "prompt_tokens_details": {"cached_tokens": counts["cached_prompt_tokens"]}},
+    }
+    return _openai_envelope(request.line_number, request.request_id, 200, body, run_id)
+
+
+def embedding_record(request: JobRequest, vectors: list, num_prompt_tokens: int, model_name: str,
+                     run_id: str = "") -> dict[str, Any]:
+    """The output line of an /v1/embeddings request: one float list per input, in input order."""
+    body = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": [float(x) for x in vector]}
+                 for i, vector in enumerate(vectors)],
+        "model": model_name,
+        "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
     }
     return _openai_envelope(request.line_number, request.request_id, 200, body, run_id)
 

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 from offline_paged.core.outputs import RequestError, RequestOutput
 from offline_paged.job.job_file import JsonlWriter
-from offline_paged.job.job_input import NATIVE, SCORE, JobRequest, LineError, parse_line, score_tokens
-from offline_paged.job.job_output import TokenStrings, error_record, success_record
+from offline_paged.job.job_input import EMBEDDINGS, NATIVE, SCORE, JobRequest, LineError, parse_line, score_tokens
+from offline_paged.job.job_output import TokenStrings, embedding_record, error_record, success_record
 
 EXIT_OK = 0
 EXIT_SOME_FAILED = 1
@@ -142,6 +142,9 @@ class JobRunner:
             self._submit(parsed)
 
     def _submit(self, request: JobRequest) -> None:
+        if request.api == EMBEDDINGS:
+            self._embed(request)
+            return
         try:
             prompt, token_ids = request.prompt, request.prompt_token_ids
             if request.messages is not None:
@@ -158,6 +161,22 @@ class JobRunner:
             self._reject(request, reason)
             return
         self._pending[request.request_id] = request
+
+    def _embed(self, request: JobRequest) -> None:
+        """An embeddings line runs at once (one forward, no decoding) and is written right away."""
+        if not hasattr(self.engine, "embed"):
+            self._reject(request, "embeddings are not supported by this engine (data-parallel workers)")
+            return
+        try:
+            token_ids = [self.engine.tokenizer.encode(v) if isinstance(v, str) else list(v) for v in request.inputs]
+            vectors = self.engine.embed(token_ids)
+        except Exception as exc:  # noqa: BLE001 - whatever one line does, the others still run
+            self._reject(request, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
+            return
+        num_tokens = sum(map(len, token_ids))
+        self.writer.write(embedding_record(request, vectors, num_tokens, self.model_name, self.run_id))
+        self.summary.num_succeeded += 1
+        self.summary.num_prompt_tokens += num_tokens
 
     def _reject(self, request: JobRequest, reason: str) -> None:
         self._fail(LineError(request.line_number, request.request_id, "rejected",
