@@ -49,9 +49,11 @@ def test_float64_logits_equal_transformers_float64(smol):
 
 
 def test_float32_logits_match_transformers(smol):
-    """fp32 vs fp32. Logits here reach |40|; transformers' own fp32 result is ~1e-4 away from the fp64
-    truth (measured), so the fair bound is: ours within 1e-4 of the fp64 truth, and within 2.5e-4 of
-    transformers' fp32 (both errors added)."""
+    """fp32 vs fp32. Logits here reach |40|, so fp32 rounding alone moves them by a few 1e-6 of that; the
+    bound is relative to the largest logit: ours within 5e-6 x max |logit| (2e-4 at |40|) of the fp64 truth,
+    and within 1e-5 x max |logit| of transformers' fp32, whose own error is of the same size (both errors
+    added). An absolute 1e-4 held with one BLAS build and not with another (1.07e-4 on 8 of 1.8M logits
+    with OpenBLAS 0.3.31): the bound must hold for any correct fp32 summation order."""
     loaded, hf, prompts = smol
     ours32 = Llama(loaded.config, loaded.weights, NumpyOps())
     ours64 = Llama(loaded.config, loaded.weights, NumpyOps(), dtype=np.float64)
@@ -59,8 +61,9 @@ def test_float32_logits_match_transformers(smol):
     got = SimpleRunner(ours32, 200, 5, seed=1).step(batch, all_logits=True)
     truth = SimpleRunner(ours64, 200, 16).step(batch, all_logits=True)
     for (_, ids), logits, exact in zip(batch, got, truth):
-        np.testing.assert_allclose(logits, exact, atol=1e-4, rtol=0)
-        np.testing.assert_allclose(logits, _hf_logits(hf, ids), atol=2.5e-4, rtol=0)
+        scale = float(np.abs(exact).max())
+        np.testing.assert_allclose(logits, exact, atol=5e-6 * scale, rtol=0)
+        np.testing.assert_allclose(logits, _hf_logits(hf, ids), atol=1e-5 * scale, rtol=0)
 
 
 def _hf_greedy(hf, ids, steps):
