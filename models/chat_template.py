@@ -39,7 +39,7 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 class ChatTemplate:
     """A compiled chat template. `render(messages, add_generation_prompt, **variables) -> str`.
 
-    Each render may take at most `max_seconds` and produce at most BASE_MAX_CHARS +
+    Each render may use at most `max_seconds` of CPU time and produce at most BASE_MAX_CHARS +
     MAX_CHARS_PER_INPUT_CHAR x (size of its input) characters (in its output and in any value built
     on the way)."""
 

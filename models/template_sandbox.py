@@ -8,7 +8,8 @@ render in:
   (strings and containers deeply, integers in bits) against the render's limit, and the operations
   that could blow up inside one C call (repetition, powers, padding widths, replace, join, indent,
   wordwrap, sums of sequences, huge format widths) are measured *before* they run;
-- time: a trace function raises once the render's deadline has passed, inside any Python loop;
+- time: a trace function raises once the render has used its CPU time (the rendering thread's, so a
+  loaded machine does not shorten it), inside any Python loop;
 - depth: calls (macros included) nest at most MAX_CALL_DEPTH deep, so a recursive macro ends in a
   clear error, not wherever Python's recursion limit happens to strike;
 - scope: `{% include %}`, `{% import %}` and `{% extends %}` are refused (there is nothing to load).
@@ -57,7 +58,7 @@ class RenderTimeout(BaseException):
 @dataclass(slots=True)
 class RenderBudget:
     max_chars: int  # the most characters/items any value built on the way, or the output, may hold
-    deadline: float  # time.monotonic() after which the render is stopped
+    deadline: float  # time.thread_time() (this thread's CPU seconds) after which the render is stopped
     max_seconds: float
     timed_out: bool = False
     call_depth: int = 0  # calls (macros included) in progress, nested
@@ -130,7 +131,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     @contextmanager
     def bounded(self, max_chars: int, max_seconds: float):
         """Apply the limits to everything rendered inside the block (this thread only)."""
-        self._local.budget = RenderBudget(max_chars, time.monotonic() + max_seconds, max_seconds)
+        self._local.budget = RenderBudget(max_chars, time.thread_time() + max_seconds, max_seconds)
         previous_trace = sys.gettrace()
         sys.settrace(self._tracer)
         try:
@@ -149,9 +150,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def _check_time(self) -> None:
         budget = self._local.budget
-        if budget is not None and not budget.timed_out and time.monotonic() > budget.deadline:
+        if budget is not None and not budget.timed_out and time.thread_time() > budget.deadline:
             budget.timed_out = True
-            raise RenderTimeout(f"rendering took longer than {budget.max_seconds:g} s")
+            raise RenderTimeout(f"rendering took longer than {budget.max_seconds:g} s of CPU time")
 
     def _limit(self) -> int:
         budget = self._local.budget

@@ -53,9 +53,9 @@ def test_hostile_chat_template_costs_only_its_lines(model_dir, tmp_path):
     lines = [{"id": "plain", "prompt": "The sky is"},
              {"id": "chat", "messages": [{"role": "user", "content": "Hi"}]}]
     lines += [{"id": c, "messages": [{"role": "user", "content": c}]} for c in ("loops", "repeat", "include", "recurse")]
-    started = time.monotonic()
+    started = time.process_time()  # CPU seconds (the job runs in this process): load does not inflate them
     result, records = _run(model, tmp_path, lines)
-    assert time.monotonic() - started < 30
+    assert time.process_time() - started < 30
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output
     assert set(records) == {line["id"] for line in lines}
