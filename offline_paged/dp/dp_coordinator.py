@@ -304,7 +304,7 @@ class DataParallelCoordinator:
             if self._attempts[request.request_id] >= self.max_attempts:
                 self._done.append(RequestError(request.request_id, (
                     f"{self.max_attempts} data-parallel workers died while running this request; "
-                    "it was not retried again")))
+                    "it was not retried again"), unfinished=True))
             else:
                 self._backlog.appendleft(request)
         self.log(f"data parallel: worker {worker.index} (pid {worker.process.pid}) died ({reason}, "
