@@ -78,6 +78,10 @@ def parse_size(text: str) -> int:
 @click.option("--data-parallel-size", type=int, default=1, show_default=True,
               help="Engine processes, one per GPU (on the CPU: processes too); this process deals "
                    "requests out and alone writes OUT.")
+@click.option("--dp-stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              show_default=True, metavar="SECONDS",
+              help="A data-parallel worker that holds requests and reports nothing for this long "
+                   "(stopped, hung) is killed and its requests re-dealt.")
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True,
               help="Shard the model over N GPUs (one process each, NCCL; on the CPU: processes over "
                    "pipes); N must divide the attention heads, KV heads and intermediate size.")
@@ -299,7 +303,7 @@ def _build_engine(options: dict[str, Any]):
         raise click.UsageError("--tensor-parallel-size and --data-parallel-size cannot be combined yet")
     template = _read_chat_template(options["chat_template"])
     if options["data_parallel_size"] != 1:
-        engine = _build_coordinator(config, options["data_parallel_size"])
+        engine = _build_coordinator(config, options["data_parallel_size"], options["dp_stall_timeout"])
     else:
         try:
             engine = LLMEngine(config)
@@ -329,7 +333,7 @@ def _read_chat_template(path: str | None):
         raise click.BadParameter(f"{path}: {exc}", param_hint="--chat-template") from None
 
 
-def _build_coordinator(config, data_parallel_size: int):
+def _build_coordinator(config, data_parallel_size: int, stall_timeout_s: float):
     from offline_paged.dp.dp_coordinator import DataParallelCoordinator, worker_devices
     from offline_paged.dp.dp_worker import WorkerSpec
 
@@ -338,7 +342,7 @@ def _build_coordinator(config, data_parallel_size: int):
     except ValueError as exc:
         raise click.UsageError(f"--data-parallel-size: {exc}") from None
     try:
-        return DataParallelCoordinator(WorkerSpec(config), data_parallel_size)
+        return DataParallelCoordinator(WorkerSpec(config), data_parallel_size, stall_timeout_s=stall_timeout_s)
     except (ValueError, OSError, RuntimeError) as exc:
         _fatal(f"cannot start the engine: {exc}")
 

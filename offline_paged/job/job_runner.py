@@ -186,6 +186,7 @@ class JobRunner:
 
     def _submit(self, request: JobRequest) -> None:
         try:
+            request.params.check_output_cost(getattr(self.engine, "max_model_len", None))
             prompt, token_ids = request.prompt, request.prompt_token_ids
             if request.messages is not None:
                 prompt, token_ids = _render_chat(self.engine.tokenizer, request.messages,
