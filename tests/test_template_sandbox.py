@@ -160,3 +160,18 @@ def test_macros_may_nest_to_the_call_depth_limit_and_no_further():
     assert ChatTemplate(source.replace("N", "60"), origin="deep.jinja").render(USER) == "60"
     with pytest.raises(ChatTemplateError, match=rf"deep\.jinja: rendering stopped: calls nested deeper than {MAX_CALL_DEPTH}"):
         ChatTemplate(source.replace("N", str(MAX_CALL_DEPTH + 1)), origin="deep.jinja").render(USER)
+
+
+def test_a_huge_template_source_is_refused_before_it_compiles():
+    """A 10 MB template compiled for 71 s on every load (in every data-parallel worker)."""
+    import time
+
+    from offline_paged.models.chat_template import MAX_TEMPLATE_CHARS
+
+    source = "{{ 'x' }}" * (MAX_TEMPLATE_CHARS // 9 + 1)
+    started = time.thread_time()
+    with pytest.raises(ChatTemplateError, match=rf"big\.jinja: the chat template has [\d,]+ characters, over the "
+                                                rf"limit of {MAX_TEMPLATE_CHARS:,}"):
+        ChatTemplate(source, origin="big.jinja")
+    assert time.thread_time() - started < 0.5  # CPU seconds: refused before jinja parses anything
+    ChatTemplate(CHATML + " " * (MAX_TEMPLATE_CHARS - len(CHATML)))  # at the limit: fine
