@@ -379,14 +379,13 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the te
 
 @contextmanager
 def _sigterm_interrupts():
-    """SIGTERM and SIGHUP act like Ctrl-C (KeyboardInterrupt; the cli group turns it into exit 130),
-    from the start to the end of the command: loading, the job (see _StopFlag), closing, the report."""
-    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    """SIGTERM and SIGHUP act like Ctrl-C (KeyboardInterrupt; the cli group turns it into exit 130)
+    from the start of the command until the process exits: loading, the job (see _StopFlag), closing
+    the workers, the report and the interpreter's own shutdown. The handlers are never put back, so a
+    signal that lands after the command returned still exits 130, not 143."""
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _raise_interrupt)
+    yield
 
 
 class _StopFlag:
