@@ -24,8 +24,7 @@ from typing import Any, Protocol
 
 from offline_paged.core.outputs import RequestError, RequestOutput
 from offline_paged.job.job_file import JsonlWriter
-from offline_paged.job.job_input import (NATIVE, SCORE, JobRequest, LineError, OversizedLine, parse_line,
-                                         score_tokens)
+from offline_paged.job.job_input import NATIVE, SCORE, JobRequest, LineError, parse_line, score_tokens
 from offline_paged.job.job_output import TokenStrings, error_record, success_record
 
 EXIT_OK = 0
@@ -146,7 +145,7 @@ class JobRunner:
             if item is None:
                 return True
             line_number, text = item
-            if isinstance(text, OversizedLine):
+            if not isinstance(text, str):  # an OversizedLine, or a Ray row that is no line: its error
                 self._take(text.error(line_number))
             elif not is_blank(text):
                 self._hashes[line_number] = request_hash(text, self.defaults)
