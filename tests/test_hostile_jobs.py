@@ -32,7 +32,7 @@ MAX_CPU_S = 180  # the CLI's own CPU seconds, generous: the point is "no runaway
 HANG_GUARD_S = 900  # wall clock, only so that a hang ends the test; never asserted against
 MAX_RSS_BYTES = 3 * 2**30  # generous: the point is "no blow-up" (n = 10**12 once grew past 5 GB)
 SUCCEED = {"good-after-bom", "good-1", "good-2", "good-last", "cr-between-tokens", "crlf-ending",
-           "max-tokens-1e30", "top-k-1e30", "score-ok", "echo-ok"}
+           "max-tokens-1e30", "top-k-1e30", "score-ok", "echo-ok", "temperature-5e-324"}
 
 
 def _corpus_script():
@@ -61,7 +61,8 @@ def model_dir(tmp_path_factory) -> Path:
 def _run(model_dir: Path, out: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-c", CLI_MAIN, "generate", str(CORPUS), "-o", str(out),
                "--model", str(model_dir), "--device", "cpu", "--block-size", "4",
-               "--num-kv-blocks", "128", "--max-num-seqs", "8", "--no-progress"]
+               "--num-kv-blocks", "128", "--max-num-seqs", "8", "--no-progress",
+               "--max-line-bytes", str(_corpus_script().MAX_LINE_BYTES)]
     return subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
 
