@@ -242,8 +242,13 @@ def _identity(path: str | None, std_fd: int | None) -> tuple[int, int] | None:
 
 
 def _model_identities(model: str | None):
-    """The model's files (a .gguf file, or the files at the top of an HF directory)."""
-    if not model or not os.path.exists(model):
+    """The model's files (a .gguf file, or the files at the top of an HF directory; the default
+    model's directory in the cache when no model is named)."""
+    if model in (None, "default"):
+        from offline_paged.models.default_model import default_model_dir
+
+        model = str(default_model_dir())
+    if not os.path.exists(model):
         return
     paths = [model] if not os.path.isdir(model) else \
         [e.path for e in os.scandir(model) if e.is_file()][:10_000]

@@ -153,3 +153,16 @@ def test_a_sigterm_during_shutdown_still_exits_130(model_dir, tmp_path):
     proc = _popen(model_dir, _job(tmp_path / "in.jsonl"), tmp_path / "out.jsonl", preamble)
     stderr = proc.communicate(timeout=300)[1]
     assert proc.returncode == 130, (proc.returncode, stderr)
+
+
+def test_an_output_inside_the_default_models_cache_dir_is_refused(tmp_path, monkeypatch):
+    from offline_paged.models.default_model import default_model_dir
+
+    monkeypatch.setenv("OFFLINE_PAGED_CACHE", str(tmp_path / "cache"))
+    weights = default_model_dir() / "model.safetensors"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"weights")
+    result = CliRunner().invoke(cli, ["generate", str(_job(tmp_path / "in.jsonl")), "-o", str(weights),
+                                      "--no-resume", "--device", "cpu"])
+    assert result.exit_code == 2 and "model.safetensors are the same file" in result.output, result.output
+    assert weights.read_bytes() == b"weights"
