@@ -145,14 +145,13 @@ def generate(prompts: str, output: str, **options: Any) -> None:
                 writer.start_over()
             summary = _run(engine, writer, resume, prompts, defaults, options)
         except KeyboardInterrupt:
-            click.echo("\naborted: finished records are on disk; run the same command to resume",
-                       err=True)
+            click.echo(f"\naborted: {_resume_hint(output)}", err=True)
             raise
         finally:
             writer.close()
             if hasattr(engine, "close"):  # data parallel: stop the worker processes
                 engine.close()
-        _report(summary, stats_file)
+        _report(summary, stats_file, output)
     sys.exit(summary.exit_code)
 
 
@@ -444,7 +443,13 @@ def _progress(wanted: bool | None, total: int | None) -> _TqdmProgress | None:
     return _TqdmProgress(total)
 
 
-def _report(summary: JobSummary, stats_file: IO[str] | None) -> None:
+def _resume_hint(output: str) -> str:
+    if output == "-":  # nothing on disk: a rerun starts over
+        return "the records finished so far went to stdout; there is no file to resume from"
+    return "finished records are on disk; run the same command to resume"
+
+
+def _report(summary: JobSummary, stats_file: IO[str] | None, output: str) -> None:
     d = summary.to_dict()
     e = d["engine"]
     lines = [
@@ -464,7 +469,7 @@ def _report(summary: JobSummary, stats_file: IO[str] | None) -> None:
         lines.append(f"{summary.num_unfinished} request(s) were on data-parallel workers that died and are "
                      "not written: run the same command again to run them")
     if summary.interrupted:
-        lines.append("interrupted: finished records are on disk; run the same command to resume")
+        lines.append(f"interrupted: {_resume_hint(output)}")
     click.echo("\n".join(lines), err=True)
     if stats_file is not None:
         _write_stats(stats_file, d)

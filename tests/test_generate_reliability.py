@@ -166,3 +166,15 @@ def test_an_output_inside_the_default_models_cache_dir_is_refused(tmp_path, monk
                                       "--no-resume", "--device", "cpu"])
     assert result.exit_code == 2 and "model.safetensors are the same file" in result.output, result.output
     assert weights.read_bytes() == b"weights"
+
+
+def test_an_interrupted_job_writing_to_stdout_does_not_promise_a_resume(model_dir, tmp_path, monkeypatch):
+    from offline_paged.job.job_runner import JobRunner
+
+    def second_ctrl_c(self, lines):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(JobRunner, "run", second_ctrl_c)
+    result = _generate(model_dir, _job(tmp_path / "in.jsonl"), "-o", "-")
+    assert result.exit_code == 130
+    assert "no file to resume from" in result.output and "run the same command" not in result.output
