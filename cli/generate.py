@@ -157,13 +157,13 @@ def generate(prompts: str, output: str, **options: Any) -> None:
 
 def _run(engine, writer: JsonlWriter, resume: ResumeState, prompts: str,
          defaults: dict[str, Any], options: dict[str, Any]) -> JobSummary:
-    progress = _progress(options["progress"], _count_lines(prompts))
+    progress = _progress(options["progress"], prompts)
     stop = _StopFlag()
     # data parallel: read ahead enough to keep every worker full while results come back
     max_pending = max(options["max_pending"], 2 * getattr(engine, "capacity", 0))
     max_line_bytes = options["max_line_bytes"] or default_max_line_bytes(engine.max_model_len)
     try:
-        with _input_lines(prompts, max_line_bytes) as lines, stop.installed():
+        with _input_lines(prompts, max_line_bytes, stop.is_set) as lines, stop.installed():
             runner = JobRunner(engine, writer, defaults=defaults, model_name=options["model"] or "default",
                                done_keys=resume.done_keys, done_hashes=resume.hashes,
                                done_error_keys=resume.error_keys,
@@ -352,26 +352,34 @@ def _build_coordinator(config, data_parallel_size: int, stall_timeout_s: float):
 
 
 @contextmanager
-def _input_lines(prompts: str, max_line_bytes: int):
+def _input_lines(prompts: str, max_line_bytes: int, should_stop):
     """The input's lines, read as bytes and split on b"\\n" only, each at most `max_line_bytes`
     (see job_input.read_lines)."""
     if prompts == "-":
-        yield read_lines(sys.stdin.buffer, max_line_bytes)
+        yield read_lines(sys.stdin.buffer, max_line_bytes, should_stop)
         return
     try:
         f = open(prompts, "rb")
     except OSError as exc:
         _fatal(f"{prompts}: cannot read ({exc.strerror})")
     with f:
-        yield read_lines(f, max_line_bytes)
+        yield read_lines(f, max_line_bytes, should_stop)
 
 
-def _count_lines(prompts: str) -> int | None:
-    """For the progress bar; a pipe (stdin, <(...)) is not read twice."""
+def count_lines(prompts: str) -> int | None:
+    """Non-blank lines, for the progress bar; a pipe (stdin, <(...)) is not read twice. Read in
+    1 MiB chunks, so one huge line is never held whole."""
     if prompts == "-" or not os.path.isfile(prompts):
         return None
+    count, content = 0, False  # content: the line in progress holds more than blanks
     with open(prompts, "rb") as f:
-        return sum(1 for line in f if line.strip(b" \t\r\n"))
+        while chunk := f.read(2**20):
+            *ended, rest = chunk.split(b"\n")
+            for part in ended:
+                count += content or bool(part.strip(b" \t\r"))
+                content = False
+            content = content or bool(rest.strip(b" \t\r"))
+    return count + content
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -437,10 +445,10 @@ class _TqdmProgress:
         self._bar.close()
 
 
-def _progress(wanted: bool | None, total: int | None) -> _TqdmProgress | None:
+def _progress(wanted: bool | None, prompts: str) -> _TqdmProgress | None:
     if wanted is False or (wanted is None and not sys.stderr.isatty()):
         return None
-    return _TqdmProgress(total)
+    return _TqdmProgress(count_lines(prompts))
 
 
 def _resume_hint(output: str) -> str:

@@ -178,3 +178,15 @@ def test_an_interrupted_job_writing_to_stdout_does_not_promise_a_resume(model_di
     result = _generate(model_dir, _job(tmp_path / "in.jsonl"), "-o", "-")
     assert result.exit_code == 130
     assert "no file to resume from" in result.output and "run the same command" not in result.output
+
+
+def test_the_progress_bar_counts_lines_in_chunks_as_the_naive_count_would(tmp_path):
+    from offline_paged.cli.generate import count_lines
+
+    path = tmp_path / "in.jsonl"
+    cases = [b"", b"\n", b"a\n\n \t\r\nb", b"x" * (3 * 2**20) + b"\n  \n" + b" " * 2**20 + b"y\n",
+             b"\r\n" * 5 + b" " * (2**20 - 1) + b"\nz"]
+    for data in cases:
+        path.write_bytes(data)
+        naive = sum(1 for line in data.split(b"\n") if line.strip(b" \t\r\n"))
+        assert count_lines(str(path)) == naive, data[:40]

@@ -216,3 +216,35 @@ def test_output_amplification_is_refused_and_max_tokens_counts_up_to_max_model_l
     assert "over the cap" in by_id["amp"]["error"]["message"]
     assert by_id["long"]["error"] is None  # 10**30 tokens asked, at most 1000 can come
     assert is_error(by_id["amp"]) and record_key(by_id["amp"]) == "amp"
+
+
+def test_skipping_an_endless_line_ends_when_the_job_is_asked_to_stop():
+    class Zeros(io.RawIOBase):
+        def __init__(self):
+            self.num_reads = 0
+
+        def readable(self):
+            return True
+
+        def readinto(self, buffer):
+            self.num_reads += 1
+            buffer[:] = bytes(len(buffer))
+            return len(buffer)
+
+    raw = Zeros()
+    lines = read_lines(io.BufferedReader(raw), max_line_bytes=4096, should_stop=lambda: raw.num_reads > 50)
+    assert next(lines) == OversizedLine(4096)
+    assert next(lines, "ended") == "ended"  # it used to read /dev/zero for ever after Ctrl-C
+
+
+def test_input_that_ends_because_the_job_was_stopped_counts_as_interrupted():
+    from offline_paged.job.job_runner import EXIT_INTERRUPTED
+
+    stopped = []
+
+    def lines():
+        yield json.dumps({"prompt": "ab"})
+        stopped.append(True)  # Ctrl-C while the reader skipped an endless line: it ends early
+
+    summary = JobRunner(FakeEngine(), JsonlWriter(io.BytesIO()), should_stop=lambda: bool(stopped)).run(lines())
+    assert summary.exit_code == EXIT_INTERRUPTED

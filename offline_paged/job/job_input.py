@@ -14,7 +14,7 @@ returns one JobRequest or one LineError: it never raises.
 """
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,13 +124,15 @@ def default_max_line_bytes(max_model_len: int) -> int:
     return max(2**20, 64 * max_model_len + 2**16)
 
 
-def read_lines(stream, max_line_bytes: int | None = None) -> Iterator[str | OversizedLine]:
+def read_lines(stream, max_line_bytes: int | None = None,
+               should_stop: Callable[[], bool] = lambda: False) -> Iterator[str | OversizedLine]:
     """The lines of a binary stream, split on b"\n" only, as text.
 
     Bytes that are not UTF-8 are kept as lone surrogates (surrogateescape), which parse_line
     reports as an error for that line alone; a BOM before the first line is dropped. A line over
     `max_line_bytes` (newline excluded) is yielded as an OversizedLine and its bytes are read and
-    dropped in bounded chunks, so the reader never holds more than one bounded line.
+    dropped in bounded chunks, so the reader never holds more than one bounded line; skipping ends
+    the input early once `should_stop()` (an endless line, `< /dev/zero`, must not outlive Ctrl-C).
     """
     limit = -1 if max_line_bytes is None else max_line_bytes + len(_BOM) + 1
     first = True
@@ -141,14 +143,19 @@ def read_lines(stream, max_line_bytes: int | None = None) -> Iterator[str | Over
         body = raw.removesuffix(b"\n")
         if max_line_bytes is not None and len(body) > max_line_bytes:
             yield OversizedLine(max_line_bytes)
-            _skip_rest(stream, raw)
+            if not _skip_rest(stream, raw, should_stop):
+                return
             continue
         yield body.decode("utf-8", errors="surrogateescape")
 
 
-def _skip_rest(stream, read: bytes) -> None:
+def _skip_rest(stream, read: bytes, should_stop: Callable[[], bool]) -> bool:
+    """Drop the rest of a line; False when stopped before its end."""
     while read and not read.endswith(b"\n"):
+        if should_stop():
+            return False
         read = stream.readline(2**20)
+    return True
 
 
 def parse_line(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobRequest | LineError:

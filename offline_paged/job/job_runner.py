@@ -142,8 +142,8 @@ class JobRunner:
             if self.should_stop():
                 return False
             item = next(numbered, None)
-            if item is None:
-                return True
+            if item is None:  # the reader may end early when asked to stop: then it is not done
+                return not self.should_stop()
             line_number, text = item
             if not isinstance(text, str):  # an OversizedLine, or a Ray row that is no line: its error
                 self._take(text.error(line_number))
