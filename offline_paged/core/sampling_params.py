@@ -219,7 +219,8 @@ class SamplingParams:
     def check_output_cost(self, max_model_len: int | None = None) -> None:
         """Raise ValueError when samples x max_tokens x (logprobs + 1) is over MAX_OUTPUT_ENTRIES;
         max_tokens counts at most `max_model_len` (no sequence grows longer), when it is known."""
-        tokens = self.max_tokens if max_model_len is None else min(self.max_tokens, max_model_len)
+        limits = [t for t in (self.max_tokens, max_model_len) if t is not None]  # None: "up to the context"
+        tokens = min(limits, default=0)
         entries = self.num_samples * tokens * ((self.logprobs or 0) + 1)
         if entries > MAX_OUTPUT_ENTRIES:
             raise ValueError(f"n (or best_of) x max_tokens x (logprobs + 1) = {entries:,} is over the cap of "
