@@ -7,8 +7,8 @@ job, the same file as another of them), its output could not be written mid-run 
 input changed since OUT was written, or requests were left unwritten because their data-parallel
 workers died; 3 an internal failure (a bug; traceback on stderr); 130 interrupted (Ctrl-C, SIGTERM
 or SIGHUP, also during model load or shutdown, and a second one) — everything finished is on disk
-and running the same command again resumes. Output and stats files are opened (and the output locked) before the model
-loads, so a bad path costs nothing.
+and running the same command again resumes. Output and stats files are opened (and the output
+locked) before the model loads, so a bad path costs nothing.
 """
 import json
 import os
