@@ -154,12 +154,21 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             budget.timed_out = True
             raise RenderTimeout(f"rendering took longer than {budget.max_seconds:g} s of CPU time")
 
+    def _raise_if_timed_out(self) -> None:
+        """The trace function raised once, and Python turned tracing off; if the render still runs, that
+        RenderTimeout was swallowed (raised inside a GC callback, or a function that catches
+        BaseException). Every call, filter and operator of the template passes here and ends it."""
+        budget = self._local.budget
+        if budget is not None and budget.timed_out:
+            raise RenderTimeout(f"rendering took longer than {budget.max_seconds:g} s of CPU time")
+
     def _limit(self) -> int:
         budget = self._local.budget
         return budget.max_chars if budget is not None else DEFAULT_MAX_CHARS
 
     def check_size(self, value, what: str):
         """Return `value`, or raise if it holds more than the limit (deeply) or is a huge integer."""
+        self._raise_if_timed_out()
         if isinstance(value, int) and value.bit_length() > _MAX_INT_BITS:
             raise TemplateLimitError(f"{what} would produce an integer of over {_MAX_INT_BITS} bits")
         self._refuse_if_over(deep_size(value, self._limit()), what)
@@ -233,6 +242,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own spelling)
         name = getattr(__obj, "__name__", type(__obj).__name__)
         what = f"the call {name}()"
+        __self._raise_if_timed_out()
         receiver = getattr(__obj, "__self__", None)
         if isinstance(receiver, str):
             __self._precheck_str_method(receiver, name, args, kwargs, what)

@@ -175,3 +175,34 @@ def test_a_huge_template_source_is_refused_before_it_compiles():
         ChatTemplate(source, origin="big.jinja")
     assert time.thread_time() - started < 0.5  # CPU seconds: refused before jinja parses anything
     ChatTemplate(CHATML + " " * (MAX_TEMPLATE_CHARS - len(CHATML)))  # at the limit: fine
+
+
+def test_a_swallowed_deadline_is_raised_again_at_the_next_call():
+    """The trace function can fire inside a GC callback (seen under Hypothesis) or a Python function
+    that catches BaseException: the first RenderTimeout is lost there, Python turns tracing off, and
+    the render used to go on with no time limit at all."""
+    import time
+
+    calls = []
+
+    def tick():  # a Python call: the trace function runs (and raises) at its call event
+        return 0
+
+    def swallow():
+        calls.append(1)
+        try:
+            spin_until = time.thread_time() + (0.5 if len(calls) == 1 else 0)
+            while time.thread_time() < spin_until:  # the deadline passes in here...
+                tick()
+        except BaseException:  # noqa: BLE001 - ...and its RenderTimeout is swallowed, as a gc callback's is
+            pass
+        return ""
+
+    t = ChatTemplate("{% for i in range(1000) %}{% for j in range(1000) %}{{ swallow() }}{% endfor %}"
+                     "{% endfor %}", origin="swallow.jinja", max_seconds=0.2)
+    t._env.globals["swallow"] = swallow
+    started = time.thread_time()
+    with pytest.raises(ChatTemplateError, match=r"took longer than 0\.2 s of CPU time"):
+        t.render(USER)
+    assert time.thread_time() - started < 5
+    assert len(calls) < 10  # stopped at the next call, not after a million of them
