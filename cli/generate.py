@@ -3,10 +3,12 @@
 Exit codes: 0 every line succeeded; 1 some lines have error records (in this run or, when
 resuming, earlier ones); 2 the job could not start (bad option, model, unreadable input, an output
 or stats file that cannot be written, is not a regular file, is not ours or is locked by another
-job) or its output could not be written mid-run (disk full); 130 interrupted (Ctrl-C / SIGTERM, also
-during model load, and a second Ctrl-C) — everything finished is on disk and running the same
-command again resumes. Output and stats files are opened (and the output locked) before the model
-loads, so a bad path costs nothing.
+job, the same file as another of them), its output could not be written mid-run (disk full), the
+input changed since OUT was written, or requests were left unwritten because their data-parallel
+workers died; 3 an internal failure (a bug; traceback on stderr); 130 interrupted (Ctrl-C, SIGTERM
+or SIGHUP, also during model load or shutdown, and a second one) — everything finished is on disk
+and running the same command again resumes. Output and stats files are opened (and the output
+locked) before the model loads, so a bad path costs nothing.
 """
 import json
 import os
@@ -23,8 +25,8 @@ from offline_paged.cli.errors import CouldNotStart
 from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.dp.dp_coordinator import WorkersLostError
 from offline_paged.job.job_file import JsonlWriter, OutputWriteError, ResumeState, open_output
-from offline_paged.job.job_input import read_lines
-from offline_paged.job.job_runner import JobRunner, JobSummary
+from offline_paged.job.job_input import default_max_line_bytes, read_lines
+from offline_paged.job.job_runner import InputChangedError, JobRunner, JobSummary
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -79,6 +81,10 @@ def parse_size(text: str) -> int:
 @click.option("--data-parallel-size", type=int, default=1, show_default=True,
               help="Engine processes, one per GPU (on the CPU: processes too); this process deals "
                    "requests out and alone writes OUT.")
+@click.option("--dp-stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              show_default=True, metavar="SECONDS",
+              help="A data-parallel worker that holds requests and reports nothing for this long "
+                   "(stopped, hung) is killed and its requests re-dealt.")
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True,
               help="Shard the model over N GPUs (one process each, NCCL; on the CPU: processes over "
                    "pipes); N must divide the attention heads, KV heads and intermediate size.")
@@ -88,8 +94,11 @@ def parse_size(text: str) -> int:
               help="Append to an existing OUT, skipping ids already done (--no-resume overwrites it).")
 @click.option("--fsync", is_flag=True, help="fsync after every record (survives power loss; slower).")
 @click.option("--stats-json", type=click.Path(dir_okay=False), default=None, help="Write the summary as JSON.")
-@click.option("--max-pending", type=int, default=1024, show_default=True,
+@click.option("--max-pending", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Requests read ahead into the engine at most.")
+@click.option("--max-line-bytes", type=click.IntRange(min=1), default=None,
+              help="Longest input line read (longer ones get an error record unread); default "
+                   "max(1 MiB, 64 B x max_model_len + 64 KiB).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when a terminal).")
 @click.option("--max-tokens", type=int, default=None, help="Default max_tokens (a line's own value wins).")
 @click.option("--min-tokens", type=int, default=None)
@@ -122,12 +131,14 @@ def generate(prompts: str, output: str, **options: Any) -> None:
 
     \b
     Exit codes: 0 every line succeeded; 1 some lines have error records (a bad line never stops
-    the job); 2 could not start, or the output could not be written mid-run (disk full);
+    the job); 2 could not start, the output could not be written mid-run (disk full), or requests
+    were left for a rerun (data-parallel workers died); 3 internal failure (a bug);
     130 interrupted. Running the same command again resumes: finished ids are skipped.
     """
-    with _sigterm_interrupts():  # until the job loop takes over: SIGTERM during load exits 130
+    with _sigterm_interrupts():  # SIGTERM / SIGHUP outside the job loop (loading, closing) exit 130
         defaults = _sampling_defaults(options)
         _check_paths(prompts, output, options["stats_json"])
+        _check_identities(prompts, output, options["stats_json"], options["model"])
         writer, resume = _open_output(output, options)
         engine = None
         try:
@@ -137,32 +148,33 @@ def generate(prompts: str, output: str, **options: Any) -> None:
                 writer.start_over()
             summary = _run(engine, writer, resume, prompts, defaults, options)
         except KeyboardInterrupt:
-            click.echo("\naborted: finished records are on disk; run the same command to resume",
-                       err=True)
+            click.echo(f"\naborted: {_resume_hint(output)}", err=True)
             raise
         finally:
             writer.close()
             if hasattr(engine, "close"):  # data parallel: stop the worker processes
                 engine.close()
-    _report(summary, stats_file)
+        _report(summary, stats_file, output)
     sys.exit(summary.exit_code)
 
 
 def _run(engine, writer: JsonlWriter, resume: ResumeState, prompts: str,
          defaults: dict[str, Any], options: dict[str, Any]) -> JobSummary:
-    progress = _progress(options["progress"], _count_lines(prompts))
+    progress = _progress(options["progress"], prompts)
     stop = _StopFlag()
     # data parallel: read ahead enough to keep every worker full while results come back
     max_pending = max(options["max_pending"], 2 * getattr(engine, "capacity", 0))
+    max_line_bytes = options["max_line_bytes"] or default_max_line_bytes(engine.max_model_len)
     try:
-        with _input_lines(prompts) as lines, stop.installed():
+        with _input_lines(prompts, max_line_bytes, stop.is_set) as lines, stop.installed():
             model_name = options["served_model_name"] or options["model"] or "SmolLM2-135M-Instruct"
             runner = JobRunner(engine, writer, defaults=defaults, model_name=model_name,
-                               done_keys=resume.done_keys, num_failed_before=resume.num_errors,
+                               done_keys=resume.done_keys, done_hashes=resume.hashes,
+                               done_error_keys=resume.error_keys,
                                max_pending=max_pending, progress=progress,
                                should_stop=stop.is_set)
             return runner.run(lines)
-    except OutputWriteError as exc:
+    except (OutputWriteError, InputChangedError) as exc:
         _fatal(str(exc))
     except WorkersLostError as exc:
         _fatal(f"{exc}; the records written are complete, rerun to resume")
@@ -194,9 +206,57 @@ def _check_paths(prompts: str, output: str, stats_json: str | None) -> None:
             _fatal(f"{prompts}: is a directory")
         if not os.access(prompts, os.R_OK):
             _fatal(f"{prompts}: cannot read it (permission denied)")
+        mode = os.stat(prompts).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            _fatal(f"{prompts}: the input must be a regular file, a pipe or '-' for stdin")
+
+
+def _check_identities(prompts: str, output: str, stats_json: str | None, model: str | None) -> None:
+    """The input (stdin too), OUT (stdout too), --stats-json and the model's files are compared by
+    (device, inode), so a hard link, a symlink or /dev/stdin under another name is caught; exit 2
+    before anything is opened for writing."""
+    named = [("the input", _identity(prompts, 0)), ("the output", _identity(output, 1)),
+             ("--stats-json", _identity(stats_json, None))]
+    named += [(f"the model's file {name}", identity) for name, identity in _model_identities(model)]
     files = [Path(p).resolve() for p in (prompts, output, stats_json) if p not in (None, "-")]
-    if len(set(files)) != len(files):
+    if len(set(files)) != len(files):  # the same name, before the files exist
         _fatal("the input, output and stats files must be three different files")
+    seen: dict[tuple[int, int], str] = {}
+    for what, identity in named:
+        if identity is None:
+            continue
+        if identity in seen:
+            _fatal(f"{seen[identity]} and {what} are the same file; they must be different files")
+        seen[identity] = what
+
+
+def _identity(path: str | None, std_fd: int | None) -> tuple[int, int] | None:
+    """(device, inode) of a regular file: `path`, or for '-' the standard stream `std_fd`."""
+    try:
+        if path == "-" and std_fd is not None:
+            info = os.fstat(std_fd)
+        elif path is not None and path != "-":
+            info = os.stat(path)
+        else:
+            return None
+    except (OSError, ValueError):
+        return None
+    return (info.st_dev, info.st_ino) if stat.S_ISREG(info.st_mode) else None
+
+
+def _model_identities(model: str | None):
+    """The model's files (a .gguf file, or the files at the top of an HF directory; the default
+    model's directory in the cache when no model is named)."""
+    if model in (None, "default"):
+        from offline_paged.models.default_model import default_model_dir
+
+        model = str(default_model_dir())
+    if not os.path.exists(model):
+        return
+    paths = [model] if not os.path.isdir(model) else \
+        [e.path for e in os.scandir(model) if e.is_file()][:10_000]
+    for path in paths:
+        yield os.path.basename(path), _identity(path, None)
 
 
 def _open_output(output: str, options: dict[str, Any]) -> tuple[JsonlWriter, ResumeState]:
@@ -252,7 +312,7 @@ def _build_engine(options: dict[str, Any]):
         raise click.UsageError("--tensor-parallel-size and --data-parallel-size cannot be combined yet")
     template = _read_chat_template(options["chat_template"])
     if options["data_parallel_size"] != 1:
-        engine = _build_coordinator(config, options["data_parallel_size"])
+        engine = _build_coordinator(config, options["data_parallel_size"], options["dp_stall_timeout"])
     else:
         try:
             engine = LLMEngine(config)
@@ -282,7 +342,7 @@ def _read_chat_template(path: str | None):
         raise click.BadParameter(f"{path}: {exc}", param_hint="--chat-template") from None
 
 
-def _build_coordinator(config, data_parallel_size: int):
+def _build_coordinator(config, data_parallel_size: int, stall_timeout_s: float):
     from offline_paged.dp.dp_coordinator import DataParallelCoordinator, worker_devices
     from offline_paged.dp.dp_worker import WorkerSpec
 
@@ -291,45 +351,58 @@ def _build_coordinator(config, data_parallel_size: int):
     except ValueError as exc:
         raise click.UsageError(f"--data-parallel-size: {exc}") from None
     try:
-        return DataParallelCoordinator(WorkerSpec(config), data_parallel_size)
+        return DataParallelCoordinator(WorkerSpec(config), data_parallel_size, stall_timeout_s=stall_timeout_s)
     except (ValueError, OSError, RuntimeError) as exc:
         _fatal(f"cannot start the engine: {exc}")
 
 
 @contextmanager
-def _input_lines(prompts: str):
-    """The input's lines, read as bytes and split on b"\\n" only (see job_input.read_lines)."""
+def _input_lines(prompts: str, max_line_bytes: int, should_stop):
+    """The input's lines, read as bytes and split on b"\\n" only, each at most `max_line_bytes`
+    (see job_input.read_lines)."""
     if prompts == "-":
-        yield read_lines(sys.stdin.buffer)
+        yield read_lines(sys.stdin.buffer, max_line_bytes, should_stop)
         return
     try:
         f = open(prompts, "rb")
     except OSError as exc:
         _fatal(f"{prompts}: cannot read ({exc.strerror})")
     with f:
-        yield read_lines(f)
+        yield read_lines(f, max_line_bytes, should_stop)
 
 
-def _count_lines(prompts: str) -> int | None:
-    """For the progress bar; a pipe (stdin, <(...)) is not read twice."""
+def count_lines(prompts: str) -> int | None:
+    """Non-blank lines, for the progress bar; a pipe (stdin, <(...)) is not read twice. Read in
+    1 MiB chunks, so one huge line is never held whole."""
     if prompts == "-" or not os.path.isfile(prompts):
         return None
+    count, content = 0, False  # content: the line in progress holds more than blanks
     with open(prompts, "rb") as f:
-        return sum(1 for line in f if line.strip(b" \t\r\n"))
+        while chunk := f.read(2**20):
+            *ended, rest = chunk.split(b"\n")
+            for part in ended:
+                count += content or bool(part.strip(b" \t\r"))
+                content = False
+            content = content or bool(rest.strip(b" \t\r"))
+    return count + content
 
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal went away
+
+
 @contextmanager
 def _sigterm_interrupts():
-    """SIGTERM acts like Ctrl-C (KeyboardInterrupt; the cli group turns it into exit 130)."""
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    """SIGTERM and SIGHUP act like Ctrl-C (KeyboardInterrupt; the cli group turns it into exit 130)
+    from the start of the command until the process exits: loading, the job (see _StopFlag), closing
+    the workers, the report and the interpreter's own shutdown. The handlers are never put back, so a
+    signal that lands after the command returned still exits 130, not 143."""
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _raise_interrupt)
+    yield
 
 
 class _StopFlag:
@@ -349,7 +422,7 @@ class _StopFlag:
 
     @contextmanager
     def installed(self):
-        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, self._handle) for s in _STOP_SIGNALS}
         try:
             yield
         finally:
@@ -377,13 +450,19 @@ class _TqdmProgress:
         self._bar.close()
 
 
-def _progress(wanted: bool | None, total: int | None) -> _TqdmProgress | None:
+def _progress(wanted: bool | None, prompts: str) -> _TqdmProgress | None:
     if wanted is False or (wanted is None and not sys.stderr.isatty()):
         return None
-    return _TqdmProgress(total)
+    return _TqdmProgress(count_lines(prompts))
 
 
-def _report(summary: JobSummary, stats_file: IO[str] | None) -> None:
+def _resume_hint(output: str) -> str:
+    if output == "-":  # nothing on disk: a rerun starts over
+        return "the records finished so far went to stdout; there is no file to resume from"
+    return "finished records are on disk; run the same command to resume"
+
+
+def _report(summary: JobSummary, stats_file: IO[str] | None, output: str) -> None:
     d = summary.to_dict()
     e = d["engine"]
     lines = [
@@ -399,8 +478,11 @@ def _report(summary: JobSummary, stats_file: IO[str] | None) -> None:
     failed = d["failed"] + d["failed_in_earlier_runs"]
     if failed:
         lines.append(f"{failed} line(s) have error records in the output")
+    if summary.num_unfinished:
+        lines.append(f"{summary.num_unfinished} request(s) were on data-parallel workers that died and are "
+                     "not written: run the same command again to run them")
     if summary.interrupted:
-        lines.append("interrupted: finished records are on disk; run the same command to resume")
+        lines.append(f"interrupted: {_resume_hint(output)}")
     click.echo("\n".join(lines), err=True)
     if stats_file is not None:
         _write_stats(stats_file, d)

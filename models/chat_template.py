@@ -20,6 +20,9 @@ DEFAULT_MAX_SECONDS = 2.0
 BASE_MAX_CHARS = 1_000_000  # plus MAX_CHARS_PER_INPUT_CHAR for every character of the input
 MAX_CHARS_PER_INPUT_CHAR = 4
 _MAX_TOJSON_INDENT = 16
+# Real chat templates are a few KB (the largest we know, with tool-calling, ~30 KB); jinja compiles
+# ~7 s per MB, on every load and in every worker, so a larger source is refused before compiling.
+MAX_TEMPLATE_CHARS = 256 * 1024
 
 
 class ChatTemplateError(ValueError):
@@ -39,13 +42,16 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 class ChatTemplate:
     """A compiled chat template. `render(messages, add_generation_prompt, **variables) -> str`.
 
-    Each render may take at most `max_seconds` and produce at most BASE_MAX_CHARS +
+    Each render may use at most `max_seconds` of CPU time and produce at most BASE_MAX_CHARS +
     MAX_CHARS_PER_INPUT_CHAR x (size of its input) characters (in its output and in any value built
     on the way)."""
 
     def __init__(self, source: str, origin: str = "chat template", max_seconds: float = DEFAULT_MAX_SECONDS):
         if not isinstance(source, str):
             raise ChatTemplateError(f"{origin}: the chat template must be a string, got {type(source).__name__}")
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise ChatTemplateError(f"{origin}: the chat template has {len(source):,} characters, over the "
+                                    f"limit of {MAX_TEMPLATE_CHARS:,}")
         env = BoundedSandbox()
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

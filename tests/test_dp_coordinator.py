@@ -102,7 +102,9 @@ def test_killed_worker_requests_are_redealt_once_and_outputs_equal_one_engine(co
     assert any("worker 0" in line and "died" in line and "re-dealing" in line for line in log)
 
 
-def test_request_on_too_many_dead_workers_becomes_an_error_not_a_retry(config):
+def test_request_on_too_many_dead_workers_comes_back_unfinished_not_retried(config):
+    """Not a request failure: the RequestError is marked unfinished, so a job writes nothing for it
+    and a rerun runs it again (it used to become an error record that resume counted as done)."""
     requests = _requests(8)
     with DataParallelCoordinator(WorkerSpec(config), 2, max_outstanding=2, max_attempts=1,
                                  log=lambda line: None) as dp:
@@ -116,6 +118,7 @@ def test_request_on_too_many_dead_workers_becomes_an_error_not_a_retry(config):
             results += dp.step()
     errors = {r.request_id for r in results if isinstance(r, RequestError)}
     assert len(killed) == 2 and errors == killed
+    assert all(r.unfinished for r in results if isinstance(r, RequestError))
     assert sorted(r.request_id for r in results) == sorted(r[0] for r in requests)
 
 
@@ -185,6 +188,44 @@ def test_when_every_worker_is_dead_step_raises_workers_lost(config):
         with pytest.raises(WorkersLostError, match="all 1 data-parallel workers died with 3 request"):
             while dp.has_unfinished_requests():
                 dp.step()
+
+
+def test_a_stopped_worker_is_killed_after_the_stall_timeout_and_its_requests_redealt(config):
+    requests = _requests(8)
+    log = []
+    with DataParallelCoordinator(WorkerSpec(config), 2, max_outstanding=2, stall_timeout_s=1.0,
+                                 log=log.append) as dp:
+        for request_id, prompt, params in requests:
+            dp.add_request(request_id, prompt=prompt, params=params)
+        dp._deal()
+        held = set(dp._workers[0].outstanding)
+        os.kill(dp.worker_pids[0], signal.SIGSTOP)  # alive, silent for good: it used to hang the job
+        results = []
+        while dp.has_unfinished_requests():
+            results += dp.step()
+        assert dp.num_workers_lost == 1
+    assert held, "worker 0 held nothing when stopped: the test proves nothing"
+    assert sorted(r.request_id for r in results) == sorted(r[0] for r in requests)
+    assert not [r for r in results if isinstance(r, RequestError)]
+    assert any("worker 0" in line and "sent nothing for 1 s" in line for line in log)
+
+
+def test_add_request_refuses_an_over_long_prompt_before_anything_is_dealt(config):
+    """LLM.generate with DP used to raise only after every good prompt ran."""
+    from offline_paged.entrypoints.llm import LLM
+
+    with DataParallelCoordinator(WorkerSpec(config), 1, log=lambda line: None) as dp:
+        dp.add_request("ok", prompt="fine", params=SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="leaves no room to generate"):
+            dp.add_request("long", prompt_token_ids=[5] * dp.max_model_len, params=SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="leaves no room to generate"):
+            dp.add_request("long text", prompt="word " * (4 * dp.max_model_len), params=SamplingParams(max_tokens=2))
+        assert dp.num_outstanding(0) == 0 and len(dp._backlog) == 1  # nothing dealt, "ok" still queued
+    kwargs = dict(device="cpu", dtype="float64", block_size=4, num_kv_blocks=64, max_num_seqs=2)
+    with LLM(config.model, data_parallel_size=2, **kwargs) as llm:
+        with pytest.raises(ValueError, match="prompt 1: the prompt has"):
+            llm.generate(["fine", "word " * 1000], SamplingParams(max_tokens=2))
+        assert [w.num_dealt for w in llm.engine._workers] == [0, 0]  # no good prompt ran first
 
 
 @pytest.mark.slow

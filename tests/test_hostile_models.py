@@ -53,9 +53,9 @@ def test_hostile_chat_template_costs_only_its_lines(model_dir, tmp_path):
     lines = [{"id": "plain", "prompt": "The sky is"},
              {"id": "chat", "messages": [{"role": "user", "content": "Hi"}]}]
     lines += [{"id": c, "messages": [{"role": "user", "content": c}]} for c in ("loops", "repeat", "include", "recurse")]
-    started = time.monotonic()
+    started = time.process_time()  # CPU seconds (the job runs in this process): load does not inflate them
     result, records = _run(model, tmp_path, lines)
-    assert time.monotonic() - started < 30
+    assert time.process_time() - started < 30
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output
     assert set(records) == {line["id"] for line in lines}
@@ -93,3 +93,27 @@ def test_config_that_is_a_list_stops_the_job_with_exit_2(model_dir, tmp_path):
     (model / "config.json").write_text("[1, 2]")
     result, _ = _run(model, tmp_path, [{"id": "a", "prompt": "x"}])
     assert result.exit_code == 2 and "config.json: the config must be a JSON object, got list" in result.output
+
+
+def test_a_tokenizer_that_panics_on_one_prompt_costs_only_that_line(model_dir, tmp_path):
+    """A tokenizer.json whose Split regex backtracks past onig's limit: the Rust tokenizer panics
+    (pyo3's PanicException is a BaseException); it used to end the job with exit 1 and 0 records, and
+    every resume died again on the same line."""
+    model = _copy(model_dir, tmp_path)
+    path = model / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False},
+        tokenizer["pre_tokenizer"]]}
+    path.write_text(json.dumps(tokenizer))
+    lines = [{"id": "plain", "prompt": "The sky is"}, {"id": "panic", "prompt": "a" * 64 + "b"},
+             {"id": "chat-panic", "messages": [{"role": "user", "content": "a" * 64 + "b"}]},
+             {"id": "last", "prompt": "Hi"}]
+    for _ in range(2):  # the rerun resumes past it
+        result, records = _run(model, tmp_path, lines)
+        assert result.exit_code == 1, result.output
+        assert "Traceback" not in result.output
+    assert set(records) == {"plain", "panic", "chat-panic", "last"}
+    assert records["plain"]["error"] is None and records["last"]["error"] is None
+    for name in ("panic", "chat-panic"):
+        assert "the tokenizer failed on this text" in records[name]["error"]["message"], records[name]

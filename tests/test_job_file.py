@@ -99,10 +99,21 @@ def test_another_write_failure_names_its_cause():
         def write(self, data):
             raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
-    writer = JsonlWriter(Broken())
-    with pytest.raises(OutputWriteError, match="<stdout>: cannot write .Broken pipe"):
+    writer = JsonlWriter(Broken(), name="out.jsonl")
+    with pytest.raises(OutputWriteError, match="out.jsonl: the reader closed the pipe"):
         writer.write(RECORD)
     writer.close()  # never raises
+
+
+def test_a_closed_stdout_says_there_is_nothing_to_resume():
+    """`generate ... | head -1`: stdout is a pipe, so "rerun to resume" would be a false promise."""
+    class Broken(io.BytesIO):
+        def write(self, data):
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    with pytest.raises(OutputWriteError, match="stdout: the reader closed the pipe") as info:
+        JsonlWriter(Broken()).write(RECORD)
+    assert "nothing to resume" in str(info.value) and "run the same command again" not in str(info.value)
 
 
 def test_without_resume_the_file_is_kept_until_start_over(tmp_path):

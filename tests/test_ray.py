@@ -96,3 +96,32 @@ def test_processor_under_a_local_ray_runtime(model_dir, job_records):
         ray.shutdown()
     result = {name: [row[name] for row in out] for name in ("id", "error", "text", "record")}
     _check(result, job_records)
+
+
+def test_every_row_gives_one_row_whatever_its_cells_hold(model_dir):
+    """A datetime, bytes or a Decimal once failed the whole batch; blank and None rows vanished and
+    shifted the line-N ids of the rows after them."""
+    import datetime
+    from decimal import Decimal
+
+    processor = Processor(str(model_dir), **ENGINE)
+    rows = [{"prompt": "a", "max_tokens": Decimal("2"), "temperature": Decimal("0.0")},
+            {"prompt": "b", "when": datetime.datetime(2026, 1, 1)},
+            {"prompt": b"The sky is", "max_tokens": 2},
+            {"prompt": b"\xff\xfe", "max_tokens": 2},
+            {"prompt": None, "max_tokens": None},
+            {"prompt": "c", "max_tokens": float("inf")},
+            {"prompt": "last", "max_tokens": 2}]
+    result = processor({name: np.array([r.get(name) for r in rows], dtype=object)
+                        for name in ("prompt", "max_tokens", "temperature", "when")})
+    assert result["id"] == [f"line-{i}" for i in range(1, 8)]
+    errors = result["error"]
+    assert errors[0] is None and errors[2] is None and errors[6] is None, errors
+    assert "datetime, which is not a JSON value" in errors[1]
+    assert "not UTF-8" in errors[3] and errors[4] and errors[5]
+
+    result = Processor(str(model_dir), raw_column="text", **ENGINE)({"text": np.array([json.dumps({"prompt": "a", "max_tokens": 2}), None, "  ",
+                                    json.dumps({"prompt": "z", "max_tokens": 2})], dtype=object)})
+    assert result["id"] == ["line-1", "line-2", "line-3", "line-4"]
+    assert result["error"][0] is None and result["error"][3] is None
+    assert "blank" in result["error"][1] and "blank" in result["error"][2]

@@ -12,13 +12,13 @@ from tiny_engine import run_to_completion, tiny_engine, tiny_model
 
 
 def test_huge_max_position_embeddings_builds_only_max_model_len_rows():
-    started = time.monotonic()
+    started = time.process_time()  # CPU seconds: a loaded machine does not inflate them
     engine = tiny_engine(tiny_model(max_position_embeddings=10**9))  # 10**9 rows would be 32+ GB
     assert engine.runner.model.cos_sin_cache.shape == (engine.max_model_len, 8)
     assert engine.max_model_len <= 256 * 4  # capped by the KV pool of the test engine
     out = run_to_completion(engine, {"a": ([5, 6, 7], SamplingParams(max_tokens=3, temperature=0))})
     assert len(out["a"].outputs[0].token_ids) == 3
-    assert time.monotonic() - started < 10
+    assert time.process_time() - started < 10
 
 
 def test_max_model_len_beyond_max_position_embeddings_has_rope_for_every_position():

@@ -129,7 +129,10 @@ class EngineStats:
 @dataclass(frozen=True, slots=True)
 class RequestError:
     """A request that an engine handed back without running it (a data-parallel worker refused it,
-    or it was on workers that died). `step()` returns it in place of a RequestOutput, once."""
+    or it was on workers that died). `step()` returns it in place of a RequestOutput, once.
+    `unfinished`: not the request's fault (its workers died); a job writes nothing for it, so a
+    rerun runs it again."""
 
     request_id: str
     message: str
+    unfinished: bool = False

@@ -24,6 +24,11 @@ Choices that vLLM leaves open or that differ between its versions:
   `spaces_between_special_tokens` is accepted and, as in vLLM with fast (tokenizer.json) tokenizers —
   the only kind we load — changes nothing.
 - `truncate_prompt_tokens=k` keeps the last k prompt tokens (-1: as many as max_model_len allows).
+- A temperature below 1e-5 is stored as 0 (greedy), as vLLM does: dividing logits by 5e-324
+  overflows to inf and NaN.
+- Costs are capped (ValueError naming the cap): samples x max_tokens x (logprobs + 1) at most
+  MAX_OUTPUT_ENTRIES (`check_output_cost`, called by the job, which knows max_model_len); at most MAX_STOP_STRINGS stop strings and MAX_BAD_WORDS bad words, each list
+  at most MAX_STRING_LIST_BYTES of UTF-8.
 """
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -33,6 +38,14 @@ _MAX_SEED = 2**64
 # n and best_of are capped before anything is sized by them (a request builds one random-stream seed
 # and, once running, one sequence per sample); the engine further limits them to max_num_seqs.
 MAX_SAMPLES = 1024
+# What one request may cost, capped before it runs (a 104-byte line once asked for a 74 MB record):
+# samples x max_tokens x (logprobs + 1) output entries, and the stop strings / bad words checked
+# at every step (their count and their total UTF-8 bytes).
+MAX_OUTPUT_ENTRIES = 2_000_000
+MAX_STOP_STRINGS = 1024
+MAX_BAD_WORDS = 4096
+MAX_STRING_LIST_BYTES = 256 * 1024
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature decodes greedily
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +96,7 @@ class SamplingParams:
         self._check_penalties()
         self._check_stops()
         self._check_constraints()
+        self._check_costs()
         if self.use_beam_search:
             self._check_beam_search()
 
@@ -128,6 +142,8 @@ class SamplingParams:
         for name in ("ignore_eos", "use_beam_search", "skip_special_tokens", "detokenize",
                      "spaces_between_special_tokens", "include_stop_str_in_output"):
             _bool(name, getattr(self, name))
+        if 0.0 < self.temperature < GREEDY_BELOW_TEMPERATURE:
+            _set(self, "temperature", 0.0)
         _set(self, "top_k", 0 if _int("top_k", self.top_k) == -1 else self.top_k)
         _set(self, "stop", _stop_tuple(self.stop))
         _set(self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids))
@@ -200,6 +216,21 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
 
+    def check_output_cost(self, max_model_len: int | None = None) -> None:
+        """Raise ValueError when samples x max_tokens x (logprobs + 1) is over MAX_OUTPUT_ENTRIES;
+        max_tokens counts at most `max_model_len` (no sequence grows longer), when it is known."""
+        limits = [t for t in (self.max_tokens, max_model_len) if t is not None]  # None: "up to the context"
+        tokens = min(limits, default=0)
+        entries = self.num_samples * tokens * ((self.logprobs or 0) + 1)
+        if entries > MAX_OUTPUT_ENTRIES:
+            raise ValueError(f"n (or best_of) x max_tokens x (logprobs + 1) = {entries:,} is over the cap of "
+                             f"{MAX_OUTPUT_ENTRIES:,} output entries per request; ask for fewer samples, "
+                             "tokens or logprobs")
+
+    def _check_costs(self) -> None:
+        _check_string_list("stop", self.stop, MAX_STOP_STRINGS)
+        _check_string_list("bad_words", self.bad_words, MAX_BAD_WORDS)
+
     def _check_beam_search(self) -> None:
         if self.temperature != 0.0:
             raise ValueError("temperature must be 0 when use_beam_search is true")
@@ -259,7 +290,15 @@ def _show(value: Any, limit: int = 60) -> str:
 
 def _bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        raise ValueError(f"{name} must be true or false, got {_show(value)}")
+
+
+def _check_string_list(name: str, values: tuple[str, ...], max_count: int) -> None:
+    if len(values) > max_count:
+        raise ValueError(f"{name} holds {len(values):,} strings, over the cap of {max_count:,}")
+    size = sum(len(v.encode("utf-8", "surrogatepass")) for v in values)
+    if size > MAX_STRING_LIST_BYTES:
+        raise ValueError(f"{name} holds {size:,} bytes, over the cap of {MAX_STRING_LIST_BYTES:,}")
 
 
 def _stop_tuple(value: Any) -> tuple[str, ...]:
@@ -277,7 +316,7 @@ def _string_tuple(name: str, value: Any) -> tuple[str, ...]:
         return ()
     if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
         return tuple(value)
-    raise ValueError(f"{name} must be a list of strings, got {value!r}")
+    raise ValueError(f"{name} must be a list of strings, got {_show(value)}")
 
 
 def _logit_bias(value: Any) -> dict[int, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from offline_paged.dp.dp_worker import WorkerSpec, WorkRequest, run_worker
 from offline_paged.worker.random_stream import unseeded_request_seed
 
 _POLL_S = 0.25  # step() returns empty-handed after this long, so the job loop can see Ctrl-C
+DEFAULT_STALL_TIMEOUT_S = 600.0  # a busy worker reports at least every second (dp_worker._STATS_EVERY_S)
 
 
 class WorkersLostError(RuntimeError):
@@ -38,6 +40,7 @@ class _Worker:
     max_model_len: int = 0
     num_dealt: int = 0  # requests ever dealt to it (re-dealt ones count again)
     alive: bool = True
+    last_heard: float = 0.0  # time.monotonic() of its last message, or of work dealt to it while idle
 
 
 def worker_devices(device: str, num_workers: int) -> tuple[str, list[str | None]]:
@@ -86,13 +89,21 @@ class DataParallelCoordinator:
     so a worker busy with long prompts is not given more than it can run.
     A worker that dies is reported through `log` and its unfinished requests go back to the front of
     the backlog; a request that was on `max_attempts` workers that died comes back as a RequestError
-    (one request that kills every engine it reaches must not take the job down). When no worker is
-    left with work to do, step() raises WorkersLostError.
+    marked `unfinished` (one request that kills every engine it reaches must not take the job down;
+    a job writes nothing for it, so a rerun tries it again). A worker that holds requests and has
+    sent nothing for `stall_timeout_s` (stopped, hung) is killed and counts as dead. When no worker
+    is left with work to do, step() raises WorkersLostError.
+    add_request checks what it can before anything is dealt (the prompt's tokens against
+    max_model_len), so LLM.generate refuses a bad prompt before any good one runs; it sends the
+    token ids it computed, so a worker does not tokenize the text again.
     """
 
     def __init__(self, spec: WorkerSpec, num_workers: int, *, tokenizer=None,
                  max_outstanding: int | None = None, max_attempts: int = 2,
+                 stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
                  log: Callable[[str], None] | None = None) -> None:
+        if stall_timeout_s is not None and not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0 seconds (or None for no limit), got {stall_timeout_s!r}")
         device, visible = worker_devices(spec.config.device, num_workers)
         if spec.cpu_threads is None and device == "cpu":
             spec = replace(spec, cpu_threads=max(1, (os.cpu_count() or 1) // num_workers))
@@ -100,6 +111,7 @@ class DataParallelCoordinator:
         self.device = device
         self.max_outstanding = max_outstanding or spec.config.max_num_seqs + max(1, spec.config.max_num_seqs // 4)
         self.max_attempts = max_attempts
+        self.stall_timeout_s = stall_timeout_s
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self._tokenizer = tokenizer
         if tokenizer is None and spec.dummy_preset is None:
@@ -204,12 +216,31 @@ class DataParallelCoordinator:
         if prompt is None and prompt_token_ids is None:
             raise ValueError("a request needs a prompt or prompt_token_ids")
         params = params or SamplingParams()
+        prompt_token_ids = self._checked_prompt(prompt, prompt_token_ids, params)
         if params.seed is None:
             params = replace(params, seed=unseeded_request_seed(self.spec.config.seed, self._num_arrivals))
         self._num_arrivals += 1
         request = WorkRequest(request_id, prompt,
                               None if prompt_token_ids is None else list(prompt_token_ids), params)
         self._backlog.append(request)
+
+    def _checked_prompt(self, prompt: str | None, token_ids: list[int] | None,
+                        params: SamplingParams) -> list[int] | None:
+        """The prompt's token ids, checked against max_model_len as an engine would (ValueError)."""
+        if token_ids is None and prompt is not None and self._tokenizer is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            token_ids = self._tokenizer.encode(prompt)
+        if token_ids is None or params.truncate_prompt_tokens is not None:
+            return token_ids
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ValueError("the prompt is empty (it must have at least one token)")
+        room = self.max_model_len - (params.max_tokens > 0)
+        if len(token_ids) > room:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, which leaves no room to generate")
+        return token_ids
 
     def abort_request(self, request_id: str) -> bool:
         for index, request in enumerate(self._backlog):
@@ -246,6 +277,8 @@ class DataParallelCoordinator:
             if len(worker.outstanding) >= self.max_outstanding:
                 break
             request = self._backlog.popleft()
+            if not worker.outstanding:  # the stall clock starts when an idle worker gets work
+                worker.last_heard = time.monotonic()
             worker.outstanding[request.request_id] = request
             worker.num_dealt += 1
             batches.setdefault(worker, []).append(request)
@@ -271,6 +304,18 @@ class DataParallelCoordinator:
                 self._drain(worker)  # what it sent before it ended still counts
                 if worker.alive:
                     self._lose(worker, "its process ended")
+        self._kill_stalled()
+
+    def _kill_stalled(self) -> None:
+        if self.stall_timeout_s is None:
+            return
+        now = time.monotonic()
+        for worker in self._live():
+            if worker.outstanding and now - worker.last_heard > self.stall_timeout_s:
+                self._drain(worker)  # anything it sent before it stalled still counts
+            if worker.alive and worker.outstanding and now - worker.last_heard > self.stall_timeout_s:
+                self._lose(worker, f"it sent nothing for {self.stall_timeout_s:g} s while holding requests; "
+                                   "killed")
 
     def _drain(self, worker: _Worker) -> None:
         try:
@@ -280,6 +325,7 @@ class DataParallelCoordinator:
             self._lose(worker, "its pipe closed")
 
     def _handle(self, worker: _Worker, message) -> None:
+        worker.last_heard = time.monotonic()
         kind, results, stats = message
         if kind != "results":
             raise RuntimeError(f"data-parallel worker {worker.index} sent {kind!r} while running")
@@ -304,7 +350,7 @@ class DataParallelCoordinator:
             if self._attempts[request.request_id] >= self.max_attempts:
                 self._done.append(RequestError(request.request_id, (
                     f"{self.max_attempts} data-parallel workers died while running this request; "
-                    "it was not retried again")))
+                    "it was not retried again"), unfinished=True))
             else:
                 self._backlog.appendleft(request)
         self.log(f"data parallel: worker {worker.index} (pid {worker.process.pid}) died ({reason}, "

@@ -31,9 +31,14 @@ class ResumeState:
     """What an existing output file already holds."""
 
     done_keys: set[str] = field(default_factory=set)
+    error_keys: set[str] = field(default_factory=set)  # the done keys whose record is an error
+    hashes: dict[str, str] = field(default_factory=dict)  # key -> request_hash (records that carry one)
     num_records: int = 0
     num_errors: int = 0
     num_torn_bytes: int = 0  # bytes of a torn last line that were cut off
+
+
+STDOUT_NAME = "<stdout>"
 
 
 class OutputWriteError(Exception):
@@ -42,10 +47,16 @@ class OutputWriteError(Exception):
     def __init__(self, name: str, cause: OSError) -> None:
         if cause.errno in (errno.ENOSPC, errno.EDQUOT):
             reason = "disk full (no space left on device)"
+        elif cause.errno == errno.EPIPE:
+            reason = "the reader closed the pipe"
         else:
             reason = f"cannot write ({cause.strerror or cause})"
-        super().__init__(f"{name}: {reason}; the records written before are complete on disk: "
-                         "fix this and run the same command again to resume")
+        if name == STDOUT_NAME:  # nothing on disk to resume from
+            super().__init__(f"stdout: {reason}; the job stopped. Its output went to a pipe or terminal, "
+                             "so there is nothing to resume: write to a file with -o OUT.jsonl to resume later")
+        else:
+            super().__init__(f"{name}: {reason}; the records written before are complete on disk: "
+                             "fix this and run the same command again to resume")
         self.errno = cause.errno
 
 
@@ -125,6 +136,8 @@ def scan_and_repair(path: str | Path, fd: int | None = None) -> ResumeState:
 def _parse_record(path: str | Path, line_number: int, raw: bytes) -> dict[str, Any]:
     try:
         record = json.loads(raw)
+        if not is_output_record(record):
+            raise ValueError("not a record")
         record_key(record)
         return record
     except (ValueError, KeyError, TypeError, AttributeError, IndexError):
@@ -132,17 +145,32 @@ def _parse_record(path: str | Path, line_number: int, raw: bytes) -> dict[str, A
                          "onto it (fix the file, or pass --no-resume to overwrite it)") from None
 
 
+def is_output_record(record: Any) -> bool:
+    """The shape of a record this program writes (native, scoring or OpenAI batch), which no input
+    line has: an input file given as OUT must never make its own lines count as done."""
+    if not isinstance(record, dict) or "error" not in record:
+        return False
+    if "custom_id" in record:
+        return isinstance(record.get("response"), dict) and "id" in record
+    return isinstance(record.get("line"), int) and isinstance(record.get("id"), (str, int))
+
+
 def _count(state: ResumeState, record: dict[str, Any]) -> None:
-    state.done_keys.add(record_key(record))
+    key = record_key(record)
+    state.done_keys.add(key)
     state.num_records += 1
     state.num_errors += is_error(record)
+    if is_error(record):
+        state.error_keys.add(key)
+    if isinstance(record.get("request_hash"), str):
+        state.hashes[key] = record["request_hash"]
 
 
 class JsonlWriter:
     """Writes records to a binary stream, one complete line per write(), flushed at once."""
 
     def __init__(self, stream: BinaryIO, fsync: bool = False, owns_stream: bool = False,
-                 name: str = "<stdout>") -> None:
+                 name: str = STDOUT_NAME) -> None:
         self._stream = stream
         self._fsync = fsync
         self._owns_stream = owns_stream  # stdout is flushed at close, never closed

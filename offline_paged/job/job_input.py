@@ -18,7 +18,7 @@ returns one JobRequest or one LineError: it never raises.
 """
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +86,7 @@ class LineError:
 
     line_number: int
     request_id: str
-    error_type: str  # invalid_json | invalid_request | unsupported_url | duplicate_id | rejected
+    error_type: str  # invalid_json | invalid_request | unsupported_url | duplicate_id | rejected | line_too_long
     message: str
     openai: bool = False
     status_code: int = 400
@@ -114,16 +114,57 @@ def duplicate_key(line_number: int) -> str:
     return f"duplicate@line-{line_number}"
 
 
-def read_lines(stream) -> Iterator[str]:
+@dataclass(slots=True, frozen=True)
+class OversizedLine:
+    """A line longer than the reader's cap. Its bytes are skipped, never held: the reader yields
+    this as soon as the line passes the cap, before it has found the line's end."""
+
+    max_line_bytes: int
+
+    def error(self, line_number: int) -> "LineError":
+        return LineError(line_number, default_id(line_number), "line_too_long",
+                         f"line {line_number}: longer than the limit of {self.max_line_bytes:,} bytes "
+                         "(--max-line-bytes); it was skipped unread")
+
+
+def default_max_line_bytes(max_model_len: int) -> int:
+    """The cap on one input line: room for max_model_len tokens written out in JSON at their most
+    verbose (escaped characters, token ids with separators), and never under 1 MiB."""
+    return max(2**20, 64 * max_model_len + 2**16)
+
+
+def read_lines(stream, max_line_bytes: int | None = None,
+               should_stop: Callable[[], bool] = lambda: False) -> Iterator[str | OversizedLine]:
     """The lines of a binary stream, split on b"\n" only, as text.
 
     Bytes that are not UTF-8 are kept as lone surrogates (surrogateescape), which parse_line
-    reports as an error for that line alone; a BOM before the first line is dropped.
+    reports as an error for that line alone; a BOM before the first line is dropped. A line over
+    `max_line_bytes` (newline excluded) is yielded as an OversizedLine and its bytes are read and
+    dropped in bounded chunks, so the reader never holds more than one bounded line; skipping ends
+    the input early once `should_stop()` (an endless line, `< /dev/zero`, must not outlive Ctrl-C).
     """
-    for index, raw in enumerate(stream):
-        if index == 0 and raw.startswith(_BOM):
+    limit = -1 if max_line_bytes is None else max_line_bytes + len(_BOM) + 1
+    first = True
+    while raw := stream.readline(limit):
+        if first and raw.startswith(_BOM):
             raw = raw[len(_BOM):]
-        yield raw.rstrip(b"\n").decode("utf-8", errors="surrogateescape")
+        first = False
+        body = raw.removesuffix(b"\n")
+        if max_line_bytes is not None and len(body) > max_line_bytes:
+            yield OversizedLine(max_line_bytes)
+            if not _skip_rest(stream, raw, should_stop):
+                return
+            continue
+        yield body.decode("utf-8", errors="surrogateescape")
+
+
+def _skip_rest(stream, read: bytes, should_stop: Callable[[], bool]) -> bool:
+    """Drop the rest of a line; False when stopped before its end."""
+    while read and not read.endswith(b"\n"):
+        if should_stop():
+            return False
+        read = stream.readline(2**20)
+    return True
 
 
 def parse_line(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobRequest | LineError:

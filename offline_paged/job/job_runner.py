@@ -6,8 +6,16 @@ fake one and runs a DataParallelCoordinator unchanged; step() may hand back a Re
 request refused after add_request returned), which becomes the line's error record. Lines are read lazily, keeping at most `max_pending` requests inside the engine, so stdin
 and very large files stream. Bad lines never stop the job: each gets one error record. Lines whose
 key is in `done_keys` (from a previous run's output) are skipped, which is how resume works.
+
+Every record carries `request_hash`, a short hash of its line and the job's defaults. Resuming, a
+line whose key is done but whose hash differs (the input was edited, or lines without ids shifted)
+stops the job with InputChangedError before anything else is written: its old record would
+otherwise stand for a request that is no longer in the input. A RequestError marked `unfinished`
+(its data-parallel workers died) is written nowhere, so that a rerun runs it again.
 """
 import dataclasses
+import hashlib
+import json
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -21,7 +29,15 @@ from offline_paged.job.job_output import TokenStrings, embedding_record, error_r
 
 EXIT_OK = 0
 EXIT_SOME_FAILED = 1
+EXIT_INCOMPLETE = 2  # requests left unwritten (their data-parallel workers died): a rerun runs them
 EXIT_INTERRUPTED = 130
+REQUEST_HASH = "request_hash"  # the record field
+MAX_ERROR_MESSAGE_CHARS = 2000  # an error record's message is cut here (a line may quote megabytes)
+_FATAL = (KeyboardInterrupt, SystemExit, GeneratorExit)  # the BaseExceptions that are not a line's fault
+
+
+class InputChangedError(ValueError):
+    """Resuming: a line that OUT already holds a record for is not the line that record was made from."""
 
 
 class Progress(Protocol):
@@ -38,7 +54,8 @@ class JobSummary:
     num_succeeded: int = 0
     num_failed: int = 0
     num_skipped: int = 0  # already complete in the output file
-    num_failed_before: int = 0  # error records already in the output file
+    num_failed_before: int = 0  # error records already in the output file (of this input's lines)
+    num_unfinished: int = 0  # requests written nowhere (their data-parallel workers died)
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     elapsed_s: float = 0.0
@@ -49,6 +66,8 @@ class JobSummary:
     def exit_code(self) -> int:
         if self.interrupted:
             return EXIT_INTERRUPTED
+        if self.num_unfinished:
+            return EXIT_INCOMPLETE
         return EXIT_SOME_FAILED if self.num_failed + self.num_failed_before else EXIT_OK
 
     def to_dict(self) -> dict[str, Any]:
@@ -56,7 +75,7 @@ class JobSummary:
         return {
             "requests": self.num_requests, "succeeded": self.num_succeeded,
             "failed": self.num_failed, "skipped_already_done": self.num_skipped,
-            "failed_in_earlier_runs": self.num_failed_before,
+            "failed_in_earlier_runs": self.num_failed_before, "unfinished": self.num_unfinished,
             "prompt_tokens": self.num_prompt_tokens, "generated_tokens": self.num_generated_tokens,
             "elapsed_s": round(self.elapsed_s, 3),
             "generation_tokens_per_s": round(self.num_generated_tokens / elapsed, 2),
@@ -75,7 +94,12 @@ class JobRunner:
                  model_name: str = "", done_keys: set[str] | None = None,
                  num_failed_before: int = 0, max_pending: int = 512,
                  progress: Progress | None = None,
-                 should_stop: Callable[[], bool] = lambda: False) -> None:
+                 should_stop: Callable[[], bool] = lambda: False,
+                 done_hashes: Mapping[str, str] | None = None,
+                 done_error_keys: set[str] | None = None) -> None:
+        """`done_hashes`: key -> request_hash of the records already in OUT (a changed line raises
+        InputChangedError). `done_error_keys`: the keys of its error records; when given, the
+        failures of earlier runs are counted over this input's lines only (else `num_failed_before`)."""
         self.engine = engine
         self.writer = writer
         self.defaults = dict(defaults or {})
@@ -84,8 +108,11 @@ class JobRunner:
         self.max_pending = max_pending
         self.progress = progress
         self.should_stop = should_stop
-        self.summary = JobSummary(num_failed_before=num_failed_before)
+        self.done_hashes = dict(done_hashes or {})
+        self.done_error_keys = done_error_keys
+        self.summary = JobSummary(num_failed_before=0 if done_error_keys is not None else num_failed_before)
         self._pending: dict[str, JobRequest] = {}
+        self._hashes: dict[int, str] = {}  # line number -> request_hash, until its record is written
         self._seen_ids: set[str] = set()
         self.run_id = secrets.token_hex(6)  # in OpenAI response ids: unique per run
         self._openai_seen = False  # an OpenAI-format file: broken lines get its envelope too
@@ -115,10 +142,13 @@ class JobRunner:
             if self.should_stop():
                 return False
             item = next(numbered, None)
-            if item is None:
-                return True
+            if item is None:  # the reader may end early when asked to stop: then it is not done
+                return not self.should_stop()
             line_number, text = item
-            if not is_blank(text):
+            if not isinstance(text, str):  # an OversizedLine, or a Ray row that is no line: its error
+                self._take(text.error(line_number))
+            elif not is_blank(text):
+                self._hashes[line_number] = request_hash(text, self.defaults)
                 self._take(parse_line(line_number, text, self.defaults))
         return False
 
@@ -135,17 +165,30 @@ class JobRunner:
         else:
             self._seen_ids.add(parsed.request_id)
         if parsed.key in self.done_keys:
-            self.summary.num_skipped += 1
+            self._skip(parsed)
         elif isinstance(parsed, LineError):
             self._fail(parsed)
         else:
             self._submit(parsed)
+
+    def _skip(self, parsed: JobRequest | LineError) -> None:
+        """A line OUT already holds; its record must have been made from this very line."""
+        now, then = self._hashes.pop(parsed.line_number, None), self.done_hashes.get(parsed.key)
+        if now is not None and then is not None and now != then:
+            raise InputChangedError(
+                f"line {parsed.line_number} (id {parsed.request_id!r}) is not the line that the output's "
+                f"record for this id was made from (the input or the job's flags changed since, or lines "
+                f"without an id shifted); restore them, or pass --no-resume to start over")
+        self.summary.num_skipped += 1
+        if self.done_error_keys is not None and parsed.key in self.done_error_keys:
+            self.summary.num_failed_before += 1
 
     def _submit(self, request: JobRequest) -> None:
         if request.api == EMBEDDINGS:
             self._embed(request)
             return
         try:
+            request.params.check_output_cost(getattr(self.engine, "max_model_len", None))
             prompt, token_ids = request.prompt, request.prompt_token_ids
             if request.messages is not None:
                 prompt, token_ids = _render_chat(self.engine.tokenizer, request.messages,
@@ -156,7 +199,9 @@ class JobRunner:
                 request = dataclasses.replace(request, num_scored_tokens=num_scored)
             self.engine.add_request(request.request_id, prompt=prompt,
                                     prompt_token_ids=token_ids, params=request.params)
-        except Exception as exc:  # noqa: BLE001 - whatever one line does, the others still run
+        except BaseException as exc:  # noqa: BLE001 - whatever one line does (a tokenizer's panic
+            if isinstance(exc, _FATAL):  # is a BaseException), the others still run
+                raise
             reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
             self._reject(request, reason)
             return
@@ -184,17 +229,29 @@ class JobRunner:
 
     def _finish(self, output: RequestOutput | RequestError) -> None:
         request = self._pending.pop(output.request_id)
+        if isinstance(output, RequestError) and output.unfinished:  # not the line's fault: rerun it
+            self._hashes.pop(request.line_number, None)
+            self.summary.num_unfinished += 1
+            return
         if isinstance(output, RequestError):  # refused later, by a data-parallel worker
             self._reject(request, output.message)
             return
-        self.writer.write(success_record(request, output, self.model_name, self._token_strings, self.run_id))
+        record = success_record(request, output, self.model_name, self._token_strings, self.run_id)
+        self._write(record, request.line_number)
         self.summary.num_succeeded += 1
         self.summary.num_prompt_tokens += len(output.prompt_token_ids)
         self.summary.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def _fail(self, error: LineError) -> None:
-        self.writer.write(error_record(error, self.run_id))
+        error = dataclasses.replace(error, message=_cut(error.message, MAX_ERROR_MESSAGE_CHARS))
+        self._write(error_record(error, self.run_id), error.line_number)
         self.summary.num_failed += 1
+
+    def _write(self, record: dict[str, Any], line_number: int) -> None:
+        line_hash = self._hashes.pop(line_number, None)
+        if line_hash is not None:
+            record[REQUEST_HASH] = line_hash
+        self.writer.write(record)
 
     def _report(self, start: float) -> None:
         self.summary.elapsed_s = time.perf_counter() - start
@@ -202,6 +259,13 @@ class JobRunner:
         self.summary.engine = stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
         if self.progress is not None:
             self.progress.update(self.summary, stats)
+
+
+def request_hash(text: str, defaults: Mapping[str, Any]) -> str:
+    """A short hash of one input line and the job-wide defaults it runs with (what its record answers)."""
+    digest = hashlib.sha256(text.strip(" \t\r\n").encode("utf-8", "surrogateescape"))
+    digest.update(b"\0" + json.dumps(defaults, sort_keys=True, default=str).encode("utf-8"))
+    return digest.hexdigest()[:16]
 
 
 def is_blank(text: str) -> bool:

@@ -11,7 +11,8 @@ job's (native, scoring and OpenAI batch lines) and so are the output records. Ro
 JSONL lines (`raw_column`) or structured columns named like the job's fields (e.g. read from
 Parquet); None / NaN cells are absent fields.
 
-Output: one row per input row, in input order, with columns `id` (the id or custom_id), `error`
+Output: exactly one row per input row, whatever its cells hold (a blank or None row, a datetime,
+bytes that are not UTF-8: an error row each), in input order, with columns `id` (the id or custom_id), `error`
 (None, or the error message: a bad row is data, never an exception that kills the stage), `text`
 (the first completion's text for native completion records, else None) and `record` (the job's
 output record as JSON). A row without an id gets `line-N`, N its position in its batch: give rows
@@ -23,8 +24,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
+from offline_paged.job.job_input import LineError, default_id
 from offline_paged.job.job_output import is_error
 from offline_paged.job.job_runner import JobRunner, is_blank
 
@@ -49,7 +53,7 @@ class Processor:
         self.model_name = model_name or model or "default"
 
     def __call__(self, batch) -> dict[str, list]:
-        lines = [line for line in self._lines(batch) if not is_blank(line)]
+        lines = self._lines(batch)  # one per row, blank ones included: row N is always line N
         collector = _Collector()
         JobRunner(self.engine, collector, defaults=self.defaults, model_name=self.model_name,
                   max_pending=max(len(lines), 1)).run(lines)
@@ -61,11 +65,41 @@ class Processor:
             "record": [json.dumps(r, ensure_ascii=False) for r in records],
         }
 
-    def _lines(self, batch) -> list[str]:
+    def _lines(self, batch) -> list[str | _BadRow]:
         rows = _rows(batch)
         if self.raw_column is not None:
-            return [_raw_line(row.get(self.raw_column)) for row in rows]
-        return [json.dumps(_plain_row(row), ensure_ascii=False) for row in rows]
+            return [_non_blank(_raw_line(row.get(self.raw_column))) for row in rows]
+        return [_row_line(row) for row in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class _BadRow:
+    """A row that cannot become a job line; JobRunner turns it into that row's error record."""
+
+    reason: str
+
+    def error(self, line_number: int) -> LineError:
+        return LineError(line_number, default_id(line_number), "invalid_request",
+                         f"line {line_number}: {self.reason}")
+
+
+class _NotJson(ValueError):
+    pass
+
+
+def _non_blank(line: str) -> str | _BadRow:
+    return _BadRow("the row is blank (no JSON object)") if is_blank(line) else line
+
+
+def _row_line(row) -> str | _BadRow:
+    if not isinstance(row, Mapping):
+        return _BadRow(f"the row is {type(row).__name__}, not a set of columns")
+    try:
+        return json.dumps(_plain_row(row), ensure_ascii=False, allow_nan=False)
+    except _NotJson as exc:
+        return _BadRow(str(exc))
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        return _BadRow(f"the row cannot be written as JSON ({type(exc).__name__}: {str(exc)[:200]})")
 
 
 class _Collector:
@@ -107,12 +141,21 @@ def _missing(value) -> bool:
 def _plain(value):
     if hasattr(value, "tolist"):  # numpy array or scalar
         value = value.tolist()
+    if isinstance(value, Decimal):  # a Parquet decimal column
+        value = int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, (bytes, bytearray)):  # a binary column: its text, when it is UTF-8
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise _NotJson("a cell holds bytes that are not UTF-8 text") from None
     if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
         return int(value)  # an int column with gaps arrives as floats (max_tokens 16.0)
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items() if not _missing(v)}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if value is not None and not isinstance(value, (str, int, float, bool)):
+        raise _NotJson(f"a cell holds a {type(value).__name__}, which is not a JSON value")
     return value
 
 
