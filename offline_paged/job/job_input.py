@@ -35,9 +35,13 @@ _VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eo
                 "stop_token_ids", "skip_special_tokens", "use_beam_search", "prompt_logprobs")
 _COMMON_BODY = ("max_tokens", "temperature", "top_p", "n", "stop", "seed",
                 "presence_penalty", "frequency_penalty") + _VLLM_EXTRAS
+# Structured output: vLLM's extra fields (native lines and OpenAI bodies) -> StructuredOutputsParams fields
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+_STRUCTURED_BODY = ("response_format", "structured_outputs", *_GUIDED_FIELDS)
 _IGNORED_BODY = ("model", "user", "metadata", "store", "stream_options", "parallel_tool_calls")
 # OpenAI fields we know and cannot honour: refused as "not supported", never as "unknown"
-_UNSUPPORTED_BODY = ("tools", "tool_choice", "functions", "function_call", "response_format",
+_UNSUPPORTED_BODY = ("tools", "tool_choice", "functions", "function_call",
                      "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
                      "service_tier")
 
@@ -210,7 +214,7 @@ def _parse_native(line_number: int, request_id: str, obj: dict,
     if len(given) != 1:
         raise ValueError(f"a line needs exactly one of {', '.join(_PROMPT_KEYS)} "
                          f"(got {', '.join(given) or 'none'})")
-    fields = {k: v for k, v in obj.items() if k not in ("id", given[0], "chat_template_kwargs")}
+    fields = _structured_fields({k: v for k, v in obj.items() if k not in ("id", given[0], "chat_template_kwargs")})
     params = SamplingParams.from_dict({**defaults, **fields})
     kwargs = _template_kwargs(obj, given[0])
     return JobRequest(line_number, request_id, NATIVE, params, **_prompt(given[0], obj[given[0]]),
@@ -326,7 +330,7 @@ def _parse_openai(line_number: int, obj: dict, defaults: Mapping[str, Any]) -> J
 def _completion_request(line_number: int, custom_id: str, body: dict,
                         defaults: Mapping[str, Any]) -> JobRequest:
     _reject_unsupported(body, suffix=None)
-    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY +
+    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + _STRUCTURED_BODY +
                     ("prompt", "logprobs", "best_of", "echo", "stream", "suffix", "logit_bias"))
     fields = _common_fields(body)
     if body.get("logprobs") is not None:
@@ -373,7 +377,7 @@ def _model(body: dict) -> str | None:
 def _chat_request(line_number: int, custom_id: str, body: dict,
                   defaults: Mapping[str, Any]) -> JobRequest:
     _reject_unsupported(body)
-    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + ("messages", "max_completion_tokens",
+    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + _STRUCTURED_BODY + ("messages", "max_completion_tokens",
                     "logprobs", "top_logprobs", "stream", "logit_bias", "chat_template_kwargs"))
     fields = _common_fields(body)
     if body.get("max_completion_tokens") is not None:
@@ -390,7 +394,40 @@ def _chat_request(line_number: int, custom_id: str, body: dict,
 
 def _common_fields(body: dict) -> dict[str, Any]:
     # OpenAI sends null for "not set"; null then means "job default"
-    return {k: body[k] for k in _COMMON_BODY if body.get(k) is not None}
+    fields = {k: body[k] for k in _COMMON_BODY if body.get(k) is not None}
+    structured = _structured_fields({k: body[k] for k in _STRUCTURED_BODY if body.get(k) is not None})
+    return fields | structured
+
+
+def _structured_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with vLLM's guided_* fields and OpenAI's response_format folded into one
+    "structured_outputs" object (SamplingParams validates it); two ways of saying it at once is an error."""
+    guided = {_GUIDED_FIELDS[k]: fields.pop(k) for k in list(fields) if k in _GUIDED_FIELDS}
+    response = _response_format(fields.pop("response_format", None))
+    given = [name for name, value in (("structured_outputs", fields.get("structured_outputs")),
+                                      ("guided_*", guided or None), ("response_format", response)) if value]
+    if len(given) > 1:
+        raise ValueError(f"give one of {' / '.join(given)} (they all constrain the output)")
+    if guided or response:
+        fields["structured_outputs"] = guided or response
+    return fields
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format -> StructuredOutputsParams fields (None: plain text)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+        return {"json": spec["schema"]}
+    raise ValueError(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r:.60}')
 
 
 def _reject_unknown(body: dict, known: tuple[str, ...]) -> None:
