@@ -26,7 +26,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from offline_paged.core.sequence import SequenceResult
-from offline_paged.core.structured_matcher import fill_bitmasks
 from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.worker.block_table_rows import BlockTableRows, MirroredRows
 from offline_paged.worker.launched_step import LaunchedStep, ReadySamples
@@ -296,6 +295,8 @@ def _structured_masks(scheduled, vocab_size: int) -> dict:
     items = [item for item in scheduled if item.num_samples and item.seq.matcher is not None]
     if not items:
         return {}
+    from offline_paged.core.structured_matcher import fill_bitmasks  # llguidance: only where grammars run
+
     masks = fill_bitmasks([item.seq.matcher for item in items], -(-vocab_size // 32))  # [Rm, W]
     return {item.seq.seq_id: masks[i] for i, item in enumerate(items)}
 
