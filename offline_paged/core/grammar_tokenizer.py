@@ -42,6 +42,11 @@ class _TokenTable:
         self.is_tokenizer_wrapper = True
 
     def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of `text` (llguidance tokenizes grammar literals); a tokenizer that cannot encode
+        (random-weight benches) gets the one-byte tokens of the table."""
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        try:
+            return list(self._tokenizer.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False))
+        except (TypeError, ValueError):
+            single = {t[0]: i for i, t in reversed(list(enumerate(self.tokens))) if len(t) == 1}
+            return [single[b] for b in data if b in single]

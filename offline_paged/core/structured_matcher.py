@@ -28,8 +28,8 @@ class StructuredMatcher:
     def accept(self, token_id: int) -> str | None:
         """Consume a sampled token; None when the grammar allows it, else the error (the matcher stays
         in its error state)."""
-        if self._matcher.consume_token(int(token_id)):
-            return None
+        if self._matcher.consume_token(int(token_id)) and not self._matcher.is_error():
+            return None  # (a matcher that failed while computing a mask accepts EOS but is in error)
         message = self._matcher.get_error().strip() or f"token {token_id} is not allowed by the grammar"
         return message if len(message) <= _MESSAGE_LIMIT else message[:_MESSAGE_LIMIT] + "..."
 
