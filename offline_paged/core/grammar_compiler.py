@@ -11,6 +11,7 @@ fails again in the same way, cheaply.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class GrammarCompiler:
                  cache_size: int = 1024) -> None:
         self._tokenizer_source = (tokenizer, vocab_size, tuple(eos_token_ids))
         self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s for 50k tokens)
+        self._tokenizer_lock = threading.Lock()  # the pool's threads build it once
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cache_size = cache_size
@@ -72,8 +74,9 @@ class GrammarCompiler:
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = ll_tokenizer(*self._tokenizer_source)
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = ll_tokenizer(*self._tokenizer_source)
         return self._ll_tokenizer
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
