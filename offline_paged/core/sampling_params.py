@@ -110,7 +110,7 @@ class SamplingParams:
         """Plain JSON-ready dict of every field (tuples become lists)."""
         return {
             name: list(v) if isinstance(v, tuple) else v.to_dict() if isinstance(v, StructuredOutputsParams) else v
-            for name in FIELD_NAMES
+            for name in FIELD_NAMES if name != "guided_decoding"  # always moved into structured_outputs
             for v in [getattr(self, name)]
         }
 
