@@ -98,7 +98,8 @@ class SamplingParams:
         """Build from a JSON object (one job line's sampling fields); unknown keys are an error."""
         if not isinstance(d, Mapping):
             raise ValueError(f"sampling parameters must be an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(FIELD_NAMES) - set(UNSUPPORTED_FIELD_NAMES))  # those say "not supported"
+        unknown = sorted(set(d) - set(FIELD_NAMES) - set(UNSUPPORTED_FIELD_NAMES)  # those say "not supported"
+                         - set(ALIAS_FIELD_NAMES))
         if unknown:
             raise ValueError(
                 f"unknown sampling field(s): {', '.join(unknown)} "
@@ -110,7 +111,7 @@ class SamplingParams:
         """Plain JSON-ready dict of every field (tuples become lists)."""
         return {
             name: list(v) if isinstance(v, tuple) else v.to_dict() if isinstance(v, StructuredOutputsParams) else v
-            for name in FIELD_NAMES if name != "guided_decoding"  # always moved into structured_outputs
+            for name in FIELD_NAMES
             for v in [getattr(self, name)]
         }
 
@@ -228,8 +229,9 @@ class SamplingParams:
 
 
 UNSUPPORTED_FIELD_NAMES = ("logits_processors", "output_kind", "extra_args")
-FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams)
-                                     if not f.name.startswith("_") and f.name not in UNSUPPORTED_FIELD_NAMES)
+ALIAS_FIELD_NAMES = ("guided_decoding",)  # accepted, always moved into structured_outputs
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if not f.name.startswith("_")
+                                     and f.name not in UNSUPPORTED_FIELD_NAMES + ALIAS_FIELD_NAMES)
 
 
 def _set(obj: SamplingParams, name: str, value: Any) -> None:
