@@ -260,11 +260,19 @@ class LLMEngine:
     def grammar_compiler(self):
         """The GrammarCompiler of this engine's tokenizer (built on first use)."""
         if self._grammar_compiler is None:
-            from offline_paged.core.grammar_compiler import GrammarCompiler
-
-            self._grammar_compiler = GrammarCompiler(self._tokenizer, self.model_config.vocab_size,
-                                                     self.eos_token_ids)
+            self.use_grammar_executor(None)
         return self._grammar_compiler
+
+    def use_grammar_executor(self, executor) -> None:
+        """Compile grammars on `executor` (a concurrent.futures.Executor; None: the compiler's own thread
+        pool). Call before the first structured-output request."""
+        from offline_paged.core.grammar_compiler import GrammarCompiler
+
+        if self._grammar_compiler is not None:
+            raise ValueError("the grammar compiler is already in use; choose its executor before the first "
+                             "structured-output request")
+        self._grammar_compiler = GrammarCompiler(self._tokenizer, self.model_config.vocab_size,
+                                                 self.eos_token_ids, executor=executor)
 
     def _admit(self, group: SequenceGroup, grammar: Future | None) -> None:
         """Hand the group to the scheduler, its first sequence given a matcher of its compiled grammar.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import jsonschema
 import llguidance
@@ -300,3 +302,53 @@ def test_async_scheduling_processes_grammar_steps_at_once_so_masks_follow_every_
     for key, output in outputs.items():
         if key != "free":
             _assert_valid_json(output.outputs[0], SCHEMA)
+
+
+class GatedExecutor(Executor):
+    """Runs each compile on a thread of its own once `gate` is set: a grammar that takes as long as we like."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1)
+
+    def submit(self, fn, *args, **kwargs):
+        def gated():
+            self.gate.wait(timeout=30)
+            return fn(*args, **kwargs)
+        return self._pool.submit(gated)
+
+    def shutdown(self, wait=True, **kwargs):
+        self.gate.set()
+        self._pool.shutdown(wait=wait)
+
+
+def test_a_slow_grammar_never_stalls_the_batch():
+    eng = tiny_engine()
+    gated = GatedExecutor()
+    eng.use_grammar_executor(gated)
+    eng.add_request("slow", prompt_token_ids=PROMPT,
+                    params=SamplingParams(max_tokens=20, temperature=0.0, structured_outputs={"regex": "[0-9]{3}"}))
+    eng.add_request("plain", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=6, temperature=0.0))
+    finished = []
+    while "plain" not in finished:
+        finished += [o.request_id for o in eng.step()]
+    assert "slow" not in finished and not eng.scheduler.running  # it waits outside the scheduler
+    gated.gate.set()
+    while eng.has_unfinished_requests():
+        finished += [o.request_id for o in eng.step()]
+    assert finished == ["plain", "slow"]
+    with pytest.raises(ValueError, match="already in use"):
+        eng.use_grammar_executor(None)
+    gated.shutdown()
+
+
+def test_a_failed_compile_is_not_cached_and_a_good_one_is():
+    compiler = GrammarCompiler(TOKENIZER, VOCAB_SIZE, (EOS_ID,))
+    bad = StructuredOutputsParams(regex="(")
+    with pytest.raises(ValueError, match="invalid structured_outputs regex"):
+        compiler.compile(bad)
+    with pytest.raises(ValueError, match="invalid structured_outputs regex"):
+        compiler.compile(bad)
+    good = StructuredOutputsParams(regex="a")
+    assert compiler.compile(good) is compiler.compile(good)
+    assert compiler.num_compiled == 3

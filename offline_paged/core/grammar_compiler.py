@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
@@ -42,11 +42,12 @@ class GrammarCompiler:
     """Compiles structured-output specs for one tokenizer; `submit` never blocks on a compile."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_workers: int = 2,
-                 cache_size: int = 1024) -> None:
+                 cache_size: int = 1024, executor: Executor | None = None) -> None:
+        """executor: where compiles run (default: a pool of max_workers threads, shut down by close)."""
         self._tokenizer_source = (tokenizer, vocab_size, tuple(eos_token_ids))
         self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s for 50k tokens)
         self._tokenizer_lock = threading.Lock()  # the pool's threads build it once
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._pool = executor or ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cache_size = cache_size
         self.num_compiled = 0  # compiles started (a cache hit starts none)
