@@ -33,9 +33,10 @@ class CompiledGrammar:
 
     template: llguidance.LLMatcher
     kind: str
+    num_words: int  # ceil(vocab / 32): the width of its masks
 
     def new_matcher(self) -> StructuredMatcher:
-        return StructuredMatcher(self.template.deep_copy())
+        return StructuredMatcher(self.template.deep_copy(), self.num_words)
 
 
 class GrammarCompiler:
@@ -86,7 +87,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=limits)
         if matcher.is_error():
             raise ValueError(f"invalid structured_outputs {params.kind}: {_cut(matcher.get_error())}")
-        return CompiledGrammar(matcher, params.kind)
+        return CompiledGrammar(matcher, params.kind, -(-self.tokenizer.vocab_size // 32))
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

@@ -17,13 +17,14 @@ _MESSAGE_LIMIT = 300
 class StructuredMatcher:
     """Mutable: `accept` advances it; `fork` copies it. Not shared between sequences."""
 
-    __slots__ = ("_matcher",)
+    __slots__ = ("_matcher", "num_words")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int) -> None:
         self._matcher = matcher
+        self.num_words = num_words  # int32 words of its masks: ceil(the grammar tokenizer's vocab / 32)
 
     def fork(self) -> StructuredMatcher:
-        return StructuredMatcher(self._matcher.deep_copy())
+        return StructuredMatcher(self._matcher.deep_copy(), self.num_words)
 
     def accept(self, token_id: int) -> str | None:
         """Consume a sampled token; None when the grammar allows it, else the error (the matcher stays
@@ -47,9 +48,13 @@ class StructuredMatcher:
         llg_numpy.fill_next_token_bitmask(self._matcher, out.reshape(1, -1))
 
 
-def fill_bitmasks(matchers: list[StructuredMatcher], num_words: int) -> np.ndarray:
-    """[len(matchers), num_words] int32: each matcher's next-token mask, filled in parallel by llguidance's
-    thread pool (one executor for the process, created on first use)."""
+def fill_bitmasks(matchers: list[StructuredMatcher]) -> np.ndarray:
+    """[len(matchers), W] int32: each matcher's next-token mask (W: their num_words, one grammar tokenizer
+    per engine), filled in parallel by llguidance's thread pool (one executor per process, made on first use).
+    Logits wider than 32 W (a padded vocabulary) treat the tokens past it as not allowed."""
+    num_words = matchers[0].num_words if matchers else 0
+    if any(m.num_words != num_words for m in matchers):
+        raise RuntimeError("matchers of one step were built for different vocabularies")
     masks = np.zeros((len(matchers), num_words), dtype=np.int32)  # [R, W]
     if len(matchers) == 1:
         matchers[0].fill_bitmask(masks[0])

@@ -258,7 +258,7 @@ class ModelRunner:
         to the host alone)."""
         scheduled = output.scheduled
         requests, rows, owners, sample_index = [], [], [], {}
-        masks = _structured_masks(scheduled, logits.shape[1])
+        masks = _structured_masks(scheduled)
         for i, item in enumerate(scheduled):
             if not item.num_samples:
                 continue
@@ -289,15 +289,15 @@ def _sampling_requests(item, token_bitmask=None) -> list[SamplingRequest]:
             for seed in seeds[:item.num_samples]]
 
 
-def _structured_masks(scheduled, vocab_size: int) -> dict:
-    """{seq id: [ceil(V / 32)] int32 next-token mask} of the sampled sequences with a grammar, filled at
+def _structured_masks(scheduled) -> dict:
+    """{seq id: [W] int32 next-token mask (W = ceil(grammar vocab / 32))} of the sampled sequences with a grammar, filled at
     launch in one parallel llguidance call (their matchers are current: such steps are processed at once)."""
     items = [item for item in scheduled if item.num_samples and item.seq.matcher is not None]
     if not items:
         return {}
     from offline_paged.core.structured_matcher import fill_bitmasks  # llguidance: only where grammars run
 
-    masks = fill_bitmasks([item.seq.matcher for item in items], -(-vocab_size // 32))  # [Rm, W]
+    masks = fill_bitmasks([item.seq.matcher for item in items])  # [Rm, W]
     return {item.seq.seq_id: masks[i] for i, item in enumerate(items)}
 
 
