@@ -5,6 +5,7 @@ and prints one row per run with ratios against the first. Exit code 2 for bad op
 """
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from typing import Any
@@ -80,6 +81,9 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--compare-single", is_flag=True,
               help="With --data-parallel-size N or --tensor-parallel-size N: first run the same "
                    "workload on one engine process (one GPU).")
+@click.option("--structured", type=click.Choice(["json"]), default=None,
+              help="Run the workload a second time with every request constrained by a JSON schema (structured "
+                   "output) and report it against the plain run (compare out tok/s).")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
 @click.option("--roofline/--no-roofline", default=True, show_default=True,
               help="Measure copy bandwidth and matmul rate and estimate the floor.")
@@ -161,6 +165,8 @@ def _check_options(options: dict) -> None:
     if options["data_parallel_size"] != 1 and (options["plot"] or options["json_steps"]):
         raise click.UsageError("--plot and --json-steps need per-step series, which data-parallel "
                                "runs do not record")
+    if options["structured"] and (options["data_parallel_size"] != 1 or options["tensor_parallel_size"] != 1):
+        raise click.UsageError("--structured runs on one engine (no --data-parallel-size / --tensor-parallel-size)")
     if options["json_steps"] and not options["as_json"]:
         raise click.UsageError("--json-steps needs --json")
     if options["plot"]:
@@ -193,7 +199,7 @@ def _load(options: dict, backend):
 def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int = 1, tag: str = "") -> list:
     """Every (layout, block size) run of one backend and model; `tag` is appended to each label."""
     from offline_paged.benchmark.bench import (max_total_len, measure_ceilings, release_device_memory, run_bench,
-                                               warm_up)
+                                               structured_workload, warm_up, warm_up_grammars)
     from offline_paged.engine import LLMEngine
 
     ceilings = measure_ceilings(backend) if options["roofline"] else None
@@ -201,27 +207,35 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
     layouts = options["kv_layouts"] or ("paged",)
     block_sizes = options["block_sizes"] or (16,)
     results = []
-    for layout in layouts:
-        for block_size in block_sizes:
+    variants = [("", requests)]
+    if options.get("structured"):
+        variants.append((f" {options['structured']}", structured_workload(requests, options["structured"])))
+    for layout, block_size, (variant, run_requests) in itertools.product(layouts, block_sizes, variants):
+        # one fresh engine per run: a second run on the same engine would hit the prefix cache
+        try:
+            config = _engine_config(options, backend.name, layout, block_size, max_model_len,
+                                    tensor_parallel_size)
+            engine = LLMEngine(config, loaded_model=loaded)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        except RuntimeError as exc:  # a tensor-parallel rank failed to start
+            raise CouldNotStart(str(exc)) from None
+        if options["warmup"]:
+            warm_up(engine, loaded.config.vocab_size)
+        if variant:
             try:
-                config = _engine_config(options, backend.name, layout, block_size, max_model_len,
-                                        tensor_parallel_size)
-                engine = LLMEngine(config, loaded_model=loaded)
+                warm_up_grammars(engine, run_requests)  # compiled outside the timing (also without --warmup)
             except ValueError as exc:
-                raise click.UsageError(str(exc)) from None
-            except RuntimeError as exc:  # a tensor-parallel rank failed to start
-                raise CouldNotStart(str(exc)) from None
-            if options["warmup"]:
-                warm_up(engine, loaded.config.vocab_size)
-            label = layout if len(block_sizes) == 1 else f"{layout} B={block_size}"
-            if options["tensor_parallel_size"] != 1:
-                label += f" TP={tensor_parallel_size}"
-            label += tag
-            print(f"running {label} ...", file=sys.stderr, flush=True)
-            results.append(run_bench(engine, requests, label=label, kv_layout=layout, ceilings=ceilings))
-            engine.close()
-            del engine
-            release_device_memory(backend)
+                raise click.UsageError(f"--structured: {exc}") from None
+        label = layout if len(block_sizes) == 1 else f"{layout} B={block_size}"
+        if options["tensor_parallel_size"] != 1:
+            label += f" TP={tensor_parallel_size}"
+        label += tag + variant
+        print(f"running {label} ...", file=sys.stderr, flush=True)
+        results.append(run_bench(engine, run_requests, label=label, kv_layout=layout, ceilings=ceilings))
+        engine.close()
+        del engine
+        release_device_memory(backend)
     return results
 
 

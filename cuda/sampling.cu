@@ -25,6 +25,12 @@
 // ban_tokens
 //   adjusted [R, V] fp64 (in place); pairs [Q, 2] int32 (row, token): set to -inf. Grid-stride over Q.
 //
+// apply_token_bitmask (structured output; before every other adjustment, as the host sampler)
+//   adjusted [R, V] fp64 (in place); mask_rows [Rm] int32 (row of adjusted of each masked slot)
+//   bitmask [Rm, W] int32: bit t of word w is token 32 w + t (llguidance's packing); a clear bit sets the
+//   entry to -inf, and so does any token past 32 W. Grid: x = chunks of 256 vocab entries, y = masked slot;
+//   block: 256 threads, one entry each.
+//
 // top_cut / top_cut_logits (every row; rows without top-k / top-p, and greedy rows, get -inf). No sort, so it
 // can be captured. top_cut_logits reads float64(logits[rows[r]]) in place of adjusted[r].
 //   adjusted [R, V] fp64; params [R, 8] fp64 (see race); cut [R] fp64 (out): the race keeps x >= cut
@@ -280,6 +286,17 @@ __device__ void top_cut_impl(const double* adjusted, const float* logits, const 
     }
   }
   if (threadIdx.x == 0) cut[r] = result;
+}
+
+extern "C" __global__ void apply_token_bitmask(double* adjusted, const int* mask_rows, const int* bitmask,
+                                               int words, int vocab) {
+  const int slot = blockIdx.y;
+  const int v = blockIdx.x * 256 + threadIdx.x;
+  if (v >= vocab) return;
+  const int w = v >> 5;
+  const bool allowed =
+      w < words && ((static_cast<unsigned>(bitmask[static_cast<long long>(slot) * words + w]) >> (v & 31)) & 1u);
+  if (!allowed) adjusted[static_cast<long long>(mask_rows[slot]) * vocab + v] = NEG_INF;
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjusted, const double* params, double* cut,

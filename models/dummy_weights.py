@@ -81,10 +81,21 @@ class DummyTokenizer:
     """Stands in for a tokenizer when the weights are random: there is no vocabulary to speak of.
 
     Prompts must be given as token ids; `decode` returns "" (benchmarks count tokens, not text).
+    `token_bytes` is a synthetic table of the usual shape (ids < 256 one byte each, the rest word pieces of
+    2-6 letters, a third of them with a leading space), so a structured-output bench has a vocabulary to mask.
     """
 
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.special_token_ids = tuple(sorted(self.eos_token_ids))
+
+    @staticmethod
+    def token_bytes(token_id: int) -> bytes:
+        if token_id < 256:
+            return bytes([token_id])
+        n = token_id - 256
+        letters = bytes(97 + (n * 2654435761 >> (5 * i)) % 26 for i in range(2 + n % 5))
+        return b" " + letters if n % 3 == 0 else letters
 
     def encode(self, text: str) -> list[int]:
         raise ValueError("a model with --dummy-weights has no tokenizer; give prompts as "

@@ -10,6 +10,8 @@ import dataclasses
 import itertools
 import math
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +21,7 @@ from offline_paged.core.block_manager import BlockManager
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.engine_stats import StatsTracker
 from offline_paged.core.output_processor import OutputProcessor
-from offline_paged.core.outputs import CompletionOutput, EngineStats, RequestOutput
+from offline_paged.core.outputs import CompletionOutput, EngineStats, RequestError, RequestOutput
 from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.core.scheduler import Scheduler
 from offline_paged.core.sequence import Sequence, SequenceGroup
@@ -107,6 +109,8 @@ class LLMEngine:
         self._scoring_only: set[str] = set()  # max_tokens=0 requests: their one sampled token is dropped
         self._arrivals = itertools.count()
         self._model_source = source  # where the model's sentence-transformers pooling files may be
+        self._grammar_compiler = None  # built on the first structured-output request
+        self._compiling: dict[str, tuple[SequenceGroup, Future]] = {}  # grammar not compiled yet: not scheduled
 
     # ----------------------------------------------------------------- set-up
     def _build_model(self, loaded_model):
@@ -144,9 +148,11 @@ class LLMEngine:
         return model, source
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do for one process)."""
+        """Stop the tensor-parallel ranks and the grammar compiler's threads (if any)."""
         if self.tp_group is not None:
             self.tp_group.close()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
 
     def _size_kv_pools(self, model) -> tuple[int, int, int]:
         """(max_model_len, device blocks, CPU blocks); see EngineConfig for the rules."""
@@ -245,12 +251,66 @@ class LLMEngine:
             sample_seeds=self._sample_seeds(params, arrival),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None, beam=beam,
         )
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler.submit(params.structured_outputs)
+            if not grammar.done():  # compiles off the step loop; scheduled once it is ready
+                self._compiling[request_id] = (group, grammar)
+                self._groups[request_id] = group
+                return
         try:
-            self.scheduler.add_group(group)  # raises before anything is recorded
+            self._admit(group, grammar)  # raises before anything is recorded
         except ValueError:
             self._scoring_only.discard(request_id)
             raise
         self._groups[request_id] = group
+
+    @property
+    def grammar_compiler(self):
+        """The GrammarCompiler of this engine's tokenizer (built on first use)."""
+        if self._grammar_compiler is None:
+            self.use_grammar_executor(None)
+        return self._grammar_compiler
+
+    def use_grammar_executor(self, executor) -> None:
+        """Compile grammars on `executor` (a concurrent.futures.Executor; None: the compiler's own thread
+        pool). Call before the first structured-output request."""
+        from offline_paged.core.grammar_compiler import GrammarCompiler
+
+        if self._grammar_compiler is not None:
+            raise ValueError("the grammar compiler is already in use; choose its executor before the first "
+                             "structured-output request")
+        self._grammar_compiler = GrammarCompiler(self._tokenizer, self.model_config.vocab_size,
+                                                 self.eos_token_ids, executor=executor)
+
+    def _admit(self, group: SequenceGroup, grammar: Future | None) -> None:
+        """Hand the group to the scheduler, its first sequence given a matcher of its compiled grammar.
+        ValueError when the grammar did not compile or the scheduler refuses the group."""
+        compiled = grammar.result() if grammar is not None else None  # re-raises the compile's ValueError
+        self.scheduler.add_group(group)
+        if compiled is not None:
+            group.seqs[0].matcher = compiled.new_matcher()
+
+    def _admit_compiled(self) -> list[RequestError]:
+        """Schedule the requests whose grammar finished compiling (waiting for one when nothing else can
+        run); a grammar that failed is its request's error."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
+            wait_futures([future for _, future in self._compiling.values()], return_when=FIRST_COMPLETED)
+        errors = []
+        for request_id, (group, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                self._admit(group, future)
+            except Exception as exc:  # noqa: BLE001 - a bad grammar fails its own request only
+                del self._groups[request_id]
+                self._scoring_only.discard(request_id)
+                errors.append(RequestError(request_id, str(exc) if isinstance(exc, ValueError)
+                                           else f"{type(exc).__name__}: {exc}"))
+        return errors
 
     def _check_params_fit(self, params: SamplingParams) -> None:
         """What a SamplingParams alone cannot know: this engine's vocabulary and caps. Checked before
@@ -363,15 +423,18 @@ class LLMEngine:
         self._scoring_only.discard(request_id)
         if group is None:
             return False
-        self.scheduler.abort_group(group)
+        if self._compiling.pop(request_id, None) is None:  # one still compiling was never scheduled
+            self.scheduler.abort_group(group)
         return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self._in_flight is not None
 
     # ----------------------------------------------------------------- the step
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the requests that finished in it (in finishing order)."""
+    def step(self) -> list[RequestOutput | RequestError]:
+        """Run one iteration; returns the requests that finished in it (in finishing order). A request
+        whose structured-output grammar failed to compile, or whose matcher failed mid-generation,
+        comes back as a RequestError."""
         return self.step_with_report()[0]
 
     def step_with_report(self) -> tuple[list[RequestOutput], StepReport]:
@@ -386,6 +449,7 @@ class LLMEngine:
         sync loop.
         """
         t0 = time.perf_counter()
+        outputs: list = self._admit_compiled()
         output = self.scheduler.schedule()
         if output.is_empty and self._in_flight is None and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not schedule anything although requests are "
@@ -394,7 +458,6 @@ class LLMEngine:
         t1 = time.perf_counter()
         launched = self.runner.launch(output, self._in_flight)
         t2 = time.perf_counter()
-        outputs = []
         if self._in_flight is not None:
             outputs += self._process(self._in_flight)
             self._in_flight = None
@@ -412,8 +475,13 @@ class LLMEngine:
         self._stats.record_postprocess(executed.num_samples)
         return [self._finish(group) for group in finished]
 
-    def _finish(self, group: SequenceGroup) -> RequestOutput:
+    def _finish(self, group: SequenceGroup) -> RequestOutput | RequestError:
         del self._groups[group.request_id]
+        failed = next((seq.error for seq in group.seqs if seq.error is not None), None)
+        if failed is not None:  # a grammar matcher refused a token: the request ends with that error
+            self._scoring_only.discard(group.request_id)
+            self._stats.record_finished(group)
+            return RequestError(group.request_id, f"structured output failed: {failed}")
         seqs = group.seqs if group.beam is None else group.beam.best(group.params.n)
         if len(seqs) > group.params.n:  # best_of > n: keep the n most likely
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:group.params.n]
@@ -444,12 +512,14 @@ class LLMEngine:
 
 def _needs_host_tokens(output) -> bool:
     """Whether the next schedule needs this step's sampled tokens on the host: forks (n > 1 samples of
-    a row), beam steps, penalties and bad words (the sampler reads the token history)."""
+    a row), beam steps, penalties and bad words (the sampler reads the token history), structured output
+    (the next mask is filled from the matcher, which must have consumed the token)."""
     for item in output.scheduled:
         if not item.num_samples:
             continue
         params, group = item.seq.group.params, item.seq.group
         if (item.num_samples > 1 or group.beam is not None or params.repetition_penalty != 1.0
-                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.bad_words):
+                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.bad_words
+                or params.structured_outputs is not None):
             return True
     return False

@@ -51,7 +51,7 @@ def test_openai_batch_records_validate_against_the_openai_types(tmp_path):
              line("chat", "/v1/chat/completions", messages=messages, max_tokens=3, n=2, seed=1),
              line("cmpl-lp", "/v1/completions", prompt="ab😀", max_tokens=3, logprobs=2),
              line("cmpl-echo", "/v1/completions", prompt="ab😀", max_tokens=0, echo=True, logprobs=1),
-             line("bad", "/v1/completions", prompt="x", response_format={"type": "json_object"})]
+             line("bad", "/v1/completions", prompt="x", tools=[{"type": "function"}])]
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps(x) + "\n" for x in lines))
     result = CliRunner().invoke(cli, ["generate", str(source), "-o", str(out), "-m", str(model), "--device", "cpu",

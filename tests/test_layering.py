@@ -28,6 +28,7 @@ VLLM_PATHS = ("sampling_params", "pooling_params", "inputs", "outputs", "lora", 
 RANK.update({f"offline_paged.{name}": RANK["offline_paged"] for name in VLLM_PATHS})
 # The pure-Python engine core, by rank: imports go to strictly lower ranks only.
 CORE_RANKS = {
+    "structured_outputs": -1,
     "allocator": 0, "config": 0, "sampling_params": 0, "sequence": 0, "outputs": 0,
     "block_manager": 1, "seq_queue": 1, "beam_search": 1, "beam_search_params": 1, "engine_stats": 1,
     "scheduler": 2,

@@ -101,7 +101,7 @@ def test_logit_bias_is_applied_before_the_repetition_penalty():
     (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
     (dict(max_tokens=0, n=2), "max_tokens=0"), (dict(prompt_logprobs_start=3), "prompt_logprobs_start"),
     (dict(stop=["x"], detokenize=False), "detokenize"),
-    (dict(structured_outputs={"json": {}}), "structured_outputs is not supported"),
+    (dict(structured_outputs={"json": {}, "regex": "a"}), "structured outputs need exactly one of"),
     (dict(logits_processors=[print]), "logits_processors is not supported"),
 ])
 def test_bad_values_raise_value_error_naming_the_field(kwargs, named):
@@ -110,9 +110,10 @@ def test_bad_values_raise_value_error_naming_the_field(kwargs, named):
 
 
 def test_unsupported_vllm_fields_in_a_job_line_say_not_supported():
-    with pytest.raises(ValueError, match="guided_decoding is not supported"):
-        SamplingParams.from_dict({"guided_decoding": {"regex": "a+"}})
-    assert "guided_decoding" not in SamplingParams().to_dict()
+    with pytest.raises(ValueError, match="output_kind is not supported"):
+        SamplingParams.from_dict({"output_kind": 1})
+    assert "output_kind" not in SamplingParams().to_dict()
+    assert "guided_decoding" not in SamplingParams().to_dict()  # moved into structured_outputs
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(llm):

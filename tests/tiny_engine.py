@@ -21,6 +21,11 @@ class ByteTokenizer:
     range (random models of a real vocabulary size sample them)."""
 
     eos_token_ids = frozenset({EOS_ID})
+    special_token_ids = tuple(range(_BYTE_OFFSET))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte a token stands for (structured output's token table); specials stand for nothing."""
+        return bytes([token_id - _BYTE_OFFSET]) if _BYTE_OFFSET <= token_id < VOCAB_SIZE else b""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + _BYTE_OFFSET for b in text.encode("utf-8")]

@@ -16,6 +16,7 @@ parallelism of N each GPU moves and computes 1/N of it at the same time, so the 
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import random
@@ -28,6 +29,24 @@ from typing import Any
 import numpy as np
 
 from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.core.structured_outputs import StructuredOutputsParams
+
+# `bench --structured json`: every request constrained by this schema. Random weights still write valid JSON
+# under it; its free strings and open arrays let outputs run to their drawn length like the plain run's.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0},
+        "label": {"enum": ["positive", "negative", "neutral"]},
+        "items": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "score": {"type": "number"},
+                           "tags": {"type": "array", "items": {"type": "string"}}},
+            "required": ["name", "score", "tags"]}},
+    },
+    "required": ["id", "label", "items"],
+}
+STRUCTURED_KINDS = {"json": StructuredOutputsParams(json=BENCH_SCHEMA)}
 
 
 # --------------------------------------------------------------------------------- workloads
@@ -104,6 +123,22 @@ def _lognormal_lengths(rng, mean: float, count: int, max_len: int) -> np.ndarray
     """[count] int lengths, log-normal with the given mean (before clipping to [4, max_len])."""
     mu = np.log(mean) - SHAREGPT_SIGMA ** 2 / 2
     return np.clip(np.rint(rng.lognormal(mu, SHAREGPT_SIGMA, count)), 4, max_len).astype(np.int64)
+
+
+def structured_workload(requests: list[BenchRequest], kind: str = "json") -> list[BenchRequest]:
+    """The same requests, each constrained by STRUCTURED_KINDS[kind] (ValueError for an unknown kind). A
+    grammar that completes ends its request early, so compare output tokens/s, not wall time."""
+    if kind not in STRUCTURED_KINDS:
+        raise ValueError(f"unknown structured workload {kind!r}; choose from {', '.join(STRUCTURED_KINDS)}")
+    spec = STRUCTURED_KINDS[kind]
+    return [BenchRequest(r.prompt_token_ids, dataclasses.replace(r.params, structured_outputs=spec))
+            for r in requests]
+
+
+def warm_up_grammars(engine, requests: list[BenchRequest]) -> None:
+    """Compile every distinct grammar of the workload before the timing (the compile is cached by spec)."""
+    for spec in {r.params.structured_outputs for r in requests if r.params.structured_outputs is not None}:
+        engine.grammar_compiler.compile(spec)
 
 
 def file_workload(path: str | Path, tokenizer) -> list[BenchRequest]:

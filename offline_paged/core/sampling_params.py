@@ -23,6 +23,9 @@ Choices that vLLM leaves open or that differ between its versions:
 - `detokenize=False` returns empty text (token ids only) and refuses stop strings, as vLLM does.
   `spaces_between_special_tokens` is accepted and, as in vLLM with fast (tokenizer.json) tokenizers —
   the only kind we load — changes nothing.
+- `structured_outputs=StructuredOutputsParams(json=... | regex=... | choice=[...] | grammar=... |
+  json_object=True)` constrains the output (core/structured_outputs.py; a dict of its fields is accepted
+  too); `guided_decoding=` (vLLM's older name, GuidedDecodingParams) is the same thing. Not with beam search.
 - `truncate_prompt_tokens=k` keeps the last k prompt tokens (-1: as many as max_model_len allows).
 - A temperature below 1e-5 is stored as 0 (greedy), as vLLM does: dividing logits by 5e-324
   overflows to inf and NaN.
@@ -33,6 +36,8 @@ Choices that vLLM leaves open or that differ between its versions:
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from offline_paged.core.structured_outputs import StructuredOutputsParams
 
 _MAX_SEED = 2**64
 # n and best_of are capped before anything is sized by them (a request builds one random-stream seed
@@ -80,10 +85,12 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     prompt_logprobs_start: int = 0
+    # Structured output (StructuredOutputsParams, or its fields as a dict); guided_decoding is vLLM's older
+    # spelling and is moved into structured_outputs.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
     # vLLM fields we do not implement: accepted as None only, so setting one says "not supported".
     logits_processors: Any = None
-    structured_outputs: Any = None
-    guided_decoding: Any = None
     output_kind: Any = None
     extra_args: Any = None
     # Set by the engine from bad_words and its tokenizer; not a user field.
@@ -105,7 +112,8 @@ class SamplingParams:
         """Build from a JSON object (one job line's sampling fields); unknown keys are an error."""
         if not isinstance(d, Mapping):
             raise ValueError(f"sampling parameters must be an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(FIELD_NAMES) - set(UNSUPPORTED_FIELD_NAMES))  # those say "not supported"
+        unknown = sorted(set(d) - set(FIELD_NAMES) - set(UNSUPPORTED_FIELD_NAMES)  # those say "not supported"
+                         - set(ALIAS_FIELD_NAMES))
         if unknown:
             raise ValueError(
                 f"unknown sampling field(s): {', '.join(unknown)} "
@@ -116,7 +124,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict of every field (tuples become lists)."""
         return {
-            name: list(v) if isinstance(v, tuple) else v
+            name: list(v) if isinstance(v, tuple) else v.to_dict() if isinstance(v, StructuredOutputsParams) else v
             for name in FIELD_NAMES
             for v in [getattr(self, name)]
         }
@@ -152,6 +160,16 @@ class SamplingParams:
         _set(self, "bad_words", _string_tuple("bad_words", self.bad_words))
         if self.logit_bias is not None:
             _set(self, "logit_bias", _logit_bias(self.logit_bias))
+        self._normalise_structured()
+
+    def _normalise_structured(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+            _set(self, "structured_outputs", self.guided_decoding)
+            _set(self, "guided_decoding", None)
+        if self.structured_outputs is not None:
+            _set(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
 
     def _check_counts(self) -> None:
         _at_most("n", _at_least("n", self.n, 1), MAX_SAMPLES)
@@ -232,6 +250,8 @@ class SamplingParams:
         _check_string_list("bad_words", self.bad_words, MAX_BAD_WORDS)
 
     def _check_beam_search(self) -> None:
+        if self.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported with use_beam_search")
         if self.temperature != 0.0:
             raise ValueError("temperature must be 0 when use_beam_search is true")
         for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
@@ -239,9 +259,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be left off ({off}) when use_beam_search is true")
 
 
-UNSUPPORTED_FIELD_NAMES = ("logits_processors", "structured_outputs", "guided_decoding", "output_kind", "extra_args")
-FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams)
-                                     if not f.name.startswith("_") and f.name not in UNSUPPORTED_FIELD_NAMES)
+UNSUPPORTED_FIELD_NAMES = ("logits_processors", "output_kind", "extra_args")
+ALIAS_FIELD_NAMES = ("guided_decoding",)  # accepted, always moved into structured_outputs
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if not f.name.startswith("_")
+                                     and f.name not in UNSUPPORTED_FIELD_NAMES + ALIAS_FIELD_NAMES)
 
 
 def _set(obj: SamplingParams, name: str, value: Any) -> None:

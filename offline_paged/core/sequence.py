@@ -83,6 +83,10 @@ class Sequence:
     finished_by_eos: bool = False
     text: str | None = None  # final text when a stop string cut it (the stop string excluded)
     detokenizer: Any = None  # incremental detokenizer, created by the stop checker when needed
+    # Structured output: the grammar state after the known output tokens (a StructuredMatcher, fed by the
+    # stop checker; forks copy it), and the message of a matcher error that ended the sequence.
+    matcher: Any = None
+    error: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -140,6 +144,7 @@ class Sequence:
             num_slots=self.num_slots, num_skip_write=self.num_skip_write,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             cumulative_logprob=self.cumulative_logprob,
+            matcher=None if self.matcher is None else self.matcher.fork(),
         )
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:

@@ -2,6 +2,9 @@
 
 Order of checks (vLLM's): nothing stops a sequence before `min_tokens` except the length limits;
 then EOS (unless ignore_eos), stop_token_ids, stop strings; then max_tokens and max_model_len.
+Structured output: a sequence with a grammar matcher feeds it every appended token first; a token the
+grammar refuses ends the sequence (ABORT, `seq.error` says why: the engine turns it into the request's
+error), and a completed grammar ends it (STOP) whatever min_tokens says, since nothing else may follow.
 Stop strings are searched in incrementally detokenized text (never half a character); the text of a
 sequence stopped by a string ends just before it, as in vLLM (or just after it with
 `include_stop_str_in_output`). The token ids are kept whole. `detokenize=False` gives empty text.
@@ -25,6 +28,10 @@ class StopChecker:
         params = seq.group.params
         token_id = seq.token_ids[-1]
         num_outputs = seq.num_known_output_tokens  # a lookahead step's pending token does not count
+        if seq.matcher is not None:
+            seq.error = seq.matcher.accept(token_id)
+            if seq.error is not None:
+                return FinishReason.ABORT, None
         if num_outputs >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 seq.finished_by_eos = True
@@ -39,6 +46,8 @@ class StopChecker:
             self._detokenizer(seq).push([token_id])  # keep the text current for later checks
         if num_outputs >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
+        if seq.matcher is not None and seq.matcher.is_finished:
+            return FinishReason.STOP, None
         return None
 
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:

@@ -11,7 +11,8 @@ Blank lines are ignored. Sampling fields missing from a line come from the job's
 line without max_tokens gets SamplingParams' 16 (vLLM's default), while an OpenAI line without
 max_tokens / max_completion_tokens (and no job default) generates to the end of the context, as OpenAI
 and vLLM's OpenAI server do. OpenAI's logit_bias ({"token id": -100..100}) maps onto SamplingParams';
-response_format {"type": "text"} is the default and accepted.
+response_format {"type": "text"} is the default; "json_schema" and "json_object" constrain the output
+(structured output, like vLLM's guided_* fields).
 Lines are split on b"\n" only (a bare CR inside a line is part of that line), and a UTF-8 byte
 order mark before the first line is skipped (`read_lines`). Whatever a line holds, `parse_line`
 returns one JobRequest or one LineError: it never raises.
@@ -42,10 +43,13 @@ _VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eo
                 "stop_token_ids", "skip_special_tokens", "use_beam_search", "prompt_logprobs")
 _COMMON_BODY = ("max_tokens", "temperature", "top_p", "n", "stop", "seed",
                 "presence_penalty", "frequency_penalty", "logit_bias") + _VLLM_EXTRAS
-_IGNORED_BODY = ("model", "user", "metadata", "store", "stream_options", "parallel_tool_calls",
-                 "response_format")  # refused by _reject_unsupported unless {"type": "text"}
+# Structured output: vLLM's extra fields (native lines and OpenAI bodies) -> StructuredOutputsParams fields
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+_STRUCTURED_BODY = ("response_format", "structured_outputs", *_GUIDED_FIELDS)
+_IGNORED_BODY = ("model", "user", "metadata", "store", "stream_options", "parallel_tool_calls")
 # OpenAI fields we know and cannot honour: refused as "not supported", never as "unknown"
-_UNSUPPORTED_BODY = ("tools", "tool_choice", "functions", "function_call", "response_format",
+_UNSUPPORTED_BODY = ("tools", "tool_choice", "functions", "function_call",
                      "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
                      "service_tier")
 
@@ -260,7 +264,7 @@ def _parse_native(line_number: int, request_id: str, obj: dict,
     if len(given) != 1:
         raise ValueError(f"a line needs exactly one of {', '.join(_PROMPT_KEYS)} "
                          f"(got {', '.join(given) or 'none'})")
-    fields = {k: v for k, v in obj.items() if k not in ("id", given[0], "chat_template_kwargs")}
+    fields = _structured_fields({k: v for k, v in obj.items() if k not in ("id", given[0], "chat_template_kwargs")})
     params = SamplingParams.from_dict({**defaults, **fields})
     kwargs = _template_kwargs(obj, given[0])
     return JobRequest(line_number, request_id, NATIVE, params, **_prompt(given[0], obj[given[0]]),
@@ -383,7 +387,7 @@ def _openai_params(defaults: Mapping[str, Any], fields: dict[str, Any]) -> Sampl
 def _completion_request(line_number: int, custom_id: str, body: dict,
                         defaults: Mapping[str, Any]) -> JobRequest:
     _reject_unsupported(body, suffix=None)
-    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY +
+    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + _STRUCTURED_BODY +
                     ("prompt", "logprobs", "best_of", "echo", "stream", "suffix"))
     fields = _common_fields(body)
     if body.get("logprobs") is not None:
@@ -433,7 +437,7 @@ def _model(body: dict) -> str | None:
 def _chat_request(line_number: int, custom_id: str, body: dict,
                   defaults: Mapping[str, Any]) -> JobRequest:
     _reject_unsupported(body)
-    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + ("messages", "max_completion_tokens",
+    _reject_unknown(body, _COMMON_BODY + _IGNORED_BODY + _STRUCTURED_BODY + ("messages", "max_completion_tokens",
                     "logprobs", "top_logprobs", "stream", "chat_template_kwargs"))
     fields = _common_fields(body)
     if body.get("max_completion_tokens") is not None:
@@ -456,7 +460,39 @@ def _common_fields(body: dict) -> dict[str, Any]:
         raise ValueError("logit_bias values must be between -100 and 100 (OpenAI's range)")
     if bias == {}:
         del fields["logit_bias"]
+    structured = _structured_fields({k: body[k] for k in _STRUCTURED_BODY if body.get(k) is not None})
+    return fields | structured
+
+
+def _structured_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with vLLM's guided_* fields and OpenAI's response_format folded into one
+    "structured_outputs" object (SamplingParams validates it); two ways of saying it at once is an error."""
+    guided = {_GUIDED_FIELDS[k]: fields.pop(k) for k in list(fields) if k in _GUIDED_FIELDS}
+    response = _response_format(fields.pop("response_format", None))
+    given = [name for name, value in (("structured_outputs", fields.get("structured_outputs")),
+                                      ("guided_*", guided or None), ("response_format", response)) if value]
+    if len(given) > 1:
+        raise ValueError(f"give one of {' / '.join(given)} (they all constrain the output)")
+    if guided or response:
+        fields["structured_outputs"] = guided or response
     return fields
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format -> StructuredOutputsParams fields (None: plain text)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+        return {"json": spec["schema"]}
+    raise ValueError(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r:.60}')
 
 
 def _embeddings_request(line_number: int, custom_id: str, body: dict) -> JobRequest:
@@ -485,7 +521,7 @@ def _reject_unknown(body: dict, known: tuple[str, ...]) -> None:
 
 def _reject_unsupported(body: dict, **harmless: Any) -> None:
     for name in _UNSUPPORTED_BODY:
-        if body.get(name) is not None and not (name == "response_format" and body[name] == {"type": "text"}):
+        if body.get(name) is not None:
             raise ValueError(f"{name} is not supported")
     if body.get("stream"):
         raise ValueError("stream is not supported in a batch job")

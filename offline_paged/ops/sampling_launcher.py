@@ -19,7 +19,7 @@ KERNELS = (
     ("sampling.cu", "prepare_rows"), ("sampling.cu", "count_tokens"), ("sampling.cu", "apply_penalties"),
     ("sampling.cu", "ban_tokens"), ("sampling.cu", "top_cut"), ("sampling.cu", "top_cut_logits"),
     ("sampling.cu", "race"), ("sampling.cu", "race_logits"), ("sampling.cu", "gather_row_params"),
-    ("sampling.cu", "chosen_ids"),
+    ("sampling.cu", "chosen_ids"), ("sampling.cu", "apply_token_bitmask"),
 )
 BLOCK = 1024  # threads per row block (sampling.cu's BLOCK)
 PARAMS_WIDTH = 8
@@ -89,6 +89,19 @@ def ban_tokens(adjusted, pairs) -> None:
         blocks = min(_GRID_STRIDE_BLOCKS, -(-pairs.shape[0] // 256))
         _kernel(SOURCE, "ban_tokens")((blocks,), (256,), (adjusted, pairs, np.int32(pairs.shape[0]),
                                                          np.int32(adjusted.shape[1])))
+
+
+def apply_token_bitmask(adjusted, mask_rows, bitmask) -> None:
+    """adjusted[mask_rows[s], t] = -inf wherever bit t of bitmask[s] (packed int32, [Rm, W]) is clear, and for
+    every t >= 32 W: the structured-output mask, sampler.apply_token_bitmasks on the device."""
+    _check("adjusted", adjusted, np.float64, (None, None))
+    _check("mask_rows", mask_rows, np.int32, (None,))
+    _check("bitmask", bitmask, np.int32, (mask_rows.shape[0], None))
+    num_slots, vocab = mask_rows.shape[0], adjusted.shape[1]
+    if num_slots:
+        _kernel(SOURCE, "apply_token_bitmask")((-(-vocab // 256), num_slots), (256,),
+                                              (adjusted, mask_rows, bitmask, np.int32(bitmask.shape[1]),
+                                               np.int32(vocab)))
 
 
 def top_cut(adjusted, params, cut) -> None:

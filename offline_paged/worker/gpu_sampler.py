@@ -2,7 +2,7 @@
 log-probabilities) cross to the host: one upload of the step's per-row parameters, one download.
 
 Same order of operations as offline_paged/worker/sampler.py, in float64 on the GPU (cuda/sampling.cu):
-penalties -> EOS/stop ban before min_tokens -> temperature -> top-k -> top-p -> min-p -> greedy argmax or
+structured-output bitmask -> token constraints -> penalties -> EOS/stop ban before min_tokens -> temperature -> top-k -> top-p -> min-p -> greedy argmax or
 the exponential race with random_stream's uniforms. Rows with top-k or top-p find their threshold
 without a sort (sampling.cu's top_cut, a bitwise descent), so the decode graph's sampler
 (cuda_graph_runner.py) runs the very same kernels on the same packed rows (sampling_rows.pack_params) and
@@ -30,6 +30,7 @@ class GpuSampler:
     def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._upload = PinnedUpload()  # the per-row inputs cross without waiting for the device
+        self._mask_upload = PinnedUpload()  # structured-output masks: their own slots, as many steps in flight
 
     def sample(self, logits, rows: Sequence[int], requests: Sequence[SamplingRequest]) -> list[SampleResult]:
         """logits [K, V] float32 (device); request i samples logits row rows[i]. One result per request."""
@@ -48,6 +49,7 @@ class GpuSampler:
         adjusted = cupy.empty((num_rows, vocab), dtype=cupy.float64)  # [R, V]
         raw_stats = cupy.empty((num_rows, 2), dtype=cupy.float64)  # [R, 2] (max, logsumexp - max)
         kernels.prepare_rows(logits, step["rows"], adjusted, raw_stats)
+        self._apply_token_bitmasks(adjusted, requests)
         _apply_token_constraints(adjusted, requests)
         if step["penalty_rows"].size:
             seen = cupy.zeros((step["penalty_rows"].size, vocab), dtype=cupy.int32)  # [Rp, V]
@@ -68,6 +70,16 @@ class GpuSampler:
             _top_logprobs(logits, step["rows"], raw_stats, asking, k_max, out[2 * num_rows:])
         wants = [r.params.logprobs is not None for r in requests]
         return PendingSamples(out, num_rows, top_ks, asking, k_max, wants)
+
+
+    def _apply_token_bitmasks(self, adjusted, requests: Sequence[SamplingRequest]) -> None:
+        """The structured-output masks of the rows that carry one (packed int32, one upload for the step)."""
+        masked = [r for r, request in enumerate(requests) if request.token_bitmask is not None]
+        if not masked:
+            return
+        masks = np.stack([requests[r].token_bitmask for r in masked]).astype(np.int32, copy=False)  # [Rm, W]
+        kernels.apply_token_bitmask(adjusted, self._mask_upload(np.asarray(masked, dtype=np.int32)),
+                                    self._mask_upload(masks))
 
 
 class PendingSamples:

@@ -258,12 +258,13 @@ class ModelRunner:
         to the host alone)."""
         scheduled = output.scheduled
         requests, rows, owners, sample_index = [], [], [], {}
+        masks = _structured_masks(scheduled)
         for i, item in enumerate(scheduled):
             if not item.num_samples:
                 continue
             row = offsets[i] + (item.num_new_tokens - 1 if item.prompt_logprobs is not None else 0)
             sample_index[item.seq.seq_id] = len(requests)  # the seq's own token: its row's first draw
-            for request in _sampling_requests(item):
+            for request in _sampling_requests(item, masks.get(item.seq.seq_id)):
                 requests.append(request)
                 rows.append(row)
                 owners.append(i)
@@ -277,14 +278,27 @@ class ModelRunner:
         return LaunchedStep(output, samples, sample_index, owners, prompt, timer, used_graph)
 
 
-def _sampling_requests(item) -> list[SamplingRequest]:
-    """One request per sample drawn from this sequence's row (n of them when it forks)."""
+def _sampling_requests(item, token_bitmask=None) -> list[SamplingRequest]:
+    """One request per sample drawn from this sequence's row (n of them when it forks: one grammar state,
+    one mask, for all of them)."""
     seq = item.seq
     seeds = seq.group.sample_seeds if item.num_samples > 1 else [seq.sampling_seed]
     prompt = _TokenWindow(seq.token_ids, 0, seq.num_prompt_tokens)
     output = _TokenWindow(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
-    return [SamplingRequest(seq.group.params, seed, item.sample_position, prompt, output)
+    return [SamplingRequest(seq.group.params, seed, item.sample_position, prompt, output, token_bitmask)
             for seed in seeds[:item.num_samples]]
+
+
+def _structured_masks(scheduled) -> dict:
+    """{seq id: [W] int32 next-token mask (W = ceil(grammar vocab / 32))} of the sampled sequences with a grammar, filled at
+    launch in one parallel llguidance call (their matchers are current: such steps are processed at once)."""
+    items = [item for item in scheduled if item.num_samples and item.seq.matcher is not None]
+    if not items:
+        return {}
+    from offline_paged.core.structured_matcher import fill_bitmasks  # llguidance: only where grammars run
+
+    masks = fill_bitmasks([item.seq.matcher for item in items])  # [Rm, W]
+    return {item.seq.seq_id: masks[i] for i, item in enumerate(items)}
 
 
 class _TokenWindow(Sequence):

@@ -1,6 +1,7 @@
 """Sampler: one token per row of logits, with vLLM's order of operations.
 
-token constraints (allowed_token_ids, bad_words, logit_bias) -> penalties (repetition on
+structured-output mask (a packed int32 bitmask per row, from the request's grammar) -> token constraints
+(allowed_token_ids, bad_words, logit_bias) -> penalties (repetition on
 prompt+output tokens, presence/frequency on output tokens) -> min_tokens
 ban on EOS/stop ids -> temperature -> top-k -> top-p -> min-p -> choose. Greedy rows
 (temperature 0) take the argmax of the penalised logits. Random rows take the argmax over allowed
@@ -28,6 +29,8 @@ class SamplingRequest:
 
     seed: the row's stream seed (random_stream.stream_seed of the request seed and sample index).
     position: the output position being sampled (0 for the first generated token).
+    token_bitmask: [ceil(V / 32)] int32, bit t of word t // 32 set where token t is allowed (structured
+    output); None: every token.
     """
 
     params: SamplingParams
@@ -35,6 +38,7 @@ class SamplingRequest:
     position: int
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    token_bitmask: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +97,7 @@ class Sampler:
                 f"logits must be [num_requests={len(requests)}, vocab], got {logits.shape}"
             )
         adjusted = np.array(logits, dtype=np.float64)  # [S, V], penalised in place
+        apply_token_bitmasks(adjusted, requests)
         for row, request in enumerate(requests):
             apply_token_constraints(adjusted[row], request)
             apply_penalties(adjusted[row], request)
@@ -125,6 +130,29 @@ class Sampler:
             rows = random_rows[start:start + _ROWS_PER_CHUNK]
             token_ids[rows] = _race(adjusted[rows], [requests[i] for i in rows])
         return token_ids
+
+
+def apply_token_bitmasks(adjusted: np.ndarray, requests: Sequence[SamplingRequest]) -> None:
+    """adjusted [S, V] in place: -inf wherever a row's token_bitmask has the token's bit clear."""
+    masked = [row for row, r in enumerate(requests) if r.token_bitmask is not None]
+    if not masked:
+        return
+    masks = np.stack([requests[row].token_bitmask for row in masked])  # [Sm, W] int32
+    allowed = unpack_bitmask(masks, adjusted.shape[1])  # [Sm, V]
+    rows = adjusted[masked]  # [Sm, V] (a copy: fancy indexing)
+    rows[~allowed] = -np.inf
+    adjusted[masked] = rows
+
+
+def unpack_bitmask(masks: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[R, W] int32 packed (bit t of word w is token 32 w + t) -> [R, vocab_size] bool; tokens past
+    32 W are not allowed."""
+    words = np.ascontiguousarray(masks, dtype=np.int32).astype("<i4", copy=False)  # little-endian bytes
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")  # [R, 32 W]
+    allowed = np.zeros((masks.shape[0], vocab_size), dtype=bool)  # [R, V]
+    width = min(vocab_size, bits.shape[1])
+    allowed[:, :width] = bits[:, :width].astype(bool)
+    return allowed
 
 
 def apply_token_constraints(row: np.ndarray, request: SamplingRequest) -> None:

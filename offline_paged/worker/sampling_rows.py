@@ -44,7 +44,7 @@ def pack_seeds(seeds: Sequence[int]) -> np.ndarray:
 def graph_samplable(params: SamplingParams, beam: bool) -> bool:
     """Whether rows of a request with these params can be sampled by the decode graph's sampler (also
     needs: one sample, no prompt logprobs in the step, and no ban before min_tokens at that position)."""
-    if beam or params.logprobs is not None or params.logits_processors:
+    if beam or params.logprobs is not None or params.logits_processors or params.structured_outputs is not None:
         return False
     if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
         return False
