@@ -71,9 +71,12 @@ def test_logit_bias_is_mapped_and_response_format_text_accepted(engine):
     assert out["b"]["status_code"] == 200 and out["b"]["body"]["choices"][0]["text"] == "qqqq"
     bad = parse_line(1, json.dumps(_line("x", "/v1/completions", prompt="a", logit_bias={"1": 101})), {})
     assert isinstance(bad, LineError) and "between -100 and 100" in bad.message
+    constrained = parse_line(1, json.dumps(_line("x", "/v1/completions", prompt="a",
+                                                 response_format={"type": "json_object"})), {})
+    assert not isinstance(constrained, LineError) and constrained.params.structured_outputs is not None
     refused = parse_line(1, json.dumps(_line("x", "/v1/completions", prompt="a",
-                                             response_format={"type": "json_object"})), {})
-    assert isinstance(refused, LineError) and "response_format is not supported" in refused.message
+                                             response_format={"type": "yaml"})), {})
+    assert isinstance(refused, LineError) and "response_format type must be" in refused.message
 
 
 def test_a_list_of_several_prompts_is_refused_with_the_way_out():
