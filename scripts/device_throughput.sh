@@ -13,13 +13,20 @@ OUT=${OUT:-/tmp/throughput-out}
 WHAT=${1:-all}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# Wheels the device image lacks (llguidance for structured output), carried as .whl/ (git-ignored).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
 
 if [ "$WHAT" != bench ]; then
   # Every gpu-marked test but the real model (scripts/device_real_model.sh) and the two-GPU ones
   # (scripts/device_tp.sh).
-  timeout ${TEST_LIMIT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ \
-    --ignore=tests/test_gpu_real_model.py --ignore=tests/test_tensor_parallel_gpu.py >"$OUT/gpu_tests.log" 2>&1
+  # TESTS: files to run first (the ones a change touched), then the rest; TEST_IGNORE: more --ignore flags.
+  timeout ${TEST_LIMIT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-} tests/ \
+    --ignore=tests/test_gpu_real_model.py --ignore=tests/test_tensor_parallel_gpu.py ${TEST_IGNORE:-} \
+    >"$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -30
 fi
@@ -39,6 +46,7 @@ for name in $RUNS; do
     8b_graphs) run $name --dummy-weights llama-3.1-8b --cuda-graphs ;;
     1b_graphs_n1024) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024 ;;
     1b_graphs_n1024_a1) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024 --admission-batch 1 ;;
+    1b_structured) run $name --dummy-weights llama-3.2-1b --cuda-graphs --input-len 64:128 --output-len 128:192 --structured json ;;
     1b_graphs_n4096) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 4096 ;;
     1b_sharegpt_n4096) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 4096 --dataset sharegpt-like ;;
     qwen3_0.6b) run $name --dummy-weights qwen3-0.6b --cuda-graphs ;;
