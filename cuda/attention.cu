@@ -37,13 +37,7 @@
 // With a window, a CTA's key range starts at the window start of its first row: splits count from
 // there (rounded down to a multiple of 64), and a warp starts at the 16-key chunk that holds it, so no
 // key block wholly before the window is read (those blocks may already be freed).
-#include <cuda_fp16.h>
-
-// A bfloat16 as its 16 bits. NVRTC may not find a cuda_bf16.h matching the cuda_fp16.h CuPy bundles, so
-// the few conversions needed are PTX instructions of sm_80+ (what mma.sync needs anyway).
-struct __align__(2) bf16_t {
-  unsigned short bits;
-};
+#include "common.cuh"
 
 namespace {
 
@@ -60,7 +54,6 @@ constexpr int D64_PIPELINE_DEPTH = 2;  // register pipeline: chunks of K/V reque
 constexpr int DECODE_RING_STAGES = 3;
 constexpr int PREFILL_RING_STAGES = 2;
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // D = A B + D with fp32 accumulators; A, B are pairs of T packed in 32-bit registers.
 template <typename T>
@@ -96,23 +89,6 @@ __device__ __forceinline__ unsigned pair_halves(const uint4& a, const uint4& b, 
   return __byte_perm(word_of(a, h >> 1), word_of(b, h >> 1), (h & 1) ? 0x7632 : 0x5410);
 }
 
-// Two floats rounded to T (round to nearest even), packed (lo in the low 16 bits).
-template <typename T>
-__device__ __forceinline__ unsigned pack_float2(float lo, float hi);
-
-template <>
-__device__ __forceinline__ unsigned pack_float2<__half>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<unsigned*>(&h);
-}
-
-template <>
-__device__ __forceinline__ unsigned pack_float2<bf16_t>(float lo, float hi) {
-  unsigned packed;  // cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
-  return packed;
-}
-
 __device__ __forceinline__ void store_float(__half* p, float x) { *p = __float2half(x); }
 __device__ __forceinline__ void store_float(bf16_t* p, float x) {
   unsigned short bits;
@@ -131,9 +107,6 @@ __device__ __forceinline__ void cp_async16(uint4* smem, const void* gmem, bool o
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((unsigned)shared_addr), "l"(gmem),
                "r"(ok ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 template <typename T>
 struct Params {

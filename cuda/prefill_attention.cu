@@ -38,11 +38,7 @@
 // z = sequence (launch_order[z] when given). Block: 256 threads = 8 warps. A split is a range of
 // partition_size keys (a multiple of 64) counted from the window start of the tile's first row
 // rounded down to 64, as in attention.cu.
-#include <cuda_fp16.h>
-
-struct __align__(2) bf16_t {
-  unsigned short bits;
-};
+#include "common.cuh"
 
 namespace {
 
@@ -53,7 +49,6 @@ constexpr int TILE_ROWS = WARPS * WARP_ROWS;  // rows per CTA
 constexpr int TILE_KEYS = 64;               // keys per K/V tile (one softmax rescale each)
 constexpr int PREFILL_STAGES = 3;           // cp.async stages (launchers.py keeps a copy: it sizes shared memory)
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1);
@@ -76,23 +71,6 @@ __device__ __forceinline__ void mma16816<bf16_t>(float (&c)[4], const unsigned (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two floats rounded to T (nearest even), packed with lo in the low 16 bits.
-template <typename T>
-__device__ __forceinline__ unsigned pack_float2(float lo, float hi);
-
-template <>
-__device__ __forceinline__ unsigned pack_float2<__half>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<unsigned*>(&h);
-}
-
-template <>
-__device__ __forceinline__ unsigned pack_float2<bf16_t>(float lo, float hi) {
-  unsigned packed;  // cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
-  return packed;
-}
-
 __device__ __forceinline__ unsigned shared_address(const void* p) {
   unsigned long long address;
   asm("cvta.to.shared.u64 %0, %1;\n" : "=l"(address) : "l"(p));
@@ -110,9 +88,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
 __device__ __forceinline__ void cp_async16(unsigned smem, const void* gmem, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(ok ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Four 8x8 matrices of 16-bit elements; lanes 8i .. 8i + 7 give the row addresses of matrix i. Plain:
 // lane (g, t) gets row g, columns 2t, 2t + 1 of each; .trans: column g, rows 2t, 2t + 1.

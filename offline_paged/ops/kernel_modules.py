@@ -7,6 +7,7 @@ A failed build raises RuntimeError naming the source file and the kernel that wa
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 # The .cu sources are the repo's cuda/, installed as package data offline_paged/kernels/ (pyproject's
@@ -18,9 +19,14 @@ COMPILE_OPTIONS = ("--std=c++17",)
 MIN_COMPUTE_CAPABILITY = 80
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.M)
+
+
 def read_source(filename: str) -> str:
-    """The CUDA C source `filename` of offline_paged.kernels (tests may patch this to plant a bug)."""
-    return source_path(filename).read_text(encoding="utf-8")
+    """The CUDA C source `filename` of offline_paged.kernels with its `#include "x.cuh"` lines replaced by
+    those headers (NVRTC gets one text and needs no include path); tests may patch this to plant a bug."""
+    text = source_path(filename).read_text(encoding="utf-8")
+    return _LOCAL_INCLUDE.sub(lambda m: source_path(m.group(1)).read_text(encoding="utf-8"), text)
 
 
 def source_path(filename: str) -> Path:
