@@ -110,11 +110,15 @@ def test_the_kernel_loader_reads_the_installed_sources(installed: Path) -> None:
         "from offline_paged.ops import kernel_modules\n"
         "print(len(kernel_modules.read_source('attention.cu')))\n"
         "print(kernel_modules.source_path('attention.cu'))\n"
+        "print(kernel_modules.source_path('common.cuh'))\n"
     ))
     assert result.returncode == 0, result.stderr
-    size, where = result.stdout.splitlines()
-    assert int(size) == len((REPO_ROOT / "cuda" / "attention.cu").read_text(encoding="utf-8"))
-    assert Path(where).is_relative_to(installed), f"kernel sources read from {where}, not the install"
+    size, where, header_where = result.stdout.splitlines()
+    header = (REPO_ROOT / "cuda" / "common.cuh").read_text(encoding="utf-8")
+    source = (REPO_ROOT / "cuda" / "attention.cu").read_text(encoding="utf-8")
+    assert int(size) == len(source.replace('#include "common.cuh"\n', header + "\n"))  # the header inlined
+    for path in (where, header_where):
+        assert Path(path).is_relative_to(installed), f"kernel sources read from {path}, not the install"
 
 
 def test_license_is_an_spdx_string_and_the_plot_extra_brings_matplotlib() -> None:
