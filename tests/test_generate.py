@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from fixtures_tiny_model import write_tiny_model
-from offline_paged.cli.generate import parse_size
+from offline_paged.cli.engine_options import parse_size
 from offline_paged.cli.main import cli
 from offline_paged.job.job_output import is_error, record_key
 

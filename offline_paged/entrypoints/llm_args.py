@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from offline_paged.core.config import EngineConfig
+from offline_paged.core.config import DTYPE_ALIASES, EngineConfig
 from offline_paged.entrypoints.generation_config import CHOICES as GENERATION_CONFIG_CHOICES
 
 GiB = 1 << 30
-_DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bfloat16": "bfloat16"}
+_DTYPE_ALIASES = {"auto": None, **DTYPE_ALIASES}  # the CLI's --dtype maps the same aliases
 # vLLM arguments that change nothing here at these values (anything else is refused).
 _NEUTRAL = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
             "quantization": None, "tokenizer_revision": None,
