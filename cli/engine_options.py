@@ -96,7 +96,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             help="Sequences in one step at most."),
     _option("max_num_batched_tokens", "--max-num-batched-tokens", type=_POSITIVE, default=2048, show_default=True,
             help="Tokens in one step at most (longer prompts are prefilled in chunks)."),
-    _option("max_model_len", "--max-model-len", type=_POSITIVE, default=None,
+    _option("max_model_len", "--max-model-len", type=click.IntRange(min=2), default=None,
             help="Longest prompt + output (default: the model's context length, capped by the KV pool)."),
     _option("block_size", "--block-size", type=_POSITIVE, default=16, show_default=True,
             help="Tokens per KV block."),
@@ -163,7 +163,8 @@ def engine_config(options: dict[str, Any], **overrides: Any) -> EngineConfig:
 
 
 def given_engine_options(ctx: click.Context) -> dict[str, Any]:
-    """The engine options given on the command line (or the environment), not left at their defaults."""
-    return {name: value for name, value in ctx.params.items()
-            if name in ENGINE_OPTION_NAMES
+    """The engine options given on the command line (or the environment), not left at their defaults;
+    in declaration order."""
+    return {name: ctx.params[name] for name in ENGINE_OPTION_NAMES
+            if name in ctx.params
             and ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}

@@ -81,6 +81,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _require_positive(name, value)
+        if self.max_model_len == 1:  # the engine needs room for a prompt token and one more
+            raise ValueError("max_model_len must be at least 2 (a prompt token and one more), got 1")
         for name in ("swap_space", "num_cpu_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
