@@ -44,8 +44,6 @@ class ByteSize(click.ParamType):
     name = "size"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         try:
             return parse_size(str(value))
         except click.BadParameter as exc:

@@ -82,9 +82,9 @@ def test_engine_options_given_go_to_our_backend_as_one_more_model_args(fake_lm_e
             "--no-cuda-graphs", "--kv-cache-memory", "1MiB", "--limit", "3"]
     result = CliRunner().invoke(cli, ["eval", *args])
     assert result.exit_code == 0, result.output
+    ours = "dtype=float16,num_kv_blocks=64,kv_cache_memory=1048576,cuda_graphs=False"  # declaration order
     assert fake_lm_eval == [["offline-paged eval", "run", "--model", "offline-paged", "--tasks", "x",
-                             "--model_args", "pretrained=/m", "--limit", "3",
-                             "--model_args", "dtype=float16,num_kv_blocks=64,kv_cache_memory=1048576,cuda_graphs=False"]]
+                             "--model_args", "pretrained=/m", "--limit", "3", "--model_args", ours]]
 
 
 def test_lm_eval_reads_the_forwarded_model_args_back_as_typed_values():
