@@ -12,8 +12,8 @@ from typing import Any
 
 import click
 
+from offline_paged.cli.engine_options import engine_config, engine_options
 from offline_paged.cli.errors import CouldNotStart
-from offline_paged.cli.generate import parse_size
 
 
 def _length_range(ctx, param, value: str) -> tuple[int, int]:
@@ -25,12 +25,20 @@ def _length_range(ctx, param, value: str) -> tuple[int, int]:
         raise click.BadParameter(str(exc)) from None
 
 
-def _size(ctx, param, value: str | None) -> int | None:
-    return None if value is None else parse_size(value)
+_BENCH_OVERRIDES = {
+    "model": {"help": "HF model dir, hub id or .gguf file (not with --dummy-weights)."},
+    "dtype": {"help": "Repeat to compare, e.g. --dtype float16 --dtype bfloat16 (default: auto: float32 on the "
+                      "CPU; on CUDA the checkpoint's torch_dtype, bfloat16 or float16; float32 checkpoints and "
+                      "dummy weights run in float16)."},
+    "block_size": {"help": "Repeat to sweep, e.g. --block-size 8 --block-size 16 (default: 16)."},
+    "max_num_batched_tokens": {"default": 8192},
+    "max_model_len": {"help": "Default: the workload's longest prompt + max_tokens."},
+    "kv_cache_memory": {"help": "KV pool bytes, e.g. 8GiB (same for every run)."},
+    "seed": {"help": "Workload seed (and the engine's)."},
+}
 
 
 @click.command("bench")
-@click.option("--model", default=None, help="HF model dir or .gguf file (not with --dummy-weights).")
 @click.option("--dummy-weights", "dummy_preset", default=None, metavar="PRESET",
               help="Random weights of a shape preset: smollm2-135m, llama-3.2-1b, llama-3.1-8b, "
                    "qwen3-0.6b, qwen2.5-7b, llama-3.1-70b (TP), tiny.")
@@ -48,36 +56,9 @@ def _size(ctx, param, value: str | None) -> int | None:
 @click.option("--output-len", default="100:1024", show_default=True, callback=_length_range,
               help="Output length range (exact: ignore_eos).")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--dtype", "dtypes", type=click.Choice(["auto", "float32", "float16", "bfloat16", "float64"]),
-              multiple=True, help="Repeat to compare, e.g. --dtype float16 --dtype bfloat16 (default: auto: "
-                                  "float32 on the CPU; on CUDA the checkpoint's torch_dtype, bfloat16 or "
-                                  "float16; float32 checkpoints and dummy weights run in float16).")
+@engine_options(repeatable=("dtype", "block_size"), overrides=_BENCH_OVERRIDES)
 @click.option("--kv-layout", "kv_layouts", type=click.Choice(["paged", "contiguous"]), multiple=True,
               help="Repeat to compare (default: paged). contiguous reserves max_model_len per sequence.")
-@click.option("--block-size", "block_sizes", type=click.IntRange(min=1), multiple=True,
-              help="Repeat to sweep, e.g. --block-size 8 --block-size 16 (default: 16).")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
-@click.option("--admission-batch", type=click.IntRange(min=1), default=None,
-              help="While every running sequence decodes, admit waiting ones only once this many fit "
-                   "(default: max-num-seqs // 8 on CUDA, 1 on the CPU; 1 = whenever one fits).")
-@click.option("--max-model-len", type=click.IntRange(min=2), default=None,
-              help="Default: the workload's longest prompt + max_tokens.")
-@click.option("--kv-cache-memory", default=None, callback=_size, help="KV pool bytes, e.g. 8GiB (same for every run).")
-@click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None)
-@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True)
-@click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True)
-@click.option("--no-prefix-caching", is_flag=True)
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="Replay decode-only steps from CUDA graphs (CUDA).")
-@click.option("--async-scheduling/--sync-scheduling", "async_scheduling", default=None,
-              help="Overlap scheduling with the device step (default: on for CUDA, off on the CPU).")
-@click.option("--data-parallel-size", type=int, default=1, show_default=True,
-              help="Engine processes, one per GPU; the workload is dealt to them dynamically.")
-@click.option("--tensor-parallel-size", type=int, default=1, show_default=True,
-              help="Shard the model over N GPUs (one process each, NCCL); rank 0 schedules.")
 @click.option("--compare-single", is_flag=True,
               help="With --data-parallel-size N or --tensor-parallel-size N: first run the same "
                    "workload on one engine process (one GPU).")
@@ -94,7 +75,7 @@ def _size(ctx, param, value: str | None) -> int | None:
 def bench(**options: Any) -> None:
     """Measure generation throughput on a random or file workload."""
     _check_options(options)
-    dtypes = options.pop("dtypes") or ("auto",)
+    dtypes = options["dtype"] or ("auto",)
     options["dtype"] = dtypes[0]
     if options["data_parallel_size"] != 1:
         _bench_data_parallel(options)
@@ -149,14 +130,12 @@ def _bench_tensor_parallel(options: dict, backend, requests, tag: str = "") -> l
 def _check_options(options: dict) -> None:
     if options["model"] and options["dummy_preset"]:
         raise click.UsageError("give --model or --dummy-weights, not both")
-    if len(options["dtypes"]) > 1 and options["data_parallel_size"] != 1:
+    if len(options["dtype"]) > 1 and options["data_parallel_size"] != 1:
         raise click.UsageError("several --dtype values need --data-parallel-size 1 (one run per dtype)")
     if options["workload"] == "file" and not options["input_file"]:
         raise click.UsageError("--workload file needs --input-file JOB.jsonl")
     if options["workload"] == "random" and options["input_file"]:
         raise click.UsageError("--input-file is only read with --workload file")
-    if options["tensor_parallel_size"] < 1:
-        raise click.BadParameter("must be a positive integer", param_hint="--tensor-parallel-size")
     if options["tensor_parallel_size"] != 1 and options["data_parallel_size"] != 1:
         raise click.UsageError("--tensor-parallel-size and --data-parallel-size cannot be combined yet")
     if options["compare_single"] and options["data_parallel_size"] == 1 and options["tensor_parallel_size"] == 1:
@@ -205,7 +184,7 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
     ceilings = measure_ceilings(backend) if options["roofline"] else None
     max_model_len = options["max_model_len"] or max_total_len(requests)
     layouts = options["kv_layouts"] or ("paged",)
-    block_sizes = options["block_sizes"] or (16,)
+    block_sizes = options["block_size"] or (16,)
     results = []
     variants = [("", requests)]
     if options.get("structured"):
@@ -253,7 +232,7 @@ def _bench_data_parallel(options: dict) -> None:
     sizes = ([1] if options["compare_single"] else []) + [options["data_parallel_size"]]
     results = []
     for layout in options["kv_layouts"] or ("paged",):
-        for block_size in options["block_sizes"] or (16,):
+        for block_size in options["block_size"] or (16,):
             for size in sizes:
                 results.append(_run_data_parallel(options, device, tokenizer, requests, layout,
                                                   block_size, size))
@@ -273,7 +252,7 @@ def _run_data_parallel(options: dict, device: str, tokenizer, requests, layout: 
                           options["dummy_preset"], options["weights_seed"], warm_up=options["warmup"])
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    label = (f"{size} engine" + ("s" if size > 1 else "")) + ("" if len(options["block_sizes"] or (16,)) == 1
+    label = (f"{size} engine" + ("s" if size > 1 else "")) + ("" if len(options["block_size"] or (16,)) == 1
                                                             else f" {layout} B={block_size}")
     print(f"starting {size} engine process(es) for {label} ...", file=sys.stderr, flush=True)
     try:
@@ -287,18 +266,9 @@ def _run_data_parallel(options: dict, device: str, tokenizer, requests, layout: 
 
 def _engine_config(options: dict, device: str, layout: str, block_size: int, max_model_len: int,
                    tensor_parallel_size: int = 1):
-    from offline_paged.core.config import EngineConfig
-
-    return EngineConfig(
-        model=options["model"], device=device, dtype=options["dtype"], block_size=block_size,
-        kv_cache_memory=options["kv_cache_memory"], num_kv_blocks=options["num_kv_blocks"],
-        max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
-        admission_batch=options["admission_batch"],
-        max_model_len=max_model_len, enable_prefix_caching=not options["no_prefix_caching"],
-        preemption_mode=options["preemption"], gpu_memory_utilization=options["gpu_memory_utilization"],
-        kv_layout=layout, seed=options["seed"], cuda_graphs=options["cuda_graphs"],
-        async_scheduling=options["async_scheduling"] if tensor_parallel_size == 1 else False,
-        tensor_parallel_size=tensor_parallel_size)
+    return engine_config(options, device=device, block_size=block_size, max_model_len=max_model_len,
+                         kv_layout=layout, tensor_parallel_size=tensor_parallel_size,
+                         async_scheduling=options["async_scheduling"] if tensor_parallel_size == 1 else False)
 
 
 def _vocab_and_tokenizer(options: dict):

@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import click
 
+from offline_paged.cli.engine_options import engine_config, engine_options
 from offline_paged.cli.errors import CouldNotStart
 from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.dp.dp_coordinator import WorkersLostError
@@ -28,68 +29,24 @@ from offline_paged.job.job_file import JsonlWriter, OutputWriteError, ResumeStat
 from offline_paged.job.job_input import default_max_line_bytes, read_lines
 from offline_paged.job.job_runner import InputChangedError, JobRunner, JobSummary
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30}
 # CLI flag -> SamplingParams field; only flags given on the command line become job defaults
 _SAMPLING_FLAGS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "logprobs",
                    "prompt_logprobs")
 
 
-def parse_size(text: str) -> int:
-    """"4GiB", "512MiB", "1000000" -> bytes."""
-    cleaned = text.strip().lower().replace(" ", "")
-    number = cleaned.rstrip("kmgib")
-    unit = cleaned[len(number):]
-    try:
-        if unit not in _SIZE_UNITS:
-            raise ValueError
-        return int(float(number) * _SIZE_UNITS[unit])
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a size like 2GiB, 512MiB or 1000000") from None
-
-
 @click.command("generate")
 @click.argument("prompts", metavar="PROMPTS.jsonl", type=click.Path(allow_dash=True, dir_okay=False))
 @click.option("-o", "--output", default="-", show_default=True, metavar="OUT.jsonl",
               type=click.Path(allow_dash=True, dir_okay=False), help="Output JSONL ('-' = stdout).")
-@click.option("-m", "--model", default=None, help="HF model dir, hub id (ORG/NAME, from the HF cache or downloaded), "
-                                                  ".gguf file, or 'default' (SmolLM2-135M-Instruct).")
 @click.option("--served-model-name", default=None, help="The \"model\" of OpenAI responses (default: --model's value).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16", "float64", "half", "float"]),
-              default="auto",
-              show_default=True, help="auto: float32 on the CPU; on CUDA the checkpoint's torch_dtype "
-                                      "(bfloat16 or float16; float32 checkpoints run in float16).")
-@click.option("--max-num-seqs", type=int, default=256, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
-@click.option("--max-model-len", type=int, default=None)
-@click.option("--block-size", type=int, default=16, show_default=True)
-@click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (wins over memory).")
-@click.option("--kv-cache-memory", default=None, help="KV pool size in bytes, e.g. 2GiB.")
-@click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True)
-@click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="Replay decode-only steps from CUDA graphs (CUDA).")
-@click.option("--async-scheduling/--sync-scheduling", "async_scheduling", default=None,
-              help="Overlap scheduling with the device step (default: on for CUDA, off on the CPU).")
-@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
-              help="Fraction of free GPU memory the weights' leftovers may give the KV cache.")
+@engine_options()
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Jinja chat template file for 'messages' lines (instead of the model's own).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Engine seed (for unseeded requests).")
-@click.option("--data-parallel-size", type=int, default=1, show_default=True,
-              help="Engine processes, one per GPU (on the CPU: processes too); this process deals "
-                   "requests out and alone writes OUT.")
 @click.option("--dp-stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0,
               show_default=True, metavar="SECONDS",
               help="A data-parallel worker that holds requests and reports nothing for this long "
                    "(stopped, hung) is killed and its requests re-dealt.")
-@click.option("--tensor-parallel-size", type=int, default=1, show_default=True,
-              help="Shard the model over N GPUs (one process each, NCCL; on the CPU: processes over "
-                   "pipes); N must divide the attention heads, KV heads and intermediate size.")
-@click.option("--max-logprobs", type=click.IntRange(min=0), default=20, show_default=True,
-              help="Most logprobs / prompt_logprobs a line may ask for.")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Append to an existing OUT, skipping ids already done (--no-resume overwrites it).")
 @click.option("--fsync", is_flag=True, help="fsync after every record (survives power loss; slower).")
@@ -289,25 +246,9 @@ def _open_stats(stats_json: str | None) -> IO[str] | None:
 
 
 def _build_engine(options: dict[str, Any]):
-    from offline_paged.core.config import EngineConfig
     from offline_paged.engine import LLMEngine
 
-    memory = options["kv_cache_memory"]
-    try:
-        config = EngineConfig(
-            model=options["model"], device=options["device"],
-            dtype={"half": "float16", "float": "float32"}.get(options["dtype"], options["dtype"]),  # vLLM's spellings
-            block_size=options["block_size"], num_kv_blocks=options["num_kv_blocks"],
-            kv_cache_memory=parse_size(memory) if memory else None,
-            max_num_seqs=options["max_num_seqs"], max_model_len=options["max_model_len"],
-            max_num_batched_tokens=options["max_num_batched_tokens"], seed=options["seed"],
-            enable_prefix_caching=not options["no_prefix_caching"],
-            preemption_mode=options["preemption"], cuda_graphs=options["cuda_graphs"],
-            max_logprobs=options["max_logprobs"], async_scheduling=options["async_scheduling"],
-            gpu_memory_utilization=options["gpu_memory_utilization"],
-            tensor_parallel_size=options["tensor_parallel_size"])
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    config = engine_config(options)
     if config.tensor_parallel_size != 1 and options["data_parallel_size"] != 1:
         raise click.UsageError("--tensor-parallel-size and --data-parallel-size cannot be combined yet")
     template = _read_chat_template(options["chat_template"])

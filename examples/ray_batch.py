@@ -16,7 +16,7 @@ import os
 
 import ray
 
-from offline_paged.job.ray import Processor
+from offline_paged.ray import Processor
 
 
 def main() -> None:

@@ -101,7 +101,8 @@ def test_data_parallel_records_equal_one_engine_and_bad_lines_fail_alone(model_d
     assert summary["engine"]["num_requests_finished"] == 12  # both workers' stats, added up
 
 
-@pytest.mark.parametrize("size, message", [("0", "positive integer"), ("-2", "positive integer")])
+@pytest.mark.parametrize("size, message", [("0", "'--data-parallel-size': 0 is not in the range x>=1"),
+                                           ("-2", "'--data-parallel-size': -2 is not in the range x>=1")])
 def test_bad_data_parallel_size_exits_2_with_the_reason(model_dir, tmp_path, size, message):
     job = _write_job(tmp_path / "job.jsonl", [{"prompt": "x"}])
     result = CliRunner().invoke(cli, ["generate", str(job), "-o", str(tmp_path / "o.jsonl"),

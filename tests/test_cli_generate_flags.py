@@ -118,3 +118,16 @@ def test_chat_template_kwargs_reach_the_template_in_native_and_openai_lines(tmp_
     assert result.exit_code == 0, result.output
     (record,) = map(json.loads, out.read_text().splitlines())
     assert record["response"]["body"]["usage"]["prompt_tokens"] == len("z:Hi|")
+
+
+def test_engine_options_shared_with_bench_reach_the_engine(tmp_path, model_dir):
+    """--admission-batch (once bench's only), a --kv-cache-memory size and vLLM's --dtype float reach
+    the EngineConfig generate builds."""
+    from offline_paged.cli.generate import _build_engine
+
+    args = [str(tmp_path / "in.jsonl"), "-m", str(model_dir), *FLAGS, "--admission-batch", "3",
+            "--kv-cache-memory", "1MiB", "--dtype", "float"]
+    options = cli.commands["generate"].make_context("generate", args).params
+    config = _build_engine(options).config
+    assert (config.admission_batch, config.kv_cache_memory, config.dtype) == (3, 1 << 20, "float32")
+    assert config.num_kv_blocks == 64 and config.block_size == 4

@@ -89,3 +89,12 @@ def test_admission_batch_defaults_by_backend_and_is_validated():
     assert EngineConfig(admission_batch=5).resolved_admission_batch("cpu") == 5
     with pytest.raises(ValueError, match="admission_batch"):
         EngineConfig(admission_batch=0)
+
+
+def test_max_model_len_needs_room_for_a_prompt_token_and_one_more():
+    from offline_paged.core.config import EngineConfig
+
+    assert EngineConfig(max_model_len=2).max_model_len == 2
+    for bad in (1, 0, -3):
+        with pytest.raises(ValueError, match="max_model_len must be"):
+            EngineConfig(max_model_len=bad)

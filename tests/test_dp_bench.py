@@ -32,7 +32,7 @@ def test_data_parallel_bench_reports_one_engine_and_n_engines_on_the_same_worklo
 
 @pytest.mark.parametrize("args, message", [
     (["--compare-single"], "needs --data-parallel-size"),
-    (["--data-parallel-size", "0"], "positive integer"),
+    (["--data-parallel-size", "0"], "0 is not in the range x>=1"),
     (["--data-parallel-size", "2", "--plot", "x.png"], "per-step series"),
 ])
 def test_data_parallel_bench_option_errors(args, message):

@@ -75,3 +75,32 @@ def test_lm_evals_default_cuda_device_falls_back_to_auto_without_cuda(monkeypatc
     assert backend._device("cpu") == "cpu" and backend._device(None) == "auto"
     monkeypatch.setattr(worker_backend, "cuda_available", lambda: True)
     assert backend._device("cuda:1") == "cuda"
+
+
+def test_engine_options_given_go_to_our_backend_as_one_more_model_args(fake_lm_eval):
+    args = ["--tasks", "x", "--model_args", "pretrained=/m", "--num-kv-blocks", "64", "--dtype", "half",
+            "--no-cuda-graphs", "--kv-cache-memory", "1MiB", "--limit", "3"]
+    result = CliRunner().invoke(cli, ["eval", *args])
+    assert result.exit_code == 0, result.output
+    ours = "dtype=float16,num_kv_blocks=64,kv_cache_memory=1048576,cuda_graphs=False"  # declaration order
+    assert fake_lm_eval == [["offline-paged eval", "run", "--model", "offline-paged", "--tasks", "x",
+                             "--model_args", "pretrained=/m", "--limit", "3", "--model_args", ours]]
+
+
+def test_lm_eval_reads_the_forwarded_model_args_back_as_typed_values():
+    utils = pytest.importorskip("lm_eval._cli.utils")
+    assert utils.key_val_to_dict("dtype=float16,num_kv_blocks=64,kv_cache_memory=1048576,cuda_graphs=False,"
+                                 "gpu_memory_utilization=0.5,preemption_mode=swap") == {
+        "dtype": "float16", "num_kv_blocks": 64, "kv_cache_memory": 1048576, "cuda_graphs": False,
+        "gpu_memory_utilization": 0.5, "preemption_mode": "swap"}
+
+
+def test_engine_options_with_another_lm_eval_model_are_refused(fake_lm_eval):
+    result = CliRunner().invoke(cli, ["eval", "--model", "hf", "--num-kv-blocks", "64", "--tasks", "x"])
+    assert result.exit_code == 2 and "--num-kv-blocks: engine options of offline-paged's backend" in result.output
+    assert fake_lm_eval == []
+
+
+def test_help_lists_the_engine_options(fake_lm_eval):
+    result = CliRunner().invoke(cli, ["eval", "--help"])
+    assert "--num-kv-blocks" in result.output and "--admission-batch" in result.output

@@ -9,7 +9,6 @@ import pytest
 from click.testing import CliRunner
 
 from fixtures_tiny_model import write_tiny_model
-from offline_paged.cli.generate import parse_size
 from offline_paged.cli.main import cli
 from offline_paged.job.job_output import is_error, record_key
 
@@ -131,11 +130,6 @@ def test_stdin_to_stdout_in_a_real_process(model_dir):
     (record,) = [json.loads(x) for x in proc.stdout.splitlines()]
     assert record["id"] == "s" and record["usage"]["completion_tokens"] == 2
     assert "requests: 1 (1 ok" in proc.stderr
-
-
-def test_parse_size():
-    assert parse_size("2GiB") == 2 * 2**30 and parse_size("512 MiB") == 512 * 2**20
-    assert parse_size("1000") == 1000 and parse_size("1.5kb") == 1500
 
 
 # ---------------------------------------------------------------- output faults: exit 2 before any work

@@ -26,6 +26,8 @@ RANK["offline_paged.entrypoints"] = RANK["offline_paged"]  # the package root re
 # vLLM's module paths (offline_paged.sampling_params, .outputs, ...) re-export the public API
 VLLM_PATHS = ("sampling_params", "pooling_params", "inputs", "outputs", "lora", "distributed")
 RANK.update({f"offline_paged.{name}": RANK["offline_paged"] for name in VLLM_PATHS})
+# the public paths of the optional integrations re-export them (entrypoints/lm_eval.py, job/ray.py)
+RANK.update({f"offline_paged.{name}": RANK["offline_paged"] for name in ("lm_eval", "ray")})
 # The pure-Python engine core, by rank: imports go to strictly lower ranks only.
 CORE_RANKS = {
     "structured_outputs": -1,

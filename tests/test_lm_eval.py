@@ -110,10 +110,11 @@ def test_eval_command_runs_a_local_task_on_our_backend(tiny_dir, tmp_path):
     task_manager(tmp_path)  # writes the task YAMLs with absolute data paths
     command = [str(Path(sys.executable).parent / "offline-paged"), "eval", "--tasks", "offline_paged_mc",
                "--include_path", str(tmp_path / "tasks"), "--model_args", f"pretrained={tiny_dir}",
-               "dtype=float32", "--device", "cpu", "--limit", "4"]
+               "dtype=float32", "--device", "cpu", "--limit", "4", "--num-kv-blocks", "40", "--block-size", "8"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "offline-paged (" in result.stdout and "|offline_paged_mc|" in result.stdout
+    assert "'num_kv_blocks': 40" in result.stdout or "num_kv_blocks=40" in result.stdout  # our engine options
 
 
 def test_simple_evaluate_takes_an_instance_a_hub_id_and_trust_remote_code(tiny_dir, tmp_path, monkeypatch):

@@ -14,9 +14,10 @@ class PreemptionMode(Enum):
     SWAP = "swap"  # copy the blocks to the CPU pool; copy them back on readmission
 
 
-_DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")
 KV_LAYOUTS = ("paged", "contiguous")
-_DTYPES = ("auto", None, "float32", "float16", "bfloat16", "float64")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings; callers map them before EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +70,10 @@ class EngineConfig:
     admission_batch: int | None = None
 
     def __post_init__(self) -> None:
-        if self.device not in _DEVICES:
-            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(d for d in _DTYPES if d)} or None, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES} or None, got {self.dtype!r}")
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -80,6 +81,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _require_positive(name, value)
+        if self.max_model_len == 1:  # the engine needs room for a prompt token and one more
+            raise ValueError("max_model_len must be at least 2 (a prompt token and one more), got 1")
         for name in ("swap_space", "num_cpu_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

@@ -5,23 +5,24 @@ kv_cache_memory_bytes (-> kv_cache_memory), seed=None (-> 0), swap_space in GiB 
 generation_config, revision (of a hub id), served_model_name, the pooling switches (runner="pooling",
 task="embed", convert="embed": one model here generates and embeds, so they select nothing) and
 pooler_config / override_pooler_config (pooling_type, normalize), and the harmless ones at the values
-that change nothing here (tensor_parallel_size=1, quantization=None, trust_remote_code: either value,
+that change nothing here (pipeline_parallel_size=1, quantization=None, trust_remote_code: either value,
 as every architecture we run is built in). Every other argument that is not an EngineConfig field is
-refused by name.
+refused by name. EngineConfig's field names are also the CLI's engine options (cli/engine_options.py),
+so `--num-kv-blocks` and `LLM(num_kv_blocks=...)` are one setting; data_parallel_size and
+tensor_parallel_size are LLM's own parameters.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
 
-from offline_paged.core.config import EngineConfig
+from offline_paged.core.config import DTYPE_ALIASES, EngineConfig
 from offline_paged.entrypoints.generation_config import CHOICES as GENERATION_CONFIG_CHOICES
 
 GiB = 1 << 30
-_DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bfloat16": "bfloat16"}
+_DTYPE_ALIASES = {"auto": None, **DTYPE_ALIASES}  # the CLI's --dtype maps the same aliases
 # vLLM arguments that change nothing here at these values (anything else is refused).
-_NEUTRAL = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
-            "quantization": None, "tokenizer_revision": None,
+_NEUTRAL = {"pipeline_parallel_size": 1, "quantization": None, "tokenizer_revision": None,
             "tokenizer_mode": "auto", "cpu_offload_gb": 0, "skip_tokenizer_init": False,
             "enable_lora": False, "hf_token": None, "hf_overrides": None}
 # vLLM arguments that only tune vLLM's own machinery; any value is accepted and ignored.

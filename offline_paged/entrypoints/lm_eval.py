@@ -1,6 +1,6 @@
 """OfflinePagedLM: an lm-evaluation-harness backend over the engine, registered as "offline-paged" on import.
 
-    import offline_paged.entrypoints.lm_eval  # registers the model type
+    import offline_paged.lm_eval  # registers the model type (its public path)
     lm_eval.simple_evaluate(model="offline-paged", model_args="pretrained=DIR,dtype=float32", tasks=[...])
 
 model_args follow lm-eval's vllm backend: pretrained (an HF directory, a hub id ORG/NAME from the HF cache,
