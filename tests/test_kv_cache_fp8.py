@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures_tiny_model import write_tiny_model
 from test_attention import _case
 from tiny_engine import TinyModel, run_to_completion, tiny_engine, tiny_model
 
+from offline_paged import LLM
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.models.llama import Llama
@@ -215,3 +217,11 @@ def test_cuda_refuses_the_fp8_kv_cache_with_a_clear_message():
 def test_bad_values_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_llm_runs_with_an_fp8_kv_cache(tmp_path):
+    llm = LLM(str(write_tiny_model(tmp_path / "tiny")), device="cpu", kv_cache_dtype="fp8", calculate_kv_scales=True,
+              num_kv_blocks=64, block_size=4)
+    [output] = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 5
+    assert llm.engine.runner.kv_cache.dtype == FP8_E4M3
