@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from fixtures_tiny_model import write_tiny_model
 from test_attention import _case
+from test_preemption import assert_same, summary, workload
 from tiny_engine import TinyModel, run_to_completion, tiny_engine, tiny_model
 
 from offline_paged import LLM
@@ -225,3 +226,14 @@ def test_llm_runs_with_an_fp8_kv_cache(tmp_path):
     [output] = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 5
     assert llm.engine.runner.kv_cache.dtype == FP8_E4M3
+
+
+def test_swap_preemption_with_an_fp8_pool_matches_an_ample_fp8_pool():
+    """Swapped-out blocks come back byte for byte, so preemption stays invisible with an FP8 pool too."""
+    ample = tiny_engine(kv_cache_dtype="fp8", num_kv_blocks=512, max_num_batched_tokens=256)
+    want = summary(run_to_completion(ample, workload()))
+    tight = tiny_engine(kv_cache_dtype="fp8", num_kv_blocks=24, num_cpu_blocks=256, max_num_batched_tokens=16,
+                        preemption_mode="swap")
+    got = summary(run_to_completion(tight, workload()))
+    assert tight.stats.num_preemptions_swap > 0 and ample.stats.num_preemptions == 0
+    assert_same(got, want)
