@@ -209,6 +209,17 @@ def test_cuda_refuses_the_fp8_kv_cache_with_a_clear_message():
     assert EngineConfig(kv_cache_dtype="auto").resolved_kv_cache_dtype("cuda") == "auto"
 
 
+def test_the_engine_refuses_fp8_on_cuda_at_start(monkeypatch):
+    """A CPU backend renamed "cuda" (the engine has no backend seam): the refusal comes at engine start."""
+    import offline_paged.engine as engine_module
+    from offline_paged.worker.backend import Backend
+
+    monkeypatch.setattr(engine_module, "select_backend",
+                        lambda *args: Backend("cuda", np, NumpyOps(), np.dtype(np.float16)))
+    with pytest.raises(ValueError, match="the FP8 KV cache runs on the CPU backend only for now"):
+        tiny_engine(kv_cache_dtype="fp8")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"kv_cache_dtype": "fp16"}, "kv_cache_dtype must be one of"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype must be one of"),
