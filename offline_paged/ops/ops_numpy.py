@@ -51,8 +51,9 @@ class NumpyOps:
         if kv_scales is None:
             write_kv_reference(np, k, v, k_cache, v_cache, slot_mapping)
             return
-        keep = slot_mapping >= 0  # [T]
-        kv_scales.observe(k[keep], v[keep])
+        if kv_scales.calculate:
+            keep = slot_mapping >= 0  # [T] (padding rows must not set the scales)
+            kv_scales.observe(k[keep], v[keep])
         write_kv_reference(np, k, v, k_cache, v_cache, slot_mapping, kv_scales.k_scale, kv_scales.v_scale)
 
     def rope_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
