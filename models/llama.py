@@ -13,6 +13,8 @@ Legend for shape comments:
 Weights are kept [in, out] so every projection is `x @ W`; q/k/v are fused into one [E, (H+2Hkv)D]
 matrix and gate/up into one [E, 2I] matrix, so a layer is four matmuls.
 KV cache: [L, 2, N, B, Hkv, D] (kv[l, 0] = K, kv[l, 1] = V); see offline_paged/ops/attention.py.
+Its element type is the model dtype, or `kv_cache_dtype` (float8_e4m3fn: the FP8 KV cache, NumpyOps only);
+then every layer has a KvScales (offline_paged/ops/kv_scales.py) that the write and attention get.
 
 Tensor parallel (`tp`, a models/tp_shard.py TensorParallelShard): the config and weights are one rank's
 shard (H, Hkv, I divided by N, V its padded vocabulary slice); the forward all-reduces the embedding
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from offline_paged.ops.attention import AttentionMetadata
+from offline_paged.ops.kv_scales import KvScales, is_fp8
 from .config import LlamaConfig
 from .rope import cos_sin_cache
 from .weight_spec import check_weights
@@ -43,16 +46,20 @@ class LlamaLayer:
     qkv_bias: Any = None  # [(H + 2 Hkv) D] (Qwen2)
     q_norm: Any = None  # [D] (Qwen3)
     k_norm: Any = None  # [D] (Qwen3)
+    kv_scales: KvScales | None = None  # this layer's K / V scales when the KV cache is FP8
 
 
 class Llama:
     """A Llama-layout decoder. `weights` maps HF tensor names to host arrays ([out, in] for linears);
     they are checked against the config, rearranged to [in, out], fused and uploaded through `ops.xp`.
     The RoPE table covers positions [0, max_positions) (default: the config's max_position_embeddings);
-    the engine builds it only as long as its max_model_len (`set_max_positions`)."""
+    the engine builds it only as long as its max_model_len (`set_max_positions`).
+    `kv_cache_dtype`: the KV pool's element type (None: `dtype`); float8_e4m3fn gives each layer a
+    KvScales (1.0, or taken from the first prefill with `calculate_kv_scales`)."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], ops, dtype=np.float32,
-                 max_positions: int | None = None, tp=None, consume_weights: bool = False):
+                 max_positions: int | None = None, tp=None, consume_weights: bool = False,
+                 kv_cache_dtype=None, calculate_kv_scales: bool = False):
         check_weights(config, {name: np.shape(w) for name, w in weights.items()})
         # consume_weights: pop each tensor from `weights` once uploaded, so a device-resident source
         # (a tensor-parallel shard of a 70B shape) is freed as it goes instead of held twice.
@@ -73,6 +80,10 @@ class Llama:
             self.lm_head = upload(xp.asarray(read("lm_head.weight"), dtype=self.dtype).T)  # [E, V]
         self.final_norm = upload(read("model.norm.weight"))  # [E]
         self.layers = [self._layer(read, i, upload) for i in range(config.num_hidden_layers)]
+        self.kv_cache_dtype = self.dtype if kv_cache_dtype is None else np.dtype(kv_cache_dtype)
+        if is_fp8(self.kv_cache_dtype):
+            for layer in self.layers:
+                layer.kv_scales = KvScales(calculate=calculate_kv_scales)
         self._upload = upload
         self.set_max_positions(max_positions or config.max_position_embeddings)
         self.scale = config.head_dim ** -0.5
@@ -106,10 +117,10 @@ class Llama:
         )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int):
-        """A zeroed pool [L, 2, N, B, Hkv, D] in the model dtype on the ops device."""
+        """A zeroed pool [L, 2, N, B, Hkv, D] of `kv_cache_dtype` on the ops device."""
         c = self.config
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        return self.ops.xp.zeros(shape, dtype=self.dtype)
+        return self.ops.xp.zeros(shape, dtype=self.kv_cache_dtype)
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices=None,
                 matmul=operator.matmul, logits_matmul=None):
@@ -184,10 +195,12 @@ class Llama:
             q, k = self._head_norm(q, layer.q_norm), self._head_norm(k, layer.k_norm)
         # RoPE and the KV-cache write in one op (one kernel on the GPU): attention reads K/V from the
         # cache only, so the rotated k goes straight there.
+        # An FP8 cache passes the layer's scales (only then: CudaOps has no FP8 path and no such keyword).
+        fp8 = {} if layer.kv_scales is None else {"kv_scales": layer.kv_scales}
         q = self.ops.rope_write_kv(q, k, v, positions, self.cos_sin_cache, layer_cache[0], layer_cache[1],
-                                   meta.slot_mapping)  # [T, H, D]
+                                   meta.slot_mapping, **fp8)  # [T, H, D]
         out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale,
-                                 sliding_window=c.sliding_window)  # [T, H, D]
+                                 sliding_window=c.sliding_window, **fp8)  # [T, H, D]
         return self._all_reduce(matmul(out.reshape(num_tokens, q_dim), layer.o_proj))  # [T, E]
 
     def _head_norm(self, x, weight):

@@ -28,6 +28,7 @@ from offline_paged.core.sequence import Sequence, SequenceGroup
 from offline_paged.core.stop_checker import StopChecker
 from offline_paged.models.hub import resolve_model
 from offline_paged.models.pooling import PoolingConfig
+from offline_paged.ops.kv_scales import KV_CACHE_NUMPY_DTYPES
 from offline_paged.worker.backend import checkpoint_dtype, select_backend
 from offline_paged.worker.launched_step import LaunchedStep
 from offline_paged.worker.pooling_runner import PoolingRunner
@@ -66,6 +67,7 @@ class LLMEngine:
             source = default_model_dir()
         self.backend = select_backend(config.device, config.dtype, checkpoint_dtype(source),
                                       f"{source}/config.json")
+        self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.backend.name)  # refuses FP8 on CUDA, before loading
         self.tp_group = None
         if config.tensor_parallel_size > 1 and config.async_scheduling:
             raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 (the other "
@@ -125,7 +127,9 @@ class LLMEngine:
             loaded_model = load_model(self.config.model)
         self._tokenizer = loaded_model.tokenizer
         model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype,
-                      max_positions=self.config.max_num_batched_tokens)
+                      max_positions=self.config.max_num_batched_tokens,
+                      kv_cache_dtype=KV_CACHE_NUMPY_DTYPES[self.kv_cache_dtype],
+                      calculate_kv_scales=self.config.calculate_kv_scales)
         return model, loaded_model
 
     def _start_tensor_parallel(self, loaded_model):
@@ -157,7 +161,7 @@ class LLMEngine:
     def _size_kv_pools(self, model) -> tuple[int, int, int]:
         """(max_model_len, device blocks, CPU blocks); see EngineConfig for the rules."""
         config = self.config
-        block_bytes = kv_block_bytes(model.config, config.block_size, self.backend.dtype)  # per rank
+        block_bytes = kv_block_bytes(model.config, config.block_size, model.kv_cache_dtype)  # per rank
         model_len = config.max_model_len or self.model_config.max_position_embeddings
         num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, model_len, model)
         if config.num_cpu_blocks is not None:

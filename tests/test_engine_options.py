@@ -49,6 +49,7 @@ def test_the_three_commands_take_the_same_engine_options():
     ("--dtype", "int8"), ("--max-num-seqs", "-1"), ("--max-num-batched-tokens", "0"), ("--max-model-len", "1"),
     ("--block-size", "0"), ("--tensor-parallel-size", "0"), ("--data-parallel-size", "0"),
     ("--admission-batch", "0"), ("--preemption", "drop"), ("--max-logprobs", "-1"), ("--max-num-seqs", "many"),
+    ("--kv-cache-dtype", "int8"),
 ])
 def test_a_bad_value_gets_the_same_message_from_every_command(flag, value):
     errors = {}
@@ -85,6 +86,11 @@ def test_parsed_options_build_the_engine_config_under_its_own_field_names():
     assert (config.cuda_graphs, config.async_scheduling, config.admission_batch, config.max_model_len) == \
         (False, False, 3, 64)
     assert (config.seed, config.max_logprobs, config.tensor_parallel_size, config.model) == (5, 2, 2, "M")
+
+
+def test_the_fp8_kv_cache_options_reach_the_engine_config():
+    config = engine_config(_parse("--kv-cache-dtype", "fp8", "--calculate-kv-scales"))
+    assert (config.kv_cache_dtype, config.calculate_kv_scales) == ("fp8", True)
 
 
 def test_the_defaults_are_engine_configs_defaults():

@@ -61,3 +61,9 @@ def test_vllm_pooling_and_hub_arguments_are_kept_for_llm():
                                          "pooler_config": {"pooling_type": "MEAN"}})
     assert args.config == {"model": "Org/M", "dtype": None}
     assert (args.revision, args.served_model_name, args.pooler_config) == ("v2", "served", {"pooling_type": "MEAN"})
+
+
+def test_the_fp8_kv_cache_arguments_are_vllms_names():
+    args = engine_kwargs(None, None, {"kv_cache_dtype": "fp8_e4m3", "calculate_kv_scales": True})
+    config = EngineConfig(**args.config)
+    assert (config.kv_cache_dtype, config.calculate_kv_scales) == ("fp8_e4m3", True)

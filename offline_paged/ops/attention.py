@@ -17,6 +17,10 @@ queries sit at positions context_lens[i] - q_len ... context_lens[i] - 1 and att
 so a decode step is q_len == 1 and a prefill chunk attends to the cached prefix plus causally
 within the chunk.
 
+FP8 KV cache (NumPy backend only): the pool is float8_e4m3fn; the write stores clip(x / scale, +-448) and
+attention reads stored * scale, with one K and one V scale per layer (offline_paged/ops/kv_scales.py).
+With the model's own dtype the scales are 1.0 and change nothing.
+
 Sliding window (Mistral): with `sliding_window` w, the query at position p reads only the keys at
 positions p - w < k <= p, itself and the w - 1 before it (transformers' convention: its mask keeps
 kv_idx > q_idx - w). None means the whole causal context.
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from offline_paged.ops.kv_scales import dequantize, is_fp8, quantize_fp8
 
 
 @dataclass(slots=True)
@@ -57,16 +63,21 @@ class AttentionMetadata:
         return int(self.context_lens.shape[0])
 
 
-def write_kv_reference(xp, k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_reference(xp, k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> None:
     """Scatter new K/V rows into the cache by slot; rows whose slot is negative are skipped.
+    An FP8 cache (NumPy) stores clip(k / k_scale, +-448) and clip(v / v_scale, +-448) rounded to e4m3.
 
     k, v: [T, Hkv, D]; k_cache, v_cache: [N, B, Hkv, D] (written in place).
     """
     num_blocks, block_size = k_cache.shape[:2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.reshape(num_blocks * block_size, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.reshape(num_blocks * block_size, *v_cache.shape[2:])[slots] = v[keep]
+    k_rows, v_rows = k[keep], v[keep]  # [T', Hkv, D]
+    if is_fp8(k_cache.dtype):
+        k_rows, v_rows = quantize_fp8(k_rows, k_scale), quantize_fp8(v_rows, v_scale)
+    k_cache.reshape(num_blocks * block_size, *k_cache.shape[2:])[slots] = k_rows
+    v_cache.reshape(num_blocks * block_size, *v_cache.shape[2:])[slots] = v_rows
 
 
 def check_sliding_window(sliding_window) -> None:
@@ -77,9 +88,10 @@ def check_sliding_window(sliding_window) -> None:
 
 
 def paged_attention_reference(xp, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                              sliding_window: int | None = None):
+                              sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
     """Causal grouped-query attention reading K/V through block tables. Returns [T, H, D].
     With `sliding_window` w, a query at position p sees only keys p - w < k <= p.
+    K and V are dequantized on load: cached K x k_scale, cached V x v_scale (1.0: as stored).
 
     Plain per-sequence loop on purpose: this is the readable definition the kernels must match.
     Softmax is computed in float32 at least (float64 inputs stay float64).
@@ -102,8 +114,8 @@ def paged_attention_reference(xp, q, k_cache, v_cache, meta: AttentionMetadata, 
         blocks = meta.block_tables[i, :num_blocks]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len]  # [C, Hkv, D]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len]  # [C, Hkv, D]
-        k = xp.repeat(k.astype(acc_dtype), group, axis=1)  # [C, H, D]
-        v = xp.repeat(v.astype(acc_dtype), group, axis=1)  # [C, H, D]
+        k = xp.repeat(dequantize(k, k_scale, acc_dtype), group, axis=1)  # [C, H, D]
+        v = xp.repeat(dequantize(v, v_scale, acc_dtype), group, axis=1)  # [C, H, D]
         qs = q[q_start:q_end].astype(acc_dtype)  # [q_len, H, D]
         scores = xp.einsum("qhd,khd->hqk", qs, k) * scale  # [H, q_len, C]
         query_pos = xp.arange(context_len - q_len, context_len)[:, None]  # [q_len, 1]

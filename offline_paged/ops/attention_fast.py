@@ -5,6 +5,8 @@ are gathered through the block tables into one padded [S, C, Hkv, D] array and a
 batched matmuls, grouped-query heads kept as a [Hkv, G] split instead of repeating K/V.
 Prefill chunks (q_len > 1) are few and large, so they go one sequence at a time.
 With a sliding window only the blocks that hold keys inside some query's window are gathered.
+An FP8 cache is dequantized on load with the scales folded in: k_scale into the score scale, v_scale
+into the output (q.(s k) = s (q.k) and sum p (s v) = s sum p v), as a kernel would.
 The reference stays the definition; tests/test_attention.py checks this against it.
 
 Legend: T tokens, S sequences, Sd decoding sequences, H query heads, Hkv KV heads, G = H / Hkv,
@@ -16,10 +18,12 @@ from offline_paged.ops.attention import AttentionMetadata, check_sliding_window
 
 
 def paged_attention_fast(xp, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                         sliding_window: int | None = None):
+                         sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
     """Causal GQA attention through block tables; q [T, H, D] -> [T, H, D]. With `sliding_window`
-    w a query at p reads keys p - w < k <= p, and blocks wholly before the window are not read."""
+    w a query at p reads keys p - w < k <= p, and blocks wholly before the window are not read.
+    K and V are read as cached K x k_scale and cached V x v_scale (an FP8 cache's scales)."""
     check_sliding_window(sliding_window)
+    scale = scale * k_scale
     starts = meta.query_start_loc.tolist()
     context_lens = meta.context_lens.tolist()
     out = xp.empty(q.shape, dtype=q.dtype)  # [T, H, D]
@@ -27,12 +31,12 @@ def paged_attention_fast(xp, q, k_cache, v_cache, meta: AttentionMetadata, scale
     if decode:
         rows = xp.asarray([starts[i] for i in decode])
         out[rows] = _decode(xp, q[rows], k_cache, v_cache, meta.block_tables[xp.asarray(decode)],
-                            [context_lens[i] for i in decode], scale, sliding_window)
+                            [context_lens[i] for i in decode], scale, sliding_window, v_scale)
     for i, context_len in enumerate(context_lens):
         q_start, q_end = starts[i], starts[i + 1]
         if q_end - q_start > 1:
             out[q_start:q_end] = _prefill(xp, q[q_start:q_end], k_cache, v_cache, meta.block_tables[i],
-                                          context_len, scale, sliding_window)
+                                          context_len, scale, sliding_window, v_scale)
     return out
 
 
@@ -55,7 +59,7 @@ def _softmax_lastdim(xp, scores):
 
 
 def _decode(xp, q, k_cache, v_cache, block_tables, context_lens: list[int], scale: float,
-            sliding_window: int | None):
+            sliding_window: int | None, v_scale: float = 1.0):
     """One query per sequence. q [Sd, H, D]; block_tables [Sd, M] -> [Sd, H, D].
 
     Each sequence reads Mc table entries from its own first block (the window's, else block 0);
@@ -81,11 +85,13 @@ def _decode(xp, q, k_cache, v_cache, block_tables, context_lens: list[int], scal
     scores = xp.where(valid[:, None, None, :], scores, -xp.inf)
     probs = _softmax_lastdim(xp, scores)  # [Sd, Hkv, G, C]
     out = xp.matmul(probs, v.transpose(0, 2, 1, 3))  # [Sd, Hkv, G, D]
+    if v_scale != 1.0:
+        out *= v_scale
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype, copy=False)
 
 
 def _prefill(xp, q, k_cache, v_cache, block_table, context_len: int, scale: float,
-             sliding_window: int | None):
+             sliding_window: int | None, v_scale: float = 1.0):
     """A chunk of q_len queries at the end of a context. q [q_len, H, D] -> [q_len, H, D].
     Reads the blocks from the one holding the first query's first key to the last."""
     q_len, num_heads, head_dim = q.shape
@@ -108,4 +114,6 @@ def _prefill(xp, q, k_cache, v_cache, block_table, context_len: int, scale: floa
     scores = xp.where(visible, scores, -xp.inf)
     probs = _softmax_lastdim(xp, scores)  # [Hkv, G, q_len, C]
     out = xp.matmul(probs, v.transpose(1, 0, 2)[:, None])  # [Hkv, G, q_len, D]
+    if v_scale != 1.0:
+        out *= v_scale
     return out.transpose(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).astype(q.dtype, copy=False)

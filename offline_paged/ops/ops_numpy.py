@@ -2,6 +2,10 @@
 
 Legend: T tokens, H query heads, Hkv key/value heads, D head dim, I intermediate size,
 N physical blocks, B block size, P max positions.
+
+FP8 KV cache: the write, attention and rope_write_kv take `kv_scales` (the layer's KvScales,
+offline_paged/ops/kv_scales.py) when the pool is float8_e4m3fn; the model passes it only then, so CudaOps,
+which has no FP8 path yet, never sees the keyword. Block copy and swap move the stored bytes unchanged.
 """
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import numpy as np
 
 from offline_paged.ops.attention import AttentionMetadata, paged_attention_reference, write_kv_reference
 from offline_paged.ops.attention_fast import paged_attention_fast
+from offline_paged.ops.kv_scales import KvScales
 
 
 class NumpyOps:
@@ -39,21 +44,35 @@ class NumpyOps:
         sin = table[:, None, half:]  # [T, 1, D/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_reference(np, k, v, k_cache, v_cache, slot_mapping)
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales: KvScales | None = None) -> None:
+        """Scatter k, v [T, Hkv, D] into the caches by slot (negative: skipped). With `kv_scales` (an FP8
+        pool) the rows are quantized by its scales, which a KvScales still to `calculate` first takes
+        from these rows."""
+        if kv_scales is None:
+            write_kv_reference(np, k, v, k_cache, v_cache, slot_mapping)
+            return
+        if kv_scales.calculate:
+            keep = slot_mapping >= 0  # [T] (padding rows must not set the scales)
+            kv_scales.observe(k[keep], v[keep])
+        write_kv_reference(np, k, v, k_cache, v_cache, slot_mapping, kv_scales.k_scale, kv_scales.v_scale)
 
-    def rope_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    def rope_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                      kv_scales: KvScales | None = None):
         """rope, then write_kv of the rotated k and of v (negative slots skipped); returns the rotated q
         [T, H, D]. The definition CudaOps' one-kernel version must equal."""
         q, k = self.rope(q, k, positions, cos_sin_cache)
-        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
         return q
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                  sliding_window: int | None = None):
+                  sliding_window: int | None = None, kv_scales: KvScales | None = None):
         """Paged causal GQA attention; [T, H, D] -> [T, H, D]. With `sliding_window` w, a query at
-        position p reads only keys p - w < k <= p (None: the whole context)."""
-        return self._attention(np, q, k_cache, v_cache, meta, scale, sliding_window)
+        position p reads only keys p - w < k <= p (None: the whole context). With `kv_scales` the
+        cached K and V are dequantized by its scales on load."""
+        if kv_scales is None:
+            return self._attention(np, q, k_cache, v_cache, meta, scale, sliding_window)
+        return self._attention(np, q, k_cache, v_cache, meta, scale, sliding_window,
+                               kv_scales.k_scale, kv_scales.v_scale)
 
     def logits(self, hidden, lm_head):
         """hidden [K, E] @ lm_head [E, V] -> [K, V] float32 (computed in the model's dtype)."""

@@ -385,7 +385,8 @@ def profile_step_memory(model, backend, num_tokens: int, num_seqs: int, block_si
 
 
 def kv_block_bytes(model_config, block_size: int, dtype) -> int:
-    """Bytes of one KV block across all layers, K and V."""
+    """Bytes of one KV block across all layers, K and V, in the pool's element type `dtype` (1 byte an
+    element for the FP8 KV cache, so the same memory holds 2x the blocks of a 16-bit pool)."""
     c = model_config
     per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim
     return per_token * block_size * np.dtype(dtype).itemsize
