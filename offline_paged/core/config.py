@@ -81,13 +81,13 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES} or None, got {self.dtype!r}")
-        _require_positive("block_size", self.block_size)
-        _require_positive("max_num_seqs", self.max_num_seqs)
-        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        require_positive("block_size", self.block_size)
+        require_positive("max_num_seqs", self.max_num_seqs)
+        require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None:
-                _require_positive(name, value)
+                require_positive(name, value)
         if self.max_model_len == 1:  # the engine needs room for a prompt token and one more
             raise ValueError("max_model_len must be at least 2 (a prompt token and one more), got 1")
         for name in ("swap_space", "num_cpu_blocks"):
@@ -110,9 +110,9 @@ class EngineConfig:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
                 or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
-        _require_positive("tensor_parallel_size", self.tensor_parallel_size)
+        require_positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.admission_batch is not None:
-            _require_positive("admission_batch", self.admission_batch)
+            require_positive("admission_batch", self.admission_batch)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -146,6 +146,6 @@ class EngineConfig:
         return max(1, self.max_num_seqs // 8) if backend_name == "cuda" else 1
 
 
-def _require_positive(name: str, value: object) -> None:
+def require_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from offline_paged.core.config import PreemptionMode
+from offline_paged.core.config import PreemptionMode, require_positive
 from offline_paged.core.seq_queue import SeqQueue
 from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
@@ -107,11 +107,6 @@ class _StepPlan:
 MAX_ADMISSION_DEFERRAL = 64
 
 
-def _require_at_least_one(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _by_priority(seq: Sequence) -> tuple[int, int]:
     return seq.priority
 
@@ -135,7 +130,7 @@ class Scheduler:
         A step that prefills beside the decodes costs several decode-only steps (on CUDA it cannot
         replay a decode graph), so admitting sequences in batches as the running ones finish, instead
         of one per finish, runs far fewer such steps. 1: admit whenever one fits (vLLM's policy)."""
-        _require_at_least_one("admission_batch", admission_batch)
+        require_positive("admission_batch", admission_batch)
         self.admission_batch = admission_batch
         self._deferred_steps = 0  # consecutive schedule() calls that held waiting sequences back
         self.block_manager = block_manager
