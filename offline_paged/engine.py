@@ -415,11 +415,6 @@ class LLMEngine:
         Raises ValueError for a prompt that is empty, too long or outside the vocabulary."""
         if self.tp_group is not None:
             raise ValueError("embeddings are not supported with tensor_parallel_size > 1")
-        if self.backend.name != "cpu":
-            # Switched off on CUDA: its GPU test (the fp16 pooling forward against the float64 one) failed on
-            # the H200 in session 22 and there was no device time left to find why.
-            raise ValueError("embeddings run on the CPU backend only for now (LLM(..., device='cpu')); the "
-                             "CUDA pooling forward is not verified yet")
         pooling = PoolingConfig.from_dir(self._model_source) if pooling is None else pooling
         token_ids = [self._prompt_token_ids(p if isinstance(p, str) else None,
                                             None if isinstance(p, str) else p, generates=False) for p in prompts]

@@ -3,7 +3,6 @@ the vectors equal transformers' final hidden states of tiny random Llama and Qwe
 way the model's sentence-transformers files say (last token, mean, CLS; normalised or not)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -120,22 +119,20 @@ def test_pool_normalises_to_unit_length():
     np.testing.assert_array_equal(pool(hidden, PoolingConfig("LAST", False)), hidden[-1])
 
 
-def test_embeddings_are_refused_on_cuda_until_verified(family_model):
-    """CUDA embeddings are switched off (their GPU test below failed on the H200): a clear ValueError that
-    names the way out, checked here on a CPU engine that says it is CUDA."""
-    path, _ = family_model
-    llm = LLM(str(path), device="cpu", num_kv_blocks=64)
-    llm.llm_engine.backend = dataclasses.replace(llm.llm_engine.backend, name="cuda")
-    with pytest.raises(ValueError, match="CPU backend only for now"):
-        llm.llm_engine.embed(["w1 w2"])
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def cuda_family_model(request, tmp_path_factory):
+    """A tiny model of the family with head dim 64 (the CUDA attention kernels exist for 64 and 128)."""
+    path = tmp_path_factory.mktemp(f"embed-cuda-{request.param}")
+    model = make_tiny_hf_model(path, seed=11, family=request.param, head_dim=64)
+    write_tiny_tokenizer(path, model.config.vocab_size)
+    return path, model
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="CUDA embeddings are switched off (engine.embed refuses): this failed on the H200 in "
-                          "session 22; turn it back on with the fix", raises=ValueError, strict=True)
-def test_cuda_embeddings_match_the_cpu_reference(family_model):
-    """The pooling forward on the CUDA backend (fp16) agrees with the NumPy float64 one."""
-    path, model = family_model
+def test_cuda_embeddings_match_the_cpu_reference(cuda_family_model):
+    """The pooling forward on the CUDA backend (fp16) agrees with the NumPy float64 one, for a prompt
+    longer than the token budget (it runs alone) too."""
+    path, model = cuda_family_model
     prompts = random_prompts(5, [3, 17, 40], model.config.vocab_size)
     reference = LLM(str(path), device="cpu", dtype="float64", num_kv_blocks=64).embed(prompts, use_tqdm=False)
     cuda = LLM(str(path), device="cuda", dtype="float16", num_kv_blocks=64, max_num_batched_tokens=32)

@@ -40,6 +40,9 @@ class _TokenTable:
         self.tokens = [b"\xff<special_%d>" % i if i in specials else tokenizer.token_bytes(i)
                        for i in range(vocab_size)]
         self.is_tokenizer_wrapper = True
+        # byte -> the lowest id whose token is that one byte, for text the tokenizer cannot encode. Built
+        # once: llguidance calls the tokenizer while it computes masks, not only while it compiles.
+        self._single_byte = {t[0]: i for i, t in reversed(list(enumerate(self.tokens))) if len(t) == 1}
 
     def __call__(self, text: str | bytes) -> list[int]:
         """Token ids of `text` (llguidance tokenizes grammar literals); a tokenizer that cannot encode
@@ -48,5 +51,4 @@ class _TokenTable:
         try:
             return list(self._tokenizer.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False))
         except (TypeError, ValueError):
-            single = {t[0]: i for i, t in reversed(list(enumerate(self.tokens))) if len(t) == 1}
-            return [single[b] for b in data if b in single]
+            return [self._single_byte[b] for b in data if b in self._single_byte]
