@@ -450,7 +450,9 @@ class LLMEngine:
         token is fed to the next step on the device); one that turns out finished has its extra token
         dropped by the output processor and its blocks freed. A step whose next inputs need its tokens
         on the host (beam search, n > 1 forks, penalties, bad words) is processed at once, as in the
-        sync loop.
+        sync loop. A step with structured-output rows launches its forward only; its masks are filled
+        and its sampling queued after the previous step's processing (the matchers have consumed that
+        step's tokens then), while the forward runs.
         """
         t0 = time.perf_counter()
         outputs: list = self._admit_compiled()
@@ -460,11 +462,13 @@ class LLMEngine:
                                "waiting; the KV cache is too small for them")
         self._stats.record_schedule(output, self.scheduler)
         t1 = time.perf_counter()
-        launched = self.runner.launch(output, self._in_flight)
+        launched = self.runner.launch(output, self._in_flight, defer_grammar_sampling=self.async_scheduling)
         t2 = time.perf_counter()
         if self._in_flight is not None:
             outputs += self._process(self._in_flight)
             self._in_flight = None
+        if launched.sampling_deferred:  # the matchers have consumed the previous step's tokens now
+            launched = self.runner.launch_deferred_sampling(launched)
         if self.async_scheduling and output.scheduled and not _needs_host_tokens(output):
             self._in_flight = launched
         else:
@@ -516,14 +520,13 @@ class LLMEngine:
 
 def _needs_host_tokens(output) -> bool:
     """Whether the next schedule needs this step's sampled tokens on the host: forks (n > 1 samples of
-    a row), beam steps, penalties and bad words (the sampler reads the token history), structured output
-    (the next mask is filled from the matcher, which must have consumed the token)."""
+    a row), beam steps, penalties and bad words (the sampler reads the token history). Structured output
+    does not: the next step's masks wait for this step's processing (`launch_deferred_sampling`)."""
     for item in output.scheduled:
         if not item.num_samples:
             continue
         params, group = item.seq.group.params, item.seq.group
         if (item.num_samples > 1 or group.beam is not None or params.repetition_penalty != 1.0
-                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.bad_words
-                or params.structured_outputs is not None):
+                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.bad_words):
             return True
     return False

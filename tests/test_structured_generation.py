@@ -294,14 +294,41 @@ def test_the_grammar_compiler_refuses_a_tokenizer_without_a_token_table():
     assert isinstance(llguidance.LLTokenizer, type)
 
 
-def test_async_scheduling_processes_grammar_steps_at_once_so_masks_follow_every_token():
+def _async_workload() -> dict:
+    """Seeded JSON samples, grammars that finish early (a choice, a short regex), a request whose matcher
+    fails mid-generation, and unconstrained rows beside them."""
+    requests = _workload()
+    requests["choice"] = (PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=3,
+                                                 structured_outputs={"choice": ["yes", "no", "maybe"]}))
+    requests["digits"] = (PROMPT, SamplingParams(max_tokens=9, temperature=0.0, structured_outputs={"regex": "[0-9]{3}"}))
+    requests["doomed"] = (PROMPT, SamplingParams(max_tokens=8, temperature=0.0, allowed_token_ids=[TOKENIZER.encode("z")[0]],
+                                                 structured_outputs={"regex": "[0-9]+"}))
+    return requests
+
+
+def _results(outputs: dict) -> dict:
+    return {k: v.message if isinstance(v, RequestError) else [c.token_ids for c in v.outputs]
+            for k, v in outputs.items()}
+
+
+def test_async_scheduling_samples_grammar_rows_after_the_previous_step_with_the_same_tokens():
+    """Under async scheduling a grammar step's forward is launched before the previous step is processed
+    and its sampling after (launch_deferred_sampling); the tokens equal the sync loop's, which fills
+    every mask from matchers that consumed every token first."""
+    sync = run_to_completion(tiny_engine(async_scheduling=False), _async_workload())
     eng = tiny_engine(async_scheduling=True)
-    requests = {f"j{i}": (PROMPT, _json_params(SCHEMA, 1.0, 50 + i)) for i in range(4)}
-    requests["free"] = (PROMPT, SamplingParams(max_tokens=30, temperature=1.0, seed=9))
-    outputs = run_to_completion(eng, requests)
-    for key, output in outputs.items():
-        if key != "free":
-            _assert_valid_json(output.outputs[0], SCHEMA)
+    deferred = []
+    launch_deferred = eng.runner.launch_deferred_sampling
+    eng.runner.launch_deferred_sampling = lambda launched: deferred.append(launched) or launch_deferred(launched)
+    got = run_to_completion(eng, _async_workload())
+    assert len(deferred) > 10  # the grammar steps took the deferred path
+    assert _results(got) == _results(sync)
+    assert "structured output failed" in got["doomed"].message
+    assert got["choice"].outputs[0].text in ("yes", "no", "maybe")
+    for key, output in got.items():
+        if key.startswith("j"):
+            for completion in output.outputs:
+                _assert_valid_json(completion, SCHEMA)
 
 
 class GatedExecutor(Executor):

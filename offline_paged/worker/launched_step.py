@@ -73,11 +73,21 @@ class LaunchedStep:
     prompt_logprobs: list  # per scheduled sequence: entries or None (computed at launch)
     forward_timer: DeviceTimer | None
     used_cuda_graph: bool
+    # (logits, their row offsets) of a step whose sampling waits for ModelRunner.launch_deferred_sampling
+    # (structured output under async scheduling); `samples` is None until then.
+    deferred_logits: tuple | None = None
     _done: ExecuteOutput | None = None
+
+    @property
+    def sampling_deferred(self) -> bool:
+        return self.deferred_logits is not None
 
     def wait(self) -> ExecuteOutput:
         """The step's results on the host (waits for the device once; later calls return the same)."""
         if self._done is None:
+            if self.sampling_deferred:
+                raise RuntimeError("this step's sampling was deferred and never launched "
+                                   "(ModelRunner.launch_deferred_sampling)")
             samples = self.samples.results()
             if self.owners is None:
                 results = OneSampleEach(samples, self.prompt_logprobs)

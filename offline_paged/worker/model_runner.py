@@ -108,10 +108,13 @@ class ModelRunner:
         sequence, in order (`launch` + `wait`)."""
         return self.launch(output).wait().results
 
-    def launch(self, output, previous: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, output, previous: LaunchedStep | None = None, defer_grammar_sampling: bool = False) -> LaunchedStep:
         """Queue the step's block moves, forward and sampling; the sampled ids stay on the device until
         `wait()`. A sequence whose input token is still pending (async scheduling) gets it from
-        `previous`, the step that samples it, on the device. RuntimeError if that step is not given."""
+        `previous`, the step that samples it, on the device. RuntimeError if that step is not given.
+        defer_grammar_sampling: a step with structured-output rows queues its forward only and comes back
+        with `sampling_deferred` set; `launch_deferred_sampling` fills the masks and samples once the
+        previous step's tokens have advanced the matchers (the forward runs on the device meanwhile)."""
         moves = (output.blocks_to_swap_out, output.blocks_to_swap_in, output.blocks_to_copy)
         self._move_blocks(moves)
         self.table_rows.release(output.freed_seq_ids)
@@ -148,7 +151,19 @@ class ModelRunner:
             timer.stop()
         if self.gpu_sampler is None:
             logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
+        if defer_grammar_sampling and _has_grammar_rows(output.scheduled):
+            return LaunchedStep(output, None, {}, [], [], timer, replayed is not None,
+                                deferred_logits=(logits, offsets))
         return self._launch_sampling(output, logits, offsets, timer, replayed is not None)
+
+    def launch_deferred_sampling(self, launched: LaunchedStep) -> LaunchedStep:
+        """The step `launch(..., defer_grammar_sampling=True)` left unsampled, with its masks filled from
+        the matchers as they are now and its sampling queued. Call before the next launch: the decode
+        graphs' logits buffer is reused by the next replay. Rows of sequences that finished meanwhile
+        are sampled unmasked (their token is dropped by the output processor)."""
+        logits, offsets = launched.deferred_logits
+        return self._launch_sampling(launched.output, logits, offsets, launched.forward_timer,
+                                     launched.used_cuda_graph)
 
     def _replay_decode(self, scheduled, rows: np.ndarray, timer=None, fill=None, moves=None):
         """(logits [b, V], offsets, samples) from a CUDA graph when every sequence computes one token and
@@ -289,10 +304,17 @@ def _sampling_requests(item, token_bitmask=None) -> list[SamplingRequest]:
             for seed in seeds[:item.num_samples]]
 
 
+def _has_grammar_rows(scheduled) -> bool:
+    return any(item.num_samples and item.seq.matcher is not None for item in scheduled)
+
+
 def _structured_masks(scheduled) -> dict:
-    """{seq id: [W] int32 next-token mask (W = ceil(grammar vocab / 32))} of the sampled sequences with a grammar, filled at
-    launch in one parallel llguidance call (their matchers are current: such steps are processed at once)."""
-    items = [item for item in scheduled if item.num_samples and item.seq.matcher is not None]
+    """{seq id: [W] int32 next-token mask (W = ceil(grammar vocab / 32))} of the sampled sequences with a grammar, filled
+    in one parallel llguidance call when the step's sampling is queued (their matchers have consumed every
+    earlier token: such steps are processed at once, or their sampling waits for the previous step's
+    processing). A sequence that finished meanwhile (async scheduling ran it one step ahead) gets none."""
+    items = [item for item in scheduled
+             if item.num_samples and item.seq.matcher is not None and not item.seq.is_finished]
     if not items:
         return {}
     from offline_paged.core.structured_matcher import fill_bitmasks  # llguidance: only where grammars run
