@@ -80,11 +80,12 @@ def _tiny_gpu_model():
     return TinyModel(config, weights, ByteTokenizer())
 
 
-def test_grammar_steps_under_async_scheduling_on_the_gpu_sample_after_the_matchers_advance():
-    """The overlapped loop on the GPU (decode graphs, async scheduling): each grammar step's masks are
-    filled after the previous step's tokens reached the matchers (launch_deferred_sampling), so every JSON
-    output validates and a failing matcher ends only its request; the tokens equal the sync loop's up to
-    fp16 near-ties between different batch shapes."""
+def test_grammar_steps_sample_in_the_decode_graph_and_after_the_matchers_advance_under_async():
+    """Grammar rows on the GPU: the decode graph's masked sampler draws exactly what the eager GpuSampler
+    draws from the same graphs' logits (sync loop, tokens and cumulative logprobs). Under async
+    scheduling each grammar step's masks are filled after the previous step's tokens reached the
+    matchers (launch_deferred_sampling), so every JSON output validates and a failing matcher ends only
+    its request; the tokens equal the sync loop's up to fp16 near-ties between different batch shapes."""
     import json
 
     import jsonschema
@@ -108,12 +109,23 @@ def test_grammar_steps_under_async_scheduling_on_the_gpu_sample_after_the_matche
                                                      structured_outputs={"regex": "[0-9]+"}))
         return requests
 
-    def engine(async_scheduling):
-        return LLMEngine(EngineConfig(device="cuda", dtype="float16", block_size=16, num_kv_blocks=256,
-                                      max_num_seqs=32, async_scheduling=async_scheduling),
-                         loaded_model=_tiny_gpu_model())
+    def engine(async_scheduling, graph_sampling=True):
+        eng = LLMEngine(EngineConfig(device="cuda", dtype="float16", block_size=16, num_kv_blocks=256,
+                                     max_num_seqs=32, async_scheduling=async_scheduling, cuda_graphs=True),
+                        loaded_model=_tiny_gpu_model())
+        if not graph_sampling:  # the eager GpuSampler applies the masks to the same graphs' logits
+            eng.runner.attach_decode_graphs(eng.runner.decode_graphs, sample_in_graph=False)
+        return eng
 
-    sync = run_to_completion(engine(False), workload())
+    def tokens(outputs):
+        return {k: v.message if isinstance(v, RequestError) else
+                [(c.token_ids, c.cumulative_logprob) for c in v.outputs] for k, v in outputs.items()}
+
+    eager = run_to_completion(engine(False, graph_sampling=False), workload())
+    sync_engine = engine(False)
+    sync = run_to_completion(sync_engine, workload())
+    assert sync_engine.runner.decode_graphs.num_sampled_replays > 0  # grammar rows sampled in the graph
+    assert tokens(sync) == tokens(eager)  # the masked graph sampler is the eager one, bit for bit
     eng = engine(True)
     deferred = []
     launch_deferred = eng.runner.launch_deferred_sampling

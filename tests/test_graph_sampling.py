@@ -84,6 +84,44 @@ def test_graph_samples_equal_the_eager_sampler_on_the_same_logits(graphs):
     assert graphs.num_sampled_replays == 6
 
 
+def test_masked_graph_samples_equal_the_eager_sampler_with_the_same_masks(graphs):
+    """Structured output in the graph: sample_masked draws what GpuSampler draws from the same logits
+    with the same packed masks (tokens and raw logprobs bit for bit), never a masked token; rows with
+    all bits set are unconstrained; a one-token mask forces that token."""
+    rng = np.random.default_rng(21)
+    vocab = 49152
+    sampling_rows = SamplingRows(eos_token_ids=(2,), num_rows=8)
+    step_rows = StepRows(16, max_blocks=32)
+    free_blocks = rng.permutation(4096).tolist()
+    for step, num_seqs in enumerate((5, 13, 13, 30)):
+        ids, positions, slots, tables = _decode_step(rng, num_seqs, free_blocks, 16)
+        seq_ids = list(range(1000 * step, 1000 * step + num_seqs))
+        owner = {s: (MIXED[int(rng.integers(len(MIXED)))], int(rng.integers(0, 2**63))) for s in seq_ids}
+        rows = step_rows.step(tables, positions, seq_ids)  # [S]
+        sampling_rows.update(rows, np.asarray(seq_ids, np.int64), lambda i: (*owner[seq_ids[i]], False))
+        sample_positions = rng.integers(0, 3000, num_seqs)  # [S]
+        bits = rng.random((num_seqs, vocab)) < 0.03  # [S, V]
+        bits[::3] = True  # unconstrained rows
+        bits[1::5] = False
+        bits[1::5, 77] = True  # a grammar that allows one token only
+        masks = np.packbits(bits, axis=1, bitorder="little").view(np.int32)  # [S, W]
+        logits = graphs.run(ids, positions, rows, np.ones(num_seqs, bool), step_rows.table_rows,
+                            sample_positions=sample_positions)
+        got = graphs.sample_masked(masks, sampling_rows).results()
+        requests = [SamplingRequest(*owner[s], int(p), (), (), masks[i])
+                    for i, (s, p) in enumerate(zip(seq_ids, sample_positions))]
+        expected = GpuSampler((2,)).sample(logits[:num_seqs], list(range(num_seqs)), requests)
+        assert [r.token_id for r in got] == [r.token_id for r in expected], step
+        assert [r.logprob for r in got] == [r.logprob for r in expected], step
+        assert all(bits[i, r.token_id] for i, r in enumerate(got))
+        assert all(got[i].token_id == 77 for i in range(1, num_seqs, 5))
+    with pytest.raises(RuntimeError, match="needs a replay"):
+        graphs.sample_masked(masks, sampling_rows)  # the last run was sampled already
+    graphs.run(ids, positions, rows, np.ones(num_seqs, bool), step_rows.table_rows, sample_positions=sample_positions)
+    with pytest.raises(ValueError, match="do not fit"):
+        graphs.sample_masked(masks[:, :-1], sampling_rows)  # 32 W < V
+
+
 def test_a_planted_seed_change_changes_the_draw(graphs):
     """The draw reads the row's seed from the device rows: a different seed there moves random rows.
     A random model's logits are so peaked that a temperature near 1 draws the argmax under any seed;
@@ -111,11 +149,11 @@ class _FailingSampleCapture(DecodeGraphs):
 
     failures = 1
 
-    def _sample(self, bucket):
+    def _sample(self, bucket, masked=False):
         if self.failures and cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
             self.failures -= 1
             raise RuntimeError("planted capture failure")
-        super()._sample(bucket)
+        super()._sample(bucket, masked)
 
 
 def test_a_failed_sampling_capture_keeps_no_graph_and_the_next_step_captures_again(graphs):

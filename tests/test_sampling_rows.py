@@ -37,6 +37,8 @@ def test_pack_seeds_wraps_modulo_2_64():
     (SamplingParams(logprobs=0), False), (SamplingParams(repetition_penalty=1.2), False),
     (SamplingParams(presence_penalty=0.5), False), (SamplingParams(frequency_penalty=0.5), False),
     (SamplingParams(allowed_token_ids=(1, 2)), False), (SamplingParams(logit_bias={3: 1.0}), False),
+    (SamplingParams(structured_outputs={"regex": "[0-9]+"}), True),  # the graph's masked sampler
+    (SamplingParams(structured_outputs={"regex": "[0-9]+"}, logprobs=1), False),
 ])
 def test_graph_samplable_keeps_penalties_logprobs_and_constraints_eager(params, ok):
     assert graph_samplable(params, beam=False) is ok

@@ -76,6 +76,8 @@ class _Bucket:
         self.graph = None
         self.logits = None  # [b, V] float32, written by every replay
         self.sample_graph = None  # captured on the first sampled replay; dropped when the row buffers move
+        self.masked_sample_graph = None  # the same with structured-output masks (`sample_masked`)
+        self.masks = None  # [b, W] int32 packed masks the masked sampling graph applies
         self.sampled = None  # [b, 2] float64 (token id, raw logprob), written by every sampled replay
         self.token_ids = None  # [b] int32, the same ids for the next step's inputs
 
@@ -136,6 +138,8 @@ class DecodeGraphs:
         self._upload = PinnedUpload()  # the host packs the next step while this one runs
         self._table_upload = PinnedUpload()
         self._row_upload = PinnedUpload()
+        self._mask_upload = PinnedUpload()
+        self._last_run = None  # (bucket, S) of the last replay, for sample_masked
         self.num_replays = 0
         self.num_sampled_replays = 0
         self._row_tables = None  # [R, Mr] int32 (device): BlockTableRows.tables mirrored
@@ -160,15 +164,16 @@ class DecodeGraphs:
         return (0 < num_seqs <= self.buckets[-1] and max_context_len <= self.max_model_len
                 and max_table_len <= self.max_blocks)
 
-    def run(self, input_ids, positions, slot_rows, writes, table_rows, timer=None, fill=None):
+    def run(self, input_ids, positions, slot_rows, writes, table_rows, timer=None, fill=None, sample_positions=None):
         """One decode step: slot i computes token input_ids[i] at positions[i] of the sequence whose block
         table is row slot_rows[i] of `table_rows` (a BlockTableRows, synced for this step); writes[i] = 0
         leaves its (cached) K/V unwritten. Returns the bucket's logits [b, V] float32 (device; rows >= S
         are padding), valid until the next replay (the buckets share one logits buffer). `timer` (a StepReport DeviceTimer) is started
         after the host packing, right before the input copy and the replay, so it times the device's work.
         `fill(ids)` writes pending input ids into the bucket's device ids after the copy (async
-        scheduling), stream-ordered before the replay."""
-        return self._replay(input_ids, positions, slot_rows, writes, table_rows, timer, fill)[1]
+        scheduling), stream-ordered before the replay. sample_positions [S]: the output positions
+        `sample_masked` will sample (packed with the step's inputs)."""
+        return self._replay(input_ids, positions, slot_rows, writes, table_rows, timer, fill, sample_positions)[1]
 
     def run_and_sample(self, input_ids, positions, slot_rows, writes, table_rows, sample_positions,
                        sampling_rows, timer=None, fill=None):
@@ -187,6 +192,36 @@ class DecodeGraphs:
         num_seqs = len(slot_rows)
         return logits, PendingSamples.of_graph(bucket.sampled[:num_seqs], bucket.token_ids[:num_seqs])
 
+    def sample_masked(self, masks: np.ndarray, sampling_rows):
+        """Sample the S slots of the last `run` (before any other replay) in the bucket's masked sampling
+        graph: as `run_and_sample`'s sampler, on a float64 copy of the logits with masks [S, W] int32
+        applied first (structured output; all bits set: no constraint), i.e. the eager GpuSampler's
+        kernels in its order. Needs 32 W >= V (`masks_fit`). Returns PendingSamples of the S slots."""
+        from offline_paged.worker.gpu_sampler import PendingSamples
+
+        if self._last_run is None:
+            raise RuntimeError("sample_masked needs a replay of its own (`run`) before it")
+        bucket, num_seqs = self._last_run
+        self._last_run = None
+        if masks.shape[0] != num_seqs or not self.masks_fit(masks.shape[1]):
+            raise ValueError(f"masks {masks.shape} do not fit {num_seqs} slots of {bucket.logits.shape[1]} logits")
+        self._sync_rows(sampling_rows)
+        if bucket.masks is None or bucket.masks.shape[1] != masks.shape[1]:
+            bucket.masks = cupy.full((bucket.size, masks.shape[1]), -1, dtype=cupy.int32)  # [b, W]
+            bucket.masked_sample_graph = None
+        bucket.masks[:num_seqs] = self._mask_upload(np.ascontiguousarray(masks, dtype=np.int32))
+        if bucket.masked_sample_graph is None:
+            self._ensure_sample_outputs(bucket)
+            bucket.masked_sample_graph, _ = self._capture_graph(lambda: self._sample(bucket, masked=True))
+        bucket.masked_sample_graph.launch()
+        self.num_sampled_replays += 1
+        return PendingSamples.of_graph(bucket.sampled[:num_seqs], bucket.token_ids[:num_seqs])
+
+    def masks_fit(self, num_words: int) -> bool:
+        """Whether masks of num_words int32 words cover every logit (else the eager sampler applies them:
+        a padded vocabulary's tail is allowed for unconstrained rows there)."""
+        return self._logits_out is not None and 32 * num_words >= self._logits_out.shape[1]
+
     def _replay(self, input_ids, positions, slot_rows, writes, table_rows, timer, fill, sample_positions=None):
         size = next(b for b in self.buckets if b >= len(slot_rows))
         bucket = self._captured.get(size) or self._capture(size)
@@ -200,6 +235,7 @@ class DecodeGraphs:
             fill(bucket.views(bucket.device)[0])
         bucket.graph.launch()
         self.num_replays += 1
+        self._last_run = (bucket, len(slot_rows))
         return bucket, bucket.logits
 
     def _decode_inputs(self, bucket: _Bucket) -> None:
@@ -232,7 +268,7 @@ class DecodeGraphs:
             self._row_params = cupy.asarray(sampling_rows.params)  # [R, 8] (a rare, synchronous copy)
             self._row_seeds = cupy.asarray(sampling_rows.seeds)  # [R]
             for bucket in self._captured.values():
-                bucket.sample_graph = None
+                bucket.sample_graph = bucket.masked_sample_graph = None
             return
         if not dirty.size:
             return
@@ -260,10 +296,14 @@ class DecodeGraphs:
         """Capture the bucket's sampling graph. Its temporaries come from the private pool, like the
         forward's. `sampled` and `token_ids` outlive the step (the download, the next step's input ids),
         so they come from the default pool: no graph's temporaries can ever share their memory."""
+        self._ensure_sample_outputs(bucket)
+        bucket.sample_graph, _ = self._capture_graph(lambda: self._sample(bucket))
+
+    @staticmethod
+    def _ensure_sample_outputs(bucket: _Bucket) -> None:
         if bucket.sampled is None:
             bucket.sampled = cupy.zeros((bucket.size, 2), dtype=cupy.float64)  # [b, 2]
             bucket.token_ids = cupy.zeros(bucket.size, dtype=cupy.int32)  # [b]
-        bucket.sample_graph, _ = self._capture_graph(lambda: self._sample(bucket))
 
     def _capture_graph(self, work):
         """(graph, result) of `work()` captured on the private stream: run once first (kernels compile, the
@@ -286,9 +326,11 @@ class DecodeGraphs:
         self._stream.synchronize()
         return graph, result
 
-    def _sample(self, bucket: _Bucket) -> None:
+    def _sample(self, bucket: _Bucket, masked: bool = False) -> None:
         """Every slot of bucket.logits sampled as GpuSampler.sample_async samples a row without penalties,
-        bans or logprobs: top_cut -> race on the logits rows in place (no float64 copy), then the ids as int32."""
+        bans or logprobs: top_cut -> race on the logits rows in place (no float64 copy), then the ids as int32.
+        masked: bucket.masks applied first, which takes the eager sampler's float64 copy of the rows
+        (prepare_rows -> apply_token_bitmask -> top_cut -> race: the raw logprob stays the unmasked row's)."""
         b = bucket.size
         slot_rows, sample_positions = bucket.sampling_views(bucket.device)
         params = cupy.empty((b, kernels.PARAMS_WIDTH), dtype=cupy.float64)  # [b, 8]
@@ -298,8 +340,16 @@ class DecodeGraphs:
                                   params, seeds, positions)
         rows = cupy.arange(b, dtype=cupy.int32)  # [b]: slot i samples logits row i
         cut = cupy.empty(b, dtype=cupy.float64)  # [b]
-        kernels.top_cut_logits(bucket.logits, rows, params, cut)
-        kernels.race_logits(cut, bucket.logits, rows, params, seeds, positions, bucket.sampled)
+        if masked:
+            adjusted = cupy.empty(bucket.logits.shape, dtype=cupy.float64)  # [b, V]
+            raw_stats = cupy.empty((b, 2), dtype=cupy.float64)  # [b, 2]
+            kernels.prepare_rows(bucket.logits, rows, adjusted, raw_stats)
+            kernels.apply_token_bitmask(adjusted, rows, bucket.masks)
+            kernels.top_cut(adjusted, params, cut)
+            kernels.race(adjusted, cut, bucket.logits, rows, params, seeds, positions, bucket.sampled)
+        else:
+            kernels.top_cut_logits(bucket.logits, rows, params, cut)
+            kernels.race_logits(cut, bucket.logits, rows, params, seeds, positions, bucket.sampled)
         kernels.chosen_ids(bucket.sampled, bucket.token_ids)
 
     def _forward(self, bucket: _Bucket):

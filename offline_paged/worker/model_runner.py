@@ -127,9 +127,11 @@ class ModelRunner:
         # stream); started after the host-side input packing so that they time the device's work.
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
         replayed = self._replay_decode(output.scheduled, rows, timer, fill, moves)
+        masked_in_graph = False
         if replayed is not None:
             logits, offsets, graph_samples = replayed  # [b, V] float32 (device), row i = sequence i
-            if graph_samples is not None:  # sampled inside the graph: every row drew one token
+            masked_in_graph = graph_samples is _MASKED_IN_GRAPH
+            if graph_samples is not None and not masked_in_graph:  # sampled inside the graph: every row drew one token
                 if timer is not None:
                     timer.stop()
                 sample_index = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
@@ -153,17 +155,17 @@ class ModelRunner:
             logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
         if defer_grammar_sampling and _has_grammar_rows(output.scheduled):
             return LaunchedStep(output, None, {}, [], [], timer, replayed is not None,
-                                deferred_logits=(logits, offsets))
-        return self._launch_sampling(output, logits, offsets, timer, replayed is not None)
+                                deferred_logits=(logits, offsets, masked_in_graph))
+        return self._launch_sampling(output, logits, offsets, timer, replayed is not None, masked_in_graph)
 
     def launch_deferred_sampling(self, launched: LaunchedStep) -> LaunchedStep:
         """The step `launch(..., defer_grammar_sampling=True)` left unsampled, with its masks filled from
         the matchers as they are now and its sampling queued. Call before the next launch: the decode
         graphs' logits buffer is reused by the next replay. Rows of sequences that finished meanwhile
         are sampled unmasked (their token is dropped by the output processor)."""
-        logits, offsets = launched.deferred_logits
+        logits, offsets, masked_in_graph = launched.deferred_logits
         return self._launch_sampling(launched.output, logits, offsets, launched.forward_timer,
-                                     launched.used_cuda_graph)
+                                     launched.used_cuda_graph, masked_in_graph)
 
     def _replay_decode(self, scheduled, rows: np.ndarray, timer=None, fill=None, moves=None):
         """(logits [b, V], offsets, samples) from a CUDA graph when every sequence computes one token and
@@ -183,6 +185,11 @@ class ModelRunner:
         sample_positions = self._graph_sample_positions(scheduled, rows, columns)
         if self.mirror is not None:  # the other ranks replay the same bucket on their row mirrors
             self._send_mirror(moves, ("graph", input_ids, starts, writes, rows))
+        if sample_positions is not None and _has_grammar_rows(scheduled):
+            if graphs.masks_fit(_grammar_words(scheduled)):  # sampled by graphs.sample_masked (_launch_sampling)
+                logits = graphs.run(input_ids, starts, rows, writes, self.table_rows, timer, fill, sample_positions)
+                return logits, list(range(num_seqs)), _MASKED_IN_GRAPH
+            sample_positions = None
         if sample_positions is None:
             logits = graphs.run(input_ids, starts, rows, writes, self.table_rows, timer, fill)  # [b, V] float32
             return logits, list(range(num_seqs)), None
@@ -267,11 +274,17 @@ class ModelRunner:
         return eager_batch(scheduled, self.table_rows, rows, self._upload)
 
     # ----------------------------------------------------------------- outputs
-    def _launch_sampling(self, output, logits, offsets: list[int], timer, used_graph: bool) -> LaunchedStep:
+    def _launch_sampling(self, output, logits, offsets: list[int], timer, used_graph: bool,
+                         masked_in_graph: bool = False) -> LaunchedStep:
         """Queue the sampling of every sampled row; prompt logprobs are computed now (on the host).
         logits [K, V]: host, or device when the GpuSampler samples (then prompt-logprob rows are copied
-        to the host alone)."""
+        to the host alone). masked_in_graph: a decode-graph step whose rows (some with a grammar) the
+        graph's masked sampler draws, one token each."""
         scheduled = output.scheduled
+        if masked_in_graph:
+            samples = self.decode_graphs.sample_masked(_graph_masks(scheduled), self.sampling_rows)
+            sample_index = {item.seq.seq_id: i for i, item in enumerate(scheduled)}
+            return LaunchedStep(output, samples, sample_index, None, [None] * len(scheduled), timer, True)
         requests, rows, owners, sample_index = [], [], [], {}
         masks = _structured_masks(scheduled)
         for i, item in enumerate(scheduled):
@@ -304,8 +317,27 @@ def _sampling_requests(item, token_bitmask=None) -> list[SamplingRequest]:
             for seed in seeds[:item.num_samples]]
 
 
+_MASKED_IN_GRAPH = object()  # _replay_decode's "samples": the graph replayed, its masked sampler draws later
+
+
 def _has_grammar_rows(scheduled) -> bool:
     return any(item.num_samples and item.seq.matcher is not None for item in scheduled)
+
+
+def _grammar_words(scheduled) -> int:
+    """int32 words of the step's structured-output masks (one grammar tokenizer per engine)."""
+    return next(item.seq.matcher.num_words for item in scheduled if item.seq.matcher is not None)
+
+
+def _graph_masks(scheduled) -> np.ndarray:
+    """[S, W] int32: row i the mask of scheduled sequence i (all bits set where it has none)."""
+    masks = np.full((len(scheduled), _grammar_words(scheduled)), -1, dtype=np.int32)  # [S, W]
+    filled = _structured_masks(scheduled)
+    for i, item in enumerate(scheduled):
+        mask = filled.get(item.seq.seq_id)
+        if mask is not None:
+            masks[i] = mask
+    return masks
 
 
 def _structured_masks(scheduled) -> dict:

@@ -12,8 +12,8 @@ owners[r] == s, params[r] and seeds[r] are `pack_params` of sequence s's params 
 `pack_params` is the one packing both GPU samplers use (the eager GpuSampler per step, the decode graph
 per row), so a row's draw is computed from the same numbers on either path. `graph_samplable` says
 whether a decode row can be sampled inside the captured graph: greedy or temperature / top-k / top-p /
-min-p only; penalties, logprobs, token constraints, forks, beams and an active min_tokens ban take the
-eager sampler.
+min-p, with or without a structured-output mask; penalties, logprobs, token constraints, forks, beams and
+an active min_tokens ban take the eager sampler.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def pack_seeds(seeds: Sequence[int]) -> np.ndarray:
 def graph_samplable(params: SamplingParams, beam: bool) -> bool:
     """Whether rows of a request with these params can be sampled by the decode graph's sampler (also
     needs: one sample, no prompt logprobs in the step, and no ban before min_tokens at that position)."""
-    if beam or params.logprobs is not None or params.logits_processors or params.structured_outputs is not None:
-        return False
+    if beam or params.logprobs is not None or params.logits_processors:
+        return False  # (structured output is: the runner routes those steps to the graph's masked sampler)
     if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
         return False
     return params.allowed_token_ids is None and not params._bad_words_token_ids and not params.logit_bias
