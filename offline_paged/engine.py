@@ -1,7 +1,8 @@
 """LLMEngine: add requests, then step() until done. One step = schedule -> execute -> postprocess.
 
-The engine owns the layers below it: a Backend (numpy/cupy + ops), the Llama model, a BlockManager,
-the Scheduler, the ModelRunner and the OutputProcessor. It turns prompts into SequenceGroups, decides
+The engine owns the layers below it: a Backend (numpy/cupy + ops), an Executor (the model and the
+ModelRunner, in this process or over tensor-parallel ranks), a BlockManager, the Scheduler and the
+OutputProcessor. It turns prompts into SequenceGroups, decides
 each sample's random-stream seed, checks stop conditions (with a StopChecker) and builds RequestOutputs.
 """
 from __future__ import annotations
@@ -26,14 +27,13 @@ from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.core.scheduler import Scheduler
 from offline_paged.core.sequence import Sequence, SequenceGroup
 from offline_paged.core.stop_checker import StopChecker
+from offline_paged.executor.executor import Executor
 from offline_paged.models.hub import resolve_model
 from offline_paged.models.pooling import PoolingConfig
-from offline_paged.ops.kv_scales import KV_CACHE_NUMPY_DTYPES
 from offline_paged.worker.backend import checkpoint_dtype, select_backend
 from offline_paged.worker.launched_step import LaunchedStep
 from offline_paged.worker.pooling_runner import PoolingRunner
-from offline_paged.worker.model_runner import (DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner, kv_block_bytes,
-                                               profile_step_memory)
+from offline_paged.worker.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY, kv_block_bytes
 from offline_paged.worker.random_stream import stream_seed, unseeded_request_seed
 from offline_paged.worker.sampler import Sampler
 from offline_paged.worker.step_report import StepReport
@@ -50,9 +50,10 @@ class LLMEngine:
     (anything with .config, .weights, .tokenizer, e.g. a tiny random one in tests) is given.
     Requests are identified by caller-chosen string ids; `step()` returns each request once, in the
     step it finishes.
-    With `tensor_parallel_size` N > 1 this process is rank 0 (scheduler, block manager, sampling, shard
-    0) and a TensorParallelGroup runs ranks 1..N-1; `loaded_model` may then also be a shard source
-    (models/tp_source.py, e.g. a DummySource), and steps run synchronously. `close()` stops the ranks.
+    The model and the runner sit behind an Executor (offline_paged/executor/): with `tensor_parallel_size`
+    N > 1 this process is rank 0 (scheduler, block manager, sampling, shard 0) and the executor runs
+    ranks 1..N-1; `loaded_model` may then also be a shard source (models/tp_source.py, e.g. a
+    DummySource), and steps run synchronously. `close()` stops the ranks.
     """
 
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
@@ -68,44 +69,25 @@ class LLMEngine:
         self.backend = select_backend(config.device, config.dtype, checkpoint_dtype(source),
                                       f"{source}/config.json")
         self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.backend.name)  # refuses FP8 on CUDA, before loading
-        self.tp_group = None
-        if config.tensor_parallel_size > 1 and config.async_scheduling:
-            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 (the other "
-                             "ranks would need the sampled ids on their devices); leave it unset or False")
-        if config.tensor_parallel_size > 1:
-            model, loaded_model = self._start_tensor_parallel(loaded_model)
-        else:
-            model, loaded_model = self._build_model(loaded_model)
-        self.model_config = loaded_model.config
-        self.eos_token_ids = self._eos_token_ids(loaded_model)
+        self.executor = Executor.create(config, self.backend, self.kv_cache_dtype, loaded_model)
+        self._tokenizer = self.executor.tokenizer
+        self.model_config = self.executor.model_config
+        self.eos_token_ids = self._eos_token_ids(self._tokenizer, self.model_config)
         self.profiled_activation_bytes: int | None = None  # set when the KV pool is sized by profiling
-        self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools(model)
-        model.set_max_positions(self.max_model_len)
-        if self.tp_group is not None:
-            self.tp_group.init_runners(num_gpu_blocks, num_cpu_blocks, self.max_model_len)
+        self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools(self.executor.model)
         self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
                                           config.watermark, config.enable_prefix_caching,
                                           self.max_model_len if config.kv_layout == "contiguous" else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.preemption, self.max_model_len,
                                    config.resolved_admission_batch(self.backend.name))
-        self.runner = ModelRunner(model, self.backend, num_gpu_blocks, num_cpu_blocks,
-                                  config.block_size, Sampler(self.eos_token_ids),
-                                  cuda_graphs=config.cuda_graphs, max_model_len=self.max_model_len,
-                                  mirror=self.tp_group, max_num_seqs=config.max_num_seqs)
-        if self.runner.decode_graphs is not None and self.tp_group is None:
-            # Under tensor parallelism every rank must warm up and capture a bucket together (the
-            # all-reduces run in the warm-up), so there the buckets stay captured on first use.
-            self.runner.decode_graphs.capture_all()
-        if self.tp_group is not None:
-            self.tp_group.wait_ready()
+        self.runner = self.executor.init_runner(num_gpu_blocks, num_cpu_blocks, self.max_model_len,
+                                                Sampler(self.eos_token_ids))
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)
         self.output_processor = OutputProcessor(self.scheduler, self.stop_checker)
         self._stats = StatsTracker(num_gpu_blocks, num_cpu_blocks, config.block_size)
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.backend.name == "cuda")
-        if self.tp_group is not None:
-            self.async_scheduling = False  # the other ranks would need the sampled ids on their devices
+        self.async_scheduling = self.executor.supports_async_scheduling and (
+            config.async_scheduling if config.async_scheduling is not None else self.backend.name == "cuda")
         self._in_flight: LaunchedStep | None = None  # launched, outputs not yet processed
         self._groups: dict[str, SequenceGroup] = {}
         self._scoring_only: set[str] = set()  # max_tokens=0 requests: their one sampled token is dropped
@@ -115,46 +97,9 @@ class LLMEngine:
         self._compiling: dict[str, tuple[SequenceGroup, Future]] = {}  # grammar not compiled yet: not scheduled
 
     # ----------------------------------------------------------------- set-up
-    def _build_model(self, loaded_model):
-        """(Llama, loaded model) of one process. RoPE for the profiling step only (its positions stay
-        below the token budget); rebuilt for max_model_len later, so a config's max_position_embeddings
-        never sizes a table by itself."""
-        from offline_paged.models.llama import Llama
-
-        if loaded_model is None:
-            from offline_paged.models.loader import load_model
-
-            loaded_model = load_model(self.config.model)
-        self._tokenizer = loaded_model.tokenizer
-        model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype,
-                      max_positions=self.config.max_num_batched_tokens,
-                      kv_cache_dtype=KV_CACHE_NUMPY_DTYPES[self.kv_cache_dtype],
-                      calculate_kv_scales=self.config.calculate_kv_scales)
-        return model, loaded_model
-
-    def _start_tensor_parallel(self, loaded_model):
-        """(rank 0's Llama over shard 0, the shard source): spawns the other ranks first."""
-        from offline_paged.models.llama import Llama
-        from offline_paged.models.tp_source import as_source
-        from offline_paged.tp.tp_group import TensorParallelGroup
-
-        source = as_source(loaded_model, self.config.model)
-        self._tokenizer = source.tokenizer
-        self.tp_group = group = TensorParallelGroup(self.config, source, self.backend)
-        try:
-            model = Llama(group.local_config, group.weights, self.backend.ops, self.backend.dtype,
-                          max_positions=self.config.max_num_batched_tokens, tp=group.shard,
-                          consume_weights=True)
-        except BaseException:
-            group.close()
-            raise
-        group.weights = None
-        return model, source
-
     def close(self) -> None:
         """Stop the tensor-parallel ranks and the grammar compiler's threads (if any)."""
-        if self.tp_group is not None:
-            self.tp_group.close()
+        self.executor.close()
         if self._grammar_compiler is not None:
             self._grammar_compiler.close()
 
@@ -163,7 +108,7 @@ class LLMEngine:
         config = self.config
         block_bytes = kv_block_bytes(model.config, config.block_size, model.kv_cache_dtype)  # per rank
         model_len = config.max_model_len or self.model_config.max_position_embeddings
-        num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, model_len, model)
+        num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, model_len)
         if config.num_cpu_blocks is not None:
             num_cpu = config.num_cpu_blocks
         else:
@@ -179,27 +124,21 @@ class LLMEngine:
             raise ValueError(f"the KV cache ({num_gpu} blocks of {config.block_size}) is too small to run")
         return model_len, num_gpu, num_cpu
 
-    def _cuda_kv_memory(self, model, model_len: int) -> int:
-        """Bytes for the KV pool on CUDA: free memory after the weights x gpu_memory_utilization, less
-        the activations of the largest step (measured by a profiling forward, `profile_step_memory`)."""
+    def _cuda_kv_memory(self, model_len: int) -> int:
+        """Bytes for the KV pool on CUDA (Executor.usable_kv_memory: measured by a profiling forward of the
+        largest step)."""
         config = self.config
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * model_len)
-        if self.tp_group is not None:  # the profiling forward has collectives: every rank runs it
-            self.tp_group.start_profile(num_tokens, config.max_num_seqs, config.block_size)
-        activations = profile_step_memory(model, self.backend, num_tokens, config.max_num_seqs,
-                                          config.block_size, self.eos_token_ids)
-        self.profiled_activation_bytes = activations
-        usable = int(self.backend.free_memory_bytes() * config.gpu_memory_utilization) - activations
-        if self.tp_group is not None:
-            usable = min(usable, self.tp_group.finish_profile())
+        usable = self.executor.usable_kv_memory(num_tokens, self.eos_token_ids)
+        self.profiled_activation_bytes = self.executor.profiled_activation_bytes
         return usable
 
-    def _blocks_from_memory(self, block_bytes: int, model_len: int, model) -> int:
+    def _blocks_from_memory(self, block_bytes: int, model_len: int) -> int:
         config = self.config
         if config.kv_cache_memory is not None:
             memory = config.kv_cache_memory
         elif self.backend.name == "cuda":
-            memory = self._cuda_kv_memory(model, model_len)
+            memory = self._cuda_kv_memory(model_len)
         else:
             memory = DEFAULT_CPU_KV_CACHE_MEMORY
         needed = config.max_num_seqs * math.ceil(model_len / config.block_size) + 1  # more is never used at once
@@ -209,9 +148,9 @@ class LLMEngine:
         return int(num_blocks)
 
     @staticmethod
-    def _eos_token_ids(loaded_model) -> tuple[int, ...]:
-        ids = set(getattr(loaded_model.tokenizer, "eos_token_ids", ()) or ())
-        ids |= set(loaded_model.config.eos_token_ids or ())
+    def _eos_token_ids(tokenizer, model_config) -> tuple[int, ...]:
+        ids = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        ids |= set(model_config.eos_token_ids or ())
         return tuple(sorted(ids))
 
     @property
@@ -413,8 +352,7 @@ class LLMEngine:
         `pooling` says (None: the model's sentence-transformers config, else last token, normalised).
         Runs at once in a scratch KV pool (worker/pooling_runner.py); generation in flight is untouched.
         Raises ValueError for a prompt that is empty, too long or outside the vocabulary."""
-        if self.tp_group is not None:
-            raise ValueError("embeddings are not supported with tensor_parallel_size > 1")
+        self.executor.check_embeddings()
         if self.backend.name != "cpu":
             # Switched off on CUDA: its GPU test (the fp16 pooling forward against the float64 one) failed on
             # the H200 in session 22 and there was no device time left to find why.
@@ -465,7 +403,7 @@ class LLMEngine:
                                "waiting; the KV cache is too small for them")
         self._stats.record_schedule(output, self.scheduler)
         t1 = time.perf_counter()
-        launched = self.runner.launch(output, self._in_flight)
+        launched = self.executor.execute(output, self._in_flight)
         t2 = time.perf_counter()
         if self._in_flight is not None:
             outputs += self._process(self._in_flight)

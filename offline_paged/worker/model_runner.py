@@ -29,6 +29,7 @@ from offline_paged.core.sequence import SequenceResult
 from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.worker.block_table_rows import BlockTableRows, MirroredRows
 from offline_paged.worker.launched_step import LaunchedStep, ReadySamples
+from offline_paged.worker.mirrored_step import BlockMoves, EagerForward, GraphForward, MirroredStep, RowsDiff
 from offline_paged.worker.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
 from offline_paged.worker.sampling_rows import SamplingRows
 from offline_paged.worker.step_inputs import (DecodeColumns, EagerBatch, StepUpload, decode_columns, eager_batch,
@@ -52,7 +53,7 @@ class ModelRunner:
         cuda_graphs: replay decode-only steps from CUDA graphs (offline_paged/worker/cuda_graph_runner.py) where
         the backend is CUDA and the model float16 or bfloat16; needs max_model_len (the attention's static bound).
         Ignored on the CPU. max_num_seqs: the largest batch, which picks the graphs' batch sizes.
-        mirror: tensor parallel, rank 0 only: `mirror.send_step(moves, forward)` gets every step's
+        mirror: tensor parallel, rank 0 only: `mirror.send_step(MirroredStep)` gets every step's
         inputs before the forward (see run_mirrored)."""
         self.model = model
         self.mirror = mirror
@@ -112,7 +113,7 @@ class ModelRunner:
         """Queue the step's block moves, forward and sampling; the sampled ids stay on the device until
         `wait()`. A sequence whose input token is still pending (async scheduling) gets it from
         `previous`, the step that samples it, on the device. RuntimeError if that step is not given."""
-        moves = (output.blocks_to_swap_out, output.blocks_to_swap_in, output.blocks_to_copy)
+        moves = BlockMoves.of(output)
         self._move_blocks(moves)
         self.table_rows.release(output.freed_seq_ids)
         if not output.scheduled:
@@ -134,8 +135,8 @@ class ModelRunner:
         else:
             packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
             if self.mirror is not None:  # the other ranks rebuild the block tables from their row mirrors
-                self._send_mirror(moves, ("eager", packed[:packed.size - layout[0][-1]], layout, rows,
-                                          self.table_rows.lens[rows]))
+                self._send_mirror(moves, EagerForward(packed[:packed.size - layout.num_table_entries], layout,
+                                                      rows, self.table_rows.lens[rows]))
             batch = unpack_eager(packed, layout, self._upload)
             if fill is not None:
                 fill(batch.input_ids)
@@ -167,7 +168,7 @@ class ModelRunner:
             return None
         sample_positions = self._graph_sample_positions(scheduled, rows, columns)
         if self.mirror is not None:  # the other ranks replay the same bucket on their row mirrors
-            self._send_mirror(moves, ("graph", input_ids, starts, writes, rows))
+            self._send_mirror(moves, GraphForward(input_ids, starts, writes, rows))
         if sample_positions is None:
             logits = graphs.run(input_ids, starts, rows, writes, self.table_rows, timer, fill)  # [b, V] float32
             return logits, list(range(num_seqs)), None
@@ -191,43 +192,39 @@ class ModelRunner:
         return sample_positions if self.sampling_rows.graph_ready(rows, sample_positions) else None
 
     # ----------------------------------------------------------------- tensor parallel
-    def _send_mirror(self, moves, forward) -> None:
+    def _send_mirror(self, moves: BlockMoves, forward: EagerForward | GraphForward | None) -> None:
         """Rank 0: the step's block moves, the block-table rows' diff since the last step (their shape and
         the entries written) and the forward's compact inputs, to every other rank."""
         if self.mirror is not None:
-            diff = (self.table_rows.tables.shape, self.table_rows.take_mirror_changes())
-            self.mirror.send_step(moves, (diff, forward))
+            diff = RowsDiff(self.table_rows.tables.shape, self.table_rows.take_mirror_changes())
+            self.mirror.send_step(MirroredStep(moves, diff, forward))
 
-    def run_mirrored(self, moves, message) -> None:
+    def run_mirrored(self, step: MirroredStep) -> None:
         """Tensor-parallel ranks > 0: perform the block moves and the forward rank 0 sent (`_send_mirror`),
         on this rank's shard and KV pool, with the same block ids. The logits are not used: the forward
-        runs for its collectives and the K/V it writes. message: (diff, forward); diff updates this
-        rank's MirroredRows; forward: None (no tokens this step), ("eager", packed inputs without the
-        block tables, layout, rows [S], row lengths [S]) or ("graph", input_ids, positions, writes, rows)."""
-        diff, forward = message
-        self._move_blocks(moves)
+        runs for its collectives and the K/V it writes. The step's rows diff updates this rank's
+        MirroredRows, from which an eager forward's block tables are rebuilt."""
+        self._move_blocks(step.moves)
         if self._mirror_rows is None:
             self._mirror_rows = MirroredRows(self.block_size)
             self._mirror_rows.track_changes = self.decode_graphs is not None
-        self._mirror_rows.apply(*diff)
+        self._mirror_rows.apply(step.rows_diff.table_shape, step.rows_diff.changes)
+        forward = step.forward
         if forward is None:
             return
-        kind, *args = forward
-        if kind == "graph":
-            input_ids, positions, writes, rows = args
-            self.decode_graphs.run(input_ids, positions, rows, writes, self._mirror_rows)
+        if isinstance(forward, GraphForward):
+            self.decode_graphs.run(forward.input_ids, forward.positions, forward.rows, forward.writes,
+                                   self._mirror_rows)
             return
-        head, layout, rows, lens = args
-        tables = self._mirror_rows.block_tables(rows, lens, layout[1][1])  # [S, M]
-        batch = unpack_eager(np.concatenate([head, tables.ravel()]), layout, self._upload)
+        tables = self._mirror_rows.block_tables(forward.rows, forward.row_lens, forward.layout.table_width)  # [S, M]
+        batch = unpack_eager(np.concatenate([forward.inputs_head, tables.ravel()]), forward.layout, self._upload)
         self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_indices)
 
     # ----------------------------------------------------------------- block moves
-    def _move_blocks(self, moves) -> None:
-        swap_out, swap_in, copies = moves
-        self.swap_out(swap_out)
-        self.swap_in(swap_in)
-        self.copy_blocks(copies)
+    def _move_blocks(self, moves: BlockMoves) -> None:
+        self.swap_out(moves.swap_out)
+        self.swap_in(moves.swap_in)
+        self.copy_blocks(moves.copies)
 
     # Block ids stay on the host: the swapper and copy_blocks take host ids, so no move syncs the device.
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
