@@ -2,13 +2,12 @@
 
 The engine owns the layers below it: a Backend (numpy/cupy + ops), an Executor (the model and the
 ModelRunner, in this process or over tensor-parallel ranks), a BlockManager, the Scheduler and the
-OutputProcessor. It turns prompts into SequenceGroups, decides
-each sample's random-stream seed, checks stop conditions (with a StopChecker) and builds RequestOutputs.
+OutputProcessor. Its RequestProcessor turns prompts into SequenceGroups (validation, tokenisation,
+seeds); the engine checks stop conditions (with a StopChecker) and builds RequestOutputs.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
@@ -17,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from offline_paged.core.beam_search import BeamState, runner_top_k
 from offline_paged.core.block_manager import BlockManager
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.engine_stats import StatsTracker
@@ -30,11 +28,11 @@ from offline_paged.core.stop_checker import StopChecker
 from offline_paged.executor.executor import Executor
 from offline_paged.models.hub import resolve_model
 from offline_paged.models.pooling import PoolingConfig
+from offline_paged.request_processor import RequestProcessor
 from offline_paged.worker.backend import checkpoint_dtype, select_backend
 from offline_paged.worker.launched_step import LaunchedStep
 from offline_paged.worker.pooling_runner import PoolingRunner
 from offline_paged.worker.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY, kv_block_bytes
-from offline_paged.worker.random_stream import stream_seed, unseeded_request_seed
 from offline_paged.worker.sampler import Sampler
 from offline_paged.worker.step_report import StepReport
 
@@ -83,6 +81,8 @@ class LLMEngine:
                                    config.resolved_admission_batch(self.backend.name))
         self.runner = self.executor.init_runner(num_gpu_blocks, num_cpu_blocks, self.max_model_len,
                                                 Sampler(self.eos_token_ids))
+        self.processor = RequestProcessor(config, self._tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                          self.eos_token_ids)
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)
         self.output_processor = OutputProcessor(self.scheduler, self.stop_checker)
         self._stats = StatsTracker(num_gpu_blocks, num_cpu_blocks, config.block_size)
@@ -90,8 +90,6 @@ class LLMEngine:
             config.async_scheduling if config.async_scheduling is not None else self.backend.name == "cuda")
         self._in_flight: LaunchedStep | None = None  # launched, outputs not yet processed
         self._groups: dict[str, SequenceGroup] = {}
-        self._scoring_only: set[str] = set()  # max_tokens=0 requests: their one sampled token is dropped
-        self._arrivals = itertools.count()
         self._model_source = source  # where the model's sentence-transformers pooling files may be
         self._grammar_compiler = None  # built on the first structured-output request
         self._compiling: dict[str, tuple[SequenceGroup, Future]] = {}  # grammar not compiled yet: not scheduled
@@ -169,7 +167,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
     ) -> None:
-        """Queue one request. Give `prompt` text (tokenized here) or `prompt_token_ids` (then a
+        """Queue one request. Give `prompt` text (tokenized by the RequestProcessor) or `prompt_token_ids` (then a
         `prompt` given too is only echoed back in the output).
 
         Raises ValueError for a duplicate id, an empty prompt, a prompt that leaves no room to
@@ -177,35 +175,18 @@ class LLMEngine:
         more samples than max_num_seqs, logprobs above max_logprobs, or beam search with
         penalties (its scores are raw log-probabilities; see beam_search.py).
         """
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        self._check_params_fit(params)
+        params = self.processor.check_params(params)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params.truncate_prompt_tokens,
-                                           generates=params.max_tokens > 0)
-        params = self._runner_params(request_id, params)
-        beam = self._beam_state(params, len(token_ids)) if params.use_beam_search else None
-        arrival = next(self._arrivals)
-        group = SequenceGroup(
-            request_id=request_id, arrival_index=arrival, prompt=prompt, prompt_token_ids=token_ids,
-            params=params if beam is None else self._beam_runner_params(params, beam),
-            sample_seeds=self._sample_seeds(params, arrival),
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None, beam=beam,
-        )
+        group = self.processor.process(request_id, prompt, prompt_token_ids, params)
         grammar = None
-        if params.structured_outputs is not None:
-            grammar = self.grammar_compiler.submit(params.structured_outputs)
+        if group.params.structured_outputs is not None:
+            grammar = self.grammar_compiler.submit(group.params.structured_outputs)
             if not grammar.done():  # compiles off the step loop; scheduled once it is ready
                 self._compiling[request_id] = (group, grammar)
                 self._groups[request_id] = group
                 return
-        try:
-            self._admit(group, grammar)  # raises before anything is recorded
-        except ValueError:
-            self._scoring_only.discard(request_id)
-            raise
+        self._admit(group, grammar)  # raises before anything is recorded
         self._groups[request_id] = group
 
     @property
@@ -250,102 +231,9 @@ class LLMEngine:
                 self._admit(group, future)
             except Exception as exc:  # noqa: BLE001 - a bad grammar fails its own request only
                 del self._groups[request_id]
-                self._scoring_only.discard(request_id)
                 errors.append(RequestError(request_id, str(exc) if isinstance(exc, ValueError)
                                            else f"{type(exc).__name__}: {exc}"))
         return errors
-
-    def _check_params_fit(self, params: SamplingParams) -> None:
-        """What a SamplingParams alone cannot know: this engine's vocabulary and caps. Checked before
-        anything is sized by the request (n seeds) or reaches a step (an id past the vocabulary)."""
-        vocab_size = self.model_config.vocab_size
-        if any(t >= vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be < the vocabulary size ({vocab_size}), "
-                             f"got {max(params.stop_token_ids)}")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            if any(t >= vocab_size for t in ids):
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"{name}={value} is more than max_logprobs "
-                                 f"({self.config.max_logprobs}), the engine's cap")
-        if params.num_samples > self.config.max_num_seqs:
-            raise ValueError(f"the request needs {params.num_samples} parallel samples (n / best_of) "
-                             f"but max_num_seqs is {self.config.max_num_seqs}")
-
-    def _runner_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
-        """Tokenize bad_words (vLLM's way: with and without a leading space), and turn max_tokens=0
-        into one discarded greedy token (`_finish` drops it)."""
-        if params.bad_words:
-            params = dataclasses.replace(params, _bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
-        if params.max_tokens == 0:
-            self._scoring_only.add(request_id)
-            return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=params.prompt_logprobs,
-                                  prompt_logprobs_start=params.prompt_logprobs_start, detokenize=False)
-        return params
-
-    def _bad_words_token_ids(self, bad_words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        words: list[tuple[int, ...]] = []
-        for word in bad_words:
-            plain = tuple(self._tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(self._tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            words.append(plain)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):  # a distinct word-start form
-                words.append(spaced)
-        return tuple(words)
-
-    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids, truncate: int | None = None,
-                          generates: bool = True) -> list[int]:
-        """The prompt's ids; one that only scores (max_tokens=0) may fill max_model_len."""
-        if prompt is not None and not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        if prompt_token_ids is not None:
-            token_ids = list(prompt_token_ids)
-        elif prompt is not None:
-            token_ids = self._tokenizer.encode(prompt)
-        else:
-            raise ValueError("give a prompt (text) or prompt_token_ids")
-        if truncate is not None:  # keep the last tokens, as vLLM (-1: as many as max_model_len allows)
-            token_ids = token_ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
-        vocab_size = self.model_config.vocab_size
-        if not token_ids:
-            raise ValueError("the prompt is empty (it must have at least one token)")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
-        if len(token_ids) > self.max_model_len - generates:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
-                             f"{self.max_model_len}, which leaves no room to generate")
-        return token_ids
-
-    def _beam_state(self, params: SamplingParams, num_prompt_tokens: int) -> BeamState:
-        for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
-                              ("frequency_penalty", 0.0)):
-            if getattr(params, name) != neutral:
-                raise ValueError(f"{name} must be left at {neutral} when use_beam_search is true "
-                                 "(beams are ranked by raw log-probabilities)")
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        return BeamState(
-            beam_width=params.beam_width,
-            max_len=min(num_prompt_tokens + params.max_tokens, self.max_model_len),
-            banned_before_min_tokens=frozenset(banned) if params.min_tokens else frozenset(),
-            num_logprobs=params.logprobs,
-        )
-
-    @staticmethod
-    def _beam_runner_params(params: SamplingParams, beam: BeamState) -> SamplingParams:
-        """The user's params, asking the runner for enough top logprobs to rank the candidates."""
-        top_k = runner_top_k(beam.beam_width, len(beam.banned_before_min_tokens), params.logprobs)
-        return dataclasses.replace(params, logprobs=top_k)
-
-    def _sample_seeds(self, params: SamplingParams, arrival: int) -> list[int]:
-        """Seed of each sample's random stream: the request's seed, or one derived from the engine
-        seed and the request's arrival index; sample i > 0 gets stream_seed(seed, i)."""
-        if params.seed is not None:
-            base = params.seed
-        else:
-            base = unseeded_request_seed(self.config.seed, arrival)
-        return [stream_seed(base, i) for i in range(params.num_samples)]
 
     def embed(self, prompts: list[str | list[int]], pooling: PoolingConfig | None = None) -> list[np.ndarray]:
         """Embeddings (float32 [hidden_size] each) of prompts given as text or token ids, pooled as
@@ -359,15 +247,15 @@ class LLMEngine:
             raise ValueError("embeddings run on the CPU backend only for now (LLM(..., device='cpu')); the "
                              "CUDA pooling forward is not verified yet")
         pooling = PoolingConfig.from_dir(self._model_source) if pooling is None else pooling
-        token_ids = [self._prompt_token_ids(p if isinstance(p, str) else None,
-                                            None if isinstance(p, str) else p, generates=False) for p in prompts]
+        token_ids = [self.processor.prompt_token_ids(p if isinstance(p, str) else None,
+                                                     None if isinstance(p, str) else p, generates=False)
+                     for p in prompts]
         runner = PoolingRunner(self.runner.model, self.config.block_size, self.config.max_num_batched_tokens)
         return runner.embed(token_ids, pooling)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a queued or running request and free its blocks; True if it was unfinished."""
         group = self._groups.pop(request_id, None)
-        self._scoring_only.discard(request_id)
         if group is None:
             return False
         if self._compiling.pop(request_id, None) is None:  # one still compiling was never scheduled
@@ -426,15 +314,13 @@ class LLMEngine:
         del self._groups[group.request_id]
         failed = next((seq.error for seq in group.seqs if seq.error is not None), None)
         if failed is not None:  # a grammar matcher refused a token: the request ends with that error
-            self._scoring_only.discard(group.request_id)
             self._stats.record_finished(group)
             return RequestError(group.request_id, f"structured output failed: {failed}")
         seqs = group.seqs if group.beam is None else group.beam.best(group.params.n)
         if len(seqs) > group.params.n:  # best_of > n: keep the n most likely
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:group.params.n]
         outputs = [self._completion(index, seq) for index, seq in enumerate(seqs)]
-        if group.request_id in self._scoring_only:
-            self._scoring_only.discard(group.request_id)
+        if group.scoring_only:
             outputs = [CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=0.0,
                                         logprobs=None, finish_reason="length")]
         self._stats.record_finished(group)
@@ -465,8 +351,7 @@ def _needs_host_tokens(output) -> bool:
         if not item.num_samples:
             continue
         params, group = item.seq.group.params, item.seq.group
-        if (item.num_samples > 1 or group.beam is not None or params.repetition_penalty != 1.0
-                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.bad_words
+        if (item.num_samples > 1 or group.beam is not None or params.needs_token_history
                 or params.structured_outputs is not None):
             return True
     return False

@@ -1,8 +1,8 @@
 """Imports point down (STYLE.md rule 2), read from the sources with ast: a new upward import fails here.
 
 The package is a stack of layers, one subpackage each (top first): cli, the public API (offline_paged
-and offline_paged.entrypoints), dp, benchmark, job, the engine (offline_paged.engine), executor (the seam
-between the engine and the workers), tp (tensor parallel ranks, when present), worker (the runner), core (the engine core), models, ops (NumPy ops and the CUDA launchers). A module imports
+and offline_paged.entrypoints), dp, benchmark, job, the engine (offline_paged.engine), its request processor,
+executor (the seam between the engine and the workers), tp (tensor parallel ranks, when present), worker (the runner), core (the engine core), models, ops (NumPy ops and the CUDA launchers). A module imports
 its own layer or lower ones only. Inside the core, the pure-Python modules are ranked as well. The
 top-level cuda/ holds CUDA C sources only (no Python can shadow NVIDIA's `cuda` from the repo root).
 """
@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 FOLDERS = {"offline_paged": "offline_paged", "models": "offline_paged.models", "cli": "offline_paged.cli"}
 # Top first; a module belongs to the longest layer name it starts with.
 LAYERS = ["offline_paged.cli", "offline_paged", "offline_paged.entrypoints", "offline_paged.dp",
-          "offline_paged.benchmark", "offline_paged.job", "offline_paged.engine", "offline_paged.executor", "offline_paged.tp",
-          "offline_paged.worker", "offline_paged.core", "offline_paged.models", "offline_paged.ops"]
+          "offline_paged.benchmark", "offline_paged.job", "offline_paged.engine", "offline_paged.request_processor",
+          "offline_paged.executor", "offline_paged.tp", "offline_paged.worker", "offline_paged.core",
+          "offline_paged.models", "offline_paged.ops"]
 RANK = {layer: len(LAYERS) - i for i, layer in enumerate(LAYERS)}
 RANK["offline_paged.entrypoints"] = RANK["offline_paged"]  # the package root re-exports the entry points
 # vLLM's module paths (offline_paged.sampling_params, .outputs, ...) re-export the public API
