@@ -14,7 +14,7 @@ parameters in device buffers written once per row), else the GpuSampler samples 
 are built in step_inputs.py.
 
 Tensor parallel: rank 0's runner is given a `mirror` (offline_paged/tp/tp_group.py) and sends it each
-step's block moves and packed forward inputs right before its own forward; the runner of every other
+step's block moves and packed forward inputs (a MirroredStep) right before its own forward; the runner of every other
 rank replays them with `run_mirrored` (same block ids, same buckets), so the collectives inside the
 forwards pair up. Only rank 0 samples.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -112,69 +113,89 @@ class ModelRunner:
     def launch(self, output, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's block moves, forward and sampling; the sampled ids stay on the device until
         `wait()`. A sequence whose input token is still pending (async scheduling) gets it from
-        `previous`, the step that samples it, on the device. RuntimeError if that step is not given."""
+        `previous`, the step that samples it, on the device. RuntimeError if that step is not given.
+
+        One path per mode: a decode-only step that fits a CUDA graph bucket replays it and samples in
+        the graph (`_launch_graph_sampled`) or with the eager sampler (`_launch_graph`); any other step
+        runs eagerly (`_launch_eager`). Each path sends the tensor-parallel ranks their MirroredStep once,
+        right before its forward, and stops the forward's timer right after it."""
         moves = BlockMoves.of(output)
         self._move_blocks(moves)
         self.table_rows.release(output.freed_seq_ids)
         if not output.scheduled:
             self._send_mirror(moves, None)
-            return LaunchedStep(output, ReadySamples([]), {}, [], [], None, False)
+            return LaunchedStep.nothing_run(output)
         rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
         fill = pending_inputs(output.scheduled, previous, self._pending_upload)
         # CUDA events around the forward, never inside a capture (DecodeGraphs captures on its own
         # stream); started after the host-side input packing so that they time the device's work.
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
-        replayed = self._replay_decode(output.scheduled, rows, timer, fill, moves)
-        if replayed is not None:
-            logits, offsets, graph_samples = replayed  # [b, V] float32 (device), row i = sequence i
-            if graph_samples is not None:  # sampled inside the graph: every row drew one token
-                if timer is not None:
-                    timer.stop()
-                sample_index = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
-                return LaunchedStep(output, graph_samples, sample_index, None, [None] * len(offsets), timer, True)
-        else:
-            packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
-            if self.mirror is not None:  # the other ranks rebuild the block tables from their row mirrors
-                self._send_mirror(moves, EagerForward(packed[:packed.size - layout.num_table_entries], layout,
-                                                      rows, self.table_rows.lens[rows]))
-            batch = unpack_eager(packed, layout, self._upload)
-            if fill is not None:
-                fill(batch.input_ids)
-            if timer is not None:
-                timer.start()
-            logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
-                                        batch.logits_indices)  # [K, V] float32 (device)
-            offsets = batch.logits_offsets
-        if timer is not None:
-            timer.stop()
-        if self.gpu_sampler is None:
-            logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
-        return self._launch_sampling(output, logits, offsets, timer, replayed is not None)
+        decode = self._graph_decode(output.scheduled, rows)
+        if decode is None:
+            return self._launch_eager(output, rows, moves, fill, timer)
+        if decode.sample_positions is None:
+            return self._launch_graph(output, decode, moves, fill, timer)
+        return self._launch_graph_sampled(output, decode, moves, fill, timer)
 
-    def _replay_decode(self, scheduled, rows: np.ndarray, timer=None, fill=None, moves=None):
-        """(logits [b, V], offsets, samples) from a CUDA graph when every sequence computes one token and
-        the step fits a bucket; None otherwise (the eager forward runs). samples: the graph's own draws
-        (PendingSamples) when every row can be sampled there, else None (the eager sampler samples the
-        logits). rows [S]: block-table rows."""
+    def _launch_eager(self, output, rows: np.ndarray, moves: BlockMoves, fill, timer) -> LaunchedStep:
+        """Any step (prefill chunks and decodes mixed): the eager forward, then the eager sampler."""
+        packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
+        if self.mirror is not None:  # the other ranks rebuild the block tables from their row mirrors
+            self._send_mirror(moves, EagerForward(packed[:packed.size - layout.num_table_entries], layout,
+                                                  rows, self.table_rows.lens[rows]))
+        batch = unpack_eager(packed, layout, self._upload)
+        if fill is not None:
+            fill(batch.input_ids)
+        if timer is not None:
+            timer.start()
+        logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
+                                    batch.logits_indices)  # [K, V] float32 (device)
+        _stop(timer)
+        return self._launch_sampling(output, self._sampler_logits(logits), batch.logits_offsets, timer,
+                                     used_graph=False)
+
+    def _launch_graph(self, output, decode: _GraphDecode, moves: BlockMoves, fill, timer) -> LaunchedStep:
+        """A decode-only step replayed from its bucket's graph; the eager sampler samples its logits (some
+        row needs penalties, logprobs, constraints, a min_tokens ban, a fork or prompt logprobs)."""
+        self._send_mirror(moves, decode.mirrored())  # the other ranks replay the same bucket on their row mirrors
+        columns = decode.columns
+        logits = self.decode_graphs.run(columns.input_ids, columns.positions, decode.rows, columns.writes,
+                                        self.table_rows, timer, fill)  # [b, V] float32 (device), row i = sequence i
+        _stop(timer)
+        return self._launch_sampling(output, self._sampler_logits(logits), list(range(len(decode.rows))), timer,
+                                     used_graph=True)
+
+    def _launch_graph_sampled(self, output, decode: _GraphDecode, moves: BlockMoves, fill, timer) -> LaunchedStep:
+        """A decode-only step replayed from its bucket's graph, which samples too: every row draws one token."""
+        self._send_mirror(moves, decode.mirrored())
+        columns = decode.columns
+        _, samples = self.decode_graphs.run_and_sample(columns.input_ids, columns.positions, decode.rows,
+                                                       columns.writes, self.table_rows, decode.sample_positions,
+                                                       self.sampling_rows, timer, fill)
+        _stop(timer)
+        scheduled = output.scheduled
+        return LaunchedStep(output=output, samples=samples,
+                            sample_index={item.seq.seq_id: i for i, item in enumerate(scheduled)},
+                            owners=None, prompt_logprobs=[None] * len(scheduled), forward_timer=timer,
+                            used_cuda_graph=True)
+
+    def _graph_decode(self, scheduled, rows: np.ndarray) -> _GraphDecode | None:
+        """The replay of a decode-only step that fits a CUDA graph bucket; None when the eager forward runs
+        (no graphs, some sequence computes more than one token, or no bucket fits). rows [S]: block-table rows."""
         graphs = self.decode_graphs
         if graphs is None:
             return None
         columns = decode_columns(scheduled)
         if columns is None:
             return None  # some sequence computes more than one token
-        num_seqs = len(scheduled)
-        starts, input_ids, writes = columns.positions, columns.input_ids, columns.writes  # [S] each
-        if not graphs.fits(num_seqs, int(starts.max()) + 1, int(self.table_rows.lens[rows].max())):
+        if not graphs.fits(len(scheduled), int(columns.positions.max()) + 1, int(self.table_rows.lens[rows].max())):
             return None
-        sample_positions = self._graph_sample_positions(scheduled, rows, columns)
-        if self.mirror is not None:  # the other ranks replay the same bucket on their row mirrors
-            self._send_mirror(moves, GraphForward(input_ids, starts, writes, rows))
-        if sample_positions is None:
-            logits = graphs.run(input_ids, starts, rows, writes, self.table_rows, timer, fill)  # [b, V] float32
-            return logits, list(range(num_seqs)), None
-        logits, samples = graphs.run_and_sample(input_ids, starts, rows, writes, self.table_rows, sample_positions,
-                                                self.sampling_rows, timer, fill)
-        return logits, list(range(num_seqs)), samples
+        return _GraphDecode(columns, rows, self._graph_sample_positions(scheduled, rows, columns))
+
+    def _sampler_logits(self, logits):
+        """The logits where the sampler reads them: on the device for the GpuSampler, else on the host
+        ([K, V] float32: the step's one device->host copy)."""
+        return logits if self.gpu_sampler is not None else self.backend.to_host(logits)
 
     def _graph_sample_positions(self, scheduled, rows: np.ndarray, columns: DecodeColumns) -> np.ndarray | None:
         """[S] output positions to sample in the decode graph, or None when some row needs the eager
@@ -272,7 +293,27 @@ class ModelRunner:
         else:
             samples = ReadySamples(self.sampler.sample(logits[rows], requests))
         prompt = [_prompt_logprobs(item, logits, offsets[i], self.backend.to_host) for i, item in enumerate(scheduled)]
-        return LaunchedStep(output, samples, sample_index, owners, prompt, timer, used_graph)
+        return LaunchedStep(output=output, samples=samples, sample_index=sample_index, owners=owners,
+                            prompt_logprobs=prompt, forward_timer=timer, used_cuda_graph=used_graph)
+
+
+@dataclass(slots=True, frozen=True)
+class _GraphDecode:
+    """How a decode-only step replays from a CUDA graph bucket."""
+
+    columns: DecodeColumns
+    rows: np.ndarray  # [S] block-table rows
+    sample_positions: np.ndarray | None  # [S] output positions the graph samples; None: the eager sampler samples
+
+    def mirrored(self) -> GraphForward:
+        """The replay as the other tensor-parallel ranks run it."""
+        return GraphForward(self.columns.input_ids, self.columns.positions, self.columns.writes, self.rows)
+
+
+def _stop(timer) -> None:
+    """Stop the forward's DeviceTimer (None on the CPU) right after the forward is queued."""
+    if timer is not None:
+        timer.stop()
 
 
 def _sampling_requests(item, token_bitmask=None) -> list[SamplingRequest]:
