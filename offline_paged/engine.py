@@ -1,13 +1,13 @@
 """LLMEngine: add requests, then step() until done. One step = schedule -> execute -> postprocess.
 
-The engine owns the layers below it: a Backend (numpy/cupy + ops), the Llama model, a BlockManager,
-the Scheduler, the ModelRunner and the OutputProcessor. It turns prompts into SequenceGroups, decides
-each sample's random-stream seed, checks stop conditions (with a StopChecker) and builds RequestOutputs.
+The engine owns the layers below it: a Backend (numpy/cupy + ops), an Executor (the model and the
+ModelRunner, in this process or over tensor-parallel ranks), a BlockManager, the Scheduler and the
+OutputProcessor. Its RequestProcessor turns prompts into SequenceGroups (validation, tokenisation,
+seeds); the engine checks stop conditions (with a StopChecker) and builds RequestOutputs.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from offline_paged.core.beam_search import BeamState, runner_top_k
 from offline_paged.core.block_manager import BlockManager
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.engine_stats import StatsTracker
@@ -26,15 +25,14 @@ from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.core.scheduler import Scheduler
 from offline_paged.core.sequence import Sequence, SequenceGroup
 from offline_paged.core.stop_checker import StopChecker
+from offline_paged.executor.executor import Executor
 from offline_paged.models.hub import resolve_model
 from offline_paged.models.pooling import PoolingConfig
-from offline_paged.ops.kv_scales import KV_CACHE_NUMPY_DTYPES
+from offline_paged.request_processor import RequestProcessor
 from offline_paged.worker.backend import checkpoint_dtype, select_backend
 from offline_paged.worker.launched_step import LaunchedStep
 from offline_paged.worker.pooling_runner import PoolingRunner
-from offline_paged.worker.model_runner import (DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner, kv_block_bytes,
-                                               profile_step_memory)
-from offline_paged.worker.random_stream import stream_seed, unseeded_request_seed
+from offline_paged.worker.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY, kv_block_bytes
 from offline_paged.worker.sampler import Sampler
 from offline_paged.worker.step_report import StepReport
 
@@ -50,9 +48,10 @@ class LLMEngine:
     (anything with .config, .weights, .tokenizer, e.g. a tiny random one in tests) is given.
     Requests are identified by caller-chosen string ids; `step()` returns each request once, in the
     step it finishes.
-    With `tensor_parallel_size` N > 1 this process is rank 0 (scheduler, block manager, sampling, shard
-    0) and a TensorParallelGroup runs ranks 1..N-1; `loaded_model` may then also be a shard source
-    (models/tp_source.py, e.g. a DummySource), and steps run synchronously. `close()` stops the ranks.
+    The model and the runner sit behind an Executor (offline_paged/executor/): with `tensor_parallel_size`
+    N > 1 this process is rank 0 (scheduler, block manager, sampling, shard 0) and the executor runs
+    ranks 1..N-1; `loaded_model` may then also be a shard source (models/tp_source.py, e.g. a
+    DummySource), and steps run synchronously. `close()` stops the ranks.
     """
 
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
@@ -68,93 +67,37 @@ class LLMEngine:
         self.backend = select_backend(config.device, config.dtype, checkpoint_dtype(source),
                                       f"{source}/config.json")
         self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.backend.name)  # refuses FP8 on CUDA, before loading
-        self.tp_group = None
-        if config.tensor_parallel_size > 1 and config.async_scheduling:
-            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 (the other "
-                             "ranks would need the sampled ids on their devices); leave it unset or False")
-        if config.tensor_parallel_size > 1:
-            model, loaded_model = self._start_tensor_parallel(loaded_model)
-        else:
-            model, loaded_model = self._build_model(loaded_model)
-        self.model_config = loaded_model.config
-        self.eos_token_ids = self._eos_token_ids(loaded_model)
+        self.executor = Executor.create(config, self.backend, self.kv_cache_dtype, loaded_model)
+        self._tokenizer = self.executor.tokenizer
+        self.model_config = self.executor.model_config
+        self.eos_token_ids = self._eos_token_ids(self._tokenizer, self.model_config)
         self.profiled_activation_bytes: int | None = None  # set when the KV pool is sized by profiling
-        self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools(model)
-        model.set_max_positions(self.max_model_len)
-        if self.tp_group is not None:
-            self.tp_group.init_runners(num_gpu_blocks, num_cpu_blocks, self.max_model_len)
+        self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools(self.executor.model)
         self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
                                           config.watermark, config.enable_prefix_caching,
                                           self.max_model_len if config.kv_layout == "contiguous" else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.preemption, self.max_model_len,
                                    config.resolved_admission_batch(self.backend.name))
-        self.runner = ModelRunner(model, self.backend, num_gpu_blocks, num_cpu_blocks,
-                                  config.block_size, Sampler(self.eos_token_ids),
-                                  cuda_graphs=config.cuda_graphs, max_model_len=self.max_model_len,
-                                  mirror=self.tp_group, max_num_seqs=config.max_num_seqs)
-        if self.runner.decode_graphs is not None and self.tp_group is None:
-            # Under tensor parallelism every rank must warm up and capture a bucket together (the
-            # all-reduces run in the warm-up), so there the buckets stay captured on first use.
-            self.runner.decode_graphs.capture_all()
-        if self.tp_group is not None:
-            self.tp_group.wait_ready()
+        self.runner = self.executor.init_runner(num_gpu_blocks, num_cpu_blocks, self.max_model_len,
+                                                Sampler(self.eos_token_ids))
+        self.processor = RequestProcessor(config, self._tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                          self.eos_token_ids)
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)
         self.output_processor = OutputProcessor(self.scheduler, self.stop_checker)
         self._stats = StatsTracker(num_gpu_blocks, num_cpu_blocks, config.block_size)
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.backend.name == "cuda")
-        if self.tp_group is not None:
-            self.async_scheduling = False  # the other ranks would need the sampled ids on their devices
+        self.async_scheduling = self.executor.supports_async_scheduling and (
+            config.async_scheduling if config.async_scheduling is not None else self.backend.name == "cuda")
         self._in_flight: LaunchedStep | None = None  # launched, outputs not yet processed
         self._groups: dict[str, SequenceGroup] = {}
-        self._scoring_only: set[str] = set()  # max_tokens=0 requests: their one sampled token is dropped
-        self._arrivals = itertools.count()
         self._model_source = source  # where the model's sentence-transformers pooling files may be
         self._grammar_compiler = None  # built on the first structured-output request
         self._compiling: dict[str, tuple[SequenceGroup, Future]] = {}  # grammar not compiled yet: not scheduled
 
     # ----------------------------------------------------------------- set-up
-    def _build_model(self, loaded_model):
-        """(Llama, loaded model) of one process. RoPE for the profiling step only (its positions stay
-        below the token budget); rebuilt for max_model_len later, so a config's max_position_embeddings
-        never sizes a table by itself."""
-        from offline_paged.models.llama import Llama
-
-        if loaded_model is None:
-            from offline_paged.models.loader import load_model
-
-            loaded_model = load_model(self.config.model)
-        self._tokenizer = loaded_model.tokenizer
-        model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype,
-                      max_positions=self.config.max_num_batched_tokens,
-                      kv_cache_dtype=KV_CACHE_NUMPY_DTYPES[self.kv_cache_dtype],
-                      calculate_kv_scales=self.config.calculate_kv_scales)
-        return model, loaded_model
-
-    def _start_tensor_parallel(self, loaded_model):
-        """(rank 0's Llama over shard 0, the shard source): spawns the other ranks first."""
-        from offline_paged.models.llama import Llama
-        from offline_paged.models.tp_source import as_source
-        from offline_paged.tp.tp_group import TensorParallelGroup
-
-        source = as_source(loaded_model, self.config.model)
-        self._tokenizer = source.tokenizer
-        self.tp_group = group = TensorParallelGroup(self.config, source, self.backend)
-        try:
-            model = Llama(group.local_config, group.weights, self.backend.ops, self.backend.dtype,
-                          max_positions=self.config.max_num_batched_tokens, tp=group.shard,
-                          consume_weights=True)
-        except BaseException:
-            group.close()
-            raise
-        group.weights = None
-        return model, source
-
     def close(self) -> None:
         """Stop the tensor-parallel ranks and the grammar compiler's threads (if any)."""
-        if self.tp_group is not None:
-            self.tp_group.close()
+        self.executor.close()
         if self._grammar_compiler is not None:
             self._grammar_compiler.close()
 
@@ -163,7 +106,7 @@ class LLMEngine:
         config = self.config
         block_bytes = kv_block_bytes(model.config, config.block_size, model.kv_cache_dtype)  # per rank
         model_len = config.max_model_len or self.model_config.max_position_embeddings
-        num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, model_len, model)
+        num_gpu = config.num_kv_blocks or self._blocks_from_memory(block_bytes, model_len)
         if config.num_cpu_blocks is not None:
             num_cpu = config.num_cpu_blocks
         else:
@@ -179,27 +122,21 @@ class LLMEngine:
             raise ValueError(f"the KV cache ({num_gpu} blocks of {config.block_size}) is too small to run")
         return model_len, num_gpu, num_cpu
 
-    def _cuda_kv_memory(self, model, model_len: int) -> int:
-        """Bytes for the KV pool on CUDA: free memory after the weights x gpu_memory_utilization, less
-        the activations of the largest step (measured by a profiling forward, `profile_step_memory`)."""
+    def _cuda_kv_memory(self, model_len: int) -> int:
+        """Bytes for the KV pool on CUDA (Executor.usable_kv_memory: measured by a profiling forward of the
+        largest step)."""
         config = self.config
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * model_len)
-        if self.tp_group is not None:  # the profiling forward has collectives: every rank runs it
-            self.tp_group.start_profile(num_tokens, config.max_num_seqs, config.block_size)
-        activations = profile_step_memory(model, self.backend, num_tokens, config.max_num_seqs,
-                                          config.block_size, self.eos_token_ids)
-        self.profiled_activation_bytes = activations
-        usable = int(self.backend.free_memory_bytes() * config.gpu_memory_utilization) - activations
-        if self.tp_group is not None:
-            usable = min(usable, self.tp_group.finish_profile())
+        usable = self.executor.usable_kv_memory(num_tokens, self.eos_token_ids)
+        self.profiled_activation_bytes = self.executor.profiled_activation_bytes
         return usable
 
-    def _blocks_from_memory(self, block_bytes: int, model_len: int, model) -> int:
+    def _blocks_from_memory(self, block_bytes: int, model_len: int) -> int:
         config = self.config
         if config.kv_cache_memory is not None:
             memory = config.kv_cache_memory
         elif self.backend.name == "cuda":
-            memory = self._cuda_kv_memory(model, model_len)
+            memory = self._cuda_kv_memory(model_len)
         else:
             memory = DEFAULT_CPU_KV_CACHE_MEMORY
         needed = config.max_num_seqs * math.ceil(model_len / config.block_size) + 1  # more is never used at once
@@ -209,9 +146,9 @@ class LLMEngine:
         return int(num_blocks)
 
     @staticmethod
-    def _eos_token_ids(loaded_model) -> tuple[int, ...]:
-        ids = set(getattr(loaded_model.tokenizer, "eos_token_ids", ()) or ())
-        ids |= set(loaded_model.config.eos_token_ids or ())
+    def _eos_token_ids(tokenizer, model_config) -> tuple[int, ...]:
+        ids = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        ids |= set(model_config.eos_token_ids or ())
         return tuple(sorted(ids))
 
     @property
@@ -230,7 +167,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
     ) -> None:
-        """Queue one request. Give `prompt` text (tokenized here) or `prompt_token_ids` (then a
+        """Queue one request. Give `prompt` text (tokenized by the RequestProcessor) or `prompt_token_ids` (then a
         `prompt` given too is only echoed back in the output).
 
         Raises ValueError for a duplicate id, an empty prompt, a prompt that leaves no room to
@@ -238,35 +175,18 @@ class LLMEngine:
         more samples than max_num_seqs, logprobs above max_logprobs, or beam search with
         penalties (its scores are raw log-probabilities; see beam_search.py).
         """
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        self._check_params_fit(params)
+        params = self.processor.check_params(params)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params.truncate_prompt_tokens,
-                                           generates=params.max_tokens > 0)
-        params = self._runner_params(request_id, params)
-        beam = self._beam_state(params, len(token_ids)) if params.use_beam_search else None
-        arrival = next(self._arrivals)
-        group = SequenceGroup(
-            request_id=request_id, arrival_index=arrival, prompt=prompt, prompt_token_ids=token_ids,
-            params=params if beam is None else self._beam_runner_params(params, beam),
-            sample_seeds=self._sample_seeds(params, arrival),
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None, beam=beam,
-        )
+        group = self.processor.process(request_id, prompt, prompt_token_ids, params)
         grammar = None
-        if params.structured_outputs is not None:
-            grammar = self.grammar_compiler.submit(params.structured_outputs)
+        if group.params.structured_outputs is not None:
+            grammar = self.grammar_compiler.submit(group.params.structured_outputs)
             if not grammar.done():  # compiles off the step loop; scheduled once it is ready
                 self._compiling[request_id] = (group, grammar)
                 self._groups[request_id] = group
                 return
-        try:
-            self._admit(group, grammar)  # raises before anything is recorded
-        except ValueError:
-            self._scoring_only.discard(request_id)
-            raise
+        self._admit(group, grammar)  # raises before anything is recorded
         self._groups[request_id] = group
 
     @property
@@ -311,120 +231,26 @@ class LLMEngine:
                 self._admit(group, future)
             except Exception as exc:  # noqa: BLE001 - a bad grammar fails its own request only
                 del self._groups[request_id]
-                self._scoring_only.discard(request_id)
                 errors.append(RequestError(request_id, str(exc) if isinstance(exc, ValueError)
                                            else f"{type(exc).__name__}: {exc}"))
         return errors
-
-    def _check_params_fit(self, params: SamplingParams) -> None:
-        """What a SamplingParams alone cannot know: this engine's vocabulary and caps. Checked before
-        anything is sized by the request (n seeds) or reaches a step (an id past the vocabulary)."""
-        vocab_size = self.model_config.vocab_size
-        if any(t >= vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be < the vocabulary size ({vocab_size}), "
-                             f"got {max(params.stop_token_ids)}")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            if any(t >= vocab_size for t in ids):
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"{name}={value} is more than max_logprobs "
-                                 f"({self.config.max_logprobs}), the engine's cap")
-        if params.num_samples > self.config.max_num_seqs:
-            raise ValueError(f"the request needs {params.num_samples} parallel samples (n / best_of) "
-                             f"but max_num_seqs is {self.config.max_num_seqs}")
-
-    def _runner_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
-        """Tokenize bad_words (vLLM's way: with and without a leading space), and turn max_tokens=0
-        into one discarded greedy token (`_finish` drops it)."""
-        if params.bad_words:
-            params = dataclasses.replace(params, _bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
-        if params.max_tokens == 0:
-            self._scoring_only.add(request_id)
-            return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=params.prompt_logprobs,
-                                  prompt_logprobs_start=params.prompt_logprobs_start, detokenize=False)
-        return params
-
-    def _bad_words_token_ids(self, bad_words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        words: list[tuple[int, ...]] = []
-        for word in bad_words:
-            plain = tuple(self._tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(self._tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            words.append(plain)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):  # a distinct word-start form
-                words.append(spaced)
-        return tuple(words)
-
-    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids, truncate: int | None = None,
-                          generates: bool = True) -> list[int]:
-        """The prompt's ids; one that only scores (max_tokens=0) may fill max_model_len."""
-        if prompt is not None and not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        if prompt_token_ids is not None:
-            token_ids = list(prompt_token_ids)
-        elif prompt is not None:
-            token_ids = self._tokenizer.encode(prompt)
-        else:
-            raise ValueError("give a prompt (text) or prompt_token_ids")
-        if truncate is not None:  # keep the last tokens, as vLLM (-1: as many as max_model_len allows)
-            token_ids = token_ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
-        vocab_size = self.model_config.vocab_size
-        if not token_ids:
-            raise ValueError("the prompt is empty (it must have at least one token)")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
-        if len(token_ids) > self.max_model_len - generates:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
-                             f"{self.max_model_len}, which leaves no room to generate")
-        return token_ids
-
-    def _beam_state(self, params: SamplingParams, num_prompt_tokens: int) -> BeamState:
-        for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
-                              ("frequency_penalty", 0.0)):
-            if getattr(params, name) != neutral:
-                raise ValueError(f"{name} must be left at {neutral} when use_beam_search is true "
-                                 "(beams are ranked by raw log-probabilities)")
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        return BeamState(
-            beam_width=params.beam_width,
-            max_len=min(num_prompt_tokens + params.max_tokens, self.max_model_len),
-            banned_before_min_tokens=frozenset(banned) if params.min_tokens else frozenset(),
-            num_logprobs=params.logprobs,
-        )
-
-    @staticmethod
-    def _beam_runner_params(params: SamplingParams, beam: BeamState) -> SamplingParams:
-        """The user's params, asking the runner for enough top logprobs to rank the candidates."""
-        top_k = runner_top_k(beam.beam_width, len(beam.banned_before_min_tokens), params.logprobs)
-        return dataclasses.replace(params, logprobs=top_k)
-
-    def _sample_seeds(self, params: SamplingParams, arrival: int) -> list[int]:
-        """Seed of each sample's random stream: the request's seed, or one derived from the engine
-        seed and the request's arrival index; sample i > 0 gets stream_seed(seed, i)."""
-        if params.seed is not None:
-            base = params.seed
-        else:
-            base = unseeded_request_seed(self.config.seed, arrival)
-        return [stream_seed(base, i) for i in range(params.num_samples)]
 
     def embed(self, prompts: list[str | list[int]], pooling: PoolingConfig | None = None) -> list[np.ndarray]:
         """Embeddings (float32 [hidden_size] each) of prompts given as text or token ids, pooled as
         `pooling` says (None: the model's sentence-transformers config, else last token, normalised).
         Runs at once in a scratch KV pool (worker/pooling_runner.py); generation in flight is untouched.
         Raises ValueError for a prompt that is empty, too long or outside the vocabulary."""
-        if self.tp_group is not None:
-            raise ValueError("embeddings are not supported with tensor_parallel_size > 1")
+        self.executor.check_embeddings()
         pooling = PoolingConfig.from_dir(self._model_source) if pooling is None else pooling
-        token_ids = [self._prompt_token_ids(p if isinstance(p, str) else None,
-                                            None if isinstance(p, str) else p, generates=False) for p in prompts]
+        token_ids = [self.processor.prompt_token_ids(p if isinstance(p, str) else None,
+                                                     None if isinstance(p, str) else p, generates=False)
+                     for p in prompts]
         runner = PoolingRunner(self.runner.model, self.config.block_size, self.config.max_num_batched_tokens)
         return runner.embed(token_ids, pooling)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a queued or running request and free its blocks; True if it was unfinished."""
         group = self._groups.pop(request_id, None)
-        self._scoring_only.discard(request_id)
         if group is None:
             return False
         if self._compiling.pop(request_id, None) is None:  # one still compiling was never scheduled
@@ -462,13 +288,13 @@ class LLMEngine:
                                "waiting; the KV cache is too small for them")
         self._stats.record_schedule(output, self.scheduler)
         t1 = time.perf_counter()
-        launched = self.runner.launch(output, self._in_flight, defer_grammar_sampling=self.async_scheduling)
+        launched = self.executor.execute(output, self._in_flight, defer_grammar_sampling=self.async_scheduling)
         t2 = time.perf_counter()
         if self._in_flight is not None:
             outputs += self._process(self._in_flight)
             self._in_flight = None
         if launched.sampling_deferred:  # the matchers have consumed the previous step's tokens now
-            launched = self.runner.launch_deferred_sampling(launched)
+            launched = self.executor.launch_deferred_sampling(launched)
         if self.async_scheduling and output.scheduled and not _needs_host_tokens(output):
             self._in_flight = launched
         else:
@@ -487,15 +313,13 @@ class LLMEngine:
         del self._groups[group.request_id]
         failed = next((seq.error for seq in group.seqs if seq.error is not None), None)
         if failed is not None:  # a grammar matcher refused a token: the request ends with that error
-            self._scoring_only.discard(group.request_id)
             self._stats.record_finished(group)
             return RequestError(group.request_id, f"structured output failed: {failed}")
         seqs = group.seqs if group.beam is None else group.beam.best(group.params.n)
         if len(seqs) > group.params.n:  # best_of > n: keep the n most likely
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:group.params.n]
         outputs = [self._completion(index, seq) for index, seq in enumerate(seqs)]
-        if group.request_id in self._scoring_only:
-            self._scoring_only.discard(group.request_id)
+        if group.scoring_only:
             outputs = [CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=0.0,
                                         logprobs=None, finish_reason="length")]
         self._stats.record_finished(group)
@@ -526,7 +350,6 @@ def _needs_host_tokens(output) -> bool:
         if not item.num_samples:
             continue
         params, group = item.seq.group.params, item.seq.group
-        if (item.num_samples > 1 or group.beam is not None or params.repetition_penalty != 1.0
-                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.bad_words):
+        if item.num_samples > 1 or group.beam is not None or params.needs_token_history:
             return True
     return False

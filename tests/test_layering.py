@@ -1,8 +1,8 @@
 """Imports point down (STYLE.md rule 2), read from the sources with ast: a new upward import fails here.
 
 The package is a stack of layers, one subpackage each (top first): cli, the public API (offline_paged
-and offline_paged.entrypoints), dp, benchmark, job, the engine (offline_paged.engine), tp (tensor
-parallel ranks, when present), worker (the runner), core (the engine core), models, ops (NumPy ops and the CUDA launchers). A module imports
+and offline_paged.entrypoints), dp, benchmark, job, the engine (offline_paged.engine), its request processor,
+executor (the seam between the engine and the workers), tp (tensor parallel ranks, when present), worker (the runner), core (the engine core), models, ops (NumPy ops and the CUDA launchers). A module imports
 its own layer or lower ones only. Inside the core, the pure-Python modules are ranked as well. The
 top-level cuda/ holds CUDA C sources only (no Python can shadow NVIDIA's `cuda` from the repo root).
 """
@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 FOLDERS = {"offline_paged": "offline_paged", "models": "offline_paged.models", "cli": "offline_paged.cli"}
 # Top first; a module belongs to the longest layer name it starts with.
 LAYERS = ["offline_paged.cli", "offline_paged", "offline_paged.entrypoints", "offline_paged.dp",
-          "offline_paged.benchmark", "offline_paged.job", "offline_paged.engine", "offline_paged.tp",
-          "offline_paged.worker", "offline_paged.core", "offline_paged.models", "offline_paged.ops"]
+          "offline_paged.benchmark", "offline_paged.job", "offline_paged.engine", "offline_paged.request_processor",
+          "offline_paged.executor", "offline_paged.tp", "offline_paged.worker", "offline_paged.core",
+          "offline_paged.models", "offline_paged.ops"]
 RANK = {layer: len(LAYERS) - i for i, layer in enumerate(LAYERS)}
 RANK["offline_paged.entrypoints"] = RANK["offline_paged"]  # the package root re-exports the entry points
 # vLLM's module paths (offline_paged.sampling_params, .outputs, ...) re-export the public API
@@ -160,6 +161,15 @@ def test_nothing_below_the_cli_imports_it():
     assert not offenders, f"these import the CLI: {offenders}"
 
 
+def test_the_engine_reaches_the_workers_only_through_the_executor():
+    """engine.py knows no tensor parallelism: the tp layer is imported by the executor, never above it."""
+    assert "offline_paged.executor.executor" in MODULES["offline_paged.engine"]
+    above = [m for m in MODULES if RANK[_layer(m)] > RANK["offline_paged.executor"]]
+    offenders = sorted((m, n) for m in above for n in MODULES[m]
+                       if n.startswith("offline_paged.") and _layer(n) == "offline_paged.tp")
+    assert not offenders, f"tensor parallelism reached above the executor: {offenders}"
+
+
 def test_the_scan_sees_the_imports_it_checks():
     assert "offline_paged.core.allocator" in MODULES["offline_paged.core.block_manager"]
     assert "offline_paged.ops.attention" in MODULES["offline_paged.ops.ops_cuda"]
@@ -172,6 +182,9 @@ def test_the_scan_sees_the_imports_it_checks():
     ("offline_paged.ops.swap", "from offline_paged.models.llama import Llama"),
     ("offline_paged.models.llama", "def f():\n    from offline_paged.worker import sampler"),
     ("offline_paged.core.scheduler", "import offline_paged.engine"),
+    ("offline_paged.executor.local_executor", "from offline_paged.engine import LLMEngine"),
+    ("offline_paged.tp.tp_group", "from offline_paged.executor.executor import Executor"),
+    ("offline_paged.worker.model_runner", "from offline_paged.executor import tp_executor"),
     ("offline_paged.job.job_input", "from offline_paged.benchmark.bench import warm_up"),
     ("offline_paged.models.loader", "from ..entrypoints.llm import LLM"),
 ])

@@ -94,5 +94,5 @@ def test_pack_eager_counts_the_leading_decodes(query_lens, expected):
     table_rows = BlockTableRows(4, max_blocks=8)
     rows = table_rows.sync(items)
     packed, layout = pack_eager(items, table_rows, rows)
-    assert layout[-1] == expected
-    assert layout[2] == max(query_lens)
+    assert layout.num_leading_decodes == expected
+    assert layout.max_query_len == max(query_lens)

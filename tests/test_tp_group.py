@@ -12,6 +12,7 @@ import pytest
 from offline_paged.core.config import EngineConfig
 from offline_paged.tp import tp_group
 from offline_paged.tp.tp_group import TensorParallelGroup
+from offline_paged.tp.tp_messages import Failed, InitRunner, Loaded, Profile, Profiled, Ready, Stop
 
 
 class _FakeProcess:
@@ -42,46 +43,46 @@ def _group(num_other_ranks: int, processes=None):
 def test_messages_reach_every_rank_and_the_smallest_profile_wins():
     group, ranks = _group(3)
     group.start_profile(64, 4, 16)
-    assert [r.recv() for r in ranks] == [("profile", 64, 4, 16)] * 3
+    assert [r.recv() for r in ranks] == [Profile(64, 4, 16)] * 3
     for r, usable in zip(ranks, [7_000, 5_000, 9_000]):
-        r.send(("profiled", usable))
+        r.send(Profiled(usable))
     assert group.finish_profile() == 5_000
     group.init_runners(10, 2, 128)
-    group.send_step("moves", "forward")
-    assert [r.recv() for r in ranks] == [("init", 10, 2, 128)] * 3
-    assert [r.recv() for r in ranks] == [("step", "moves", "forward")] * 3
+    group.send_step("a MirroredStep")
+    assert [r.recv() for r in ranks] == [InitRunner(10, 2, 128)] * 3
+    assert [r.recv() for r in ranks] == ["a MirroredStep"] * 3
     for r in ranks:
-        r.send(("ready",))
+        r.send(Ready())
     group.wait_ready()
     group.close()
 
 
 def test_a_rank_that_failed_is_named_with_its_message():
     group, ranks = _group(2)
-    ranks[0].send(("loaded",))
-    ranks[1].send(("failed", "ValueError: shard 1 of model.safetensors is missing"))
+    ranks[0].send(Loaded())
+    ranks[1].send(Failed("ValueError: shard 1 of model.safetensors is missing"))
     with pytest.raises(RuntimeError, match="rank 2 failed: ValueError: shard 1 of model.safetensors is missing"):
-        group._expect("loaded")
+        group._expect(Loaded)
 
 
 def test_an_unexpected_reply_is_named():
     group, ranks = _group(1)
-    ranks[0].send(("ready",))
+    ranks[0].send(Ready())
     with pytest.raises(RuntimeError, match="rank 1: expected 'loaded', got 'ready'"):
-        group._expect("loaded")
+        group._expect(Loaded)
 
 
 def test_a_rank_that_died_silently_is_named_with_its_exit_code():
     group, _ranks = _group(1, processes=[_FakeProcess(alive=False, exitcode=-9)])
     with pytest.raises(RuntimeError, match=r"rank 1 stopped before 'ready' \(exit code -9\)"):
-        group._expect("ready")
+        group._expect(Ready)
 
 
 def test_sending_to_a_rank_whose_pipe_closed_is_named():
     group, _ranks = _group(2, processes=[_FakeProcess(), _FakeProcess(alive=False, exitcode=1)])
     group._controls[1].close()
     with pytest.raises(RuntimeError, match=r"rank 2 is gone \(exit code 1\)"):
-        group.send_step([], None)
+        group.send_step(None)
 
 
 def test_close_sends_stop_joins_terminates_the_stuck_and_is_idempotent():
@@ -89,7 +90,7 @@ def test_close_sends_stop_joins_terminates_the_stuck_and_is_idempotent():
     group, ranks = _group(2, processes=[stuck, done])
     group.close()
     group.close()
-    assert ranks[0].recv() == ("stop",) and ranks[1].recv() == ("stop",)
+    assert ranks[0].recv() == Stop() and ranks[1].recv() == Stop()
     with pytest.raises(EOFError):  # sent once, then rank 0's end is closed
         ranks[0].recv()
     assert stuck.joined and stuck.terminated and done.joined and not done.terminated

@@ -1,5 +1,5 @@
 """A tensor-parallel rank > 0 (tp/tp_worker.py) driven by hand over pipes, on a thread: loaded -> init ->
-ready -> stop; a shard that cannot load is reported as ("failed", ...); an unknown message ends the rank
+ready -> stop; a shard that cannot load is reported as Failed(...); an unknown message ends the rank
 with exit code 1; a vanished rank 0 ends it quietly. Steps with collectives run in
 test_tensor_parallel_engine.py (two spawned CPU ranks)."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 
 from offline_paged.core.config import EngineConfig
 from offline_paged.tp.tp_communicator import PipeCommunicator
+from offline_paged.tp.tp_messages import Failed, InitRunner, Loaded, Ready, Stop
 from offline_paged.tp.tp_worker import TPWorkerSpec, _communicator, run_tp_worker
 from offline_paged.models.tp_source import ArraySource
 from test_tensor_parallel import random_model
@@ -52,10 +53,10 @@ def _source() -> ArraySource:
 
 def test_a_rank_loads_builds_its_runner_and_stops():
     rank = _Rank(_spec(_source()))
-    assert rank.control.recv() == ("loaded",)
-    rank.control.send(("init", 8, 0, 32))
-    assert rank.control.recv() == ("ready",)
-    rank.control.send(("stop",))
+    assert rank.control.recv() == Loaded()
+    rank.control.send(InitRunner(8, 0, 32))
+    assert rank.control.recv() == Ready()
+    rank.control.send(Stop())
     assert rank.join() == "returned"
 
 
@@ -67,21 +68,21 @@ def test_a_shard_that_cannot_load_is_reported_not_raised():
             raise ValueError(f"model.safetensors: no slice {rank} of {world_size}")
 
     rank = _Rank(_spec(Broken()))
-    assert rank.control.recv() == ("failed", "ValueError: model.safetensors: no slice 1 of 2")
+    assert rank.control.recv() == Failed("ValueError: model.safetensors: no slice 1 of 2")
     assert rank.join() == "returned"
 
 
 def test_an_unknown_message_ends_the_rank_with_exit_code_1(capsys):
     rank = _Rank(_spec(_source()))
-    assert rank.control.recv() == ("loaded",)
-    rank.control.send(("dance",))
+    assert rank.control.recv() == Loaded()
+    rank.control.send("dance")
     assert rank.join() == "SystemExit(1)"
     assert "unknown message 'dance'" in capsys.readouterr().err
 
 
 def test_rank_0_gone_ends_the_rank_quietly(capsys):
     rank = _Rank(_spec(_source()))
-    assert rank.control.recv() == ("loaded",)
+    assert rank.control.recv() == Loaded()
     rank.control.close()
     assert rank.join() == "returned"
     assert "Traceback" not in capsys.readouterr().err

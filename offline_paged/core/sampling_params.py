@@ -95,6 +95,9 @@ class SamplingParams:
     extra_args: Any = None
     # Set by the engine from bad_words and its tokenizer; not a user field.
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, compare=False)
+    # Derived once in __post_init__ (see has_penalties / needs_token_history); not user fields.
+    _has_penalties: bool = field(default=False, init=False, repr=False, compare=False)
+    _needs_token_history: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -106,6 +109,10 @@ class SamplingParams:
         self._check_costs()
         if self.use_beam_search:
             self._check_beam_search()
+        penalties = (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                     or self.frequency_penalty != 0.0)
+        _set(self, "_has_penalties", penalties)
+        _set(self, "_needs_token_history", penalties or bool(self.bad_words) or bool(self._bad_words_token_ids))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
@@ -138,6 +145,18 @@ class SamplingParams:
     def num_samples(self) -> int:
         """Sequences the engine runs for this request (best_of when set, else n)."""
         return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a repetition, presence or frequency penalty is set (not at its neutral value)."""
+        return self._has_penalties
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the sequence's tokens so far: penalties count them, bad words match
+        their ends. Such a request's next step needs this step's token on the host, and the decode
+        graph's sampler (which sees no history) cannot draw for it."""
+        return self._needs_token_history
 
     @property
     def greedy(self) -> bool:

@@ -178,6 +178,7 @@ class SequenceGroup:
     num_cached_tokens: int = 0  # prefix-cache hit on first admission
     forked: bool = False
     beam: Any = None  # beam_search.BeamState of a beam-search request, else None
+    scoring_only: bool = False  # max_tokens=0: it runs one greedy token for its prompt logprobs, returned as none
 
     @property
     def num_logprobs(self) -> int | None:

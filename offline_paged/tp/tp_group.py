@@ -3,8 +3,8 @@
 Rank 0 is the engine's own process: it runs the scheduler and the block manager and holds shard 0.
 The group spawns ranks 1..N-1 (offline_paged/tp/tp_worker.py; `spawn`, one process per GPU, GPU r on
 CUDA), hands each a picklable shard source and the NCCL unique id, and afterwards sends every step's
-block moves and packed forward inputs to them (`send_step`, the runner's mirror) right before rank 0's
-own forward. Every rank uses the same block ids, so the KV pools stay in step; per rank a KV block holds
+block moves and packed forward inputs to them (`send_step`, the runner's mirror: a MirroredStep) right
+before rank 0's own forward. The messages are the typed ones of tp_messages.py. Every rank uses the same block ids, so the KV pools stay in step; per rank a KV block holds
 only its Hkv/N heads. Sampling happens on rank 0 only, from the gathered logits.
 
 On CUDA the collectives go over NCCL (offline_paged/tp/tp_nccl.py; NVLink multicast off); on the CPU over
@@ -16,7 +16,9 @@ import multiprocessing
 import weakref
 
 from offline_paged.core.config import EngineConfig
+from offline_paged.tp.tp_messages import Failed, InitRunner, Loaded, Profile, Profiled, Ready, Stop
 from offline_paged.tp.tp_worker import TPWorkerSpec, run_tp_worker
+from offline_paged.worker.mirrored_step import MirroredStep
 
 _START_TIMEOUT_S = 1800.0  # a 70B shard loads for minutes
 
@@ -64,7 +66,7 @@ class TensorParallelGroup:
             self._processes.append(process)
         self._finalizer = weakref.finalize(self, _stop, self._controls, self._processes)
         self.local_config, self.weights = source.shard(0, world_size, backend.xp, backend.dtype)
-        self._expect("loaded")
+        self._expect(Loaded)
         if on_cuda:
             from offline_paged.tp.tp_nccl import NcclCommunicator
 
@@ -78,23 +80,23 @@ class TensorParallelGroup:
     # ----------------------------------------------------------------- set-up
     def start_profile(self, num_tokens: int, num_seqs: int, block_size: int) -> None:
         """The other ranks run the same profiling forward as rank 0 (it has collectives)."""
-        self._send_all(("profile", num_tokens, num_seqs, block_size))
+        self._send_all(Profile(num_tokens, num_seqs, block_size))
 
     def finish_profile(self) -> int:
         """The smallest usable KV bytes any other rank reported."""
-        return min(reply[1] for reply in self._expect("profiled"))
+        return min(reply.usable_kv_bytes for reply in self._expect(Profiled))
 
     def init_runners(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int) -> None:
         """The other ranks build their runners and KV pools (same block counts as rank 0)."""
-        self._send_all(("init", num_gpu_blocks, num_cpu_blocks, max_model_len))
+        self._send_all(InitRunner(num_gpu_blocks, num_cpu_blocks, max_model_len))
 
     def wait_ready(self) -> None:
-        self._expect("ready")
+        self._expect(Ready)
 
     # ----------------------------------------------------------------- steps
-    def send_step(self, moves, forward) -> None:
+    def send_step(self, step: MirroredStep) -> None:
         """ModelRunner's mirror: this step's block moves and forward inputs to every other rank."""
-        self._send_all(("step", moves, forward))
+        self._send_all(step)
 
     def close(self) -> None:
         """Stop the other ranks (idempotent)."""
@@ -109,8 +111,10 @@ class TensorParallelGroup:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone "
                                    f"(exit code {self._processes[rank - 1].exitcode})") from None
 
-    def _expect(self, kind: str) -> list[tuple]:
-        """One reply of `kind` from every other rank; RuntimeError naming a rank that failed or died."""
+    def _expect(self, reply_type: type) -> list:
+        """One reply of `reply_type` (a tp_messages class) from every other rank; RuntimeError naming a rank
+        that failed or died."""
+        kind = reply_type.kind
         replies = []
         for rank, (control, process) in enumerate(zip(self._controls, self._processes), start=1):
             waited = 0.0
@@ -123,10 +127,11 @@ class TensorParallelGroup:
                 reply = control.recv()
             except EOFError:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone (exit code {process.exitcode})") from None
-            if reply[0] == "failed":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed: {reply[1]}")
-            if reply[0] != kind:
-                raise RuntimeError(f"tensor-parallel rank {rank}: expected {kind!r}, got {reply[0]!r}")
+            if isinstance(reply, Failed):
+                raise RuntimeError(f"tensor-parallel rank {rank} failed: {reply.message}")
+            if not isinstance(reply, reply_type):
+                got = getattr(reply, "kind", reply)
+                raise RuntimeError(f"tensor-parallel rank {rank}: expected {kind!r}, got {got!r}")
             replies.append(reply)
         return replies
 
@@ -141,7 +146,7 @@ def _worker_config(config: EngineConfig, device: str) -> EngineConfig:
 def _stop(controls, processes) -> None:
     for control in controls:
         try:
-            control.send(("stop",))
+            control.send(Stop())
         except OSError:
             pass
     for process in processes:

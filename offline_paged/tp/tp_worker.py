@@ -1,15 +1,8 @@
 """A tensor-parallel rank > 0: one process that holds its shard and replays rank 0's steps.
 
-`run_tp_worker(spec, control, collective)` is the `spawn` target. Protocol on `control` (a duplex pipe
-to rank 0), in order:
-    worker -> ("loaded",) once the shard is in memory, or ("failed", message) and exit
-    (the communicator is created next: NCCL init is collective, so it waits for every rank)
-    rank 0 -> ("profile", num_tokens, num_seqs, block_size)   CUDA only: the profiling forward, in step
-    worker -> ("profiled", usable KV bytes on this GPU)
-    rank 0 -> ("init", num_gpu_blocks, num_cpu_blocks, max_model_len)
-    worker -> ("ready",)
-    rank 0 -> ("step", moves, forward)   every launched step (ModelRunner.run_mirrored), no reply
-    rank 0 -> ("stop",)
+`run_tp_worker(spec, control, collective)` is the `spawn` target. `control` is a duplex pipe to rank 0
+carrying the messages of tp_messages.py (the protocol's order is given there); a MirroredStep is replayed
+by this rank's runner (ModelRunner.run_mirrored).
 `collective` is this rank's pipe to rank 0 for the CPU's PipeCommunicator (None on CUDA: NCCL).
 A failure after "loaded" is printed and ends the process; its pipes close, so rank 0 sees the rank gone
 (on the CPU at once; NCCL peers may wait on a collective until killed).
@@ -21,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from offline_paged.core.config import EngineConfig
+from offline_paged.tp.tp_messages import Failed, InitRunner, Loaded, Profile, Profiled, Ready, Stop
+from offline_paged.worker.mirrored_step import MirroredStep
 
 
 @dataclass(frozen=True)
@@ -38,9 +33,9 @@ def run_tp_worker(spec: TPWorkerSpec, control, collective) -> None:
     try:
         backend, local_config, weights = _load_shard(spec)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which raises it
-        control.send(("failed", f"{type(exc).__name__}: {exc}"))
+        control.send(Failed(f"{type(exc).__name__}: {exc}"))
         return
-    control.send(("loaded",))
+    control.send(Loaded())
     try:
         _serve(spec, control, collective, backend, local_config, weights)
     except EOFError:
@@ -88,22 +83,20 @@ def _serve(spec: TPWorkerSpec, control, collective, backend, local_config, weigh
     runner = None
     while True:
         message = control.recv()
-        kind = message[0]
-        if kind == "step":
-            runner.run_mirrored(*message[1:])
-        elif kind == "profile":
-            num_tokens, num_seqs, block_size = message[1:]
-            activations = profile_step_memory(model, backend, num_tokens, num_seqs, block_size)
+        if isinstance(message, MirroredStep):
+            runner.run_mirrored(message)
+        elif isinstance(message, Profile):
+            activations = profile_step_memory(model, backend, message.num_tokens, message.num_seqs,
+                                              message.block_size)
             usable = int(backend.free_memory_bytes() * config.gpu_memory_utilization) - activations
-            control.send(("profiled", usable))
-        elif kind == "init":
-            num_gpu_blocks, num_cpu_blocks, max_model_len = message[1:]
-            model.set_max_positions(max_model_len)
-            runner = ModelRunner(model, backend, num_gpu_blocks, num_cpu_blocks, config.block_size,
+            control.send(Profiled(usable))
+        elif isinstance(message, InitRunner):
+            model.set_max_positions(message.max_model_len)
+            runner = ModelRunner(model, backend, message.num_gpu_blocks, message.num_cpu_blocks, config.block_size,
                                  device_sampling=False, cuda_graphs=config.cuda_graphs,
-                                 max_model_len=max_model_len, max_num_seqs=config.max_num_seqs)
-            control.send(("ready",))
-        elif kind == "stop":
+                                 max_model_len=message.max_model_len, max_num_seqs=config.max_num_seqs)
+            control.send(Ready())
+        elif isinstance(message, Stop):
             return
         else:
-            raise RuntimeError(f"tensor-parallel rank {spec.rank}: unknown message {kind!r}")
+            raise RuntimeError(f"tensor-parallel rank {spec.rank}: unknown message {message!r}")

@@ -146,7 +146,7 @@ def _upload(requests: Sequence[SamplingRequest], rows: Sequence[int], vocab: int
     fields = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty, r.position < p.min_tokens)
                        for r in requests for p in (r.params,)], dtype=np.float64).reshape(num_rows, 4)  # [R, 4]
     params = pack_params([r.params for r in requests])  # [R, 8], as the decode graph's rows
-    penalized = (fields[:, 0] != 1.0) | (fields[:, 1] != 0.0) | (fields[:, 2] != 0.0)  # [R]
+    penalized = np.fromiter((r.params.has_penalties for r in requests), bool, num_rows)  # [R]
     penalty_rows = np.flatnonzero(penalized)
     penalties = fields[penalty_rows, 0:3]  # [Rp, 3]
     penalty_tokens = [_penalty_tokens(requests[r], slot, vocab) for slot, r in enumerate(penalty_rows)]

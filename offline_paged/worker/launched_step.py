@@ -63,20 +63,30 @@ class ExecuteOutput:
     num_samples: int  # sampled tokens in all results
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class LaunchedStep:
+    """A launched step, built by keyword by the runner's paths (ModelRunner.launch)."""
+
     output: Any  # the SchedulerOutput it runs
     samples: Any  # ReadySamples or gpu_sampler.PendingSamples: token_ids [R] (device) and results()
     sample_index: dict[int, int]  # seq id -> index in samples.token_ids of the token it will append
-    owners: list[int] | None  # per sampling request: index of its scheduled sequence; None: request i is
-    #                           sequence i's only sample (every sequence draws one: the decode graph's samples)
+    # Per sampling request: index of its scheduled sequence. None when request i is sequence i's only sample
+    # (every sequence draws exactly one: the decode graph's own samples).
+    owners: list[int] | None
     prompt_logprobs: list  # per scheduled sequence: entries or None (computed at launch)
-    forward_timer: DeviceTimer | None
-    used_cuda_graph: bool
-    # (logits, their row offsets) of a step whose sampling waits for ModelRunner.launch_deferred_sampling
-    # (structured output under async scheduling); `samples` is None until then.
+    forward_timer: DeviceTimer | None  # CUDA events around the forward; None on the CPU or when nothing ran
+    used_cuda_graph: bool  # the forward replayed a decode graph
+    # (logits, their row offsets, whether the graph's masked sampler draws them) of a step whose sampling
+    # waits for ModelRunner.launch_deferred_sampling (structured output under async scheduling); `samples`
+    # is None until then.
     deferred_logits: tuple | None = None
     _done: ExecuteOutput | None = None
+
+    @classmethod
+    def nothing_run(cls, output) -> LaunchedStep:
+        """A step with no scheduled sequence (only block moves, if any): no forward, no samples."""
+        return cls(output=output, samples=ReadySamples([]), sample_index={}, owners=[], prompt_logprobs=[],
+                   forward_timer=None, used_cuda_graph=False)
 
     @property
     def sampling_deferred(self) -> bool:

@@ -14,7 +14,7 @@ parameters in device buffers written once per row), else the GpuSampler samples 
 are built in step_inputs.py.
 
 Tensor parallel: rank 0's runner is given a `mirror` (offline_paged/tp/tp_group.py) and sends it each
-step's block moves and packed forward inputs right before its own forward; the runner of every other
+step's block moves and packed forward inputs (a MirroredStep) right before its own forward; the runner of every other
 rank replays them with `run_mirrored` (same block ids, same buckets), so the collectives inside the
 forwards pair up. Only rank 0 samples.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from offline_paged.core.sequence import SequenceResult
 from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.worker.block_table_rows import BlockTableRows, MirroredRows
 from offline_paged.worker.launched_step import LaunchedStep, ReadySamples
+from offline_paged.worker.mirrored_step import BlockMoves, EagerForward, GraphForward, MirroredStep, RowsDiff
 from offline_paged.worker.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
 from offline_paged.worker.sampling_rows import SamplingRows
 from offline_paged.worker.step_inputs import (DecodeColumns, EagerBatch, StepUpload, decode_columns, eager_batch,
@@ -52,7 +54,7 @@ class ModelRunner:
         cuda_graphs: replay decode-only steps from CUDA graphs (offline_paged/worker/cuda_graph_runner.py) where
         the backend is CUDA and the model float16 or bfloat16; needs max_model_len (the attention's static bound).
         Ignored on the CPU. max_num_seqs: the largest batch, which picks the graphs' batch sizes.
-        mirror: tensor parallel, rank 0 only: `mirror.send_step(moves, forward)` gets every step's
+        mirror: tensor parallel, rank 0 only: `mirror.send_step(MirroredStep)` gets every step's
         inputs before the forward (see run_mirrored)."""
         self.model = model
         self.mirror = mirror
@@ -112,51 +114,35 @@ class ModelRunner:
         """Queue the step's block moves, forward and sampling; the sampled ids stay on the device until
         `wait()`. A sequence whose input token is still pending (async scheduling) gets it from
         `previous`, the step that samples it, on the device. RuntimeError if that step is not given.
+
+        One path per mode: a decode-only step that fits a CUDA graph bucket replays it and samples in
+        the graph (`_launch_graph_sampled`; with structured-output rows in the graph's masked sampler,
+        `_launch_graph_masked`) or with the eager sampler (`_launch_graph`); any other step runs eagerly
+        (`_launch_eager`). Each path sends the tensor-parallel ranks their MirroredStep once, right
+        before its forward, and stops the forward's timer right after it.
         defer_grammar_sampling: a step with structured-output rows queues its forward only and comes back
         with `sampling_deferred` set; `launch_deferred_sampling` fills the masks and samples once the
         previous step's tokens have advanced the matchers (the forward runs on the device meanwhile)."""
-        moves = (output.blocks_to_swap_out, output.blocks_to_swap_in, output.blocks_to_copy)
+        moves = BlockMoves.of(output)
         self._move_blocks(moves)
         self.table_rows.release(output.freed_seq_ids)
         if not output.scheduled:
             self._send_mirror(moves, None)
-            return LaunchedStep(output, ReadySamples([]), {}, [], [], None, False)
+            return LaunchedStep.nothing_run(output)
         rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
         fill = pending_inputs(output.scheduled, previous, self._pending_upload)
         # CUDA events around the forward, never inside a capture (DecodeGraphs captures on its own
         # stream); started after the host-side input packing so that they time the device's work.
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
-        replayed = self._replay_decode(output.scheduled, rows, timer, fill, moves)
-        masked_in_graph = False
-        if replayed is not None:
-            logits, offsets, graph_samples = replayed  # [b, V] float32 (device), row i = sequence i
-            masked_in_graph = graph_samples is _MASKED_IN_GRAPH
-            if graph_samples is not None and not masked_in_graph:  # sampled inside the graph: every row drew one token
-                if timer is not None:
-                    timer.stop()
-                sample_index = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
-                return LaunchedStep(output, graph_samples, sample_index, None, [None] * len(offsets), timer, True)
-        else:
-            packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
-            if self.mirror is not None:  # the other ranks rebuild the block tables from their row mirrors
-                self._send_mirror(moves, ("eager", packed[:packed.size - layout[0][-1]], layout, rows,
-                                          self.table_rows.lens[rows]))
-            batch = unpack_eager(packed, layout, self._upload)
-            if fill is not None:
-                fill(batch.input_ids)
-            if timer is not None:
-                timer.start()
-            logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
-                                        batch.logits_indices)  # [K, V] float32 (device)
-            offsets = batch.logits_offsets
-        if timer is not None:
-            timer.stop()
-        if self.gpu_sampler is None:
-            logits = self.backend.to_host(logits)  # [K, V] float32: the step's one device->host copy
-        if defer_grammar_sampling and _has_grammar_rows(output.scheduled):
-            return LaunchedStep(output, None, {}, [], [], timer, replayed is not None,
-                                deferred_logits=(logits, offsets, masked_in_graph))
-        return self._launch_sampling(output, logits, offsets, timer, replayed is not None, masked_in_graph)
+        decode = self._graph_decode(output.scheduled, rows)
+        defer = defer_grammar_sampling and _has_grammar_rows(output.scheduled)
+        if decode is None:
+            return self._launch_eager(output, rows, moves, fill, timer, defer)
+        if decode.sample_positions is None:
+            return self._launch_graph(output, decode, moves, fill, timer, defer)
+        if _has_grammar_rows(output.scheduled):
+            return self._launch_graph_masked(output, decode, moves, fill, timer, defer)
+        return self._launch_graph_sampled(output, decode, moves, fill, timer)
 
     def launch_deferred_sampling(self, launched: LaunchedStep) -> LaunchedStep:
         """The step `launch(..., defer_grammar_sampling=True)` left unsampled, with its masks filled from
@@ -167,35 +153,81 @@ class ModelRunner:
         return self._launch_sampling(launched.output, logits, offsets, launched.forward_timer,
                                      launched.used_cuda_graph, masked_in_graph)
 
-    def _replay_decode(self, scheduled, rows: np.ndarray, timer=None, fill=None, moves=None):
-        """(logits [b, V], offsets, samples) from a CUDA graph when every sequence computes one token and
-        the step fits a bucket; None otherwise (the eager forward runs). samples: the graph's own draws
-        (PendingSamples) when every row can be sampled there, else None (the eager sampler samples the
-        logits). rows [S]: block-table rows."""
+    def _launch_eager(self, output, rows: np.ndarray, moves: BlockMoves, fill, timer, defer: bool) -> LaunchedStep:
+        """Any step (prefill chunks and decodes mixed): the eager forward, then the eager sampler."""
+        packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
+        if self.mirror is not None:  # the other ranks rebuild the block tables from their row mirrors
+            self._send_mirror(moves, EagerForward(packed[:packed.size - layout.num_table_entries], layout,
+                                                  rows, self.table_rows.lens[rows]))
+        batch = unpack_eager(packed, layout, self._upload)
+        if fill is not None:
+            fill(batch.input_ids)
+        if timer is not None:
+            timer.start()
+        logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
+                                    batch.logits_indices)  # [K, V] float32 (device)
+        _stop(timer)
+        return self._sample_or_defer(output, self._sampler_logits(logits), batch.logits_offsets, timer,
+                                     used_graph=False, defer=defer)
+
+    def _launch_graph(self, output, decode: _GraphDecode, moves: BlockMoves, fill, timer, defer: bool) -> LaunchedStep:
+        """A decode-only step replayed from its bucket's graph; the eager sampler samples its logits (some
+        row needs penalties, logprobs, constraints, a min_tokens ban, a fork or prompt logprobs)."""
+        self._send_mirror(moves, decode.mirrored())  # the other ranks replay the same bucket on their row mirrors
+        columns = decode.columns
+        logits = self.decode_graphs.run(columns.input_ids, columns.positions, decode.rows, columns.writes,
+                                        self.table_rows, timer, fill)  # [b, V] float32 (device), row i = sequence i
+        _stop(timer)
+        return self._sample_or_defer(output, self._sampler_logits(logits), list(range(len(decode.rows))), timer,
+                                     used_graph=True, defer=defer)
+
+    def _launch_graph_masked(self, output, decode: _GraphDecode, moves: BlockMoves, fill, timer,
+                             defer: bool) -> LaunchedStep:
+        """A decode-only step with structured-output rows replayed from its bucket's graph; once their
+        masks are filled (now, or deferred) the graph's masked sampler draws every row one token."""
+        self._send_mirror(moves, decode.mirrored())
+        columns = decode.columns
+        logits = self.decode_graphs.run(columns.input_ids, columns.positions, decode.rows, columns.writes,
+                                        self.table_rows, timer, fill, decode.sample_positions)  # [b, V] float32
+        _stop(timer)
+        return self._sample_or_defer(output, logits, list(range(len(decode.rows))), timer, used_graph=True,
+                                     defer=defer, masked_in_graph=True)
+
+    def _launch_graph_sampled(self, output, decode: _GraphDecode, moves: BlockMoves, fill, timer) -> LaunchedStep:
+        """A decode-only step replayed from its bucket's graph, which samples too: every row draws one token."""
+        self._send_mirror(moves, decode.mirrored())
+        columns = decode.columns
+        _, samples = self.decode_graphs.run_and_sample(columns.input_ids, columns.positions, decode.rows,
+                                                       columns.writes, self.table_rows, decode.sample_positions,
+                                                       self.sampling_rows, timer, fill)
+        _stop(timer)
+        scheduled = output.scheduled
+        return LaunchedStep(output=output, samples=samples,
+                            sample_index={item.seq.seq_id: i for i, item in enumerate(scheduled)},
+                            owners=None, prompt_logprobs=[None] * len(scheduled), forward_timer=timer,
+                            used_cuda_graph=True)
+
+    def _graph_decode(self, scheduled, rows: np.ndarray) -> _GraphDecode | None:
+        """The replay of a decode-only step that fits a CUDA graph bucket; None when the eager forward runs
+        (no graphs, some sequence computes more than one token, or no bucket fits). rows [S]: block-table rows."""
         graphs = self.decode_graphs
         if graphs is None:
             return None
         columns = decode_columns(scheduled)
         if columns is None:
             return None  # some sequence computes more than one token
-        num_seqs = len(scheduled)
-        starts, input_ids, writes = columns.positions, columns.input_ids, columns.writes  # [S] each
-        if not graphs.fits(num_seqs, int(starts.max()) + 1, int(self.table_rows.lens[rows].max())):
+        if not graphs.fits(len(scheduled), int(columns.positions.max()) + 1, int(self.table_rows.lens[rows].max())):
             return None
         sample_positions = self._graph_sample_positions(scheduled, rows, columns)
-        if self.mirror is not None:  # the other ranks replay the same bucket on their row mirrors
-            self._send_mirror(moves, ("graph", input_ids, starts, writes, rows))
-        if sample_positions is not None and _has_grammar_rows(scheduled):
-            if graphs.masks_fit(_grammar_words(scheduled)):  # sampled by graphs.sample_masked (_launch_sampling)
-                logits = graphs.run(input_ids, starts, rows, writes, self.table_rows, timer, fill, sample_positions)
-                return logits, list(range(num_seqs)), _MASKED_IN_GRAPH
-            sample_positions = None
-        if sample_positions is None:
-            logits = graphs.run(input_ids, starts, rows, writes, self.table_rows, timer, fill)  # [b, V] float32
-            return logits, list(range(num_seqs)), None
-        logits, samples = graphs.run_and_sample(input_ids, starts, rows, writes, self.table_rows, sample_positions,
-                                                self.sampling_rows, timer, fill)
-        return logits, list(range(num_seqs)), samples
+        if (sample_positions is not None and _has_grammar_rows(scheduled)
+                and not graphs.masks_fit(_grammar_words(scheduled))):
+            sample_positions = None  # masks narrower than the logits: the eager sampler applies them
+        return _GraphDecode(columns, rows, sample_positions)
+
+    def _sampler_logits(self, logits):
+        """The logits where the sampler reads them: on the device for the GpuSampler, else on the host
+        ([K, V] float32: the step's one device->host copy)."""
+        return logits if self.gpu_sampler is not None else self.backend.to_host(logits)
 
     def _graph_sample_positions(self, scheduled, rows: np.ndarray, columns: DecodeColumns) -> np.ndarray | None:
         """[S] output positions to sample in the decode graph, or None when some row needs the eager
@@ -213,43 +245,39 @@ class ModelRunner:
         return sample_positions if self.sampling_rows.graph_ready(rows, sample_positions) else None
 
     # ----------------------------------------------------------------- tensor parallel
-    def _send_mirror(self, moves, forward) -> None:
+    def _send_mirror(self, moves: BlockMoves, forward: EagerForward | GraphForward | None) -> None:
         """Rank 0: the step's block moves, the block-table rows' diff since the last step (their shape and
         the entries written) and the forward's compact inputs, to every other rank."""
         if self.mirror is not None:
-            diff = (self.table_rows.tables.shape, self.table_rows.take_mirror_changes())
-            self.mirror.send_step(moves, (diff, forward))
+            diff = RowsDiff(self.table_rows.tables.shape, self.table_rows.take_mirror_changes())
+            self.mirror.send_step(MirroredStep(moves, diff, forward))
 
-    def run_mirrored(self, moves, message) -> None:
+    def run_mirrored(self, step: MirroredStep) -> None:
         """Tensor-parallel ranks > 0: perform the block moves and the forward rank 0 sent (`_send_mirror`),
         on this rank's shard and KV pool, with the same block ids. The logits are not used: the forward
-        runs for its collectives and the K/V it writes. message: (diff, forward); diff updates this
-        rank's MirroredRows; forward: None (no tokens this step), ("eager", packed inputs without the
-        block tables, layout, rows [S], row lengths [S]) or ("graph", input_ids, positions, writes, rows)."""
-        diff, forward = message
-        self._move_blocks(moves)
+        runs for its collectives and the K/V it writes. The step's rows diff updates this rank's
+        MirroredRows, from which an eager forward's block tables are rebuilt."""
+        self._move_blocks(step.moves)
         if self._mirror_rows is None:
             self._mirror_rows = MirroredRows(self.block_size)
             self._mirror_rows.track_changes = self.decode_graphs is not None
-        self._mirror_rows.apply(*diff)
+        self._mirror_rows.apply(step.rows_diff.table_shape, step.rows_diff.changes)
+        forward = step.forward
         if forward is None:
             return
-        kind, *args = forward
-        if kind == "graph":
-            input_ids, positions, writes, rows = args
-            self.decode_graphs.run(input_ids, positions, rows, writes, self._mirror_rows)
+        if isinstance(forward, GraphForward):
+            self.decode_graphs.run(forward.input_ids, forward.positions, forward.rows, forward.writes,
+                                   self._mirror_rows)
             return
-        head, layout, rows, lens = args
-        tables = self._mirror_rows.block_tables(rows, lens, layout[1][1])  # [S, M]
-        batch = unpack_eager(np.concatenate([head, tables.ravel()]), layout, self._upload)
+        tables = self._mirror_rows.block_tables(forward.rows, forward.row_lens, forward.layout.table_width)  # [S, M]
+        batch = unpack_eager(np.concatenate([forward.inputs_head, tables.ravel()]), forward.layout, self._upload)
         self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_indices)
 
     # ----------------------------------------------------------------- block moves
-    def _move_blocks(self, moves) -> None:
-        swap_out, swap_in, copies = moves
-        self.swap_out(swap_out)
-        self.swap_in(swap_in)
-        self.copy_blocks(copies)
+    def _move_blocks(self, moves: BlockMoves) -> None:
+        self.swap_out(moves.swap_out)
+        self.swap_in(moves.swap_in)
+        self.copy_blocks(moves.copies)
 
     # Block ids stay on the host: the swapper and copy_blocks take host ids, so no move syncs the device.
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -274,6 +302,15 @@ class ModelRunner:
         return eager_batch(scheduled, self.table_rows, rows, self._upload)
 
     # ----------------------------------------------------------------- outputs
+    def _sample_or_defer(self, output, logits, offsets: list[int], timer, used_graph: bool, defer: bool,
+                         masked_in_graph: bool = False) -> LaunchedStep:
+        """`_launch_sampling` now, or (defer) a LaunchedStep holding the logits for launch_deferred_sampling."""
+        if not defer:
+            return self._launch_sampling(output, logits, offsets, timer, used_graph, masked_in_graph)
+        return LaunchedStep(output=output, samples=None, sample_index={}, owners=[], prompt_logprobs=[],
+                            forward_timer=timer, used_cuda_graph=used_graph,
+                            deferred_logits=(logits, offsets, masked_in_graph))
+
     def _launch_sampling(self, output, logits, offsets: list[int], timer, used_graph: bool,
                          masked_in_graph: bool = False) -> LaunchedStep:
         """Queue the sampling of every sampled row; prompt logprobs are computed now (on the host).
@@ -283,8 +320,10 @@ class ModelRunner:
         scheduled = output.scheduled
         if masked_in_graph:
             samples = self.decode_graphs.sample_masked(_graph_masks(scheduled), self.sampling_rows)
-            sample_index = {item.seq.seq_id: i for i, item in enumerate(scheduled)}
-            return LaunchedStep(output, samples, sample_index, None, [None] * len(scheduled), timer, True)
+            return LaunchedStep(output=output, samples=samples,
+                                sample_index={item.seq.seq_id: i for i, item in enumerate(scheduled)},
+                                owners=None, prompt_logprobs=[None] * len(scheduled), forward_timer=timer,
+                                used_cuda_graph=True)
         requests, rows, owners, sample_index = [], [], [], {}
         masks = _structured_masks(scheduled)
         for i, item in enumerate(scheduled):
@@ -303,7 +342,27 @@ class ModelRunner:
         else:
             samples = ReadySamples(self.sampler.sample(logits[rows], requests))
         prompt = [_prompt_logprobs(item, logits, offsets[i], self.backend.to_host) for i, item in enumerate(scheduled)]
-        return LaunchedStep(output, samples, sample_index, owners, prompt, timer, used_graph)
+        return LaunchedStep(output=output, samples=samples, sample_index=sample_index, owners=owners,
+                            prompt_logprobs=prompt, forward_timer=timer, used_cuda_graph=used_graph)
+
+
+@dataclass(slots=True, frozen=True)
+class _GraphDecode:
+    """How a decode-only step replays from a CUDA graph bucket."""
+
+    columns: DecodeColumns
+    rows: np.ndarray  # [S] block-table rows
+    sample_positions: np.ndarray | None  # [S] output positions the graph samples; None: the eager sampler samples
+
+    def mirrored(self) -> GraphForward:
+        """The replay as the other tensor-parallel ranks run it."""
+        return GraphForward(self.columns.input_ids, self.columns.positions, self.columns.writes, self.rows)
+
+
+def _stop(timer) -> None:
+    """Stop the forward's DeviceTimer (None on the CPU) right after the forward is queued."""
+    if timer is not None:
+        timer.stop()
 
 
 def _sampling_requests(item, token_bitmask=None) -> list[SamplingRequest]:
@@ -315,9 +374,6 @@ def _sampling_requests(item, token_bitmask=None) -> list[SamplingRequest]:
     output = _TokenWindow(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
     return [SamplingRequest(seq.group.params, seed, item.sample_position, prompt, output, token_bitmask)
             for seed in seeds[:item.num_samples]]
-
-
-_MASKED_IN_GRAPH = object()  # _replay_decode's "samples": the graph replayed, its masked sampler draws later
 
 
 def _has_grammar_rows(scheduled) -> bool:

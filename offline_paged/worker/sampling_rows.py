@@ -46,9 +46,9 @@ def graph_samplable(params: SamplingParams, beam: bool) -> bool:
     needs: one sample, no prompt logprobs in the step, and no ban before min_tokens at that position)."""
     if beam or params.logprobs is not None or params.logits_processors:
         return False  # (structured output is: the runner routes those steps to the graph's masked sampler)
-    if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+    if params.needs_token_history:  # penalties and bad words read the sequence's tokens
         return False
-    return params.allowed_token_ids is None and not params._bad_words_token_ids and not params.logit_bias
+    return params.allowed_token_ids is None and not params.logit_bias
 
 
 def ban_until(params: SamplingParams, eos_token_ids: Sequence[int]) -> int:

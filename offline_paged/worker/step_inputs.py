@@ -24,6 +24,29 @@ import numpy as np
 from offline_paged.ops.attention import AttentionMetadata
 
 
+@dataclass(slots=True, frozen=True)
+class EagerLayout:
+    """How `pack_eager`'s one int32 array splits into the step's parts, and the scalars that go with them.
+    Tensor-parallel rank 0 sends it (with the packed array less its block tables) to the other ranks."""
+
+    part_sizes: tuple[int, ...]  # input ids, positions, slots, context lens, query_start_loc, logits rows, tables
+    table_shape: tuple[int, int]  # [S, M] the block tables' shape
+    max_query_len: int
+    max_context_len: int
+    logits_offsets: list[int]  # per scheduled sequence: its first row in the [K, V] logits
+    num_leading_decodes: int  # leading one-token sequences (0 when every sequence decodes)
+
+    @property
+    def num_table_entries(self) -> int:
+        """Size of the block tables, the packed array's last part."""
+        return self.part_sizes[-1]
+
+    @property
+    def table_width(self) -> int:
+        """M, the block tables' width."""
+        return self.table_shape[1]
+
+
 @dataclass(slots=True)
 class EagerBatch:
     input_ids: Any  # [T] int32 (device)
@@ -64,10 +87,8 @@ def eager_batch(scheduled, table_rows, rows: np.ndarray, upload) -> EagerBatch:
     return unpack_eager(*pack_eager(scheduled, table_rows, rows), upload)
 
 
-def pack_eager(scheduled, table_rows, rows: np.ndarray) -> tuple[np.ndarray, tuple]:
-    """The eager step's index arrays packed into one int32 host array, and its layout (part sizes, block
-    table shape, max query and context lengths, logits offsets, leading decode sequences). Tensor-parallel rank 0 sends exactly
-    this pair to the other ranks. Per-sequence Python is limited to reading each item's fields once; the
+def pack_eager(scheduled, table_rows, rows: np.ndarray) -> tuple[np.ndarray, EagerLayout]:
+    """The eager step's index arrays packed into one int32 host array, and its EagerLayout. Per-sequence Python is limited to reading each item's fields once; the
     rest is numpy."""
     block_size, num_seqs = table_rows.block_size, len(scheduled)
     starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
@@ -87,26 +108,26 @@ def pack_eager(scheduled, table_rows, rows: np.ndarray) -> tuple[np.ndarray, tup
     parts = [input_ids, positions, slots, context_lens, query_start_loc, rows_needed, block_tables.ravel()]
     longer = np.flatnonzero(query_lens != 1)
     num_leading_decodes = int(longer[0]) if longer.size else 0  # 0 when all decode: no split
-    layout = (tuple(part.size for part in parts), block_tables.shape, int(query_lens.max()),
-              int(context_lens.max()), offsets, num_leading_decodes)
+    layout = EagerLayout(part_sizes=tuple(part.size for part in parts), table_shape=block_tables.shape,
+                         max_query_len=int(query_lens.max()), max_context_len=int(context_lens.max()),
+                         logits_offsets=offsets, num_leading_decodes=num_leading_decodes)
     return np.concatenate(parts).astype(np.int32), layout  # [sum of part sizes] int32
 
 
-def unpack_eager(host_packed: np.ndarray, layout: tuple, upload) -> EagerBatch:
+def unpack_eager(host_packed: np.ndarray, layout: EagerLayout, upload) -> EagerBatch:
     """Upload a `pack_eager`ed step once and slice its views."""
-    sizes, table_shape, max_query_len, max_context_len, offsets, num_leading_decodes = layout
     packed = upload(host_packed)  # [sum of part sizes] int32 (device)
     views, at = [], 0
-    for size in sizes:
+    for size in layout.part_sizes:
         views.append(packed[at:at + size])
         at += size
     ids, pos, slot_view, ctx, qsl, logits_indices, tables = views
     meta = AttentionMetadata(
-        slot_mapping=slot_view, block_tables=tables.reshape(table_shape), context_lens=ctx,
-        query_start_loc=qsl, max_query_len=max_query_len, max_context_len=max_context_len,
-        num_leading_decodes=num_leading_decodes,
+        slot_mapping=slot_view, block_tables=tables.reshape(layout.table_shape), context_lens=ctx,
+        query_start_loc=qsl, max_query_len=layout.max_query_len, max_context_len=layout.max_context_len,
+        num_leading_decodes=layout.num_leading_decodes,
     )
-    return EagerBatch(ids, pos, meta, logits_indices, offsets)
+    return EagerBatch(ids, pos, meta, logits_indices, layout.logits_offsets)
 
 
 @dataclass(slots=True)
