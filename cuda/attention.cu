@@ -37,7 +37,8 @@
 // With a window, a CTA's key range starts at the window start of its first row: splits count from
 // there (rounded down to a multiple of 64), and a warp starts at the 16-key chunk that holds it, so no
 // key block wholly before the window is read (those blocks may already be freed).
-#include "fp8.cuh"  // before common.cuh, which uses it
+// fp8.cuh before common.cuh, which uses it
+#include "fp8.cuh"
 #include "common.cuh"
 
 namespace {

@@ -38,7 +38,8 @@
 // z = sequence (launch_order[z] when given). Block: 256 threads = 8 warps. A split is a range of
 // partition_size keys (a multiple of 64) counted from the window start of the tile's first row
 // rounded down to 64, as in attention.cu.
-#include "fp8.cuh"  // before common.cuh, which uses it
+// fp8.cuh before common.cuh, which uses it
+#include "fp8.cuh"
 #include "common.cuh"
 
 namespace {
