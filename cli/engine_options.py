@@ -105,7 +105,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     _option("kv_cache_dtype", "--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
             show_default=True,
             help="auto: K/V in the model dtype; fp8 / fp8_e4m3: FP8 e4m3 (1 byte an element, twice the blocks "
-                 "of a 16-bit pool; the CPU backend only for now)."),
+                 "of a 16-bit pool)."),
     _option("calculate_kv_scales", "--calculate-kv-scales/--no-calculate-kv-scales", default=False,
             show_default=True,
             help="FP8 KV cache: per-layer K and V scales from the first prefill instead of 1.0."),

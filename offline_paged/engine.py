@@ -67,7 +67,7 @@ class LLMEngine:
             source = default_model_dir()
         self.backend = select_backend(config.device, config.dtype, checkpoint_dtype(source),
                                       f"{source}/config.json")
-        self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.backend.name)  # refuses FP8 on CUDA, before loading
+        self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.backend.name)  # "auto" | "fp8_e4m3"
         self.tp_group = None
         if config.tensor_parallel_size > 1 and config.async_scheduling:
             raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 (the other "

@@ -42,7 +42,7 @@ class EngineConfig:
     `kv_cache_dtype`: "auto" stores K/V in the model dtype; "fp8" / "fp8_e4m3" in float8_e4m3fn (1 byte an
     element: the same memory holds 2x the blocks of a 16-bit pool, 4x of a float32 one) with per-layer K and
     V scales, 1.0 unless `calculate_kv_scales` takes them from the first prefill (offline_paged/ops/kv_scales.py).
-    The CPU backend only for now: CUDA refuses it at engine start (`resolved_kv_cache_dtype`).
+    Both backends run it (CUDA: uint8 pools and the _fp8 kernels); not with tensor_parallel_size > 1 yet.
     """
 
     model: str | None = None  # HF dir / GGUF path / name; None = the default model
@@ -73,7 +73,7 @@ class EngineConfig:
     # While every running sequence decodes, admit waiting ones only once this many fit (core/scheduler.py):
     # fewer steps that prefill beside the decodes. None = auto: max_num_seqs // 8 on CUDA, 1 on the CPU.
     admission_batch: int | None = None
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" | "fp8_e4m3" (FP8 KV cache, CPU only for now)
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" | "fp8_e4m3" (FP8 KV cache)
     calculate_kv_scales: bool = False  # FP8 KV: per-layer scales from the first prefill instead of 1.0
 
     def __post_init__(self) -> None:
@@ -128,14 +128,9 @@ class EngineConfig:
         return PreemptionMode(self.preemption_mode)
 
     def resolved_kv_cache_dtype(self, backend_name: str) -> str:
-        """"auto" or "fp8_e4m3" ("fp8" is e4m3) on this backend; ValueError for FP8 on CUDA, whose kernels
-        do not read FP8 yet."""
-        if self.kv_cache_dtype == "auto":
-            return "auto"
-        if backend_name != "cpu":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: the FP8 KV cache runs on the CPU backend "
-                             "only for now (device='cpu'); use kv_cache_dtype='auto' on CUDA")
-        return "fp8_e4m3"
+        """"auto" or "fp8_e4m3" ("fp8" is e4m3), on every backend (`backend_name` is kept for the callers:
+        the CPU stores float8_e4m3fn, CUDA its bits as uint8)."""
+        return "auto" if self.kv_cache_dtype == "auto" else "fp8_e4m3"
 
     def resolved_admission_batch(self, backend_name: str) -> int:
         """admission_batch, or its default on this backend: batches of max_num_seqs // 8 on CUDA, where a

@@ -9,7 +9,7 @@ that change nothing here (pipeline_parallel_size=1, quantization=None, trust_rem
 as every architecture we run is built in). Every other argument that is not an EngineConfig field is
 refused by name. EngineConfig's field names are also the CLI's engine options (cli/engine_options.py),
 so `--num-kv-blocks` and `LLM(num_kv_blocks=...)` are one setting (vLLM's kv_cache_dtype="fp8" /
-calculate_kv_scales among them: the FP8 KV cache, CPU only for now); data_parallel_size and
+calculate_kv_scales among them: the FP8 KV cache); data_parallel_size and
 tensor_parallel_size are LLM's own parameters.
 """
 from __future__ import annotations

@@ -21,6 +21,7 @@ import cupy
 import numpy as np
 
 from offline_paged.ops.kernel_modules import kernel
+from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA as FP8_STORAGE  # an FP8 pool's element type (uint8)
 
 try:
     import ml_dtypes
@@ -29,7 +30,6 @@ try:
 except ImportError:  # fp16 still works; a bfloat16 array cannot exist without ml_dtypes anyway
     BFLOAT16 = None
 
-FP8_STORAGE = np.dtype(np.uint8)  # the element type of an FP8 (e4m3fn) KV pool on the device
 HEAD_DIMS = (64, 128)  # what the attention kernel is instantiated for
 # Kernel-name suffix per element type (the .cu sources instantiate each typed kernel for both).
 ELEMENT_SUFFIX = {np.dtype(np.float16): "f16"} | ({BFLOAT16: "bf16"} if BFLOAT16 is not None else {})
