@@ -218,6 +218,8 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
             label += f" TP={tensor_parallel_size}"
         if len(kv_dtypes) > 1 or engine.kv_cache_dtype != "auto":
             label += f" kv={engine.kv_cache_dtype}"
+        if config.quantization:
+            label += f" w={config.quantization}"
         label += tag + variant
         print(f"running {label} ...", file=sys.stderr, flush=True)
         results.append(run_bench(engine, run_requests, label=label, kv_layout=layout, ceilings=ceilings))
@@ -333,12 +335,14 @@ def _emit(options: dict, results: list, backend, dtype_names: str | None = None)
     if options["tensor_parallel_size"] != 1:
         source += f", tensor parallel {options['tensor_parallel_size']}"
     kv_dtypes = sorted({getattr(r, "kv_cache_dtype", "auto") for r in results}) or ["auto"]
+    quantization = options.get("quantization")
     header = (f"offline-paged bench: {source}, {backend.name} {dtype_names or backend.dtype.name}, kv cache "
-              f"{'/'.join(kv_dtypes)}, quantization none, workload {options['workload']}" + _workload_label(options))
+              f"{'/'.join(kv_dtypes)}, quantization {quantization or 'none'}, workload {options['workload']}"
+              + _workload_label(options))
     if options["as_json"]:
         runs = [json.loads(r.to_json(with_steps=options["json_steps"])) for r in results]
         click.echo(json.dumps({"header": header, "git_commit": _git_commit(), "device": _device_name(backend),
-                               "kv_cache_dtype": "/".join(kv_dtypes), "quantization": None, "runs": runs}))
+                               "kv_cache_dtype": "/".join(kv_dtypes), "quantization": quantization, "runs": runs}))
     else:
         click.echo(format_report(results, header))
     if options["plot"]:

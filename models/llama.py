@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from offline_paged.ops.attention import AttentionMetadata
+from offline_paged.ops.fp8_linear import QUANTIZATIONS, Fp8Linear
 from offline_paged.ops.kv_scales import KvScales, is_fp8
 from .config import LlamaConfig
 from .rope import cos_sin_cache
@@ -56,11 +57,20 @@ class Llama:
     The RoPE table covers positions [0, max_positions) (default: the config's max_position_embeddings);
     the engine builds it only as long as its max_model_len (`set_max_positions`).
     `kv_cache_dtype`: the KV pool's element type (None: `dtype`); float8_e4m3fn gives each layer a
-    KvScales (1.0, or taken from the first prefill with `calculate_kv_scales`)."""
+    KvScales (1.0, or taken from the first prefill with `calculate_kv_scales`).
+    `quantization="fp8"`: every layer's linear weights (qkv, o_proj, gate_up, down; not the embedding or
+    the LM head) become Fp8Linear (e4m3, per-output-channel scales; activations quantized per token at
+    each product). NumPy backends only for now."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], ops, dtype=np.float32,
                  max_positions: int | None = None, tp=None, consume_weights: bool = False,
-                 kv_cache_dtype=None, calculate_kv_scales: bool = False):
+                 kv_cache_dtype=None, calculate_kv_scales: bool = False, quantization: str | None = None):
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+        if quantization is not None and (ops.xp is not np or tp is not None):
+            raise ValueError(f"quantization={quantization!r} runs on the CPU backend without tensor parallelism "
+                             "only for now (device='cpu'); leave quantization unset on CUDA")
+        self.quantization = quantization
         check_weights(config, {name: np.shape(w) for name, w in weights.items()})
         # consume_weights: pop each tensor from `weights` once uploaded, so a device-resident source
         # (a tensor-parallel shard of a 70B shape) is freed as it goes instead of held twice.
@@ -100,6 +110,8 @@ class Llama:
 
         def linear(*names: str):
             parts = [xp.asarray(read(p + n), dtype=self.dtype) for n in names]
+            if self.quantization == "fp8":
+                return Fp8Linear.quantize(xp.concatenate(parts, axis=0).T)  # [in, out] e4m3 + [out] scales
             return upload(xp.concatenate(parts, axis=0).T)
 
         spec = self.config.spec

@@ -129,7 +129,7 @@ class LLMEngine:
         model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype,
                       max_positions=self.config.max_num_batched_tokens,
                       kv_cache_dtype=KV_CACHE_NUMPY_DTYPES[self.kv_cache_dtype],
-                      calculate_kv_scales=self.config.calculate_kv_scales)
+                      calculate_kv_scales=self.config.calculate_kv_scales, quantization=self.config.quantization)
         return model, loaded_model
 
     def _start_tensor_parallel(self, loaded_model):

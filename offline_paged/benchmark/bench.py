@@ -226,9 +226,11 @@ def _median_time(fn, cuda: bool, xp, repeats: int = 5) -> float:
 class RooflineModel:
     """Least bytes moved and FLOPs done by one step of a Llama-layout model (see module doc)."""
 
-    def __init__(self, config, itemsize: int, tensor_parallel_size: int = 1, kv_itemsize: int | None = None) -> None:
-        """`itemsize`: bytes per weight element; `kv_itemsize`: bytes per KV-cache element as stored (1 for
-        the FP8 KV cache; None: `itemsize`)."""
+    def __init__(self, config, itemsize: int, tensor_parallel_size: int = 1, kv_itemsize: int | None = None,
+                 linear_itemsize: int | None = None) -> None:
+        """`itemsize`: bytes per element of the model dtype; `kv_itemsize`: per KV-cache element as stored (1
+        for the FP8 KV cache); `linear_itemsize`: per layer linear weight (1 with quantization="fp8"; the
+        embedding and LM head stay in the model dtype). None: `itemsize`."""
         c = config
         self.itemsize = itemsize
         self.kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
@@ -238,7 +240,8 @@ class RooflineModel:
             + 3 * c.hidden_size * c.intermediate_size
         self.linear_params = c.num_hidden_layers * per_layer  # matmul weights of the layers
         self.head_params = c.vocab_size * c.hidden_size  # the LM head (the embedding when tied)
-        self.weight_bytes = (self.linear_params + self.head_params) * itemsize
+        self.linear_itemsize = itemsize if linear_itemsize is None else linear_itemsize
+        self.weight_bytes = self.linear_params * self.linear_itemsize + self.head_params * itemsize
         self.kv_bytes_per_token = c.num_hidden_layers * 2 * kv_dim * self.kv_itemsize  # as the pool stores it
         self.attention_flops_per_key = c.num_hidden_layers * 4 * q_dim  # QK^T and PV, per (query, key)
         self.hidden_size, self.vocab_size = c.hidden_size, c.vocab_size
@@ -395,8 +398,10 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
     manager = engine.block_manager
     tensor_parallel_size = engine.config.tensor_parallel_size
     # KV bytes as the pool stores them (1 an element for FP8); weights in the model dtype
+    quantization = engine.config.quantization
     roofline = RooflineModel(engine.model_config, np.dtype(engine.backend.dtype).itemsize, tensor_parallel_size,
-                             kv_itemsize=engine.runner.kv_cache.dtype.itemsize)
+                             kv_itemsize=engine.runner.kv_cache.dtype.itemsize,
+                             linear_itemsize=1 if quantization == "fp8" else None)
     preemptions_before = engine.stats.num_preemptions
     for index, request in enumerate(requests):
         engine.add_request(f"bench-{index}", prompt_token_ids=request.prompt_token_ids,
@@ -447,7 +452,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         wall_s=wall, num_gpu_blocks=manager.num_gpu_blocks, max_model_len=engine.max_model_len,
         num_preemptions=engine.stats.num_preemptions - preemptions_before,
         peak_device_memory=memory.peak, ceilings=ceilings, steps=steps,
-        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=engine.kv_cache_dtype)
+        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=engine.kv_cache_dtype, quantization=quantization)
 
 
 def _record(end_s, wall_s, report, engine, manager) -> StepRecord:
