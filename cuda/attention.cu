@@ -3,6 +3,10 @@
 // Element type T: every kernel exists for fp16 (__half, names ending _f16) and bf16 (bf16_t, _bf16: the
 // bits of a bfloat16, converted with PTX cvt so that no cuda_bf16.h is needed at run time); the
 // tensor-core products take T operands and accumulate in fp32 either way.
+// FP8 KV cache (names ending _fp8; cache element C = fp8_e4m3_t, the pools uint8): K/V travel as raw e4m3
+// bytes, 8 bytes where a 16-bit cache moves 16 (registers, or the first half of each 16-byte ring piece),
+// and consume_chunk converts them to T exactly (cuda/fp8.cuh) where the products use them; k_scale is folded
+// into scale_log2 and v_scale multiplies O (finish_rows). The 16-bit kernels compile as before (C = T).
 //
 // Buffers (all contiguous, T unless said):
 //   q            [T, H, D]        query rows; sequence s owns rows query_start_loc[s] .. query_start_loc[s+1]-1
@@ -110,18 +114,20 @@ __device__ __forceinline__ void cp_async16(uint4* smem, const void* gmem, bool o
                "r"(ok ? 16 : 0));
 }
 
-// 8 cache elements at p (16 bytes of T, or 8 e4m3 bytes) as 8 T in a 16-byte vector, element i in half i.
-template <typename T, typename C>
+// 8 cache elements at p as loaded: 16 bytes of T, or the 8 e4m3 bytes in .x, .y (converted by as_elements
+// where they are used, so the conversion never waits on a load that is still in flight).
+template <typename C>
 __device__ __forceinline__ uint4 load_kv8(const C* p) {
   if constexpr (kIsFp8<C>) {
-    return e4m3x8_to<T>(*reinterpret_cast<const uint2*>(p));
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    return make_uint4(raw.x, raw.y, 0u, 0u);
   } else {
     return load16(p);
   }
 }
 
 // A ring piece's cache elements global -> shared: 16 bytes of T, or the 8 bytes of 8 e4m3 elements into
-// the first half of the 16-byte piece (the ring keeps the 16-bit layout; from_stage converts on read).
+// the first half of the 16-byte piece (the ring keeps the 16-bit layout; as_elements converts at use).
 template <typename C>
 __device__ __forceinline__ void cp_async_kv(uint4* smem, const C* gmem, bool ok) {
   if constexpr (kIsFp8<C>) {
@@ -134,8 +140,9 @@ __device__ __forceinline__ void cp_async_kv(uint4* smem, const C* gmem, bool ok)
   }
 }
 
+// A loaded or staged piece (load_kv8, the ring) as 8 T, element i in half i: itself for a 16-bit cache.
 template <typename T, typename C>
-__device__ __forceinline__ uint4 from_stage(const uint4& piece) {
+__device__ __forceinline__ uint4 as_elements(const uint4& piece) {
   if constexpr (kIsFp8<C>) {
     return e4m3x8_to<T>(make_uint2(piece.x, piece.y));
   } else {
@@ -203,7 +210,7 @@ __device__ __forceinline__ void load_keys(const Params<T, C>& P, const int* tabl
     const bool ok = p >= key_lo && p < key_end;
     const C* src = P.k_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
 #pragma unroll
-    for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load_kv8<T>(src + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
+    for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load_kv8(src + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -221,7 +228,7 @@ __device__ __forceinline__ void load_values(const Params<T, C>& P, const int* ta
     const bool ok = p >= key_lo && p < key_end;
     const C* src = P.v_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
 #pragma unroll
-    for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load_kv8<T>(src + 64 * c + 8 * g) : make_uint4(0, 0, 0, 0);
+    for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load_kv8(src + 64 * c + 8 * g) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -251,7 +258,7 @@ __device__ __forceinline__ void stage_chunk(const Params<T, C>& P, const int* ta
 }
 
 // The same fragments load_keys / load_values take from global memory, from a staged chunk.
-template <int D, typename T, typename C>
+template <int D>
 __device__ __forceinline__ void read_stage(const uint4* stage, int g, int t, uint4 (&kf)[2][D / 32],
                                            uint4 (&vf)[4][D / 64]) {
   constexpr int PIECES = D / 8;
@@ -259,12 +266,12 @@ __device__ __forceinline__ void read_stage(const uint4* stage, int g, int t, uin
 #pragma unroll
   for (int n = 0; n < 2; ++n)
 #pragma unroll
-    for (int c = 0; c < D / 32; ++c) kf[n][c] = from_stage<T, C>(stage[(8 * n + g) * PIECES + ((4 * c + t) ^ swizzle(8 * n + g))]);
+    for (int c = 0; c < D / 32; ++c) kf[n][c] = stage[(8 * n + g) * PIECES + ((4 * c + t) ^ swizzle(8 * n + g))];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int key = 2 * t + (e & 1) + 8 * (e >> 1);
 #pragma unroll
-    for (int c = 0; c < D / 64; ++c) vf[e][c] = from_stage<T, C>(vs[key * PIECES + ((8 * c + g) ^ swizzle(key))]);
+    for (int c = 0; c < D / 64; ++c) vf[e][c] = vs[key * PIECES + ((8 * c + g) ^ swizzle(key))];
   }
 }
 
@@ -325,9 +332,9 @@ __device__ __forceinline__ void consume_chunk(const Params<T, C>& P, const unsig
     s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
-      mma16816<T>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], kf[n][c].x, kf[n][c].y);
-      mma16816<T>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], kf[n][c].z,
-               kf[n][c].w);
+      const uint4 k = as_elements<T, C>(kf[n][c]);
+      mma16816<T>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], k.x, k.y);
+      mma16816<T>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], k.z, k.w);
     }
   }
   // Scale, causal mask (key position <= the row's query position), window mask and range mask.
@@ -366,11 +373,16 @@ __device__ __forceinline__ void consume_chunk(const Params<T, C>& P, const unsig
   // S accumulators of the two n8 tiles are exactly the A fragment of P for a k16 step.
   const unsigned pa0 = pack_float2<T>(s[0][0], s[0][1]), pa1 = pack_float2<T>(s[0][2], s[0][3]);
   const unsigned pa2 = pack_float2<T>(s[1][0], s[1][1]), pa3 = pack_float2<T>(s[1][2], s[1][3]);
+  uint4 v[4][D / 64];  // the chunk's values as T (an FP8 cache's converted here, after the softmax)
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) v[e][c] = as_elements<T, C>(vf[e][c]);
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     st.o[j][0] *= alpha_lo; st.o[j][1] *= alpha_lo; st.o[j][2] *= alpha_hi; st.o[j][3] *= alpha_hi;
-    const unsigned b0 = pair_halves(vf[0][j / 8], vf[1][j / 8], j % 8);
-    const unsigned b1 = pair_halves(vf[2][j / 8], vf[3][j / 8], j % 8);
+    const unsigned b0 = pair_halves(v[0][j / 8], v[1][j / 8], j % 8);
+    const unsigned b1 = pair_halves(v[2][j / 8], v[3][j / 8], j % 8);
     mma16816<T>(st.o[j], pa0, pa1, pa2, pa3, b0, b1);
   }
 }
@@ -486,7 +498,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
           const int k0 = k_slot + c * CHUNK;
           if (k0 >= key_end) break;
           if (k0 < my_first) continue;
-          read_stage<D, T, C>(ring + (slot * WARPS + c) * CHUNK_PIECES, g, t, kf, vf);
+          read_stage<D>(ring + (slot * WARPS + c) * CHUNK_PIECES, g, t, kf, vf);
           consume_chunk<D, T, C>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
         }
       }
@@ -509,7 +521,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
       // lane's copies visible and also means all lanes are done reading the slot refilled just below.
       cp_async_wait<STAGES - 2>();
       __syncwarp();
-      read_stage<D, T, C>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
+      read_stage<D>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
       const int refill = slot == 0 ? STAGES - 1 : slot - 1;  // the slot read last iteration
       stage_chunk<D>(P, table, kvh, k0 + (STAGES - 1) * stride, key_lo, key_end, lane,
                      my_ring + refill * CHUNK_PIECES);
