@@ -56,7 +56,7 @@ _BENCH_OVERRIDES = {
 @click.option("--output-len", default="100:1024", show_default=True, callback=_length_range,
               help="Output length range (exact: ignore_eos).")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
-@engine_options(repeatable=("dtype", "block_size"), overrides=_BENCH_OVERRIDES)
+@engine_options(repeatable=("dtype", "block_size", "kv_cache_dtype"), overrides=_BENCH_OVERRIDES)
 @click.option("--kv-layout", "kv_layouts", type=click.Choice(["paged", "contiguous"]), multiple=True,
               help="Repeat to compare (default: paged). contiguous reserves max_model_len per sequence.")
 @click.option("--compare-single", is_flag=True,
@@ -77,6 +77,9 @@ def bench(**options: Any) -> None:
     _check_options(options)
     dtypes = options["dtype"] or ("auto",)
     options["dtype"] = dtypes[0]
+    # Every --kv-cache-dtype runs on each backend, after each other in this process (the ratio in one call).
+    options["kv_cache_dtypes"] = options["kv_cache_dtype"] or ("auto",)
+    options["kv_cache_dtype"] = options["kv_cache_dtypes"][0]
     if options["data_parallel_size"] != 1:
         _bench_data_parallel(options)
         return
@@ -132,6 +135,8 @@ def _check_options(options: dict) -> None:
         raise click.UsageError("give --model or --dummy-weights, not both")
     if len(options["dtype"]) > 1 and options["data_parallel_size"] != 1:
         raise click.UsageError("several --dtype values need --data-parallel-size 1 (one run per dtype)")
+    if len(options["kv_cache_dtype"]) > 1 and options["data_parallel_size"] != 1:
+        raise click.UsageError("several --kv-cache-dtype values need --data-parallel-size 1 (one run per value)")
     if options["workload"] == "file" and not options["input_file"]:
         raise click.UsageError("--workload file needs --input-file JOB.jsonl")
     if options["workload"] == "random" and options["input_file"]:
@@ -185,15 +190,17 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
     max_model_len = options["max_model_len"] or max_total_len(requests)
     layouts = options["kv_layouts"] or ("paged",)
     block_sizes = options["block_size"] or (16,)
+    kv_dtypes = options.get("kv_cache_dtypes") or (options["kv_cache_dtype"],)
     results = []
     variants = [("", requests)]
     if options.get("structured"):
         variants.append((f" {options['structured']}", structured_workload(requests, options["structured"])))
-    for layout, block_size, (variant, run_requests) in itertools.product(layouts, block_sizes, variants):
+    for layout, block_size, kv_dtype, (variant, run_requests) in itertools.product(layouts, block_sizes, kv_dtypes,
+                                                                                  variants):
         # one fresh engine per run: a second run on the same engine would hit the prefix cache
         try:
-            config = _engine_config(options, backend.name, layout, block_size, max_model_len,
-                                    tensor_parallel_size)
+            config = _engine_config(options | {"kv_cache_dtype": kv_dtype}, backend.name, layout, block_size,
+                                    max_model_len, tensor_parallel_size)
             engine = LLMEngine(config, loaded_model=loaded)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
@@ -209,6 +216,10 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
         label = layout if len(block_sizes) == 1 else f"{layout} B={block_size}"
         if options["tensor_parallel_size"] != 1:
             label += f" TP={tensor_parallel_size}"
+        if len(kv_dtypes) > 1 or engine.kv_cache_dtype != "auto":
+            label += f" kv={engine.kv_cache_dtype}"
+        if config.quantization:
+            label += f" w={config.quantization}"
         label += tag + variant
         print(f"running {label} ...", file=sys.stderr, flush=True)
         results.append(run_bench(engine, run_requests, label=label, kv_layout=layout, ceilings=ceilings))
@@ -323,12 +334,15 @@ def _emit(options: dict, results: list, backend, dtype_names: str | None = None)
         source += f", data parallel {options['data_parallel_size']}"
     if options["tensor_parallel_size"] != 1:
         source += f", tensor parallel {options['tensor_parallel_size']}"
-    header = (f"offline-paged bench: {source}, {backend.name} {dtype_names or backend.dtype.name}, workload "
-              f"{options['workload']}" + _workload_label(options))
+    kv_dtypes = sorted({getattr(r, "kv_cache_dtype", "auto") for r in results}) or ["auto"]
+    quantization = options.get("quantization")
+    header = (f"offline-paged bench: {source}, {backend.name} {dtype_names or backend.dtype.name}, kv cache "
+              f"{'/'.join(kv_dtypes)}, quantization {quantization or 'none'}, workload {options['workload']}"
+              + _workload_label(options))
     if options["as_json"]:
         runs = [json.loads(r.to_json(with_steps=options["json_steps"])) for r in results]
         click.echo(json.dumps({"header": header, "git_commit": _git_commit(), "device": _device_name(backend),
-                               "runs": runs}))
+                               "kv_cache_dtype": "/".join(kv_dtypes), "quantization": quantization, "runs": runs}))
     else:
         click.echo(format_report(results, header))
     if options["plot"]:

@@ -15,7 +15,8 @@ from typing import Any, Callable
 import click
 from click.core import ParameterSource
 
-from offline_paged.core.config import DEVICES, DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, EngineConfig, PreemptionMode
+from offline_paged.core.config import (DEVICES, DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig,
+                                       PreemptionMode)
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -105,10 +106,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     _option("kv_cache_dtype", "--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
             show_default=True,
             help="auto: K/V in the model dtype; fp8 / fp8_e4m3: FP8 e4m3 (1 byte an element, twice the blocks "
-                 "of a 16-bit pool; the CPU backend only for now)."),
+                 "of a 16-bit pool)."),
     _option("calculate_kv_scales", "--calculate-kv-scales/--no-calculate-kv-scales", default=False,
             show_default=True,
             help="FP8 KV cache: per-layer K and V scales from the first prefill instead of 1.0."),
+    _option("quantization", "--quantization", type=click.Choice(QUANTIZATIONS), default=None,
+            help="fp8: the layers' linear weights in FP8 e4m3 (per-output-channel scales, activations quantized "
+                 "per token); the CPU backend only for now."),
     _option("gpu_memory_utilization", "--gpu-memory-utilization",
             type=click.FloatRange(min=0, max=1, min_open=True), default=0.9, show_default=True,
             help="Fraction of free GPU memory the weights' leftovers may give the KV cache."),

@@ -3,6 +3,10 @@
 // Element type T: every kernel exists for fp16 (__half, names ending _f16) and bf16 (bf16_t, _bf16: the
 // bits of a bfloat16, converted with PTX cvt so that no cuda_bf16.h is needed at run time); the
 // tensor-core products take T operands and accumulate in fp32 either way.
+// FP8 KV cache (names ending _fp8; cache element C = fp8_e4m3_t, the pools uint8): K/V travel as raw e4m3
+// bytes, 8 bytes where a 16-bit cache moves 16 (registers, or the first half of each 16-byte ring piece),
+// and consume_chunk converts them to T exactly (cuda/fp8.cuh) where the products use them; k_scale is folded
+// into scale_log2 and v_scale multiplies O (finish_rows). The 16-bit kernels compile as before (C = T).
 //
 // Buffers (all contiguous, T unless said):
 //   q            [T, H, D]        query rows; sequence s owns rows query_start_loc[s] .. query_start_loc[s+1]-1
@@ -37,6 +41,8 @@
 // With a window, a CTA's key range starts at the window start of its first row: splits count from
 // there (rounded down to a multiple of 64), and a warp starts at the 16-key chunk that holds it, so no
 // key block wholly before the window is read (those blocks may already be freed).
+// fp8.cuh before common.cuh, which uses it
+#include "fp8.cuh"
 #include "common.cuh"
 
 namespace {
@@ -108,11 +114,47 @@ __device__ __forceinline__ void cp_async16(uint4* smem, const void* gmem, bool o
                "r"(ok ? 16 : 0));
 }
 
-template <typename T>
+// 8 cache elements at p as loaded: 16 bytes of T, or the 8 e4m3 bytes in .x, .y (converted by as_elements
+// where they are used, so the conversion never waits on a load that is still in flight).
+template <typename C>
+__device__ __forceinline__ uint4 load_kv8(const C* p) {
+  if constexpr (kIsFp8<C>) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    return make_uint4(raw.x, raw.y, 0u, 0u);
+  } else {
+    return load16(p);
+  }
+}
+
+// A ring piece's cache elements global -> shared: 16 bytes of T, or the 8 bytes of 8 e4m3 elements into
+// the first half of the 16-byte piece (the ring keeps the 16-bit layout; as_elements converts at use).
+template <typename C>
+__device__ __forceinline__ void cp_async_kv(uint4* smem, const C* gmem, bool ok) {
+  if constexpr (kIsFp8<C>) {
+    unsigned long long shared_addr;
+    asm("cvta.to.shared.u64 %0, %1;\n" : "=l"(shared_addr) : "l"(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"((unsigned)shared_addr), "l"(gmem),
+                 "r"(ok ? 8 : 0));
+  } else {
+    cp_async16(smem, gmem, ok);
+  }
+}
+
+// A loaded or staged piece (load_kv8, the ring) as 8 T, element i in half i: itself for a 16-bit cache.
+template <typename T, typename C>
+__device__ __forceinline__ uint4 as_elements(const uint4& piece) {
+  if constexpr (kIsFp8<C>) {
+    return e4m3x8_to<T>(make_uint2(piece.x, piece.y));
+  } else {
+    return piece;
+  }
+}
+
+template <typename T, typename C = T>  // C: the cache element, T or fp8_e4m3_t
 struct Params {
   const T* q;
-  const T* k_cache;
-  const T* v_cache;
+  const C* k_cache;
+  const C* v_cache;
   T* out;
   float* partial_o;
   float* partial_ml;
@@ -130,20 +172,21 @@ struct Params {
   float scale_log2;  // softmax scale * log2(e): scores live in log2 units so exp2 does the exponent
   int block_shift;   // log2(block_size) when it is a power of two, else -1
   int window;        // sliding window in positions; 0 = none
+  float v_scale;     // FP8 cache: the V scale, applied to O (the K scale is folded into scale_log2)
 };
 
 // Slot of key k0 when its whole 16-key chunk lies in one block (block size a power of two >= 16: chunks
 // start at multiples of 16), else -1. Keys at or past key_end have no table entry to read.
-template <typename T>
-__device__ __forceinline__ long long chunk_slot(const Params<T>& P, const int* table, int k0, int key_end) {
+template <typename T, typename C>
+__device__ __forceinline__ long long chunk_slot(const Params<T, C>& P, const int* table, int k0, int key_end) {
   if (P.block_shift < 4 || k0 >= key_end) return -1;
   return ((long long)table[k0 >> P.block_shift] << P.block_shift) + (k0 & ((1 << P.block_shift) - 1));
 }
 
 // Element offset of (key p, kv head kvh, dim 0) in the cache; `base` is chunk_slot of the chunk's first
 // key k0 (then no table read per key), or -1 for a table lookup.
-template <typename T>
-__device__ __forceinline__ size_t cache_offset(const Params<T>& P, const int* table, long long base, int k0, int p,
+template <typename T, typename C>
+__device__ __forceinline__ size_t cache_offset(const Params<T, C>& P, const int* table, long long base, int k0, int p,
                                                int kvh, int D) {
   size_t slot;
   if (base >= 0) {
@@ -158,16 +201,16 @@ __device__ __forceinline__ size_t cache_offset(const Params<T>& P, const int* ta
 
 // load_keys: n8 tile n of a chunk holds keys k0 + 8n + g (mma column g); lane (g, t) loads 16 bytes of
 // each 32-d slice (d = 32c + 8t ..), matching the Q permutation. Keys >= key_end load zeros.
-template <int D, typename T>
-__device__ __forceinline__ void load_keys(const Params<T>& P, const int* table, long long base, int kvh, int k0,
+template <int D, typename T, typename C>
+__device__ __forceinline__ void load_keys(const Params<T, C>& P, const int* table, long long base, int kvh, int k0,
                                           int key_lo, int key_end, int g, int t, uint4 (&kf)[2][D / 32]) {
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int p = k0 + 8 * n + g;
     const bool ok = p >= key_lo && p < key_end;
-    const T* src = P.k_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
+    const C* src = P.k_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
 #pragma unroll
-    for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load16(src + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
+    for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load_kv8(src + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -176,16 +219,16 @@ __device__ __forceinline__ void load_keys(const Params<T>& P, const int* table, 
 // d = 64 (j / 8) + 8 g + j % 8: per key, lane g loads D / 64 contiguous 16-byte pieces.
 // Keys outside [key_lo, key_end) load zeros: their probability is 0, and 0 * (garbage NaN) would poison
 // O; keys before key_lo (before the window) may sit in freed blocks and are never touched.
-template <int D, typename T>
-__device__ __forceinline__ void load_values(const Params<T>& P, const int* table, long long base, int kvh, int k0,
+template <int D, typename T, typename C>
+__device__ __forceinline__ void load_values(const Params<T, C>& P, const int* table, long long base, int kvh, int k0,
                                             int key_lo, int key_end, int g, int t, uint4 (&vf)[4][D / 64]) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int p = k0 + 2 * t + (e & 1) + 8 * (e >> 1);
     const bool ok = p >= key_lo && p < key_end;
-    const T* src = P.v_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
+    const C* src = P.v_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
 #pragma unroll
-    for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load16(src + 64 * c + 8 * g) : make_uint4(0, 0, 0, 0);
+    for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load_kv8(src + 64 * c + 8 * g) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -197,8 +240,8 @@ __device__ __forceinline__ int swizzle(int key) { return (((key >> 1) & 3) << 1)
 
 // Request chunk k0's keys and values into `stage` (cp.async, not waited for). Lane i copies pieces
 // i, i + 32, ...: four consecutive keys per instruction at D = 64, each key's D elements contiguous.
-template <int D, typename T>
-__device__ __forceinline__ void stage_chunk(const Params<T>& P, const int* table, int kvh, int k0, int key_lo,
+template <int D, typename T, typename C>
+__device__ __forceinline__ void stage_chunk(const Params<T, C>& P, const int* table, int kvh, int k0, int key_lo,
                                             int key_end, int lane, uint4* stage) {
   constexpr int PIECES = D / 8;
   const long long base = chunk_slot(P, table, k0, key_end);
@@ -209,8 +252,8 @@ __device__ __forceinline__ void stage_chunk(const Params<T>& P, const int* table
     const bool ok = p >= key_lo && p < key_end;
     const size_t offset = ok ? cache_offset(P, table, base, k0, p, kvh, D) + 8 * col : 0;
     const int at = key * PIECES + (col ^ swizzle(key));
-    cp_async16(stage + at, P.k_cache + offset, ok);
-    cp_async16(stage + CHUNK * PIECES + at, P.v_cache + offset, ok);
+    cp_async_kv(stage + at, P.k_cache + offset, ok);
+    cp_async_kv(stage + CHUNK * PIECES + at, P.v_cache + offset, ok);
   }
 }
 
@@ -234,8 +277,8 @@ __device__ __forceinline__ void read_stage(const uint4* stage, int g, int t, uin
 
 // Combine `num_parts` (max, sum, O) partial results per row held in shared memory and write them out:
 // normalised T when there is one split, else un-normalised fp32 partials for merge_partials.
-template <int D, typename T>
-__device__ void finish_rows(const Params<T>& P, const float* so, const float* sm, const float* sl, int num_parts,
+template <int D, typename T, typename C>
+__device__ void finish_rows(const Params<T, C>& P, const float* so, const float* sm, const float* sl, int num_parts,
                             int tid, int num_threads, int row0, int num_rows, int q_start, int kvh, int split) {
   const int H = P.num_kv_heads * P.group;
   for (int idx = tid; idx < ROWS * D; idx += num_threads) {
@@ -252,6 +295,7 @@ __device__ void finish_rows(const Params<T>& P, const float* so, const float* sm
         l += weight * sl[w * ROWS + r];
       }
     }
+    if constexpr (kIsFp8<C>) o *= P.v_scale;  // O = sum p (stored V) x v_scale
     const int token = q_start + row / P.group;
     const int head = kvh * P.group + row % P.group;
     const size_t th = (size_t)token * H + head;
@@ -277,8 +321,8 @@ struct RowState {
 
 // One 16-key chunk k0 for a warp's 16 rows, its K/V already in fragments: S = Q K^T, scale and masks,
 // online softmax, O += P V.
-template <int D, typename T>
-__device__ __forceinline__ void consume_chunk(const Params<T>& P, const unsigned (&qa)[D / 16][4],
+template <int D, typename T, typename C>
+__device__ __forceinline__ void consume_chunk(const Params<T, C>& P, const unsigned (&qa)[D / 16][4],
                                               const uint4 (&kf)[2][D / 32], const uint4 (&vf)[4][D / 64], int k0,
                                               int key_end, int pos_lo, int pos_hi, int window, int t,
                                               RowState<D>& st) {
@@ -288,9 +332,9 @@ __device__ __forceinline__ void consume_chunk(const Params<T>& P, const unsigned
     s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
-      mma16816<T>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], kf[n][c].x, kf[n][c].y);
-      mma16816<T>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], kf[n][c].z,
-               kf[n][c].w);
+      const uint4 k = as_elements<T, C>(kf[n][c]);
+      mma16816<T>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], k.x, k.y);
+      mma16816<T>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], k.z, k.w);
     }
   }
   // Scale, causal mask (key position <= the row's query position), window mask and range mask.
@@ -329,17 +373,22 @@ __device__ __forceinline__ void consume_chunk(const Params<T>& P, const unsigned
   // S accumulators of the two n8 tiles are exactly the A fragment of P for a k16 step.
   const unsigned pa0 = pack_float2<T>(s[0][0], s[0][1]), pa1 = pack_float2<T>(s[0][2], s[0][3]);
   const unsigned pa2 = pack_float2<T>(s[1][0], s[1][1]), pa3 = pack_float2<T>(s[1][2], s[1][3]);
+  uint4 v[4][D / 64];  // the chunk's values as T (an FP8 cache's converted here, after the softmax)
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) v[e][c] = as_elements<T, C>(vf[e][c]);
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     st.o[j][0] *= alpha_lo; st.o[j][1] *= alpha_lo; st.o[j][2] *= alpha_hi; st.o[j][3] *= alpha_hi;
-    const unsigned b0 = pair_halves(vf[0][j / 8], vf[1][j / 8], j % 8);
-    const unsigned b1 = pair_halves(vf[2][j / 8], vf[3][j / 8], j % 8);
+    const unsigned b0 = pair_halves(v[0][j / 8], v[1][j / 8], j % 8);
+    const unsigned b1 = pair_halves(v[2][j / 8], v[3][j / 8], j % 8);
     mma16816<T>(st.o[j], pa0, pa1, pa2, pa3, b0, b1);
   }
 }
 
-template <int D, bool ROW_SPLIT, typename T>
-__device__ void attention_impl(const Params<T>& P) {
+template <int D, bool ROW_SPLIT, typename T, typename C>
+__device__ void attention_impl(const Params<T, C>& P) {
   static_assert(D == 64 || D == 128, "head dim must be 64 or 128");
   // Where K/V go on their way to the mma fragments: a cp.async ring in dynamic shared memory (sized by
   // the launcher's ring_bytes), or registers. Decode (KEY_SPLIT) at D = 64: a ring per warp. ROW_SPLIT:
@@ -450,7 +499,7 @@ __device__ void attention_impl(const Params<T>& P) {
           if (k0 >= key_end) break;
           if (k0 < my_first) continue;
           read_stage<D>(ring + (slot * WARPS + c) * CHUNK_PIECES, g, t, kf, vf);
-          consume_chunk<D, T>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
+          consume_chunk<D, T, C>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
         }
       }
       slot = slot == STAGES - 1 ? 0 : slot + 1;
@@ -478,7 +527,7 @@ __device__ void attention_impl(const Params<T>& P) {
                      my_ring + refill * CHUNK_PIECES);
       cp_async_commit();  // also when empty (past key_end): the group count stays one per chunk
       slot = slot == STAGES - 1 ? 0 : slot + 1;
-      consume_chunk<D, T>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
+      consume_chunk<D, T, C>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
     }
   } else {
     // Register pipeline: the next chunk's keys (and, for D = 64 where registers allow, its values) are
@@ -505,7 +554,7 @@ __device__ void attention_impl(const Params<T>& P) {
       if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_lo, key_end, g, t, vf);
       load_keys<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, kn);
       if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, vn);
-      consume_chunk<D, T>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
+      consume_chunk<D, T, C>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -555,17 +604,20 @@ __device__ void attention_impl(const Params<T>& P) {
   }
   if (ROW_SPLIT) {
     __syncwarp();
-    finish_rows<D, T>(P, my_o, s_m + warp * ROWS, s_l + warp * ROWS, 1, lane, 32, row0, num_rows, q_start, kvh,
+    finish_rows<D, T, C>(P, my_o, s_m + warp * ROWS, s_l + warp * ROWS, 1, lane, 32, row0, num_rows, q_start, kvh,
                    split);
   } else {
     __syncthreads();
-    finish_rows<D, T>(P, s_o, s_m, s_l, WARPS, threadIdx.x, blockDim.x, row0, num_rows, q_start, kvh, split);
+    finish_rows<D, T, C>(P, s_o, s_m, s_l, WARPS, threadIdx.x, blockDim.x, row0, num_rows, q_start, kvh, split);
   }
 }
 
 }  // namespace
 
 // One CTA of 128 threads per (row tile or 4 row tiles, kv head x split, sequence); see the top comment.
+// The _fp8 entry points read an FP8 cache (uint8 e4m3 bits) and take kv_scale [2] fp32 on the device =
+// (k_scale, v_scale), read at launch (so a CUDA graph replays whatever scales the buffer holds): the
+// scores use scale_log2 * k_scale, the output O * v_scale. The 16-bit entry points take no kv_scale.
 #define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, T, SUFFIX)                                                       \
   extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX(               \
       const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_o, float* partial_ml,           \
@@ -575,8 +627,20 @@ __device__ void attention_impl(const Params<T>& P) {
       int window) {                                                                                          \
     const Params<T> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,           \
                       query_start_loc, launch_order, num_tokens, num_kv_heads, group, block_size,            \
-                      max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window};      \
-    attention_impl<D, ROW_SPLIT, T>(p);                                                                      \
+                      max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window, 1.f}; \
+    attention_impl<D, ROW_SPLIT, T, T>(p);                                                                   \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX##_fp8(         \
+      const T* q, const fp8_e4m3_t* k_cache, const fp8_e4m3_t* v_cache, T* out, float* partial_o,            \
+      float* partial_ml, const int* block_tables, const int* context_lens, const int* query_start_loc,       \
+      const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                  \
+      int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,         \
+      int window, const float* kv_scale) {                                                                   \
+    const Params<T, fp8_e4m3_t> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables,             \
+                                  context_lens, query_start_loc, launch_order, num_tokens, num_kv_heads,     \
+                                  group, block_size, max_blocks_per_seq, partition_size, num_splits,         \
+                                  scale_log2 * kv_scale[0], block_shift, window, kv_scale[1]};               \
+    attention_impl<D, ROW_SPLIT, T, fp8_e4m3_t>(p);                                                          \
   }
 #define DEFINE_ATTENTION_ALL(T, SUFFIX)            \
   DEFINE_ATTENTION(64, keysplit, false, T, SUFFIX)  \

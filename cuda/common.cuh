@@ -1,5 +1,5 @@
-// Device helpers shared by attention.cu and prefill_attention.cu (included by both; kernel_modules.py
-// inlines `#include "common.cuh"` for NVRTC, nvcc finds it beside them). No buffers, no kernels.
+// Device helpers shared by attention.cu and prefill_attention.cu (included by both, after fp8.cuh;
+// kernel_modules.py inlines `#include "common.cuh"` for NVRTC, nvcc finds it beside them). No buffers, no kernels.
 #include <cuda_fp16.h>
 
 // A bfloat16 as its 16 bits. NVRTC may not find a cuda_bf16.h matching the cuda_fp16.h CuPy bundles, so
@@ -25,6 +25,27 @@ __device__ __forceinline__ unsigned pack_float2<bf16_t>(float lo, float hi) {
   unsigned packed;  // cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
   return packed;
+}
+
+// Eight e4m3 cache elements (cuda/fp8.cuh, which the including file includes first) as eight T in a
+// 16-byte vector, element i in half i; exact for both types (e4m3 values fit fp16 and bf16).
+template <typename T>
+__device__ __forceinline__ uint4 e4m3x8_to(uint2 w);
+
+template <>
+__device__ __forceinline__ uint4 e4m3x8_to<__half>(uint2 w) {
+  return e4m3x8_to_half8(w);
+}
+
+__device__ __forceinline__ unsigned half2_to_bf16x2(unsigned h) {
+  const __half2 pair = *reinterpret_cast<const __half2*>(&h);
+  return pack_float2<bf16_t>(__low2float(pair), __high2float(pair));
+}
+
+template <>
+__device__ __forceinline__ uint4 e4m3x8_to<bf16_t>(uint2 w) {
+  const uint4 h = e4m3x8_to_half8(w);
+  return make_uint4(half2_to_bf16x2(h.x), half2_to_bf16x2(h.y), half2_to_bf16x2(h.z), half2_to_bf16x2(h.w));
 }
 
 // cp.async completion is tracked in groups: commit after each stage, wait until <= N are pending.

@@ -30,6 +30,11 @@
 //   Hkv * D v elements; on the vector path (rope's condition, plus v_stride % 8 == 0 and v, k_cache, v_cache
 //   16-byte aligned) over H * D/16 q units, Hkv * D/16 k units (8 pairs each) and Hkv * D/8 v 16-byte copies.
 //
+// rope_write_kv_fp8_{same,f32}_cache_{f16,bf16} (the FP8 KV cache; cuda/fp8.cuh)
+//   as rope_write_kv, but k_cache, v_cache [N, B, Hkv, D] are uint8 (e4m3fn bits) and kv_scale [2] fp32 on
+//   the device = (k_scale, v_scale): the rotated k and v are rounded to T, divided by their scale and
+//   quantized (ties to even, saturating at +-448), so the bytes equal rope + write_kv_fp8's.
+//
 // add_bias_{f16,bf16}
 //   x [T, N] T contiguous, updated in place: x[t, j] + bias[j] rounded once; bias [N] T.
 //   Grid-stride loop over the T*N entries. (A CuPy `+` on bf16 arrays broke CUDA-graph capture.)
@@ -39,6 +44,7 @@
 //   Grid: y = token (strided by gridDim.y), x * blockDim.x + threadIdx.x = column unit (strided): 8
 //   columns when I % 8 == 0 and both pointers are 16-byte aligned, else one.
 #include <cuda_fp16.h>
+#include "fp8.cuh"
 
 // A bfloat16 as its 16 bits (see attention.cu: NVRTC may lack a matching cuda_bf16.h).
 struct __align__(2) bf16_t {
@@ -217,9 +223,12 @@ __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T*
 // Rotate-half RoPE of 8 consecutive pairs: src/dst point at element j of a head, cs at the table row's
 // entry j (cos; sin D/2 later). rope and rope_write_kv both rotate through these two helpers, so their
 // arithmetic (and the compiler's contraction of it) is one and the same: their outputs agree bit for bit.
+// (The FP8 write rotates through rotate8_values / rotate1_values, the same arithmetic, then rounds to T
+// before it quantizes: its cache bytes are those of rope's k written by write_kv_fp8.)
 template <typename T, typename CacheT>
-__device__ __forceinline__ void rotate8(const T* src, const CacheT* cs, int half_dim, T* dst) {
-  float x1[VEC], x2[VEC], c[VEC], s[VEC], y1[VEC], y2[VEC];
+__device__ __forceinline__ void rotate8_values(const T* src, const CacheT* cs, int half_dim, float (&y1)[VEC],
+                                               float (&y2)[VEC]) {
+  float x1[VEC], x2[VEC], c[VEC], s[VEC];
   load8_float(src, x1);
   load8_float(src + half_dim, x2);
   load8_float(cs, c);
@@ -229,17 +238,46 @@ __device__ __forceinline__ void rotate8(const T* src, const CacheT* cs, int half
     y1[i] = x1[i] * c[i] - x2[i] * s[i];
     y2[i] = x2[i] * c[i] + x1[i] * s[i];
   }
+}
+
+template <typename T, typename CacheT>
+__device__ __forceinline__ void rotate8(const T* src, const CacheT* cs, int half_dim, T* dst) {
+  float y1[VEC], y2[VEC];
+  rotate8_values(src, cs, half_dim, y1, y2);
   store8_float(dst, y1);
   store8_float(dst + half_dim, y2);
 }
 
 // The same for one pair (the scalar paths).
 template <typename T, typename CacheT>
-__device__ __forceinline__ void rotate1(const T* src, const CacheT* cs, int half_dim, T* dst) {
+__device__ __forceinline__ void rotate1_values(const T* src, const CacheT* cs, int half_dim, float& y1, float& y2) {
   const float x1 = to_float(src[0]), x2 = to_float(src[half_dim]);
   const float c = to_float(cs[0]), s = to_float(cs[half_dim]);
-  dst[0] = from_float<T>(x1 * c - x2 * s);
-  dst[half_dim] = from_float<T>(x2 * c + x1 * s);
+  y1 = x1 * c - x2 * s;
+  y2 = x2 * c + x1 * s;
+}
+
+template <typename T, typename CacheT>
+__device__ __forceinline__ void rotate1(const T* src, const CacheT* cs, int half_dim, T* dst) {
+  float y1, y2;
+  rotate1_values(src, cs, half_dim, y1, y2);
+  dst[0] = from_float<T>(y1);
+  dst[half_dim] = from_float<T>(y2);
+}
+
+// FP8 cache stores (cuda/fp8.cuh): each value rounded to T first (what the 16-bit cache would hold),
+// then divided by the scale and quantized to e4m3.
+template <typename T>
+__device__ __forceinline__ unsigned quantize1(float y, float scale) {
+  return float_to_e4m3(to_float(from_float<T>(y)) / scale);
+}
+
+template <typename T>
+__device__ __forceinline__ void store8_fp8(unsigned char* p, const float (&y)[VEC], float scale) {
+  float f[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) f[i] = to_float(from_float<T>(y[i])) / scale;
+  *reinterpret_cast<uint2*>(p) = float8_to_e4m3x8(f);
 }
 
 template <typename T, typename CacheT>
@@ -333,6 +371,75 @@ __device__ void rope_write_kv_impl(const T* q, const T* k, const T* v, const int
   }
 }
 
+// rope_write_kv for an FP8 cache (uint8 e4m3 bits): q as rope_write_kv_impl; k rotated, v as is, each
+// quantized by kv_scale = (k_scale, v_scale) on the device. Same units and vector condition as the 16-bit
+// kernel (an 8-element unit stores 8 bytes).
+template <typename T, typename CacheT>
+__device__ void rope_write_kv_fp8_impl(const T* q, const T* k, const T* v, const int* positions,
+                                       const CacheT* cos_sin, const int* slot_mapping, const float* kv_scale,
+                                       T* q_out, unsigned char* k_cache, unsigned char* v_cache,
+                                       long long q_stride, long long k_stride, long long v_stride, int num_heads,
+                                       int num_kv_heads, int head_dim) {
+  const int token = blockIdx.x;
+  const int half_dim = head_dim / 2;
+  const int slot = slot_mapping[token];
+  const int kv_heads = slot < 0 ? 0 : num_kv_heads;  // KV heads this token writes
+  const float k_scale = kv_scale[0], v_scale = kv_scale[1];
+  const CacheT* table = cos_sin + (size_t)positions[token] * head_dim;
+  const T* q_row = q + token * q_stride;
+  const T* k_row = k + token * k_stride;
+  const T* v_row = v + token * v_stride;
+  T* q_out_row = q_out + (size_t)token * num_heads * head_dim;
+  const size_t cache_row = (size_t)(slot < 0 ? 0 : slot) * num_kv_heads * head_dim;
+  unsigned char* k_dst = k_cache + cache_row;
+  unsigned char* v_dst = v_cache + cache_row;
+  const bool vec = half_dim % VEC == 0 && q_stride % VEC == 0 && k_stride % VEC == 0 && v_stride % VEC == 0 &&
+                   aligned16(q) && aligned16(k) && aligned16(v) && aligned16(cos_sin) && aligned16(q_out) &&
+                   aligned16(k_cache) && aligned16(v_cache);
+  if (vec) {  // units: q's 8-pair rotations, k's (quantized), then v's 8-element quantized copies
+    const int units_per_head = half_dim / VEC;
+    const int q_units = num_heads * units_per_head;
+    const int rotations = q_units + kv_heads * units_per_head;
+    const int units = rotations + kv_heads * head_dim / VEC;
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      if (u < q_units) {
+        const int head = u / units_per_head, j = (u - head * units_per_head) * VEC;
+        rotate8(q_row + head * head_dim + j, table + j, half_dim, q_out_row + head * head_dim + j);
+      } else if (u < rotations) {
+        const int unit = u - q_units;
+        const int head = unit / units_per_head, j = (unit - head * units_per_head) * VEC;
+        float y1[VEC], y2[VEC];
+        rotate8_values(k_row + head * head_dim + j, table + j, half_dim, y1, y2);
+        store8_fp8<T>(k_dst + head * head_dim + j, y1, k_scale);
+        store8_fp8<T>(k_dst + head * head_dim + j + half_dim, y2, k_scale);
+      } else {
+        const int at = (u - rotations) * VEC;
+        float y[VEC];
+        load8_float(v_row + at, y);
+        store8_fp8<T>(v_dst + at, y, v_scale);
+      }
+    }
+    return;
+  }
+  const int q_pairs = num_heads * half_dim;
+  const int rotations = q_pairs + kv_heads * half_dim;
+  for (int i = threadIdx.x; i < rotations + kv_heads * head_dim; i += blockDim.x) {
+    if (i < q_pairs) {
+      const int head = i / half_dim, j = i % half_dim;
+      rotate1(q_row + head * head_dim + j, table + j, half_dim, q_out_row + head * head_dim + j);
+    } else if (i < rotations) {
+      const int pair = i - q_pairs;
+      const int head = pair / half_dim, j = pair % half_dim;
+      float y1, y2;
+      rotate1_values(k_row + head * head_dim + j, table + j, half_dim, y1, y2);
+      k_dst[head * head_dim + j] = (unsigned char)quantize1<T>(y1, k_scale);
+      k_dst[head * head_dim + j + half_dim] = (unsigned char)quantize1<T>(y2, k_scale);
+    } else {
+      v_dst[i - rotations] = (unsigned char)quantize1<T>(to_float(v_row[i - rotations]), v_scale);
+    }
+  }
+}
+
 __device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.f + __expf(-gate)) * up; }
 
 // Rows: blockIdx.y strided by gridDim.y; columns (8-element chunks on the vector path, elements
@@ -403,6 +510,21 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
       int num_heads, int num_kv_heads, int head_dim) {                                                        \
     rope_write_kv_impl<T, float>(q, k, v, positions, cos_sin, slot_mapping, q_out, k_cache, v_cache, q_stride, \
                                  k_stride, v_stride, num_heads, num_kv_heads, head_dim);                      \
+  }                                                                                                           \
+  extern "C" __global__ void rope_write_kv_fp8_same_cache_##SUFFIX(                                         \
+      const T* q, const T* k, const T* v, const int* positions, const T* cos_sin, const int* slot_mapping,    \
+      const float* kv_scale, T* q_out, unsigned char* k_cache, unsigned char* v_cache, long long q_stride,    \
+      long long k_stride, long long v_stride, int num_heads, int num_kv_heads, int head_dim) {                \
+    rope_write_kv_fp8_impl<T, T>(q, k, v, positions, cos_sin, slot_mapping, kv_scale, q_out, k_cache,         \
+                                 v_cache, q_stride, k_stride, v_stride, num_heads, num_kv_heads, head_dim);   \
+  }                                                                                                           \
+  extern "C" __global__ void rope_write_kv_fp8_f32_cache_##SUFFIX(                                          \
+      const T* q, const T* k, const T* v, const int* positions, const float* cos_sin, const int* slot_mapping, \
+      const float* kv_scale, T* q_out, unsigned char* k_cache, unsigned char* v_cache, long long q_stride,    \
+      long long k_stride, long long v_stride, int num_heads, int num_kv_heads, int head_dim) {                \
+    rope_write_kv_fp8_impl<T, float>(q, k, v, positions, cos_sin, slot_mapping, kv_scale, q_out, k_cache,     \
+                                     v_cache, q_stride, k_stride, v_stride, num_heads, num_kv_heads,          \
+                                     head_dim);                                                               \
   }                                                                                                           \
   extern "C" __global__ void silu_mul_##SUFFIX(const T* gate_up, T* out, long long num_tokens, int inter) { \
     silu_mul_impl<T>(gate_up, out, num_tokens, inter);                                                      \

@@ -38,6 +38,8 @@
 // z = sequence (launch_order[z] when given). Block: 256 threads = 8 warps. A split is a range of
 // partition_size keys (a multiple of 64) counted from the window start of the tile's first row
 // rounded down to 64, as in attention.cu.
+// fp8.cuh before common.cuh, which uses it
+#include "fp8.cuh"
 #include "common.cuh"
 
 namespace {
@@ -103,11 +105,11 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned addr, unsigned& r0, u
                : "r"(addr));
 }
 
-template <typename T>
+template <typename T, typename C = T>  // C: the cache element, T or fp8_e4m3_t
 struct Params {
   const T* q;
-  const T* k_cache;
-  const T* v_cache;
+  const C* k_cache;
+  const C* v_cache;
   T* out;
   float* partial_o;
   float* partial_ml;
@@ -125,6 +127,7 @@ struct Params {
   float scale_log2;  // softmax scale * log2(e)
   int block_shift;   // log2(block_size) when it is a power of two, else -1
   int window;        // 0 = none
+  float v_scale;     // FP8 cache: the V scale, applied to O (the K scale is folded into scale_log2)
 };
 
 // A thread's share of a K/V tile: the keys threadIdx.x / PIECES + (THREADS / PIECES) j, piece
@@ -135,8 +138,8 @@ constexpr int KEYS_PER_THREAD = TILE_KEYS * (D / 8) / THREADS;
 // The cache slots of this thread's keys of tile k0, or -1 for keys outside [range_lo, range_end) (those
 // are zero-filled and their table entries never read). Fetched a tile ahead, so that no cp.async waits
 // for a block-table read.
-template <int D, typename T>
-__device__ __forceinline__ void tile_slots(const Params<T>& P, const int* table, int k0, int range_lo, int range_end,
+template <int D, typename T, typename C>
+__device__ __forceinline__ void tile_slots(const Params<T, C>& P, const int* table, int k0, int range_lo, int range_end,
                                            int (&slots)[KEYS_PER_THREAD<D>]) {
   constexpr int PIECES = D / 8;
 #pragma unroll
@@ -153,8 +156,8 @@ __device__ __forceinline__ void tile_slots(const Params<T>& P, const int* table,
 }
 
 // Request a tile's K and V (cp.async, not waited for) into the stage at shared address `stage`.
-template <int D, typename T>
-__device__ __forceinline__ void copy_tile(const Params<T>& P, int kvh, const int (&slots)[KEYS_PER_THREAD<D>],
+template <int D, typename T, typename C>
+__device__ __forceinline__ void copy_tile(const Params<T, C>& P, int kvh, const int (&slots)[KEYS_PER_THREAD<D>],
                                           unsigned stage) {
   constexpr int PIECES = D / 8;
   constexpr int TILE_BYTES = TILE_KEYS * PIECES * 16;
@@ -170,6 +173,45 @@ __device__ __forceinline__ void copy_tile(const Params<T>& P, int kvh, const int
   }
 }
 
+// FP8 cache: a tile goes through registers instead of cp.async. load_tile_fp8 requests this thread's 8-byte
+// pieces (the same keys and pieces as copy_tile; zeros outside the range) and store_tile_fp8 later writes
+// them converted to T into the stage, in copy_tile's 16-bit layout, so attend_tile's ldmatrix reads are
+// unchanged. prefill_impl issues the loads before a tile's arithmetic and stores after it, so the load
+// latency hides behind the arithmetic as the cp.async copies do.
+template <int D, typename T, typename C>
+__device__ __forceinline__ void load_tile_fp8(const Params<T, C>& P, int kvh, const int (&slots)[KEYS_PER_THREAD<D>],
+                                              uint2 (&k_raw)[KEYS_PER_THREAD<D>], uint2 (&v_raw)[KEYS_PER_THREAD<D>]) {
+  constexpr int PIECES = D / 8;
+  const int piece = threadIdx.x % PIECES;
+#pragma unroll
+  for (int j = 0; j < KEYS_PER_THREAD<D>; ++j) {
+    const bool ok = slots[j] >= 0;
+    const size_t offset = ok ? ((size_t)slots[j] * P.num_kv_heads + kvh) * D + 8 * piece : 0;
+    k_raw[j] = ok ? *reinterpret_cast<const uint2*>(P.k_cache + offset) : make_uint2(0u, 0u);
+    v_raw[j] = ok ? *reinterpret_cast<const uint2*>(P.v_cache + offset) : make_uint2(0u, 0u);
+  }
+}
+
+__device__ __forceinline__ void store_shared16(unsigned addr, const uint4& v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+template <int D, typename T>
+__device__ __forceinline__ void store_tile_fp8(const uint2 (&k_raw)[KEYS_PER_THREAD<D>],
+                                               const uint2 (&v_raw)[KEYS_PER_THREAD<D>], unsigned stage) {
+  constexpr int PIECES = D / 8;
+  constexpr int TILE_BYTES = TILE_KEYS * PIECES * 16;
+  const int piece = threadIdx.x % PIECES;
+#pragma unroll
+  for (int j = 0; j < KEYS_PER_THREAD<D>; ++j) {
+    const int key = threadIdx.x / PIECES + (THREADS / PIECES) * j;
+    const unsigned at = stage + (key * PIECES + (piece ^ (key & 7))) * 16;
+    store_shared16(at, e4m3x8_to<T>(k_raw[j]));
+    store_shared16(at + TILE_BYTES, e4m3x8_to<T>(v_raw[j]));
+  }
+}
+
 // Online-softmax state of one warp's 16 rows (row g: "lo", row g + 8: "hi" of lane (g, t)).
 template <int D>
 struct WarpState {
@@ -179,8 +221,8 @@ struct WarpState {
 };
 
 // One 64-key tile for a warp's 16 rows; K/V in the stage at k_stage / k_stage + tile bytes.
-template <int D, typename T>
-__device__ __forceinline__ void attend_tile(const Params<T>& P, const unsigned (&qa)[D / 16][4], unsigned k_stage,
+template <int D, typename T, typename C>
+__device__ __forceinline__ void attend_tile(const Params<T, C>& P, const unsigned (&qa)[D / 16][4], unsigned k_stage,
                                             int lane, int k0, bool masked, int pos_lo, int pos_hi, int window,
                                             WarpState<D>& st) {
   constexpr int PIECES = D / 8;
@@ -271,11 +313,13 @@ __device__ __forceinline__ void attend_tile(const Params<T>& P, const unsigned (
 }
 
 // Write one row's result: normalised T with one split, else un-normalised fp32 partials and (max, sum).
-template <int D, typename T>
-__device__ __forceinline__ void write_row(const Params<T>& P, size_t th, int split, int t, const float (&o)[D / 8][4],
+template <int D, typename T, typename C>
+__device__ __forceinline__ void write_row(const Params<T, C>& P, size_t th, int split, int t, const float (&o)[D / 8][4],
                                           int half, float m, float l) {
+  const float vs = kIsFp8<C> ? P.v_scale : 1.f;  // (FP8: O = sum p (stored V) x v_scale)
   if (P.num_splits == 1) {
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float inv = l > 0.f ? 1.f / l : 0.f;
+    if constexpr (kIsFp8<C>) inv *= vs;
     unsigned* dst = reinterpret_cast<unsigned*>(P.out + th * D);
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) dst[4 * j + t] = pack_float2<T>(o[j][2 * half] * inv, o[j][2 * half + 1] * inv);
@@ -283,7 +327,13 @@ __device__ __forceinline__ void write_row(const Params<T>& P, size_t th, int spl
     const size_t row = (size_t)split * P.num_tokens * (P.num_kv_heads * P.group) + th;
     float2* dst = reinterpret_cast<float2*>(P.partial_o + row * D);
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) dst[4 * j + t] = make_float2(o[j][2 * half], o[j][2 * half + 1]);
+    for (int j = 0; j < D / 8; ++j) {
+      if constexpr (kIsFp8<C>) {
+        dst[4 * j + t] = make_float2(o[j][2 * half] * vs, o[j][2 * half + 1] * vs);
+      } else {
+        dst[4 * j + t] = make_float2(o[j][2 * half], o[j][2 * half + 1]);
+      }
+    }
     if (t == 0) {
       P.partial_ml[row * 2] = m;
       P.partial_ml[row * 2 + 1] = l;
@@ -291,8 +341,8 @@ __device__ __forceinline__ void write_row(const Params<T>& P, size_t th, int spl
   }
 }
 
-template <int D, typename T>
-__device__ void prefill_impl(const Params<T>& P) {
+template <int D, typename T, typename C>
+__device__ void prefill_impl(const Params<T, C>& P) {
   static_assert(D == 64 || D == 128, "head dim must be 64 or 128");
   static_assert(PREFILL_STAGES >= 2, "one stage in use while the next tiles are copied");
   constexpr int STAGE_BYTES = 2 * TILE_KEYS * D * 2;  // K and V of one tile
@@ -329,7 +379,15 @@ __device__ void prefill_impl(const Params<T>& P) {
 #pragma unroll
   for (int s = 0; s < PREFILL_STAGES - 1; ++s) {
     tile_slots<D>(P, table, key_begin + s * TILE_KEYS, range_lo, range_end, slots);
-    if (s < num_tiles) copy_tile<D>(P, kvh, slots, ring_base + s * STAGE_BYTES);
+    if constexpr (kIsFp8<C>) {
+      if (s < num_tiles) {
+        uint2 k_raw[KEYS_PER_THREAD<D>], v_raw[KEYS_PER_THREAD<D>];
+        load_tile_fp8<D>(P, kvh, slots, k_raw, v_raw);
+        store_tile_fp8<D, T>(k_raw, v_raw, ring_base + s * STAGE_BYTES);
+      }
+    } else {
+      if (s < num_tiles) copy_tile<D>(P, kvh, slots, ring_base + s * STAGE_BYTES);
+    }
     cp_async_commit();
   }
   tile_slots<D>(P, table, key_begin + (PREFILL_STAGES - 1) * TILE_KEYS, range_lo, range_end, slots);
@@ -372,15 +430,23 @@ __device__ void prefill_impl(const Params<T>& P) {
     cp_async_wait<PREFILL_STAGES - 2>();
     __syncthreads();
     const int ahead = i + PREFILL_STAGES - 1;
-    if (ahead < num_tiles) copy_tile<D>(P, kvh, slots, ring_base + (ahead % PREFILL_STAGES) * STAGE_BYTES);
+    uint2 k_raw[kIsFp8<C> ? KEYS_PER_THREAD<D> : 1], v_raw[kIsFp8<C> ? KEYS_PER_THREAD<D> : 1];
+    if constexpr (kIsFp8<C>) {
+      if (ahead < num_tiles) load_tile_fp8<D>(P, kvh, slots, k_raw, v_raw);  // stored after this tile's math
+    } else {
+      if (ahead < num_tiles) copy_tile<D>(P, kvh, slots, ring_base + (ahead % PREFILL_STAGES) * STAGE_BYTES);
+    }
     cp_async_commit();  // also when empty: one group per tile keeps the wait count right
     tile_slots<D>(P, table, key_begin + (ahead + 1) * TILE_KEYS, range_lo, range_end, slots);
     const int k0 = key_begin + i * TILE_KEYS;
     const bool skip = k0 > warp_pos_max || k0 + TILE_KEYS - 1 <= warp_pos_min - window;
     if (active && !skip) {
       const bool masked = k0 + TILE_KEYS - 1 > warp_pos_min || k0 <= warp_pos_max - window;
-      attend_tile<D, T>(P, qa, ring_base + (i % PREFILL_STAGES) * STAGE_BYTES, lane, k0, masked, pos_lo, pos_hi,
+      attend_tile<D, T, C>(P, qa, ring_base + (i % PREFILL_STAGES) * STAGE_BYTES, lane, k0, masked, pos_lo, pos_hi,
                         window, st);
+    }
+    if constexpr (kIsFp8<C>) {  // the stage of tile `ahead` was freed by this iteration's barrier
+      if (ahead < num_tiles) store_tile_fp8<D, T>(k_raw, v_raw, ring_base + (ahead % PREFILL_STAGES) * STAGE_BYTES);
     }
   }
   cp_async_wait<0>();  // no copy may still be landing when the CTA exits
@@ -392,18 +458,19 @@ __device__ void prefill_impl(const Params<T>& P) {
   st.l_hi += __shfl_xor_sync(0xffffffffu, st.l_hi, 2);
   if (row_lo < num_rows) {
     const size_t th = (size_t)(q_start + row_lo / P.group) * H + kvh * P.group + row_lo % P.group;
-    write_row<D, T>(P, th, split, t, st.o, 0, st.m_lo, st.l_lo);
+    write_row<D, T, C>(P, th, split, t, st.o, 0, st.m_lo, st.l_lo);
   }
   if (row_hi < num_rows) {
     const size_t th = (size_t)(q_start + row_hi / P.group) * H + kvh * P.group + row_hi % P.group;
-    write_row<D, T>(P, th, split, t, st.o, 1, st.m_hi, st.l_hi);
+    write_row<D, T, C>(P, th, split, t, st.o, 1, st.m_hi, st.l_hi);
   }
 }
 
 }  // namespace
 
 // One CTA of 256 threads per (kv head x split, row tile, sequence); see the top comment. D = 128 keeps
-// one CTA per SM (its registers), D = 64 two.
+// one CTA per SM (its registers), D = 64 two. The _fp8 entry points read an FP8 cache (uint8 e4m3 bits;
+// kv_scale [2] fp32 on the device = (k_scale, v_scale), read at launch) through load/store_tile_fp8.
 #define DEFINE_PREFILL(D, MIN_BLOCKS, T, SUFFIX)                                                              \
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) prefill_attention_d##D##_##SUFFIX(       \
       const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_o, float* partial_ml,           \
@@ -413,8 +480,20 @@ __device__ void prefill_impl(const Params<T>& P) {
       int window) {                                                                                          \
     const Params<T> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,           \
                       query_start_loc, launch_order, num_tokens, num_kv_heads, group, block_size,            \
-                      max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window};      \
-    prefill_impl<D, T>(p);                                                                                   \
+                      max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window, 1.f}; \
+    prefill_impl<D, T, T>(p);                                                                                \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) prefill_attention_d##D##_##SUFFIX##_fp8( \
+      const T* q, const fp8_e4m3_t* k_cache, const fp8_e4m3_t* v_cache, T* out, float* partial_o,            \
+      float* partial_ml, const int* block_tables, const int* context_lens, const int* query_start_loc,       \
+      const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                  \
+      int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,         \
+      int window, const float* kv_scale) {                                                                   \
+    const Params<T, fp8_e4m3_t> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables,             \
+                                  context_lens, query_start_loc, launch_order, num_tokens, num_kv_heads,     \
+                                  group, block_size, max_blocks_per_seq, partition_size, num_splits,         \
+                                  scale_log2 * kv_scale[0], block_shift, window, kv_scale[1]};               \
+    prefill_impl<D, T, fp8_e4m3_t>(p);                                                                       \
   }
 DEFINE_PREFILL(64, 2, __half, f16)
 DEFINE_PREFILL(128, 1, __half, f16)

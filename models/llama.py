@@ -13,7 +13,7 @@ Legend for shape comments:
 Weights are kept [in, out] so every projection is `x @ W`; q/k/v are fused into one [E, (H+2Hkv)D]
 matrix and gate/up into one [E, 2I] matrix, so a layer is four matmuls.
 KV cache: [L, 2, N, B, Hkv, D] (kv[l, 0] = K, kv[l, 1] = V); see offline_paged/ops/attention.py.
-Its element type is the model dtype, or `kv_cache_dtype` (float8_e4m3fn: the FP8 KV cache, NumpyOps only);
+Its element type is the model dtype, or `kv_cache_dtype` (float8_e4m3fn: the FP8 KV cache; uint8 bits on CUDA);
 then every layer has a KvScales (offline_paged/ops/kv_scales.py) that the write and attention get.
 
 Tensor parallel (`tp`, a models/tp_shard.py TensorParallelShard): the config and weights are one rank's
@@ -22,6 +22,7 @@ and the outputs of o_proj and down, and all-gathers the logits to the full vocab
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from offline_paged.ops.attention import AttentionMetadata
+from offline_paged.ops.fp8_linear import QUANTIZATIONS, Fp8Linear
 from offline_paged.ops.kv_scales import KvScales, is_fp8
 from .config import LlamaConfig
 from .rope import cos_sin_cache
@@ -55,11 +57,20 @@ class Llama:
     The RoPE table covers positions [0, max_positions) (default: the config's max_position_embeddings);
     the engine builds it only as long as its max_model_len (`set_max_positions`).
     `kv_cache_dtype`: the KV pool's element type (None: `dtype`); float8_e4m3fn gives each layer a
-    KvScales (1.0, or taken from the first prefill with `calculate_kv_scales`)."""
+    KvScales (1.0, or taken from the first prefill with `calculate_kv_scales`).
+    `quantization="fp8"`: every layer's linear weights (qkv, o_proj, gate_up, down; not the embedding or
+    the LM head) become Fp8Linear (e4m3, per-output-channel scales; activations quantized per token at
+    each product). NumPy backends only for now."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], ops, dtype=np.float32,
                  max_positions: int | None = None, tp=None, consume_weights: bool = False,
-                 kv_cache_dtype=None, calculate_kv_scales: bool = False):
+                 kv_cache_dtype=None, calculate_kv_scales: bool = False, quantization: str | None = None):
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+        if quantization is not None and (ops.xp is not np or tp is not None):
+            raise ValueError(f"quantization={quantization!r} runs on the CPU backend without tensor parallelism "
+                             "only for now (device='cpu'); leave quantization unset on CUDA")
+        self.quantization = quantization
         check_weights(config, {name: np.shape(w) for name, w in weights.items()})
         # consume_weights: pop each tensor from `weights` once uploaded, so a device-resident source
         # (a tensor-parallel shard of a 70B shape) is freed as it goes instead of held twice.
@@ -99,6 +110,8 @@ class Llama:
 
         def linear(*names: str):
             parts = [xp.asarray(read(p + n), dtype=self.dtype) for n in names]
+            if self.quantization == "fp8":
+                return Fp8Linear.quantize(xp.concatenate(parts, axis=0).T)  # [in, out] e4m3 + [out] scales
             return upload(xp.concatenate(parts, axis=0).T)
 
         spec = self.config.spec
@@ -117,10 +130,25 @@ class Llama:
         )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int):
-        """A zeroed pool [L, 2, N, B, Hkv, D] of `kv_cache_dtype` on the ops device."""
+        """A zeroed pool [L, 2, N, B, Hkv, D] of `kv_cache_dtype` on the ops device (an FP8 pool is uint8
+        on CUDA: `ops.kv_storage_dtype`)."""
         c = self.config
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        return self.ops.xp.zeros(shape, dtype=self.kv_cache_dtype)
+        return self.ops.xp.zeros(shape, dtype=self.ops.kv_storage_dtype(self.kv_cache_dtype))
+
+    @contextlib.contextmanager
+    def kv_scales_held(self):
+        """Within: no FP8 KvScales calculates (a dummy forward, such as the memory profile, must not fix the
+        scales vLLM's calculate_kv_scales takes from the first real prefill)."""
+        pending = [layer.kv_scales for layer in self.layers if layer.kv_scales is not None
+                   and layer.kv_scales.calculate]
+        for scales in pending:
+            scales.calculate = False
+        try:
+            yield
+        finally:
+            for scales in pending:
+                scales.calculate = True
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices=None,
                 matmul=operator.matmul, logits_matmul=None):
@@ -195,7 +223,7 @@ class Llama:
             q, k = self._head_norm(q, layer.q_norm), self._head_norm(k, layer.k_norm)
         # RoPE and the KV-cache write in one op (one kernel on the GPU): attention reads K/V from the
         # cache only, so the rotated k goes straight there.
-        # An FP8 cache passes the layer's scales (only then: CudaOps has no FP8 path and no such keyword).
+        # An FP8 cache passes the layer's scales (only then: a 16-bit call keeps its plain signature).
         fp8 = {} if layer.kv_scales is None else {"kv_scales": layer.kv_scales}
         q = self.ops.rope_write_kv(q, k, v, positions, self.cos_sin_cache, layer_cache[0], layer_cache[1],
                                    meta.slot_mapping, **fp8)  # [T, H, D]

@@ -66,7 +66,7 @@ class LLMEngine:
             source = default_model_dir()
         self.backend = select_backend(config.device, config.dtype, checkpoint_dtype(source),
                                       f"{source}/config.json")
-        self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.backend.name)  # refuses FP8 on CUDA, before loading
+        self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.backend.name)  # "auto" | "fp8_e4m3"
         self.executor = Executor.create(config, self.backend, self.kv_cache_dtype, loaded_model)
         self._tokenizer = self.executor.tokenizer
         self.model_config = self.executor.model_config

@@ -123,6 +123,17 @@ def test_roofline_counts_by_hand():
     assert flops == 2 * 5 * 2 * per_layer + 2 * 1 * 260 * 32 + keys * 2 * 4 * 32
 
 
+def test_roofline_counts_fp8_kv_bytes_at_one_byte_an_element():
+    """An FP8 KV cache halves the KV bytes a step reads and writes; weights and FLOPs stay the same."""
+    config = tiny_model().config
+    step = [_Item(start=10, q=1), _Item(start=0, q=4, samples=0)]
+    (bf16_bytes, bf16_flops) = RooflineModel(config, itemsize=2).step_cost(step)
+    (fp8_bytes, fp8_flops) = RooflineModel(config, itemsize=2, kv_itemsize=1).step_cost(step)
+    kv_token_bf16 = 2 * 2 * 16 * 2  # L * (K, V) * Hkv D * 2 bytes
+    assert bf16_bytes - fp8_bytes == ((11 + 4) + 5) * kv_token_bf16 // 2
+    assert fp8_flops == bf16_flops
+
+
 # ------------------------------------------------------------------------------ one run
 def _engine(layout="paged", num_blocks=40, block_size=4):
     config = EngineConfig(device="cpu", block_size=block_size, num_kv_blocks=num_blocks, max_model_len=40,
@@ -244,3 +255,26 @@ def test_cli_runs_the_sharegpt_like_dataset_and_names_it():
     assert "sharegpt-like N=3" in data["header"]
     expected = sharegpt_like_workload(3, vocab_size=100, seed=1)
     assert data["runs"][0]["num_output_tokens"] == sum(r.params.max_tokens for r in expected)
+
+
+def test_cli_compares_kv_cache_dtypes_in_one_call():
+    """--kv-cache-dtype given twice: one run per value in this process, each record naming its KV dtype in
+    its label and fields (and the header), the FP8 run's roofline floor counting 1-byte KV elements."""
+    result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--num-requests", "3",
+                                      "--input-len", "20", "--output-len", "4", "--no-warmup", "--json",
+                                      "--kv-cache-dtype", "fp8", "--kv-cache-dtype", "auto"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.splitlines()[-1])
+    assert [r["kv_cache_dtype"] for r in data["runs"]] == ["fp8_e4m3", "auto"]
+    assert [r["label"] for r in data["runs"]] == ["paged kv=fp8_e4m3", "paged kv=auto"]
+    assert all(r["quantization"] is None for r in data["runs"])
+    assert "kv cache auto/fp8_e4m3" in data["header"] and data["kv_cache_dtype"] == "auto/fp8_e4m3"
+    fp8, auto = data["runs"]
+    assert fp8["num_output_tokens"] == auto["num_output_tokens"] == 12
+    assert fp8["roofline"]["floor_s"] < auto["roofline"]["floor_s"]  # fewer KV bytes (float32 vs 1 byte)
+
+
+def test_cli_refuses_several_kv_cache_dtypes_with_data_parallel():
+    result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--data-parallel-size",
+                                      "2", "--kv-cache-dtype", "fp8", "--kv-cache-dtype", "auto"])
+    assert result.exit_code == 2 and "several --kv-cache-dtype values" in result.output

@@ -128,7 +128,7 @@ def test_layer_kernels_have_16_byte_paths_and_no_64_bit_division(tmp_path):
     entries = _ptx_entries(CUDA_DIR / "layer.cu", tmp_path)
     for suffix in ("f16", "bf16"):
         for name in ("rms_norm", "silu_mul", "rope_same_cache", "rope_f32_cache", "rope_write_kv_same_cache",
-                     "rope_write_kv_f32_cache"):
+                     "rope_write_kv_f32_cache", "rope_write_kv_fp8_same_cache", "rope_write_kv_fp8_f32_cache"):
             body = entries[f"{name}_{suffix}"]
             assert re.search(r"ld\.global(\.nc)?\.v4\.", body), f"{name}_{suffix}: no 16-byte load in its PTX"
             assert re.search(r"st(\.global)?\.v4\.", body), f"{name}_{suffix}: no 16-byte store in its PTX"
@@ -172,10 +172,12 @@ def test_prefill_kernels_run_on_tensor_cores_from_shared_memory(tmp_path):
     ldmatrix (transposed for V) and mma.sync, and exponentiates on the SFU (ex2.approx): the FlashAttention-2
     data path, not a fallback that still computes the right numbers slowly."""
     entries = _ptx_entries(CUDA_DIR / "prefill_attention.cu", tmp_path)
-    names = {f"prefill_attention_d{d}_{s}" for d in (64, 128) for s in ("f16", "bf16")}
+    names = {f"prefill_attention_d{d}_{s}{c}" for d in (64, 128) for s in ("f16", "bf16") for c in ("", "_fp8")}
     assert set(entries) == names
     for name, body in entries.items():
-        for needle in ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+        # An FP8 cache's tiles reach shared memory through registers (converted to 16 bits on the way).
+        staging = "st.shared.v4.b32" if name.endswith("_fp8") else "cp.async.cg.shared.global"
+        for needle in (staging, "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "mma.sync.aligned.m16n8k16.row.col.f32",
                        "ex2.approx", "bar.sync"):
             assert needle in body, f"{name}: no {needle} in its PTX"
@@ -190,5 +192,6 @@ def test_prefill_kernel_at_head_dim_128_keeps_everything_in_registers(tmp_path):
                             capture_output=True, text=True, timeout=300, check=True)
     blocks = re.split(r"Compiling entry function '", result.stderr)[1:]
     spills = {b.split("'")[0]: re.search(r"(\d+) bytes spill stores", b).group(1) for b in blocks}
-    assert {n for n in spills if "d128" in n} == {"prefill_attention_d128_f16", "prefill_attention_d128_bf16"}
+    assert {n for n in spills if "d128" in n} == {f"prefill_attention_d128_{s}{c}" for s in ("f16", "bf16")
+                                                  for c in ("", "_fp8")}
     assert all(spills[n] == "0" for n in spills if "d128" in n), spills

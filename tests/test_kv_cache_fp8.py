@@ -5,7 +5,8 @@ reference on the explicitly dequantized pool; copy and swap move the stored byte
 vLLM's max|k| / 200 and max|v| / 100 from the first batch; the FP8 model equals an fp32 model whose KV write
 rounds through e4m3 (so the only difference from fp32 is that rounding); its logits stay within e4m3's
 rounding unit of fp32's and its greedy tokens equal fp32's up to near-ties; the same memory holds 4x the
-blocks of a float32 pool; CUDA and bad values are refused by name.
+blocks of a float32 pool; bad values are refused by name; a held forward (the CUDA memory profile)
+calculates no scales.
 """
 from __future__ import annotations
 
@@ -201,23 +202,25 @@ def test_fp8_pool_holds_four_times_the_float32_blocks_in_the_same_memory():
     assert engines["fp8_e4m3"].block_manager.num_free_blocks == 4 * engines["auto"].block_manager.num_free_blocks
 
 
-def test_cuda_refuses_the_fp8_kv_cache_with_a_clear_message():
-    config = EngineConfig(device="cpu", kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="runs on the CPU backend only for now"):
-        config.resolved_kv_cache_dtype("cuda")
-    assert config.resolved_kv_cache_dtype("cpu") == "fp8_e4m3"
-    assert EngineConfig(kv_cache_dtype="auto").resolved_kv_cache_dtype("cuda") == "auto"
+def test_every_backend_resolves_fp8_to_e4m3():
+    """The CUDA backend runs the FP8 KV cache too (its kernels: tests/test_ops_cuda_fp8.py on the GPU)."""
+    for backend in ("cpu", "cuda"):
+        assert EngineConfig(kv_cache_dtype="fp8").resolved_kv_cache_dtype(backend) == "fp8_e4m3"
+        assert EngineConfig(kv_cache_dtype="auto").resolved_kv_cache_dtype(backend) == "auto"
 
 
-def test_the_engine_refuses_fp8_on_cuda_at_start(monkeypatch):
-    """A CPU backend renamed "cuda" (the engine has no backend seam): the refusal comes at engine start."""
-    import offline_paged.engine as engine_module
-    from offline_paged.worker.backend import Backend
-
-    monkeypatch.setattr(engine_module, "select_backend",
-                        lambda *args: Backend("cuda", np, NumpyOps(), np.dtype(np.float16)))
-    with pytest.raises(ValueError, match="the FP8 KV cache runs on the CPU backend only for now"):
-        tiny_engine(kv_cache_dtype="fp8")
+def test_a_held_forward_leaves_calculated_scales_to_the_first_real_prefill():
+    """The CUDA engine's memory profile runs a dummy prefill under kv_scales_held: it must not fix the
+    scales, and the next forward still calculates them."""
+    model = tiny_model()
+    fp8 = Llama(model.config, model.weights, NumpyOps(), kv_cache_dtype=FP8_E4M3, calculate_kv_scales=True)
+    batch = [(0, list(range(3, 11)))]  # (sequence id, its new tokens)
+    with fp8.kv_scales_held():
+        SimpleRunner(fp8, 16, 4).step(batch)
+    assert all(layer.kv_scales.calculate and layer.kv_scales.k_scale == 1.0 for layer in fp8.layers)
+    SimpleRunner(fp8, 16, 4).step(batch)
+    assert not any(layer.kv_scales.calculate for layer in fp8.layers)
+    assert all(layer.kv_scales.k_scale != 1.0 for layer in fp8.layers)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -114,9 +114,11 @@ def test_the_kernel_loader_reads_the_installed_sources(installed: Path) -> None:
     ))
     assert result.returncode == 0, result.stderr
     size, where, header_where = result.stdout.splitlines()
-    header = (REPO_ROOT / "cuda" / "common.cuh").read_text(encoding="utf-8")
     source = (REPO_ROOT / "cuda" / "attention.cu").read_text(encoding="utf-8")
-    assert int(size) == len(source.replace('#include "common.cuh"\n', header + "\n"))  # the header inlined
+    for header in ("fp8.cuh", "common.cuh"):  # the local headers inlined
+        text = (REPO_ROOT / "cuda" / header).read_text(encoding="utf-8")
+        source = source.replace(f'#include "{header}"\n', text + "\n")
+    assert int(size) == len(source)
     for path in (where, header_where):
         assert Path(path).is_relative_to(installed), f"kernel sources read from {path}, not the install"
 

@@ -226,17 +226,23 @@ def _median_time(fn, cuda: bool, xp, repeats: int = 5) -> float:
 class RooflineModel:
     """Least bytes moved and FLOPs done by one step of a Llama-layout model (see module doc)."""
 
-    def __init__(self, config, itemsize: int, tensor_parallel_size: int = 1) -> None:
+    def __init__(self, config, itemsize: int, tensor_parallel_size: int = 1, kv_itemsize: int | None = None,
+                 linear_itemsize: int | None = None) -> None:
+        """`itemsize`: bytes per element of the model dtype; `kv_itemsize`: per KV-cache element as stored (1
+        for the FP8 KV cache); `linear_itemsize`: per layer linear weight (1 with quantization="fp8"; the
+        embedding and LM head stay in the model dtype). None: `itemsize`."""
         c = config
         self.itemsize = itemsize
+        self.kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
         self.tensor_parallel_size = tensor_parallel_size
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         per_layer = c.hidden_size * (q_dim + 2 * kv_dim) + q_dim * c.hidden_size \
             + 3 * c.hidden_size * c.intermediate_size
         self.linear_params = c.num_hidden_layers * per_layer  # matmul weights of the layers
         self.head_params = c.vocab_size * c.hidden_size  # the LM head (the embedding when tied)
-        self.weight_bytes = (self.linear_params + self.head_params) * itemsize
-        self.kv_bytes_per_token = c.num_hidden_layers * 2 * kv_dim * itemsize
+        self.linear_itemsize = itemsize if linear_itemsize is None else linear_itemsize
+        self.weight_bytes = self.linear_params * self.linear_itemsize + self.head_params * itemsize
+        self.kv_bytes_per_token = c.num_hidden_layers * 2 * kv_dim * self.kv_itemsize  # as the pool stores it
         self.attention_flops_per_key = c.num_hidden_layers * 4 * q_dim  # QK^T and PV, per (query, key)
         self.hidden_size, self.vocab_size = c.hidden_size, c.vocab_size
 
@@ -291,6 +297,8 @@ class BenchResult:
     ceilings: Ceilings | None
     steps: list[StepRecord] = field(default_factory=list)
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype as resolved ("auto" | "fp8_e4m3")
+    quantization: str | None = None  # weight quantization (None: the model dtype's weights)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -348,7 +356,8 @@ class BenchResult:
         """Everything but the per-step series, as plain JSON-able values."""
         return {
             "label": self.label, "kv_layout": self.kv_layout, "block_size": self.block_size,
-            "tensor_parallel_size": self.tensor_parallel_size,
+            "tensor_parallel_size": self.tensor_parallel_size, "kv_cache_dtype": self.kv_cache_dtype,
+            "quantization": self.quantization,
             "kv_capacity_tokens": self.num_gpu_blocks * self.block_size,
             "num_requests": self.num_requests, "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": self.num_output_tokens, "wall_s": self.wall_s,
@@ -388,7 +397,11 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
     """Add every request, step until done, record each step. The engine should be warm."""
     manager = engine.block_manager
     tensor_parallel_size = engine.config.tensor_parallel_size
-    roofline = RooflineModel(engine.model_config, np.dtype(engine.backend.dtype).itemsize, tensor_parallel_size)
+    # KV bytes as the pool stores them (1 an element for FP8); weights in the model dtype
+    quantization = engine.config.quantization
+    roofline = RooflineModel(engine.model_config, np.dtype(engine.backend.dtype).itemsize, tensor_parallel_size,
+                             kv_itemsize=engine.runner.kv_cache.dtype.itemsize,
+                             linear_itemsize=1 if quantization == "fp8" else None)
     preemptions_before = engine.stats.num_preemptions
     for index, request in enumerate(requests):
         engine.add_request(f"bench-{index}", prompt_token_ids=request.prompt_token_ids,
@@ -439,7 +452,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         wall_s=wall, num_gpu_blocks=manager.num_gpu_blocks, max_model_len=engine.max_model_len,
         num_preemptions=engine.stats.num_preemptions - preemptions_before,
         peak_device_memory=memory.peak, ceilings=ceilings, steps=steps,
-        tensor_parallel_size=tensor_parallel_size)
+        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=engine.kv_cache_dtype, quantization=quantization)
 
 
 def _record(end_s, wall_s, report, engine, manager) -> StepRecord:

@@ -19,6 +19,7 @@ KV_LAYOUTS = ("paged", "contiguous")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings; callers map them before EngineConfig
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" is e4m3 as in vLLM
+QUANTIZATIONS = ("fp8",)  # weight quantizations besides None (ops/fp8_linear.py has the same tuple)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,10 @@ class EngineConfig:
     `kv_cache_dtype`: "auto" stores K/V in the model dtype; "fp8" / "fp8_e4m3" in float8_e4m3fn (1 byte an
     element: the same memory holds 2x the blocks of a 16-bit pool, 4x of a float32 one) with per-layer K and
     V scales, 1.0 unless `calculate_kv_scales` takes them from the first prefill (offline_paged/ops/kv_scales.py).
-    The CPU backend only for now: CUDA refuses it at engine start (`resolved_kv_cache_dtype`).
+    Both backends run it (CUDA: uint8 pools and the _fp8 kernels); not with tensor_parallel_size > 1 yet.
+    `quantization`: None, or "fp8" (vLLM's name): the layers' linear weights quantized to e4m3 at load with
+    one scale per output channel, activations per token at each product (offline_paged/ops/fp8_linear.py).
+    The CPU backend only for now (the model refuses it on CUDA), not with tensor_parallel_size > 1.
     """
 
     model: str | None = None  # HF dir / GGUF path / name; None = the default model
@@ -73,8 +77,9 @@ class EngineConfig:
     # While every running sequence decodes, admit waiting ones only once this many fit (core/scheduler.py):
     # fewer steps that prefill beside the decodes. None = auto: max_num_seqs // 8 on CUDA, 1 on the CPU.
     admission_batch: int | None = None
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" | "fp8_e4m3" (FP8 KV cache, CPU only for now)
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" | "fp8_e4m3" (FP8 KV cache)
     calculate_kv_scales: bool = False  # FP8 KV: per-layer scales from the first prefill instead of 1.0
+    quantization: str | None = None  # None | "fp8": linear weights in e4m3 (CPU only for now; models/llama.py)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -119,6 +124,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.calculate_kv_scales, bool):
             raise ValueError(f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported: use None or one of {QUANTIZATIONS}")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
+                             "yet; leave quantization unset")
         if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor_parallel_size > 1 "
                              "yet; use kv_cache_dtype='auto'")
@@ -128,14 +138,9 @@ class EngineConfig:
         return PreemptionMode(self.preemption_mode)
 
     def resolved_kv_cache_dtype(self, backend_name: str) -> str:
-        """"auto" or "fp8_e4m3" ("fp8" is e4m3) on this backend; ValueError for FP8 on CUDA, whose kernels
-        do not read FP8 yet."""
-        if self.kv_cache_dtype == "auto":
-            return "auto"
-        if backend_name != "cpu":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: the FP8 KV cache runs on the CPU backend "
-                             "only for now (device='cpu'); use kv_cache_dtype='auto' on CUDA")
-        return "fp8_e4m3"
+        """"auto" or "fp8_e4m3" ("fp8" is e4m3), on every backend (`backend_name` is kept for the callers:
+        the CPU stores float8_e4m3fn, CUDA its bits as uint8)."""
+        return "auto" if self.kv_cache_dtype == "auto" else "fp8_e4m3"
 
     def resolved_admission_batch(self, backend_name: str) -> int:
         """admission_batch, or its default on this backend: batches of max_num_seqs // 8 on CUDA, where a

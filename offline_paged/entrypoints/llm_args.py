@@ -5,11 +5,11 @@ kv_cache_memory_bytes (-> kv_cache_memory), seed=None (-> 0), swap_space in GiB 
 generation_config, revision (of a hub id), served_model_name, the pooling switches (runner="pooling",
 task="embed", convert="embed": one model here generates and embeds, so they select nothing) and
 pooler_config / override_pooler_config (pooling_type, normalize), and the harmless ones at the values
-that change nothing here (pipeline_parallel_size=1, quantization=None, trust_remote_code: either value,
+that change nothing here (pipeline_parallel_size=1, trust_remote_code: either value,
 as every architecture we run is built in). Every other argument that is not an EngineConfig field is
 refused by name. EngineConfig's field names are also the CLI's engine options (cli/engine_options.py),
 so `--num-kv-blocks` and `LLM(num_kv_blocks=...)` are one setting (vLLM's kv_cache_dtype="fp8" /
-calculate_kv_scales among them: the FP8 KV cache, CPU only for now); data_parallel_size and
+calculate_kv_scales among them: the FP8 KV cache, and quantization="fp8"); data_parallel_size and
 tensor_parallel_size are LLM's own parameters.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from offline_paged.entrypoints.generation_config import CHOICES as GENERATION_CO
 GiB = 1 << 30
 _DTYPE_ALIASES = {"auto": None, **DTYPE_ALIASES}  # the CLI's --dtype maps the same aliases
 # vLLM arguments that change nothing here at these values (anything else is refused).
-_NEUTRAL = {"pipeline_parallel_size": 1, "quantization": None, "tokenizer_revision": None,
+_NEUTRAL = {"pipeline_parallel_size": 1, "tokenizer_revision": None,
             "tokenizer_mode": "auto", "cpu_offload_gb": 0, "skip_tokenizer_init": False,
             "enable_lora": False, "hf_token": None, "hf_overrides": None}
 # vLLM arguments that only tune vLLM's own machinery; any value is accepted and ignored.

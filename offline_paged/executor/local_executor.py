@@ -29,7 +29,7 @@ class LocalExecutor(Executor):
         model = Llama(loaded_model.config, loaded_model.weights, self.backend.ops, self.backend.dtype,
                       max_positions=self.config.max_num_batched_tokens,
                       kv_cache_dtype=KV_CACHE_NUMPY_DTYPES[kv_cache_dtype],
-                      calculate_kv_scales=self.config.calculate_kv_scales)
+                      calculate_kv_scales=self.config.calculate_kv_scales, quantization=self.config.quantization)
         return model, loaded_model
 
     def init_runner(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int,

@@ -20,6 +20,8 @@ import numpy as np
 
 FP8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_E4M3_MAX = 448.0
+# The FP8 pool's element type on the CUDA backend (CuPy has no float8): the e4m3fn bits as uint8.
+FP8_STORAGE_CUDA = np.dtype(np.uint8)
 # vLLM's divisors of the first batch's max |k| and max |v| (envs K_SCALE_CONSTANT, V_SCALE_CONSTANT).
 K_SCALE_DIVISOR = 200.0
 V_SCALE_DIVISOR = 100.0
@@ -63,12 +65,17 @@ class KvScales:
         """k, v: [T, Hkv, D] rows about to be written (padding rows excluded by the caller)."""
         if not self.calculate or k.size == 0:
             return
-        self.k_scale = _scale_from(k, K_SCALE_DIVISOR)
-        self.v_scale = _scale_from(v, V_SCALE_DIVISOR)
+        self.observe_amax(float(np.max(np.abs(k))), float(np.max(np.abs(v))))
+
+    def observe_amax(self, k_amax: float, v_amax: float) -> None:
+        """`observe` given max|k| and max|v| of the rows (the CUDA backend reduces them on the device)."""
+        if not self.calculate:
+            return
+        self.k_scale = _scale_from(k_amax, K_SCALE_DIVISOR)
+        self.v_scale = _scale_from(v_amax, V_SCALE_DIVISOR)
         self.calculate = False
 
 
-def _scale_from(x, divisor: float) -> float:
-    """max|x| / divisor; 1.0 when x is all zeros (any scale stores zeros exactly)."""
-    amax = float(np.max(np.abs(x)))
+def _scale_from(amax: float, divisor: float) -> float:
+    """max|x| / divisor; 1.0 when x is all zeros (any scale stores zeros exactly) or not finite."""
     return amax / divisor if amax > 0 and np.isfinite(amax) else 1.0

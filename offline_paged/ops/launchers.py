@@ -4,6 +4,9 @@ saying what is wrong, then launches on the current CuPy stream. No launcher sync
 Element types: float16 and bfloat16 (ml_dtypes.bfloat16 arrays, which CuPy 14 handles natively). Every
 kernel with typed arithmetic exists once per type (name suffix _f16 / _bf16, see ELEMENT_SUFFIX); the
 launchers pick it from the activations' dtype and require every other tensor to match it.
+FP8 KV cache: a uint8 pool (FP8_STORAGE: the e4m3fn bits; CuPy has no float8 type) selects the _fp8
+kernels of the KV write, rope_write_kv and attention, which then take `kv_scale`, a [2] float32 device
+array (k_scale, v_scale) read by the kernels at launch, so a captured CUDA graph replays whatever it holds.
 
 Legend: T tokens, S sequences, H query heads, Hkv KV heads, D head dim, N blocks, B block size,
 M max blocks per sequence, E hidden size, I intermediate size, L layers, P pairs / positions.
@@ -18,6 +21,7 @@ import cupy
 import numpy as np
 
 from offline_paged.ops.kernel_modules import kernel
+from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA as FP8_STORAGE  # an FP8 pool's element type (uint8)
 
 try:
     import ml_dtypes
@@ -47,6 +51,16 @@ KERNELS = (
     ("cache.cu", "write_kv"), ("cache.cu", "copy_blocks"),
     ("prefill_attention.cu", "prefill_attention_d64_f16"), ("prefill_attention.cu", "prefill_attention_d128_f16"),
     ("prefill_attention.cu", "prefill_attention_d64_bf16"), ("prefill_attention.cu", "prefill_attention_d128_bf16"),
+    # The FP8 KV cache's kernels (uint8 pools of e4m3 bits, device scales):
+    ("attention.cu", "paged_attention_d64_keysplit_f16_fp8"), ("attention.cu", "paged_attention_d64_rowsplit_f16_fp8"),
+    ("attention.cu", "paged_attention_d128_keysplit_f16_fp8"), ("attention.cu", "paged_attention_d128_rowsplit_f16_fp8"),
+    ("prefill_attention.cu", "prefill_attention_d64_f16_fp8"), ("prefill_attention.cu", "prefill_attention_d128_f16_fp8"),
+    ("layer.cu", "rope_write_kv_fp8_same_cache_f16"), ("layer.cu", "rope_write_kv_fp8_f32_cache_f16"),
+    ("attention.cu", "paged_attention_d64_keysplit_bf16_fp8"), ("attention.cu", "paged_attention_d64_rowsplit_bf16_fp8"),
+    ("attention.cu", "paged_attention_d128_keysplit_bf16_fp8"), ("attention.cu", "paged_attention_d128_rowsplit_bf16_fp8"),
+    ("prefill_attention.cu", "prefill_attention_d64_bf16_fp8"), ("prefill_attention.cu", "prefill_attention_d128_bf16_fp8"),
+    ("layer.cu", "rope_write_kv_fp8_same_cache_bf16"), ("layer.cu", "rope_write_kv_fp8_f32_cache_bf16"),
+    ("cache.cu", "write_kv_fp8_f16"), ("cache.cu", "write_kv_fp8_bf16"),
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 WARPS = 4
@@ -106,6 +120,18 @@ def _check_rows(name: str, a, ndim: int, dtype=np.float16) -> int:
     return a.strides[0] // a.itemsize
 
 
+def _cache_is_fp8(k_cache, kv_scale) -> bool:
+    """Whether k_cache is an FP8 pool (uint8; then kv_scale must be a [2] float32 device array) rather than
+    one of the activations' type (then kv_scale must be None; the caller checks the type)."""
+    _require(isinstance(k_cache, cupy.ndarray), f"k_cache must be a cupy.ndarray, got {type(k_cache).__name__}")
+    if k_cache.dtype != FP8_STORAGE:
+        _require(kv_scale is None, "kv_scale is only for an FP8 (uint8) KV cache")
+        return False
+    _check_array("kv_scale", kv_scale, np.float32, 1)
+    _require(kv_scale.shape[0] == 2, f"kv_scale must hold (k_scale, v_scale), got shape {kv_scale.shape}")
+    return True
+
+
 def _vector_path(width: int, *arrays) -> bool:
     """Whether layer.cu takes its 16-byte path: rows of `width` elements split into 8-element chunks and
     every array starts 16-byte aligned (the kernels test the same condition themselves)."""
@@ -161,7 +187,8 @@ def choose_attention_kernel(max_query_len: int, group: int) -> str:
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                     max_query_len: int, max_context_len: int, scale: float, num_splits: int | None = None,
-                    window: int = 0, zero_fill: bool = True, launch_order=None, kernel: str | None = None):
+                    window: int = 0, zero_fill: bool = True, launch_order=None, kernel: str | None = None,
+                    kv_scale=None):
     """Causal GQA attention of q [T, H, D] against paged K/V [N, B, Hkv, D]; returns out [T, H, D].
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1] and has context_lens[s] cached tokens
@@ -176,12 +203,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     step_inputs_launcher.launch_order computes it on the device); None runs them in index order. It changes
     the speed only, never the result. kernel: one of ATTENTION_KERNELS to force (tests, benchmarks); None
     lets choose_attention_kernel pick by the longest query. Every kernel gives the same result up to
-    rounding; the semantics above hold for each.
+    rounding; the semantics above hold for each. FP8 KV cache: k_cache / v_cache uint8 (e4m3fn bits) and
+    kv_scale [2] float32 on the device; attention reads cached K x k_scale and cached V x v_scale.
     """
     suffix = _element_suffix("q", q)
+    fp8 = _cache_is_fp8(k_cache, kv_scale)
     _check_array("q", q, q.dtype, 3)
-    _check_array("k_cache", k_cache, q.dtype, 4)
-    _check_array("v_cache", v_cache, q.dtype, 4)
+    _check_array("k_cache", k_cache, FP8_STORAGE if fp8 else q.dtype, 4)
+    _check_array("v_cache", v_cache, FP8_STORAGE if fp8 else q.dtype, 4)
     _check_array("block_tables", block_tables, np.int32, 2)
     _check_array("context_lens", context_lens, np.int32, 1)
     _check_array("query_start_loc", query_start_loc, np.int32, 1)
@@ -209,7 +238,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         return cupy.zeros(q.shape, dtype=q.dtype)
     group = num_heads // num_kv_heads
     kernel = kernel or choose_attention_kernel(max_query_len, group)
-    launch = _attention_launch(kernel, head_dim, max_query_len * group, suffix)
+    launch = _attention_launch(kernel, head_dim, max_query_len * group, f"{suffix}_fp8" if fp8 else suffix)
     row_bytes = num_tokens * num_heads * head_dim * 4
     span = key_span(max_context_len, int(window), launch.rows_per_range)
     if num_splits is None:
@@ -235,7 +264,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
          np.int32(block_tables.shape[1]), np.int32(partition), np.int32(num_splits),
          np.float32(scale * math.log2(math.e)),
          np.int32(block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1),
-         np.int32(window)), shared_mem=launch.shared_bytes)
+         np.int32(window), *((kv_scale,) if fp8 else ())), shared_mem=launch.shared_bytes)
     if num_splits > 1:
         _kernel("attention.cu", f"merge_partials_{suffix}")(
             (num_tokens * num_heads,), (head_dim,),
@@ -294,8 +323,9 @@ def _shared_memory_kernel(source: str, name: str, shared_bytes: int):
 
 
 def _check_kv_write(k, v, k_cache, v_cache, slot_mapping) -> int:
-    """The checks a K/V cache write needs (k's own rows checked by the caller); returns v's row stride."""
-    v_stride = _check_rows("v", v, 3, k_cache.dtype)
+    """The checks a K/V cache write needs (k's own rows checked by the caller); returns v's row stride.
+    v has k's dtype; the caches k's dtype too, or both uint8 (FP8)."""
+    v_stride = _check_rows("v", v, 3, k.dtype)
     _check_array("k_cache", k_cache, k_cache.dtype, 4)
     _check_array("v_cache", v_cache, k_cache.dtype, 4)
     _check_array("slot_mapping", slot_mapping, np.int32, 1)
@@ -306,25 +336,34 @@ def _check_kv_write(k, v, k_cache, v_cache, slot_mapping) -> int:
     return v_stride
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale=None) -> None:
     """k_cache/v_cache row slot_mapping[t] <- k[t] / v[t] ([T, Hkv, D] rows; negative slot = skip).
-    float16 or bfloat16, all four the same (the kernel copies bytes)."""
-    _element_suffix("k_cache", k_cache)
-    k_stride = _check_rows("k", k, 3, k_cache.dtype)
+    float16 or bfloat16, all four the same (the kernel copies bytes); or FP8: k, v float16 / bfloat16, the
+    caches uint8 and kv_scale [2] float32 on the device: stored = e4m3(x / scale) (kv_scales.quantize_fp8)."""
+    fp8 = _cache_is_fp8(k_cache, kv_scale)
+    suffix = _element_suffix("k" if fp8 else "k_cache", k if fp8 else k_cache)
+    k_stride = _check_rows("k", k, 3, k.dtype if fp8 else k_cache.dtype)
     v_stride = _check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     row_elems = k.shape[1] * k.shape[2]
     _require(row_elems % 8 == 0, f"Hkv * D = {row_elems} must be a multiple of 8 (16-byte vectors)")
     if k.shape[0] == 0:
         return
-    _kernel("cache.cu", "write_kv")(
+    name, scale_args = (f"write_kv_fp8_{suffix}", (kv_scale,)) if fp8 else ("write_kv", ())
+    _kernel("cache.cu", name)(
         (k.shape[0],), (min(128, row_elems // 8),),
-        (k, v, k_cache, v_cache, slot_mapping, np.int64(k_stride), np.int64(v_stride), np.int32(row_elems)))
+        (k, v, k_cache, v_cache, slot_mapping, *scale_args, np.int64(k_stride), np.int64(v_stride),
+         np.int32(row_elems)))
 
 
 def copy_blocks(kv_cache, src_ids, dst_ids) -> None:
-    """kv_cache[:, :, dst_ids[i]] <- kv_cache[:, :, src_ids[i]] in one launch (float16 or bfloat16).
-    No dst may also be a src (checked by the caller, who has the ids on the host)."""
-    _element_suffix("kv_cache", kv_cache)
+    """kv_cache[:, :, dst_ids[i]] <- kv_cache[:, :, src_ids[i]] in one launch (float16 or bfloat16, or an
+    FP8 pool's uint8, moved as 2-byte units). No dst may also be a src (checked by the caller, who has the
+    ids on the host)."""
+    if isinstance(kv_cache, cupy.ndarray) and kv_cache.dtype == FP8_STORAGE and kv_cache.flags.c_contiguous \
+            and kv_cache.ndim == 6 and kv_cache.shape[-1] % 2 == 0:
+        kv_cache = kv_cache.view(cupy.uint16)  # [L, 2, N, B, Hkv, D / 2]: the same bytes
+    else:
+        _element_suffix("kv_cache", kv_cache)
     _check_array("kv_cache", kv_cache, kv_cache.dtype, 6)
     _check_array("src_ids", src_ids, np.int32, 1)
     _check_array("dst_ids", dst_ids, np.int32, 1)
@@ -399,20 +438,23 @@ def rope(q, k, positions, cos_sin):
     return q_out, k_out
 
 
-def rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+def rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, kv_scale=None):
     """rope, then write_kv, in one kernel: returns the rotated q as a new contiguous [T, H, D] array and
     writes rotated k[t] and v[t] as they are into k_cache / v_cache row slot_mapping[t] ([N, B, Hkv, D];
     negative slot: token t writes nothing, its q is still rotated). No rotated k is returned (attention
     reads K from the cache). Bit for bit the results of rope + write_kv. q, k, v, caches: float16 or
-    bfloat16, all alike (row-strided views of one qkv row are fine); cos_sin [P, D] of q's dtype or float32."""
+    bfloat16, all alike (row-strided views of one qkv row are fine); cos_sin [P, D] of q's dtype or float32.
+    FP8 KV cache: k_cache / v_cache uint8 and kv_scale [2] float32 on the device; the rotated k and v are
+    stored as write_kv's FP8 path stores them (byte for byte rope + write_kv)."""
     suffix = _element_suffix("q", q)
+    fp8 = _cache_is_fp8(k_cache, kv_scale)
     q_stride, k_stride = _check_rope_inputs(q, k, positions, cos_sin)
-    _check_array("k_cache", k_cache, q.dtype, 4)
+    _check_array("k_cache", k_cache, FP8_STORAGE if fp8 else q.dtype, 4)
     v_stride = _check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     q_out = cupy.empty(q.shape, dtype=q.dtype)
     if num_tokens:
-        name = f"rope_write_kv_{'f32' if cos_sin.dtype == np.float32 else 'same'}_cache_{suffix}"
+        name = f"rope_write_kv_{'fp8_' if fp8 else ''}{'f32' if cos_sin.dtype == np.float32 else 'same'}_cache_{suffix}"
         num_kv_heads = k.shape[1]
         pairs, v_elems = (num_heads + num_kv_heads) * (head_dim // 2), num_kv_heads * head_dim  # per token
         vector = _vector_path(head_dim // 2, q, k, v, cos_sin, q_out, k_cache, v_cache) \
@@ -420,7 +462,8 @@ def rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
         units = (pairs + v_elems) // VECTOR_WIDTH if vector else pairs + v_elems
         _kernel("layer.cu", name)(
             (num_tokens,), (_block_threads(units, 256),),
-            (q, k, v, positions, cos_sin, slot_mapping, q_out, k_cache, v_cache, np.int64(q_stride),
+            (q, k, v, positions, cos_sin, slot_mapping, *((kv_scale,) if fp8 else ()), q_out, k_cache, v_cache,
+             np.int64(q_stride),
              np.int64(k_stride), np.int64(v_stride), np.int32(num_heads), np.int32(num_kv_heads),
              np.int32(head_dim)))
     return q_out

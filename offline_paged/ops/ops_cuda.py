@@ -3,6 +3,13 @@
 fp16 or bf16 activations and KV cache (the model's dtype; the launchers pick the kernels from the arrays'
 dtype), fp32 accumulation inside every kernel; matmuls stay with cuBLAS through `xp` (cupy). Every method enqueues work on the current stream and returns without synchronising.
 Legend: T tokens, H query heads, Hkv KV heads, D head dim, I intermediate size, N blocks, B block size.
+
+FP8 KV cache: the pool is uint8 (the e4m3fn bits; `kv_storage_dtype`) and the KV write, rope_write_kv and
+attention take the layer's `kv_scales` (a KvScales) as NumpyOps does. The kernels read the scales from a
+[2] float32 device buffer per KvScales, made once and updated in place, so a captured CUDA graph always
+replays the current scales. A KvScales still to `calculate` takes its scales from the first eager write
+that has rows (one device-to-host read of max|k| and max|v|, once per layer); a write while a graph is
+being captured never calculates (the graph reads the buffer the first eager prefill then fills).
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import cupy
 import numpy as np
 
 from offline_paged.ops.attention import AttentionMetadata
+from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA, KvScales, is_fp8
 
 from offline_paged.ops import launchers
 from offline_paged.ops.swap import BlockSwapper
@@ -29,6 +37,36 @@ class CudaOps:
 
     def __init__(self) -> None:
         self._logits_gemm = None  # CublasGemm on the null stream, made on first use
+        # id(KvScales) -> (the KvScales, kept alive so its id stays unique; its [2] float32 device buffer)
+        self._kv_scale_buffers: dict[int, tuple[KvScales, cupy.ndarray]] = {}
+
+    def kv_storage_dtype(self, dtype) -> np.dtype:
+        """The element type a KV pool of `dtype` is allocated with here: uint8 for FP8 (CuPy has no float8)."""
+        return FP8_STORAGE_CUDA if is_fp8(dtype) else np.dtype(dtype)
+
+    def kv_scale_buffer(self, kv_scales: KvScales | None):
+        """The [2] float32 device array (k_scale, v_scale) the FP8 kernels read for `kv_scales` (None: None).
+        Made on first use (outside any graph capture: the warm-up runs first) and kept: graphs hold its address."""
+        if kv_scales is None:
+            return None
+        entry = self._kv_scale_buffers.get(id(kv_scales))
+        if entry is None or entry[0] is not kv_scales:
+            entry = (kv_scales, cupy.asarray(np.array([kv_scales.k_scale, kv_scales.v_scale], dtype=np.float32)))
+            self._kv_scale_buffers[id(kv_scales)] = entry
+        return entry[1]
+
+    def _calculate_kv_scales(self, kv_scales: KvScales, k, v, slot_mapping) -> None:
+        """If `kv_scales` is still to calculate and this is no graph capture: set it from max|k|, max|v| over
+        the rows with a slot (vLLM's rule, KvScales.observe_amax) and copy it into its device buffer."""
+        if not kv_scales.calculate or _capturing():
+            return
+        keep = slot_mapping >= 0  # [T] (padding rows must not set the scales)
+        if not bool(keep.any()):
+            return
+        k_amax = float(cupy.abs(k[keep].astype(cupy.float32)).max())
+        v_amax = float(cupy.abs(v[keep].astype(cupy.float32)).max())
+        kv_scales.observe_amax(k_amax, v_amax)
+        self.kv_scale_buffer(kv_scales).set(np.array([kv_scales.k_scale, kv_scales.v_scale], dtype=np.float32))
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """RMSNorm with vLLM's residual convention; returns (normed [T, E], residual [T, E])."""
@@ -39,36 +77,51 @@ class CudaOps:
         """Rotate-half RoPE; q [T, H, D], k [T, Hkv, D] (row-strided views are fine); returns new arrays."""
         return launchers.rope(q, k, _int32(positions), cos_sin_cache)
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        launchers.write_kv(k, v, k_cache, v_cache, _int32(slot_mapping))
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales: KvScales | None = None) -> None:
+        """Scatter k, v [T, Hkv, D] into the caches by slot (negative: skipped); with `kv_scales` (an FP8
+        pool) quantized by its scales, which a KvScales still to calculate first takes from these rows."""
+        slots = _int32(slot_mapping)
+        if kv_scales is not None:
+            self._calculate_kv_scales(kv_scales, k, v, slots)
+        launchers.write_kv(k, v, k_cache, v_cache, slots, kv_scale=self.kv_scale_buffer(kv_scales))
 
-    def rope_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    def rope_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                      kv_scales: KvScales | None = None):
         """rope then write_kv in one kernel: returns the rotated q [T, H, D]; the rotated k and v go
-        straight into the cache rows slot_mapping[t] (negative: skipped). Bit for bit rope + write_kv."""
-        return launchers.rope_write_kv(q, k, v, _int32(positions), cos_sin_cache, k_cache, v_cache,
-                                       _int32(slot_mapping))
+        straight into the cache rows slot_mapping[t] (negative: skipped). Bit for bit rope + write_kv.
+        A KvScales still to calculate runs rope, then write_kv (its scales come from the rotated k)."""
+        positions, slots = _int32(positions), _int32(slot_mapping)
+        if kv_scales is not None and kv_scales.calculate and not _capturing():
+            q, k = launchers.rope(q, k, positions, cos_sin_cache)
+            self.write_kv(k, v, k_cache, v_cache, slots, kv_scales)
+            return q
+        return launchers.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots,
+                                       kv_scale=self.kv_scale_buffer(kv_scales))
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                  sliding_window: int | None = None):
+                  sliding_window: int | None = None, kv_scales: KvScales | None = None):
         """Paged causal GQA attention; [T, H, D] -> [T, H, D]. sliding_window: a query at position p
         sees only keys at positions > p - sliding_window (None or 0: the whole causal context).
         With meta.num_leading_decodes = d (0 < d < S, a longer query after them), rows [0, d) go through
-        the decode kernel and the rest through the kernel of their longest query, in two launches."""
+        the decode kernel and the rest through the kernel of their longest query, in two launches.
+        With `kv_scales` (an FP8 pool) cached K and V are read times its scales."""
         q = cupy.ascontiguousarray(q)
+        kv_scale = self.kv_scale_buffer(kv_scales)
         tables, lens, starts = _int32(meta.block_tables), _int32(meta.context_lens), _int32(meta.query_start_loc)
         window = int(sliding_window or 0)
         d = meta.num_leading_decodes
         if 0 < d < lens.shape[0] and meta.launch_order is None and meta.max_query_len > 1:
             decodes = launchers.paged_attention(q[:d], k_cache, v_cache, tables[:d], lens[:d], starts[:d + 1], 1,
-                                                int(meta.max_context_len), scale, window=window, zero_fill=False)
+                                                int(meta.max_context_len), scale, window=window, zero_fill=False,
+                                                kv_scale=kv_scale)
             rest = launchers.paged_attention(q[d:], k_cache, v_cache, tables[d:], lens[d:], starts[d:] - d,
                                              int(meta.max_query_len), int(meta.max_context_len), scale,
-                                             window=window, zero_fill=meta.unqueried_rows)
+                                             window=window, zero_fill=meta.unqueried_rows, kv_scale=kv_scale)
             return cupy.concatenate([decodes, rest])  # [T, H, D]
         return launchers.paged_attention(
             q, k_cache, v_cache, tables, lens, starts, int(meta.max_query_len), int(meta.max_context_len), scale,
             window=window, zero_fill=meta.unqueried_rows,
-            launch_order=None if meta.launch_order is None else _int32(meta.launch_order))
+            launch_order=None if meta.launch_order is None else _int32(meta.launch_order), kv_scale=kv_scale)
 
     def logits(self, hidden, lm_head):
         """hidden [K, E] @ lm_head [E, V] -> [K, V] float32: for fp16 and bf16 the GEMM writes its fp32
@@ -103,3 +156,8 @@ class CudaOps:
     def make_swapper(self, kv_cache, num_cpu_blocks: int) -> BlockSwapper:
         """A pinned CPU pool of `num_cpu_blocks` blocks for `kv_cache`, with swap_out / swap_in."""
         return BlockSwapper(kv_cache, num_cpu_blocks)
+
+
+def _capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph (no host synchronisation allowed then)."""
+    return cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr) != 0

@@ -4,8 +4,8 @@ Legend: T tokens, H query heads, Hkv key/value heads, D head dim, I intermediate
 N physical blocks, B block size, P max positions.
 
 FP8 KV cache: the write, attention and rope_write_kv take `kv_scales` (the layer's KvScales,
-offline_paged/ops/kv_scales.py) when the pool is float8_e4m3fn; the model passes it only then, so CudaOps,
-which has no FP8 path yet, never sees the keyword. Block copy and swap move the stored bytes unchanged.
+offline_paged/ops/kv_scales.py) when the pool is float8_e4m3fn; the model passes it only then (CudaOps
+takes the same keyword, with a uint8 pool). Block copy and swap move the stored bytes unchanged.
 """
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ class NumpyOps:
         # The reference loops over sequences in Python; the fast path is equal to it (tested) and
         # batches decode rows. reference_attention=True selects the reference, e.g. for debugging.
         self._attention = paged_attention_reference if reference_attention else paged_attention_fast
+
+    def kv_storage_dtype(self, dtype) -> np.dtype:
+        """The element type a KV pool of `dtype` is allocated with: `dtype` itself (ml_dtypes' float8 too)."""
+        return np.dtype(dtype)
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """RMSNorm with vLLM's residual convention: with a residual, x + residual is normalised and

@@ -482,8 +482,9 @@ def profile_step_memory(model, backend, num_tokens: int, num_seqs: int, block_si
         context_lens=backend.int32(lens), query_start_loc=backend.int32(step["query_start_loc"]),
         max_query_len=int(lens.max()), max_context_len=int(lens.max()))
     before, reusable = pool.total_bytes(), pool.free_bytes()
-    logits = model.forward(backend.int32(np.zeros(num_tokens)), backend.int32(step["positions"]), kv_cache, meta,
-                           backend.int32(step["query_start_loc"][1:] - 1))  # [S, V] float32
+    with model.kv_scales_held():  # dummy tokens must not set calculated FP8 KV scales
+        logits = model.forward(backend.int32(np.zeros(num_tokens)), backend.int32(step["positions"]), kv_cache,
+                               meta, backend.int32(step["query_start_loc"][1:] - 1))  # [S, V] float32
     params = SamplingParams(temperature=1.0, top_p=0.9)
     requests = [SamplingRequest(params, i, 0, (0,), ()) for i in range(num_seqs)]
     GpuSampler(eos_token_ids).sample(logits, list(range(num_seqs)), requests)

@@ -1,0 +1,80 @@
+// FP8 (e4m3fn) KV-cache elements: the conversions every kernel that writes or reads an FP8 cache shares
+// (cache.cu, layer.cu, attention.cu, prefill_attention.cu include it; kernel_modules.py inlines it for
+// NVRTC). No buffers, no kernels. Self-contained: no cuda_fp16.h, no bf16 type (the files differ there).
+//
+// e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; largest finite 448 (S.1111.110), the only NaN
+// S.1111.111, no infinity; subnormals m * 2^-9. On the CUDA backend the pool is uint8 (the bits).
+// Write: stored = e4m3(x / scale), rounded to nearest even and saturated to +-448, exactly what the
+// NumPy reference (offline_paged/ops/kv_scales.py: clip then ml_dtypes' cast) stores. Read: stored * scale,
+// where the kernels fold k_scale into the softmax scale and v_scale into the output.
+#ifndef OFFLINE_PAGED_FP8_CUH
+#define OFFLINE_PAGED_FP8_CUH
+
+// One e4m3fn element (its bits). A distinct type, so kernels template on the cache element type.
+struct fp8_e4m3_t {
+  unsigned char bits;
+};
+
+template <typename C>
+constexpr bool kIsFp8 = false;
+template <>
+constexpr bool kIsFp8<fp8_e4m3_t> = true;
+
+// float -> e4m3fn bits: round to nearest even, |x| >= 448 (and infinities) saturate to +-448, NaN stays NaN.
+// Host and device (tests/test_fp8_conversions.py runs it on the host against ml_dtypes).
+__host__ __device__ __forceinline__ unsigned float_to_e4m3(float x) {
+  union {
+    float f;
+    unsigned u;
+  } in;
+  in.f = x;
+  const unsigned sign = (in.u >> 24) & 0x80u;
+  const unsigned mag = in.u & 0x7fffffffu;
+  if (mag > 0x7f800000u) return sign | 0x7fu;   // NaN
+  if (mag >= 0x43e00000u) return sign | 0x7eu;  // |x| >= 448: the largest finite
+  if (mag < 0x3c800000u) {                       // |x| < 2^-6: subnormal, a multiple of 2^-9
+    in.u = mag;
+    return sign | (unsigned)rintf(in.f * 512.f);  // exact product; rintf ties to even; 8 encodes 2^-6
+  }
+  // Normal: keep 3 of the 23 mantissa bits, ties to even (a carry rounds into the exponent), and
+  // rebias the exponent from 127 to 7.
+  const unsigned rounded = mag + 0x7ffffu + ((mag >> 20) & 1u);
+  return sign | (((rounded >> 20) - (120u << 3)) & 0x7fu);
+}
+
+// The bits of the fp16 number (e4m3 value) * 2^-8, for one e4m3 byte b: the sign moves to bit 15 and
+// exponent+mantissa to bits 7..13 (fp16's exponent bias is 8 more than e4m3's). Exact, subnormals too.
+__host__ __device__ __forceinline__ unsigned e4m3_to_half_bits_scaled(unsigned b) {
+  return ((b & 0x80u) << 8) | ((b & 0x7fu) << 7);
+}
+
+// Two e4m3 bytes as an fp16 pair times 2^-8, from a word whose 16-bit lanes hold byte << 8 (lo lane: first).
+__device__ __forceinline__ unsigned e4m3x2_spread_to_half2_scaled(unsigned spread) {
+  return (spread & 0x80008000u) | ((spread & 0x7f007f00u) >> 1);
+}
+
+// Four e4m3 bytes of `w` (byte 0 first) -> two words of fp16 pairs (bytes 0, 1) and (bytes 2, 3), exact.
+__device__ __forceinline__ void e4m3x4_to_half2x2(unsigned w, unsigned& lo, unsigned& hi) {
+  const unsigned two_pow_8 = 0x5c005c00u;  // (256, 256) in fp16
+  const unsigned a = e4m3x2_spread_to_half2_scaled(__byte_perm(w, 0u, 0x1404));  // (b0 << 8, b1 << 8)
+  const unsigned b = e4m3x2_spread_to_half2_scaled(__byte_perm(w, 0u, 0x3424));  // (b2 << 8, b3 << 8)
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(lo) : "r"(a), "r"(two_pow_8));
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(hi) : "r"(b), "r"(two_pow_8));
+}
+
+// Eight e4m3 bytes (w.x: elements 0..3, w.y: 4..7) -> eight fp16 in a 16-byte vector, element i in half i.
+__device__ __forceinline__ uint4 e4m3x8_to_half8(uint2 w) {
+  uint4 r;
+  e4m3x4_to_half2x2(w.x, r.x, r.y);
+  e4m3x4_to_half2x2(w.y, r.z, r.w);
+  return r;
+}
+
+// Eight floats (already divided by the scale) -> eight e4m3 bytes, element i in byte i.
+__device__ __forceinline__ uint2 float8_to_e4m3x8(const float (&f)[8]) {
+  uint2 r;
+  r.x = float_to_e4m3(f[0]) | float_to_e4m3(f[1]) << 8 | float_to_e4m3(f[2]) << 16 | float_to_e4m3(f[3]) << 24;
+  r.y = float_to_e4m3(f[4]) | float_to_e4m3(f[5]) << 8 | float_to_e4m3(f[6]) << 16 | float_to_e4m3(f[7]) << 24;
+  return r;
+}
+#endif  // OFFLINE_PAGED_FP8_CUH

@@ -1,0 +1,78 @@
+"""Fp8Linear: a linear layer's weight in FP8 e4m3 with one scale per output channel, multiplied with
+per-token dynamically quantized activations: vLLM's quantization="fp8" of a 16-bit checkpoint, on NumPy
+(the reference a GPU FP8 GEMM must match).
+
+Weight W [in, out]: weight_scale[j] = max_i |W[i, j]| / 448 (1.0 for an all-zero column), stored
+e4m3(W[:, j] / weight_scale[j]) (rounded to nearest even, saturating: kv_scales.quantize_fp8).
+Activations x [T, in]: per row t, x_scale[t] = max |x[t]| / 448 (1.0 for a zero row), xq = e4m3(x / x_scale).
+Product: y[t, j] = (sum_i xq[t, i] wq[i, j]) x_scale[t] weight_scale[j], accumulated in float32 or wider
+(the GEMM's epilogue applies the two scales on a GPU).
+
+`x @ layer` works for a NumPy x (the model's `matmul` is operator.matmul on the CPU): `__array_ufunc__ =
+None` makes NumPy defer to `Fp8Linear.__rmatmul__`. On the CPU the e4m3 values are also kept widened to
+float32 for BLAS (memory is not what the reference saves).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from offline_paged.ops.kv_scales import FP8_E4M3, FP8_E4M3_MAX, quantize_fp8
+
+QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization values besides None
+
+
+def fp8_scales(amax):
+    """amax [...] -> float32 scales amax / 448, 1.0 where amax is 0 (zeros quantize exactly with any scale)."""
+    amax = np.asarray(amax, dtype=np.float32)
+    return np.where(amax > 0, amax / np.float32(FP8_E4M3_MAX), np.float32(1.0)).astype(np.float32)
+
+
+def quantize_rows(x):
+    """Per-token dynamic quantization: x [T, in] -> (xq [T, in] float8_e4m3fn, x_scale [T] float32)."""
+    x_scale = fp8_scales(np.abs(x).max(axis=1) if x.shape[1] else np.zeros(x.shape[0]))  # [T]
+    scaled = x / x_scale[:, None].astype(x.dtype)  # [T, in]
+    return quantize_fp8(scaled, 1.0), x_scale
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Linear:
+    """An e4m3 weight [in, out] and its per-output-channel float32 scales [out]; immutable."""
+
+    weight: np.ndarray  # [in, out] float8_e4m3fn
+    weight_scale: np.ndarray  # [out] float32
+    _widened: np.ndarray = field(repr=False, compare=False)  # [in, out] float32: weight's values, for BLAS
+
+    __array_ufunc__ = None  # NumPy defers `x @ layer` to __rmatmul__
+
+    @classmethod
+    def quantize(cls, w) -> "Fp8Linear":
+        """w [in, out] (float) -> its FP8 form with one scale per output channel."""
+        w = np.asarray(w)
+        if w.ndim != 2:
+            raise ValueError(f"an FP8 linear weight must be 2-D [in, out], got shape {w.shape}")
+        weight_scale = fp8_scales(np.abs(w).max(axis=0))  # [out]
+        weight = quantize_fp8(w / weight_scale[None, :].astype(w.dtype), 1.0)  # [in, out]
+        return cls(weight, weight_scale, weight.astype(np.float32))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    def dequantized(self, dtype=np.float32):
+        """weight x weight_scale as `dtype` [in, out] (tests, and what the product computes with)."""
+        return self._widened.astype(dtype) * self.weight_scale[None, :].astype(dtype)
+
+    def __rmatmul__(self, x):
+        """x [T, in] @ this layer -> [T, out] in x's dtype (see the module docstring)."""
+        if x.ndim != 2 or x.shape[1] != self.weight.shape[0]:
+            raise ValueError(f"cannot multiply x of shape {x.shape} by an FP8 weight of shape {self.weight.shape}")
+        acc_dtype = np.promote_types(x.dtype, np.float32)
+        xq, x_scale = quantize_rows(x)
+        acc = xq.astype(acc_dtype) @ self._widened.astype(acc_dtype, copy=False)  # [T, out]
+        return (acc * x_scale[:, None].astype(acc_dtype) * self.weight_scale[None, :].astype(acc_dtype)).astype(
+            x.dtype, copy=False)
+
+
+__all__ = ["FP8_E4M3", "Fp8Linear", "QUANTIZATIONS", "fp8_scales", "quantize_rows"]
