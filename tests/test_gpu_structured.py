@@ -118,14 +118,19 @@ def test_grammar_steps_sample_in_the_decode_graph_and_after_the_matchers_advance
         return eng
 
     def tokens(outputs):
-        return {k: v.message if isinstance(v, RequestError) else
-                [(c.token_ids, c.cumulative_logprob) for c in v.outputs] for k, v in outputs.items()}
+        return {k: v.message if isinstance(v, RequestError) else [c.token_ids for c in v.outputs]
+                for k, v in outputs.items()}
+
+    def logprobs(outputs):  # each engine tunes its GEMMs: logits may differ in the last bits between engines
+        return np.array([c.cumulative_logprob for k, v in sorted(outputs.items())
+                         if not isinstance(v, RequestError) for c in v.outputs])
 
     eager = run_to_completion(engine(False, graph_sampling=False), workload())
     sync_engine = engine(False)
     sync = run_to_completion(sync_engine, workload())
     assert sync_engine.runner.decode_graphs.num_sampled_replays > 0  # grammar rows sampled in the graph
-    assert tokens(sync) == tokens(eager)  # the masked graph sampler is the eager one, bit for bit
+    assert tokens(sync) == tokens(eager)  # the masked graph sampler draws what the eager one draws
+    np.testing.assert_allclose(logprobs(sync), logprobs(eager), rtol=1e-6)
     eng = engine(True)
     deferred = []
     launch_deferred = eng.runner.launch_deferred_sampling
