@@ -61,7 +61,7 @@ class Fp8CheckpointConfig:
             return _from_fp8(raw)
         if method == "compressed-tensors":
             return _from_compressed_tensors(raw)
-        raise ValueError(f"quantization_config (quant_method {str(method)[:40]!r}) is not supported ({_SUPPORTED})")
+        raise ValueError(f"quantization_config (quant_method {repr(method)[:40]}) is not supported ({_SUPPORTED})")
 
     def to_dict(self) -> dict[str, Any]:
         """A `quantization_config` that `from_dict` reads back to this config."""

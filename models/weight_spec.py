@@ -14,6 +14,7 @@ from .config import LlamaConfig
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 # Tensors some exporters write that carry nothing the model computes with.
+_QUANT_SCALES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 _IGNORABLE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
@@ -46,9 +47,11 @@ def check_checkpoint_names(config: LlamaConfig, names: set[str]) -> None:
     unexpected = sorted(n for n in names - allowed if not _IGNORABLE.fullmatch(n))
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        scales = config.quantization is None and any(n.endswith(_QUANT_SCALES) for n in unexpected)
+        why = ("FP8 scales, but config.json has no quantization_config" if scales else
+               "a checkpoint of another architecture?")
         raise ValueError(f"unexpected tensors {unexpected[:5]}{more}: a {config.architecture} as configured "
-                         "does not use them (a checkpoint of another architecture?); refusing to compute "
-                         "a different model")
+                         f"does not use them ({why}); refusing to compute a different model")
 
 
 def expected_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -81,7 +81,8 @@ class Fp8Linear:
                                  f"({w.shape[0]}), got {s.size} values")
             columns.append(w)
             scales.append(np.broadcast_to(s, (w.shape[0],)))  # [out_i]
-        weight = np.ascontiguousarray(np.concatenate(columns, axis=0).T)  # [in, out] e4m3
+        # [in, out] e4m3, laid out as `quantize` lays it (a transposed [out, in]): BLAS then sums in the same order
+        weight = np.concatenate(columns, axis=0).T
         input_scale = None if input_scales is None else max(float(x) for x in input_scales)
         return cls(weight, np.concatenate(scales).astype(np.float32), weight.astype(np.float32), input_scale)
 
