@@ -28,6 +28,7 @@ from offline_paged.models.config import LlamaConfig
 from offline_paged.models.llama import Llama
 from offline_paged.models.loader import load_model
 from offline_paged.models.quant_config import Fp8CheckpointConfig
+from offline_paged.models.safetensors_io import read_safetensors
 from offline_paged.models.simple_runner import SimpleRunner
 from offline_paged.models.tp_shard import check_divisible
 from offline_paged.ops.fp8_linear import Fp8Linear, quantize_rows
@@ -86,7 +87,20 @@ def test_per_channel_checkpoint_equals_quantization_fp8_bit_for_bit(plain, tmp_p
             np.testing.assert_array_equal(layer.weight_scale, getattr(want, name).weight_scale)
     got, want = _logits(loaded), _logits(quantized_at_load)
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(_logits(_model(fp8_dir, quantization="fp8")), got)  # the checkpoint decides
     _assert_close_to_16_bit(got, _logits(_model(plain)))
+
+
+def test_f8_e4m3_tensors_read_as_torch_writes_them(tmp_path):
+    """An independent writer: torch's float8_e4m3fn through safetensors.torch, read by our reader."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file as torch_save
+
+    values = torch.tensor([0.0, -0.0, 1.5, -448.0, 0.013671875, 2.0 ** -9, 240.0, -3.25])
+    torch_save({"w": values.to(torch.float8_e4m3fn).reshape(2, 4)}, str(tmp_path / "t.safetensors"))
+    read = read_safetensors(tmp_path / "t.safetensors")["w"]
+    assert read.dtype == FP8_E4M3 and read.shape == (2, 4)
+    np.testing.assert_array_equal(read.astype(np.float32).reshape(-1), values.numpy())
 
 
 @pytest.mark.parametrize("scale_name", ["weight_scale", "weight_scale_inv"])
@@ -156,6 +170,7 @@ def test_ignored_modules_stay_16_bit(plain, tmp_path):
     for i, layer in enumerate(model.layers):
         for name in LINEARS:
             assert isinstance(getattr(layer, name), Fp8Linear) == ((i, name) not in kept), (i, name)
+    assert isinstance(_model(tmp_path / "ct", quantization="fp8").layers[0].down, np.ndarray)  # the checkpoint decides
     # The reference: quantization="fp8" everywhere, those two linears put back in 16 bits.
     reference, plain_model = _model(plain, quantization="fp8"), _model(plain)
     for i, name in kept:
