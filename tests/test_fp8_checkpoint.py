@@ -21,6 +21,7 @@ from fixtures_fp8_checkpoint import (add_tensors, calibrated_input_scales, quant
                                      write_fp8_checkpoint, write_plain_model)
 from tiny_engine import run_to_completion
 
+from offline_paged.benchmark.bench import random_workload, run_bench
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.engine import LLMEngine
@@ -375,3 +376,10 @@ def test_the_fp8_kv_engine_uses_checkpoint_scales(plain, tmp_path):
         runs.append({rid: out.outputs[0].cumulative_logprob for rid, out in
                      run_to_completion(engine, dict(requests)).items()})
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_the_bench_records_a_pre_quantized_checkpoint_as_fp8(plain, tmp_path):
+    engine = LLMEngine(EngineConfig(model=str(write_fp8_checkpoint(plain, tmp_path / "ct")), device="cpu",
+                                    block_size=4, num_kv_blocks=64))
+    result = run_bench(engine, random_workload(3, (4, 8), (2, 3), vocab_size=256, seed=0))
+    assert engine.config.quantization is None and result.quantization == "fp8"
