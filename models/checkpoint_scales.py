@@ -81,9 +81,9 @@ def layer_kv_scales(weights: Mapping[str, Any], layer: int) -> tuple[float | Non
     return (_first_scalar(weights, layer, K_SCALE_NAMES), _first_scalar(weights, layer, V_SCALE_NAMES))
 
 
-def scalar(weights: Mapping[str, Any], name: str) -> float:
-    """The one value of tensor `name` as a float; ValueError naming it unless it has one finite value > 0."""
-    value = np.asarray(weights[name], dtype=np.float32)
+def scalar(tensor, name: str) -> float:
+    """The one value of scale tensor `name` as a float; ValueError naming it unless it is one finite value > 0."""
+    value = np.asarray(tensor, dtype=np.float32)
     if value.size != 1 or not np.isfinite(value).all() or not float(value.reshape(())) > 0:
         raise ValueError(f"tensor {name} must hold one positive finite scale, got {value.reshape(-1)[:4]} "
                          f"(shape {value.shape})")
@@ -92,7 +92,7 @@ def scalar(weights: Mapping[str, Any], name: str) -> float:
 
 def _first_scalar(weights: Mapping[str, Any], layer: int, candidates: tuple[str, ...]) -> float | None:
     found = [f"model.layers.{layer}.{name}" for name in candidates if f"model.layers.{layer}.{name}" in weights]
-    return scalar(weights, found[0]) if found else None
+    return scalar(weights[found[0]], found[0]) if found else None
 
 
 def fused_parts(weights: Mapping[str, Any], read: Callable[[str], Any], prefix: str, fused: str,
@@ -105,4 +105,4 @@ def fused_parts(weights: Mapping[str, Any], read: Callable[[str], Any], prefix: 
     scales = [read(weight_scale_name(m, weights)) for m in modules]
     if not static_activations:
         return parts, scales, None
-    return parts, scales, [scalar({name: read(name)}, name) for name in (f"{m}.input_scale" for m in modules)]
+    return parts, scales, [scalar(read(f"{m}.input_scale"), f"{m}.input_scale") for m in modules]

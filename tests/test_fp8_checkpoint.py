@@ -383,3 +383,15 @@ def test_the_bench_records_a_pre_quantized_checkpoint_as_fp8(plain, tmp_path):
                                     block_size=4, num_kv_blocks=64))
     result = run_bench(engine, random_workload(3, (4, 8), (2, 3), vocab_size=256, seed=0))
     assert engine.config.quantization is None and result.quantization == "fp8"
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, np.inf])
+def test_a_non_positive_or_infinite_scale_tensor_is_refused(plain, tmp_path, value):
+    directory = _with_kv_scales(plain, tmp_path / "kv", "vllm")
+    add_tensors(directory, {"model.layers.1.self_attn.v_scale": np.array(value, np.float32)})
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.1\.self_attn\.v_scale must hold one positive finite"):
+        _model(directory, kv_cache_dtype=FP8_E4M3)
+    static = write_fp8_checkpoint(plain, tmp_path / "static", static=True)
+    add_tensors(static, {"model.layers.0.mlp.up_proj.input_scale": np.array([value], np.float32)})
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.up_proj\.input_scale must hold one positive"):
+        _model(static)
