@@ -395,3 +395,22 @@ def test_a_non_positive_or_infinite_scale_tensor_is_refused(plain, tmp_path, val
     add_tensors(static, {"model.layers.0.mlp.up_proj.input_scale": np.array([value], np.float32)})
     with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.up_proj\.input_scale must hold one positive"):
         _model(static)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["tensor", "channel"])
+def test_transformers_dequantizes_the_checkpoint_to_our_weights(plain, tmp_path, strategy):
+    """Ground truth for the scale semantics (e4m3 value x weight_scale_inv, per tensor or per output channel):
+    transformers' fine-grained FP8 loader, which on a machine without a GPU dequantizes to float32 at load."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    directory = write_fp8_checkpoint(plain, tmp_path / "fp8", "fp8", strategy, scale_name="weight_scale_inv")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    model = _model(directory)
+    for layer, theirs in zip(model.layers, reference.model.layers):
+        attn, mlp = theirs.self_attn, theirs.mlp
+        for ours, parts in ((layer.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)), (layer.o_proj, (attn.o_proj,)),
+                            (layer.gate_up, (mlp.gate_proj, mlp.up_proj)), (layer.down, (mlp.down_proj,))):
+            want = torch.cat([p.weight.detach() for p in parts]).T.numpy()  # [in, out]
+            np.testing.assert_array_equal(ours.dequantized(np.float32), want)
