@@ -112,7 +112,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             help="FP8 KV cache: per-layer K and V scales from the first prefill instead of 1.0."),
     _option("quantization", "--quantization", type=click.Choice(QUANTIZATIONS), default=None,
             help="fp8: the layers' linear weights in FP8 e4m3 (per-output-channel scales, activations quantized "
-                 "per token); the CPU backend only for now."),
+                 "per token); the CPU backend only for now. A pre-quantized FP8 checkpoint needs no flag."),
     _option("gpu_memory_utilization", "--gpu-memory-utilization",
             type=click.FloatRange(min=0, max=1, min_open=True), default=0.9, show_default=True,
             help="Fraction of free GPU memory the weights' leftovers may give the KV cache."),

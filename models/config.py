@@ -6,8 +6,10 @@ supported; anything else is refused with a message naming the file and the type.
 The architecture (Llama, Mistral, Qwen2, Qwen3) picks an `ArchSpec` (models/arch_spec.py): its
 biases, q/k norm, sliding window and the transformers defaults of keys config.json may leave out.
 Mistral's `sliding_window` is computed (null: none; absent: MistralConfig's default, 4096).
-Everything the config asks for that this decoder does not compute (another `hidden_act`, a
-`quantization_config`, biases the architecture does not have, Qwen2/Qwen3 per-layer sliding windows,
+A `quantization_config` of an FP8 checkpoint (vLLM's "fp8", compressed-tensors FP8) becomes
+`LlamaConfig.quantization` (models/quant_config.py); any other is refused by name.
+Everything the config asks for that this decoder does not compute (another `hidden_act`, another
+quantization, biases the architecture does not have, Qwen2/Qwen3 per-layer sliding windows,
 partial RoPE) is refused by name, and every value is type- and range-checked (positive sizes under
 generous limits, finite positive eps and theta, token ids inside the vocabulary), so a bad config
 fails at load, never as NaN logits later.
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .arch_spec import ARCHITECTURE_OF_MODEL_TYPE, SUPPORTED_ARCHITECTURES, ArchSpec, arch_spec
+from .quant_config import Fp8CheckpointConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -78,6 +81,7 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    quantization: Fp8CheckpointConfig | None = None  # a pre-quantized FP8 checkpoint's linears
 
     def __post_init__(self) -> None:
         for name, limit in SIZE_LIMITS.items():
@@ -158,6 +162,8 @@ class LlamaConfig:
             bos_token_id=_int(raw, "bos_token_id", None),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
             sliding_window=_mistral_window(raw, spec),
+            quantization=None if raw.get("quantization_config") is None
+            else Fp8CheckpointConfig.from_dict(raw["quantization_config"]),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,6 +199,8 @@ class LlamaConfig:
                                            original_max_position_embeddings=s.original_max_position_embeddings)
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id
+        if self.quantization is not None:
+            out["quantization_config"] = self.quantization.to_dict()
         if self.eos_token_ids:
             out["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         return out
@@ -215,11 +223,6 @@ def _architecture(raw: dict[str, Any]) -> str:
 
 
 def _refuse_what_we_do_not_compute(raw: dict[str, Any]) -> None:
-    quantization = raw.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(f"quantization_config (quant_method {method!r}) is not supported: only unquantized "
-                         "float weights are computed")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (this decoder computes silu)")

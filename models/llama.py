@@ -32,6 +32,7 @@ import numpy as np
 from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.ops.fp8_linear import QUANTIZATIONS, Fp8Linear
 from offline_paged.ops.kv_scales import KvScales, is_fp8
+from .checkpoint_scales import FUSED_LINEARS, fused_parts, layer_kv_scales, quantized_modules
 from .config import LlamaConfig
 from .rope import cos_sin_cache
 from .weight_spec import check_weights
@@ -60,7 +61,9 @@ class Llama:
     KvScales (1.0, or taken from the first prefill with `calculate_kv_scales`).
     `quantization="fp8"`: every layer's linear weights (qkv, o_proj, gate_up, down; not the embedding or
     the LM head) become Fp8Linear (e4m3, per-output-channel scales; activations quantized per token at
-    each product). NumPy backends only for now."""
+    each product). NumPy backends only for now. A pre-quantized FP8 checkpoint (`config.quantization`) keeps its
+    own e4m3 values and scales (models/checkpoint_scales.py) in the same Fp8Linear, whatever `quantization`
+    says; its k_scale / v_scale tensors seed the FP8 KV cache's KvScales."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], ops, dtype=np.float32,
                  max_positions: int | None = None, tp=None, consume_weights: bool = False,
@@ -70,7 +73,13 @@ class Llama:
         if quantization is not None and (ops.xp is not np or tp is not None):
             raise ValueError(f"quantization={quantization!r} runs on the CPU backend without tensor parallelism "
                              "only for now (device='cpu'); leave quantization unset on CUDA")
-        self.quantization = quantization
+        if config.quantization is not None and (ops.xp is not np or tp is not None):
+            raise ValueError(f"this checkpoint's FP8 weights (quantization_config quant_method "
+                             f"{config.quantization.method!r}) run on the CPU backend without tensor parallelism "
+                             "only for now (device='cpu'): the GPU's FP8 GEMM is not built yet")
+        # A pre-quantized checkpoint decides which linears are FP8 (quantization="fp8" then changes nothing).
+        self.quantization = "fp8" if config.quantization is not None else quantization
+        self._fp8_modules = set(quantized_modules(config))
         check_weights(config, {name: np.shape(w) for name, w in weights.items()})
         # consume_weights: pop each tensor from `weights` once uploaded, so a device-resident source
         # (a tensor-parallel shard of a 70B shape) is freed as it goes instead of held twice.
@@ -90,27 +99,38 @@ class Llama:
         else:
             self.lm_head = upload(xp.asarray(read("lm_head.weight"), dtype=self.dtype).T)  # [E, V]
         self.final_norm = upload(read("model.norm.weight"))  # [E]
-        self.layers = [self._layer(read, i, upload) for i in range(config.num_hidden_layers)]
+        self.layers = [self._layer(weights, read, i, upload) for i in range(config.num_hidden_layers)]
         self.kv_cache_dtype = self.dtype if kv_cache_dtype is None else np.dtype(kv_cache_dtype)
         if is_fp8(self.kv_cache_dtype):
-            for layer in self.layers:
-                layer.kv_scales = KvScales(calculate=calculate_kv_scales)
+            for i, layer in enumerate(self.layers):
+                layer.kv_scales = self._kv_scales(weights, i, calculate_kv_scales)
         self._upload = upload
         self.set_max_positions(max_positions or config.max_position_embeddings)
         self.scale = config.head_dim ** -0.5
+
+    @staticmethod
+    def _kv_scales(weights, layer: int, calculate: bool) -> KvScales:
+        """Layer `layer`'s KvScales: the checkpoint's k_scale / v_scale where it has them, else 1.0
+        (calculate: replaced by the first prefill's, as vLLM's calculate_kv_scales does)."""
+        k_scale, v_scale = layer_kv_scales(weights, layer)
+        return KvScales(1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale, calculate)
 
     def set_max_positions(self, max_positions: int) -> None:
         """(Re)build the RoPE table for positions [0, max_positions)."""
         self.cos_sin_cache = self._upload(cos_sin_cache(self.config, self.dtype, max_positions))  # [P, D]
 
-    def _layer(self, read, i: int, upload) -> LlamaLayer:
-        """Layer i from `read(name) -> tensor`."""
+    def _layer(self, weights, read, i: int, upload) -> LlamaLayer:
+        """Layer i from `read(name) -> tensor` (`weights`: which names the checkpoint has)."""
         p = f"model.layers.{i}."
         xp = self.ops.xp
 
-        def linear(*names: str):
-            parts = [xp.asarray(read(p + n), dtype=self.dtype) for n in names]
-            if self.quantization == "fp8":
+        def linear(fused: str):
+            modules = [p + part for part in FUSED_LINEARS[fused]]
+            if modules[0] in self._fp8_modules:  # pre-quantized: the checkpoint's e4m3 values and scales
+                static = self.config.quantization.static_activations
+                return Fp8Linear.from_quantized(*fused_parts(weights, read, p, fused, static))
+            parts = [xp.asarray(read(m + ".weight"), dtype=self.dtype) for m in modules]
+            if self.quantization == "fp8" and self.config.quantization is None:
                 return Fp8Linear.quantize(xp.concatenate(parts, axis=0).T)  # [in, out] e4m3 + [out] scales
             return upload(xp.concatenate(parts, axis=0).T)
 
@@ -118,11 +138,11 @@ class Llama:
         qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         return LlamaLayer(
             input_norm=upload(read(p + "input_layernorm.weight")),
-            qkv=linear("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-            o_proj=linear("self_attn.o_proj.weight"),
+            qkv=linear("qkv"),
+            o_proj=linear("o_proj"),
             post_norm=upload(read(p + "post_attention_layernorm.weight")),
-            gate_up=linear("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-            down=linear("mlp.down_proj.weight"),
+            gate_up=linear("gate_up"),
+            down=linear("down"),
             qkv_bias=upload(xp.concatenate([xp.asarray(read(p + n + ".bias"), dtype=self.dtype)
                                             for n in qkv_names])) if spec.qkv_bias else None,
             q_norm=upload(read(p + "self_attn.q_norm.weight")) if spec.qk_norm else None,

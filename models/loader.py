@@ -1,6 +1,7 @@
 """load_model: an HF directory, a .gguf file or the default model -> LoadedModel.
 
-Only safetensors and GGUF are read; a directory holding only pickle checkpoints (*.bin, *.pt) is
+Only safetensors and GGUF are read (a pre-quantized FP8 checkpoint's F8_E4M3 weights and scales too, as
+host views: models/checkpoint_scales.py); a directory holding only pickle checkpoints (*.bin, *.pt) is
 refused. Every error names the file and the problem.
 
 Two ways to get the weights of an HF directory:
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint_scales import SCALAR_SHAPES, kv_scale_names, quantized_modules, scale_tensor_shapes
 from .config import LlamaConfig
 from .hub import resolve_model
 from .tokenizer import Tokenizer
@@ -123,9 +125,36 @@ def read_weights(directory: Path, config: LlamaConfig, xp: Any = None, dtype=Non
         checkpoint.dtype(name)  # an unsupported dtype fails here, before anything is read
     if config.tie_word_embeddings and "lm_head.weight" in checkpoint:
         _check_tied(checkpoint)
+    scales = _check_scales(checkpoint, config, expected)
+    names = (*expected, *scales, *sorted(kv_scale_names(config) & set(checkpoint)))
     if xp is None:
-        return CheckpointWeights(checkpoint, tuple(expected))
-    return load_tensors(checkpoint, expected, xp, dtype, progress)
+        return CheckpointWeights(checkpoint, names)
+    if config.quantization is not None:
+        raise ValueError(f"{directory}: FP8 checkpoints (quantization_config quant_method "
+                         f"{config.quantization.method!r}) load as host views only (device='cpu' for now)")
+    return load_tensors(checkpoint, names, xp, dtype, progress)
+
+
+def _check_scales(checkpoint: Checkpoint, config: LlamaConfig, expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """The FP8 scale tensors `config` needs, checked: their shapes and float dtypes, F8_E4M3 for exactly
+    the quantized linears' weights (models/checkpoint_scales.py). ValueError naming the file and tensor."""
+    fp8_weights = {f"{module}.weight" for module in quantized_modules(config)}
+    for name in expected:
+        is_fp8 = checkpoint.entry(name).dtype == "F8_E4M3"
+        if is_fp8 != (name in fp8_weights):
+            why = ("the checkpoint's quantization_config quantizes it" if name in fp8_weights else
+                   "config.json's quantization_config does not quantize it" if config.quantization is not None else
+                   "config.json has no quantization_config")
+            raise ValueError(f"{checkpoint.files[name].path}: tensor {name} has dtype {checkpoint.entry(name).dtype}, "
+                             f"but {why} (FP8 weights are F8_E4M3)")
+    shapes = scale_tensor_shapes(config, set(checkpoint), expected)
+    for name in [*shapes, *(kv_scale_names(config) & set(checkpoint))]:
+        allowed = shapes.get(name, SCALAR_SHAPES)
+        if checkpoint.shape(name) not in allowed or checkpoint.entry(name).dtype not in ("F32", "BF16", "F16"):
+            raise ValueError(f"{checkpoint.files[name].path}: scale tensor {name} has shape {checkpoint.shape(name)} "
+                             f"and dtype {checkpoint.entry(name).dtype}; expected a float tensor of shape "
+                             f"{' or '.join(str(s) for s in allowed)}")
+    return list(shapes)
 
 
 class CheckpointWeights(Mapping):

@@ -8,7 +8,7 @@ Python integers, so no size can wrap), and no two tensors overlap. Writing goes 
 `safetensors` package.
 
 `SafetensorsFile.view(name)` is a lazy, read-only numpy view of one tensor in its checkpoint dtype
-(BF16 as `ml_dtypes.bfloat16`) over its own memory map: nothing is read until it is touched, a slice
+(BF16 as `ml_dtypes.bfloat16`, F8_E4M3 as `ml_dtypes.float8_e4m3fn`) over its own memory map: nothing is read until it is touched, a slice
 reads only its pages, and dropping the view unmaps it (its pages leave the process's RSS).
 `read(name, dtype)` is an owned copy, converted one tensor at a time.
 """
@@ -23,7 +23,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-_READABLE = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+_READABLE = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+             "F8_E4M3": ml_dtypes.float8_e4m3fn}  # FP8 checkpoints: the loader allows it for their linears only
 _ITEM_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _MAX_HEADER = 100 * 1024 * 1024

@@ -53,9 +53,13 @@ class TensorParallelShard:
 
 
 def check_divisible(config: LlamaConfig, world_size: int) -> None:
-    """Raise ValueError when an N-way split does not divide the heads, KV heads or intermediate size."""
+    """Raise ValueError when an N-way split does not divide the heads, KV heads or intermediate size, or the
+    checkpoint is pre-quantized FP8 (not sharded yet; checked here, before any rank starts)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {world_size!r}")
+    if config.quantization is not None and world_size > 1:
+        raise ValueError(f"FP8 checkpoints (quantization_config quant_method {config.quantization.method!r}) are "
+                         "not supported with tensor_parallel_size > 1 yet")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, name)
         if value % world_size:

@@ -1,16 +1,20 @@
 """The HF tensor names and shapes a Llama-layout checkpoint must contain (used by Llama and the loader).
 
 The architecture's `ArchSpec` adds q/k/v biases (Qwen2) or per-head q/k norm weights (Qwen3); a tensor
-outside this list is refused by the loader, so a checkpoint of another family never loads silently."""
+outside this list is refused by the loader, so a checkpoint of another family never loads silently. Scale
+tensors (a pre-quantized FP8 checkpoint's, required; KV-cache scales, optional) are named in
+models/checkpoint_scales.py."""
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
 
+from .checkpoint_scales import kv_scale_names, scale_tensor_shapes
 from .config import LlamaConfig
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 # Tensors some exporters write that carry nothing the model computes with.
+_QUANT_SCALES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 _IGNORABLE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
@@ -33,17 +37,21 @@ def check_checkpoint_names(config: LlamaConfig, names: set[str]) -> None:
     if not config.tie_word_embeddings and "lm_head.weight" not in names:
         raise ValueError("config.json sets tie_word_embeddings to false, but the checkpoint has no "
                          "lm_head.weight (set it to true if the output layer shares the embeddings)")
-    missing = sorted(set(expected) - names)
+    scales = scale_tensor_shapes(config, names, expected)  # a pre-quantized checkpoint's FP8 scales
+    missing = sorted((set(expected) | set(scales)) - names)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"missing tensors {missing[:5]}{more}")
-    allowed = set(expected) | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    allowed = set(expected) | set(scales) | kv_scale_names(config)
+    allowed |= {"lm_head.weight"} if config.tie_word_embeddings else set()
     unexpected = sorted(n for n in names - allowed if not _IGNORABLE.fullmatch(n))
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        scales = config.quantization is None and any(n.endswith(_QUANT_SCALES) for n in unexpected)
+        why = ("FP8 scales, but config.json has no quantization_config" if scales else
+               "a checkpoint of another architecture?")
         raise ValueError(f"unexpected tensors {unexpected[:5]}{more}: a {config.architecture} as configured "
-                         "does not use them (a checkpoint of another architecture?); refusing to compute "
-                         "a different model")
+                         f"does not use them ({why}); refusing to compute a different model")
 
 
 def expected_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

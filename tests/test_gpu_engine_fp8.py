@@ -130,3 +130,44 @@ def test_fp8_pool_holds_twice_the_16_bit_blocks_and_swaps_bytes():
         else:
             assert top2(want.logprobs[first])[1] < 0.05, f"{key} diverges at output {first}"
     assert identical >= 6
+
+
+def test_checkpoint_kv_scales_reach_the_gpu_kernels():
+    """k_scale / v_scale tensors in the checkpoint (vLLM's names) seed each layer's [2] device scale buffer, which
+    the kernels and the decode graphs read: the buffers hold them after the run (nothing recalculated), the
+    logprobs move away from the scales-1 run's, and the greedy tokens equal the CPU FP8 engine's with the same
+    checkpoint scales up to near-ties."""
+    import dataclasses
+
+    model = random_model(FAMILIES["llama"])
+    k_scales = [0.05 + 0.01 * i for i in range(model.config.num_hidden_layers)]
+    v_scales = [0.03 + 0.005 * i for i in range(model.config.num_hidden_layers)]
+    tensors = {}
+    for i, (k, v) in enumerate(zip(k_scales, v_scales)):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = np.array(k, dtype=np.float32)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = np.array(v, dtype=np.float32)
+    scaled = dataclasses.replace(model, weights=dict(model.weights) | tensors)
+    rng = np.random.default_rng(5)
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5, ignore_eos=True)
+    requests = {f"r{i}": (rng.integers(0, model.config.vocab_size, int(n)).tolist(), params)
+                for i, n in enumerate(rng.integers(8, 60, 6))}
+    gpu_engine = engine(scaled, "cuda", dtype="float16", kv_cache_dtype="fp8")
+    got_all = run_to_completion(gpu_engine, requests)
+    assert gpu_engine.runner.decode_graphs is not None and gpu_engine.runner.decode_graphs.num_replays > 0
+    ops = gpu_engine.runner.model.ops
+    for layer, k, v in zip(gpu_engine.runner.model.layers, k_scales, v_scales):
+        assert ops.kv_scale_buffer(layer.kv_scales).get().tolist() == [np.float32(k), np.float32(v)]
+    ones = run_to_completion(engine(model, "cuda", dtype="float16", kv_cache_dtype="fp8"), requests)
+    assert any(ones[key].outputs[0].cumulative_logprob != got_all[key].outputs[0].cumulative_logprob
+               for key in requests)
+    want_all = run_to_completion(engine(scaled, "cpu", dtype="float32", kv_cache_dtype="fp8"), requests)
+    matched = 0
+    for key in requests:
+        want, got = want_all[key].outputs[0], got_all[key].outputs[0]
+        for i, (want_id, got_id) in enumerate(zip(want.token_ids, got.token_ids)):
+            if want_id != got_id:  # a near-tie of the CPU run itself; after it the contexts differ
+                assert want.logprobs[i][want_id] - want.logprobs[i].get(got_id, -np.inf) < 2 * NEAR, key
+                break
+            matched += 1
+    print(f"\ncheckpoint scales: {matched} of {16 * len(requests)} tokens equal the CPU FP8 engine's")
+    assert matched >= 16 * len(requests) // 2  # not vacuous

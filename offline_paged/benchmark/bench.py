@@ -398,7 +398,9 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
     manager = engine.block_manager
     tensor_parallel_size = engine.config.tensor_parallel_size
     # KV bytes as the pool stores them (1 an element for FP8); weights in the model dtype
-    quantization = engine.config.quantization
+    # quantization="fp8", or a pre-quantized FP8 checkpoint (its config's quantization_config)
+    quantization = engine.config.quantization or (
+        "fp8" if getattr(engine.model_config, "quantization", None) is not None else None)
     roofline = RooflineModel(engine.model_config, np.dtype(engine.backend.dtype).itemsize, tensor_parallel_size,
                              kv_itemsize=engine.runner.kv_cache.dtype.itemsize,
                              linear_itemsize=1 if quantization == "fp8" else None)

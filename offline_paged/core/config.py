@@ -46,7 +46,8 @@ class EngineConfig:
     Both backends run it (CUDA: uint8 pools and the _fp8 kernels); not with tensor_parallel_size > 1 yet.
     `quantization`: None, or "fp8" (vLLM's name): the layers' linear weights quantized to e4m3 at load with
     one scale per output channel, activations per token at each product (offline_paged/ops/fp8_linear.py).
-    The CPU backend only for now (the model refuses it on CUDA), not with tensor_parallel_size > 1.
+    The CPU backend only for now (the model refuses it on CUDA), not with tensor_parallel_size > 1. A pre-quantized
+    FP8 checkpoint (an FP8 `quantization_config` in its config.json) needs no flag: models/quant_config.py.
     """
 
     model: str | None = None  # HF dir / GGUF path / name; None = the default model
