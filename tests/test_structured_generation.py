@@ -331,6 +331,18 @@ def test_async_scheduling_samples_grammar_rows_after_the_previous_step_with_the_
                 _assert_valid_json(completion, SCHEMA)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_grammar_steps_under_preemption_give_the_sync_loop_tokens(mode):
+    """The deferred mask fill with preemption in between: a grammar step launched one step ahead whose
+    sequences are then preempted (recompute or swap) keeps every matcher right."""
+    config = dict(num_kv_blocks=28, num_cpu_blocks=256, max_num_batched_tokens=16, preemption_mode=mode)
+    sync = run_to_completion(tiny_engine(async_scheduling=False, **config), _workload())
+    eng = tiny_engine(async_scheduling=True, **config)
+    got = run_to_completion(eng, _workload())
+    assert eng.stats.num_preemptions > 0
+    assert _tokens(got) == _tokens(sync)
+
+
 class GatedExecutor(Executor):
     """Runs each compile on a thread of its own once `gate` is set: a grammar that takes as long as we like."""
 
