@@ -4,14 +4,15 @@ costs only the chat lines it breaks (one error record each), promptly, never the
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from fixtures_tiny_model import CHATML, write_tiny_model
+from sandbox_clock import count_sandbox_clock
 from offline_paged.cli.main import cli
+from offline_paged.models.chat_template import DEFAULT_MAX_SECONDS
 
 FLAGS = ["--device", "cpu", "--block-size", "4", "--num-kv-blocks", "64", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "32", "--no-progress", "--max-tokens", "2"]
@@ -46,16 +47,19 @@ HOSTILE_TEMPLATE = (
     "{% else %}" + CHATML + "{% endif %}")
 
 
-def test_hostile_chat_template_costs_only_its_lines(model_dir, tmp_path):
+def test_hostile_chat_template_costs_only_its_lines(model_dir, tmp_path, monkeypatch):
     model = _copy(model_dir, tmp_path)
     config_path = model / "tokenizer_config.json"
     config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"chat_template": HOSTILE_TEMPLATE}))
     lines = [{"id": "plain", "prompt": "The sky is"},
              {"id": "chat", "messages": [{"role": "user", "content": "Hi"}]}]
     lines += [{"id": c, "messages": [{"role": "user", "content": c}]} for c in ("loops", "repeat", "include", "recurse")]
-    started = time.process_time()  # CPU seconds (the job runs in this process): load does not inflate them
+    # The job runs in this process: its template work is counted in the sandbox's clock reads (1 µs each).
+    clock = count_sandbox_clock(monkeypatch, step=1e-6)
     result, records = _run(model, tmp_path, lines)
-    assert time.process_time() - started < 30
+    chat_lines = sum("messages" in line for line in lines)
+    print(f"\n{clock.reads:,} clock reads for {chat_lines} chat lines")
+    assert clock.reads <= chat_lines * (clock.reads_to(DEFAULT_MAX_SECONDS) + 1)  # a deadline's worth a line at most
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output
     assert set(records) == {line["id"] for line in lines}

@@ -3,9 +3,10 @@ clear error, the time limit cannot be swallowed or leak out, ordinary templates 
 import numpy as np
 import pytest
 
-from offline_paged.models.chat_template import ChatTemplate, ChatTemplateError
+from offline_paged.models.chat_template import DEFAULT_MAX_SECONDS, ChatTemplate, ChatTemplateError
 from offline_paged.models.template_sandbox import deep_size
 
+from sandbox_clock import count_sandbox_clock
 from test_chat_template import USER
 from tiny_llama import CHATML
 
@@ -68,32 +69,30 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_template_is_one_clear_error(name):
+def test_hostile_template_is_one_clear_error(name, monkeypatch):
     """Each ends promptly, with bounded memory, in a ChatTemplateError (a ValueError) naming the template.
-    "Promptly" is counted in this thread's CPU seconds, which a loaded machine does not inflate."""
-    import time
-
+    "Promptly" is counted: the sandbox's clock reads (one per traced call or template line) stay within
+    its deadline's, 1 µs a read (the size limits stop all but the time-limited ones far sooner)."""
+    clock = count_sandbox_clock(monkeypatch, step=1e-6)
     source, message = HOSTILE[name]
-    started = time.thread_time()
     with pytest.raises(ChatTemplateError, match=message) as info:
         ChatTemplate(source, origin="hostile/tokenizer_config.json").render(USER)
     assert str(info.value).startswith("hostile/tokenizer_config.json: ")
     assert isinstance(info.value, ValueError)
-    assert time.thread_time() - started < 5
+    assert clock.reads <= clock.reads_to(DEFAULT_MAX_SECONDS) + 1
 
 
-def test_nested_loops_stop_at_the_deadline():
+def test_nested_loops_stop_at_the_deadline(monkeypatch):
     import sys
-    import time
 
     before = sys.gettrace()
+    clock = count_sandbox_clock(monkeypatch, step=1e-4)
     t = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
                      origin="slow.jinja", max_seconds=0.3)
-    started = time.thread_time()
     with pytest.raises(ChatTemplateError, match=r"slow\.jinja: rendering stopped: rendering took longer than 0\.3 s "
                                                 r"of CPU time"):
         t.render(USER)
-    assert time.thread_time() - started < 3  # CPU seconds: the deadline counts CPU time, not the wall clock
+    assert clock.reads == clock.reads_to(0.3) + 1  # the render's start, then the first check past the deadline
     assert sys.gettrace() is before
     assert ChatTemplate(CHATML, max_seconds=0.3).render(USER).startswith("<|im_start|>user")  # still usable
 
@@ -180,7 +179,7 @@ def test_a_huge_template_source_is_refused_before_it_compiles(monkeypatch):
     assert compiled == [MAX_TEMPLATE_CHARS]
 
 
-def test_a_swallowed_deadline_is_raised_again_at_the_next_call():
+def test_a_swallowed_deadline_is_raised_again_at_the_next_call(monkeypatch):
     """The trace function can fire inside a GC callback (seen under Hypothesis) or a Python function
     that catches BaseException: the first RenderTimeout is lost there, Python turns tracing off, and
     the render used to go on with no time limit at all."""
@@ -201,11 +200,12 @@ def test_a_swallowed_deadline_is_raised_again_at_the_next_call():
             pass
         return ""
 
+    clock = count_sandbox_clock(monkeypatch, step=1e-4)  # the deadline passes after 2,000 traced calls
     t = ChatTemplate("{% for i in range(1000) %}{% for j in range(1000) %}{{ swallow() }}{% endfor %}"
                      "{% endfor %}", origin="swallow.jinja", max_seconds=0.2)
     t._env.globals["swallow"] = swallow
-    started = time.thread_time()
     with pytest.raises(ChatTemplateError, match=r"took longer than 0\.2 s of CPU time"):
         t.render(USER)
-    assert time.thread_time() - started < 5
+    assert calls == [1]  # the next call after the swallowed deadline ends the render (not 10^6 of them)
+    assert clock.reads <= clock.reads_to(0.2) + 1  # tracing stopped at the raise
     assert len(calls) < 10  # stopped at the next call, not after a million of them
