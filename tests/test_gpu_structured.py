@@ -64,22 +64,6 @@ def test_masked_device_sampling_equals_the_host_reference(params):
     assert all(got[r].token_id == 5 for r in range(0, rows, 7))
 
 
-def _tiny_gpu_model():
-    """tiny_engine's byte-tokenizer model with head dim 64 (what the CUDA attention kernels take)."""
-    from tiny_engine import TinyModel, ByteTokenizer, EOS_ID, VOCAB_SIZE
-    from offline_paged.models.config import LlamaConfig
-    from offline_paged.models.weight_spec import expected_weight_shapes
-
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, rope_theta=500.0,
-                         max_position_embeddings=512, eos_token_ids=(EOS_ID,))
-    rng = np.random.default_rng(5)
-    weights = {name: (1.0 + 0.3 * rng.standard_normal(shape) if name.endswith("norm.weight") else
-                      rng.standard_normal(shape) * (1.0 if "embed_tokens" in name else 1.5 / shape[-1] ** 0.5)
-                      ).astype(np.float32) for name, shape in expected_weight_shapes(config).items()}
-    return TinyModel(config, weights, ByteTokenizer())
-
-
 def test_grammar_steps_sample_in_the_decode_graph_and_after_the_matchers_advance_under_async():
     """Grammar rows on the GPU: the decode graph's masked sampler draws exactly what the eager GpuSampler
     draws from the same graphs' logits (sync loop, tokens and cumulative logprobs). Under async
@@ -93,7 +77,7 @@ def test_grammar_steps_sample_in_the_decode_graph_and_after_the_matchers_advance
     from offline_paged.core.config import EngineConfig
     from offline_paged.core.outputs import RequestError
     from offline_paged.engine import LLMEngine
-    from tiny_engine import ByteTokenizer, run_to_completion
+    from tiny_engine import ByteTokenizer, run_to_completion, tiny_model
 
     schema = {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {
         "type": "string", "maxLength": 6}, "maxItems": 3}}, "required": ["id", "tags"]}
@@ -112,7 +96,8 @@ def test_grammar_steps_sample_in_the_decode_graph_and_after_the_matchers_advance
     def engine(async_scheduling, graph_sampling=True):
         eng = LLMEngine(EngineConfig(device="cuda", dtype="float16", block_size=16, num_kv_blocks=256,
                                      max_num_seqs=32, async_scheduling=async_scheduling, cuda_graphs=True),
-                        loaded_model=_tiny_gpu_model())
+                        loaded_model=tiny_model(seed=5, hidden_size=128, intermediate_size=256,
+                                                num_attention_heads=2, num_key_value_heads=1, head_dim=64))
         if not graph_sampling:  # the eager GpuSampler applies the masks to the same graphs' logits
             eng.runner.attach_decode_graphs(eng.runner.decode_graphs, sample_in_graph=False)
         return eng

@@ -47,13 +47,14 @@ class TinyModel:
     source: str = "tiny-random"
 
 
-def tiny_model(seed: int = 0, num_layers: int = 2, max_position_embeddings: int = 512) -> TinyModel:
-    """Random weights scaled so activations stay O(1) and logits are far from uniform."""
-    config = LlamaConfig(
+def tiny_model(seed: int = 0, num_layers: int = 2, max_position_embeddings: int = 512, **shape) -> TinyModel:
+    """Random weights scaled so activations stay O(1) and logits are far from uniform. `shape`: LlamaConfig
+    fields to override (e.g. head_dim=64 with wider hidden sizes for the CUDA kernels)."""
+    config = LlamaConfig(**dict(
         vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=500.0,
         max_position_embeddings=max_position_embeddings, eos_token_ids=(EOS_ID,),
-    )
+    ) | shape)
     rng = np.random.default_rng(seed)
     weights = {}
     for name, shape in expected_weight_shapes(config).items():
