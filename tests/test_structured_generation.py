@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from offline_paged import SamplingParams, StructuredOutputsParams
 from offline_paged.core.grammar_compiler import GrammarCompiler
 from offline_paged.core.outputs import RequestError
-from offline_paged.core.structured_matcher import fill_bitmasks
+from offline_paged.core.structured_matcher import advance_ahead, fill_bitmasks
 from offline_paged.worker.sampler import SamplingRequest, apply_token_bitmasks, unpack_bitmask
 from tiny_engine import EOS_ID, VOCAB_SIZE, ByteTokenizer, run_to_completion, tiny_engine
 
@@ -175,6 +175,29 @@ def test_the_mask_allows_exactly_the_tokens_the_matcher_accepts():
         assert allowed.tolist() == accepted
     assert not unpack_bitmask(masks[:1], VOCAB_SIZE)[0, EOS_ID]  # '' is not an object yet
     assert unpack_bitmask(masks[2:], VOCAB_SIZE)[0].nonzero()[0].tolist() == [EOS_ID]  # complete: EOS only
+
+
+def test_tokens_fed_ahead_give_the_outcomes_of_accepting_them_one_by_one():
+    """advance_ahead consumes a step's tokens for many matchers at once; `accept` of the same token then
+    returns what consuming it would have (None, or the error), without consuming it twice, and
+    `is_finished` answers from the kept outcome even while a mask fill holds the llguidance matcher."""
+    compiled = GrammarCompiler(TOKENIZER, VOCAB_SIZE, (EOS_ID,)).compile(StructuredOutputsParams(regex="ab|ac"))
+    a, b, c, x = (TOKENIZER.encode(t)[0] for t in "abcx")
+    ahead, one_by_one = [compiled.new_matcher() for _ in range(4)], [compiled.new_matcher() for _ in range(4)]
+    for matcher in ahead[2:] + one_by_one[2:]:
+        matcher.accept(a)
+    tokens = [a, x, b, x]  # allowed, refused, completes the grammar, refused after "a"
+    advance_ahead(list(zip(ahead, tokens)))
+    for fed, plain, token in zip(ahead, one_by_one, tokens):
+        assert (fed.accept(token) is None) == (plain.accept(token) is None)
+        assert fed.is_finished == plain.is_finished
+    assert [m.is_finished for m in ahead] == [False, True, True, True]  # a refused token stops it too
+    assert ahead[1].is_failed and not ahead[0].is_failed
+    assert ahead[0].accept(c) is None  # "a" was consumed once, so "c" completes "ac"
+    stray = compiled.new_matcher()
+    advance_ahead([(stray, a)])
+    with pytest.raises(RuntimeError, match="appended"):
+        stray.accept(b)
 
 
 # ------------------------------------------------------------------ forks and preemption

@@ -11,7 +11,7 @@ sequence stopped by a string ends just before it, as in vLLM (or just after it w
 """
 from __future__ import annotations
 
-from offline_paged.core.sequence import FinishReason, Sequence
+from offline_paged.core.sequence import FinishReason, Sequence, SequenceStatus
 from offline_paged.models.detokenizer import IncrementalDetokenizer
 
 StopDecision = tuple[FinishReason, int | str | None]
@@ -49,6 +49,23 @@ class StopChecker:
         if seq.matcher is not None and seq.matcher.is_finished:
             return FinishReason.STOP, None
         return None
+
+    @staticmethod
+    def feed_matchers_ahead(output, results) -> None:
+        """Feed a step's tokens to the grammar matchers of its one-sample sequences now, in one parallel
+        call, before the output processor appends them: `__call__` then reads each outcome instead of
+        consuming the token again. The engine fills the next step's masks from the advanced matchers
+        while the output processor runs. output: a SchedulerOutput; results: its SequenceResults."""
+        pairs = []
+        for item, result in zip(output.scheduled, results):
+            seq = item.seq
+            if (seq.matcher is not None and seq.group.beam is None and item.num_samples == 1
+                    and seq.status is not SequenceStatus.FINISHED):
+                pairs.append((seq.matcher, result.samples[0].token_id))
+        if pairs:
+            from offline_paged.core.structured_matcher import advance_ahead  # llguidance: only where grammars run
+
+            advance_ahead(pairs)
 
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
         if seq.detokenizer is None:

@@ -15,21 +15,43 @@ _MESSAGE_LIMIT = 300
 
 
 class StructuredMatcher:
-    """Mutable: `accept` advances it; `fork` copies it. Not shared between sequences."""
+    """Mutable: `accept` advances it; `fork` copies it. Not shared between sequences.
 
-    __slots__ = ("_matcher", "num_words")
+    `advance_ahead` may consume a step's tokens for many matchers at once, before the output processor
+    reaches them: each then holds its outcome (`_ahead`) until `accept` of that same token reads it, and
+    `is_finished` answers from it. So the output processor touches no llguidance matcher while a mask
+    thread fills the next step's masks from them (llguidance refuses a matcher borrowed by a fill)."""
+
+    __slots__ = ("_matcher", "num_words", "_ahead", "_stopped")
 
     def __init__(self, matcher: llguidance.LLMatcher, num_words: int) -> None:
         self._matcher = matcher
         self.num_words = num_words  # int32 words of its masks: ceil(the grammar tokenizer's vocab / 32)
+        self._ahead: tuple[int, str | None, bool] | None = None  # (token, error, stopped) consumed ahead
+        self._stopped: bool | None = None  # is_stopped() after the last token accepted from `_ahead`
 
     def fork(self) -> StructuredMatcher:
-        return StructuredMatcher(self._matcher.deep_copy(), self.num_words)
+        if self._ahead is not None:
+            raise RuntimeError("a matcher was forked between advance_ahead and accept")
+        child = StructuredMatcher(self._matcher.deep_copy(), self.num_words)
+        child._stopped = self._stopped
+        return child
 
     def accept(self, token_id: int) -> str | None:
         """Consume a sampled token; None when the grammar allows it, else the error (the matcher stays
-        in its error state)."""
-        if self._matcher.consume_token(int(token_id)) and not self._matcher.is_error():
+        in its error state). A token consumed by `advance_ahead` is not consumed again: its outcome is read."""
+        if self._ahead is not None:
+            token, error, self._stopped = self._ahead
+            self._ahead = None
+            if token != token_id:
+                raise RuntimeError(f"matcher advanced by token {token} but the sequence appended {token_id}")
+            return error
+        self._stopped = None
+        self._matcher.consume_token(int(token_id))
+        return self._error(token_id)
+
+    def _error(self, token_id: int) -> str | None:
+        if not self._matcher.is_error():
             return None  # (a matcher that failed while computing a mask accepts EOS but is in error)
         message = self._matcher.get_error().strip() or f"token {token_id} is not allowed by the grammar"
         return message if len(message) <= _MESSAGE_LIMIT else message[:_MESSAGE_LIMIT] + "..."
@@ -37,7 +59,12 @@ class StructuredMatcher:
     @property
     def is_finished(self) -> bool:
         """The grammar is complete and can take no more tokens (EOS aside)."""
-        return self._matcher.is_stopped()
+        return self._matcher.is_stopped() if self._stopped is None else self._stopped
+
+    @property
+    def is_failed(self) -> bool:
+        """A token was refused (the matcher is in its error state: it allows nothing but EOS)."""
+        return self._matcher.is_error()
 
     @property
     def is_accepting(self) -> bool:
@@ -53,14 +80,34 @@ def fill_bitmasks(matchers: list[StructuredMatcher]) -> np.ndarray:
     per engine), filled in parallel by llguidance's thread pool (one executor per process, made on first use).
     Logits wider than 32 W (a padded vocabulary) treat the tokens past it as not allowed."""
     num_words = matchers[0].num_words if matchers else 0
-    if any(m.num_words != num_words for m in matchers):
-        raise RuntimeError("matchers of one step were built for different vocabularies")
     masks = np.zeros((len(matchers), num_words), dtype=np.int32)  # [R, W]
-    if len(matchers) == 1:
-        matchers[0].fill_bitmask(masks[0])
-    elif matchers:
-        llg_numpy.fill_next_token_bitmask_par(_executor(), [(m._matcher, i) for i, m in enumerate(matchers)], masks)
+    fill_bitmask_rows(list(zip(matchers, range(len(matchers)))), masks)
     return masks
+
+
+def fill_bitmask_rows(rows: list[tuple[StructuredMatcher, int]], out: np.ndarray) -> None:
+    """Write each (matcher, row) pair's next-token mask into out[row] ([R, W] int32, C-contiguous, e.g. a
+    pinned staging buffer the device copies from); other rows are left as they are. Parallel over the
+    pairs, and without the GIL: a host thread may fill while the caller's thread goes on."""
+    if any(m.num_words != out.shape[1] for m, _ in rows):
+        raise RuntimeError("matchers of one step were built for different vocabularies")
+    if len(rows) == 1:
+        matcher, row = rows[0]
+        matcher.fill_bitmask(out[row])
+    elif rows:
+        llg_numpy.fill_next_token_bitmask_par(_executor(), [(m._matcher, row) for m, row in rows], out)
+
+
+def advance_ahead(pairs: list[tuple[StructuredMatcher, int]]) -> None:
+    """Consume one token per matcher, in parallel (llguidance's pool), ahead of the `accept` of the same
+    token by the stop checker, which then reads the outcome kept here. Matchers must be distinct."""
+    if not pairs:
+        return
+    llg_numpy.consume_token_par(_executor(), [(m._matcher, int(token)) for m, token in pairs])
+    for matcher, token in pairs:
+        if matcher._ahead is not None:
+            raise RuntimeError("a matcher was advanced twice before accepting")
+        matcher._ahead = (int(token), matcher._error(token), matcher._matcher.is_stopped())
 
 
 _EXECUTOR: list[llguidance.LLExecutor] = []  # a thread pool, not state passed between layers

@@ -48,6 +48,7 @@ from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.ops.cublaslt import TunedGemm
 from offline_paged.ops.graphs import gc_paused
 from offline_paged.ops.pinned import PinnedUpload
+from offline_paged.ops.swap import pinned_empty
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, *range(64, 257, 16), *range(288, 513, 32))  # batch sizes with a graph
 
@@ -139,6 +140,8 @@ class DecodeGraphs:
         self._table_upload = PinnedUpload()
         self._row_upload = PinnedUpload()
         self._mask_upload = PinnedUpload()
+        self._mask_staging = [np.empty((0, 0), np.int32)] * 2  # pinned [b_max, W] int32 each (mask_staging)
+        self._next_staging = 0
         self._last_run = None  # (bucket, S) of the last replay, for sample_masked
         self.num_replays = 0
         self.num_sampled_replays = 0
@@ -192,11 +195,23 @@ class DecodeGraphs:
         num_seqs = len(slot_rows)
         return logits, PendingSamples.of_graph(bucket.sampled[:num_seqs], bucket.token_ids[:num_seqs])
 
+    def mask_staging(self, num_seqs: int, num_words: int) -> np.ndarray:
+        """[num_seqs, num_words] int32 pinned host rows to fill the next `sample_masked`'s masks into: it
+        copies them to the device without staging them first. Two buffers used in turn: the one handed
+        out was last copied from two steps ago, and the engine keeps at most one step in flight."""
+        index, self._next_staging = self._next_staging, 1 - self._next_staging
+        staging = self._mask_staging[index]
+        if staging.shape[1] != num_words or staging.shape[0] < num_seqs:
+            staging = pinned_empty((max(num_seqs, self.buckets[-1]), num_words), np.int32)  # [b_max, W]
+            self._mask_staging[index] = staging
+        return staging[:num_seqs]
+
     def sample_masked(self, masks: np.ndarray, sampling_rows):
         """Sample the S slots of the last `run` (before any other replay) in the bucket's masked sampling
         graph: as `run_and_sample`'s sampler, on a float64 copy of the logits with masks [S, W] int32
         applied first (structured output; all bits set: no constraint), i.e. the eager GpuSampler's
-        kernels in its order. Needs 32 W >= V (`masks_fit`). Returns PendingSamples of the S slots."""
+        kernels in its order. Needs 32 W >= V (`masks_fit`). masks: host rows, best a `mask_staging`
+        view (copied as they are). Returns PendingSamples of the S slots."""
         from offline_paged.worker.gpu_sampler import PendingSamples
 
         if self._last_run is None:
@@ -209,7 +224,10 @@ class DecodeGraphs:
         if bucket.masks is None or bucket.masks.shape[1] != masks.shape[1]:
             bucket.masks = cupy.full((bucket.size, masks.shape[1]), -1, dtype=cupy.int32)  # [b, W]
             bucket.masked_sample_graph = None
-        bucket.masks[:num_seqs] = self._mask_upload(np.ascontiguousarray(masks, dtype=np.int32))
+        if any(masks.ctypes.data == staging.ctypes.data for staging in self._mask_staging if staging.size):
+            bucket.masks[:num_seqs].set(masks)  # pinned: queued, returns at once
+        else:
+            self._mask_upload(np.ascontiguousarray(masks, dtype=np.int32), out=bucket.masks[:num_seqs])
         if bucket.masked_sample_graph is None:
             self._ensure_sample_outputs(bucket)
             bucket.masked_sample_graph, _ = self._capture_graph(lambda: self._sample(bucket, masked=True))

@@ -8,7 +8,7 @@ launch and `wait()` only hands it over.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,30 @@ class ReadySamples:
 
     def results(self) -> list:
         return self._results
+
+
+class LateSamples:
+    """Samples whose sampling is queued only when `launch()` first runs (a structured-output step's masks
+    fill on a host thread meanwhile). Reading `token_ids` or `results()` launches it; the runner launches
+    it explicitly before the next step's first device work (`LaunchedStep.queue_sampling`)."""
+
+    __slots__ = ("_start", "_samples")
+
+    def __init__(self, start: Callable[[], Any]) -> None:
+        self._start = start  # () -> PendingSamples: waits for the masks, queues the sampling
+        self._samples = None
+
+    def launch(self):
+        if self._samples is None:
+            self._samples = self._start()
+        return self._samples
+
+    @property
+    def token_ids(self):
+        return self.launch().token_ids
+
+    def results(self) -> list:
+        return self.launch().results()
 
 
 class OneSampleEach(Sequence):
@@ -68,7 +92,7 @@ class LaunchedStep:
     """A launched step, built by keyword by the runner's paths (ModelRunner.launch)."""
 
     output: Any  # the SchedulerOutput it runs
-    samples: Any  # ReadySamples or gpu_sampler.PendingSamples: token_ids [R] (device) and results()
+    samples: Any  # ReadySamples, gpu_sampler.PendingSamples or LateSamples: token_ids [R] (device) and results()
     sample_index: dict[int, int]  # seq id -> index in samples.token_ids of the token it will append
     # Per sampling request: index of its scheduled sequence. None when request i is sequence i's only sample
     # (every sequence draws exactly one: the decode graph's own samples).
@@ -87,6 +111,12 @@ class LaunchedStep:
         """A step with no scheduled sequence (only block moves, if any): no forward, no samples."""
         return cls(output=output, samples=ReadySamples([]), sample_index={}, owners=[], prompt_logprobs=[],
                    forward_timer=None, used_cuda_graph=False)
+
+    def queue_sampling(self) -> None:
+        """Queue a late sampling (LateSamples) now, if it is not queued yet: before the next step's device
+        work, which reuses the decode graph's logits and input buffers."""
+        if isinstance(self.samples, LateSamples):
+            self.samples.launch()
 
     @property
     def sampling_deferred(self) -> bool:

@@ -21,6 +21,7 @@ forwards pair up. Only rank 0 samples.
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ import numpy as np
 from offline_paged.core.sequence import SequenceResult
 from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.worker.block_table_rows import BlockTableRows, MirroredRows
-from offline_paged.worker.launched_step import LaunchedStep, ReadySamples
+from offline_paged.worker.launched_step import LateSamples, LaunchedStep, ReadySamples
 from offline_paged.worker.mirrored_step import BlockMoves, EagerForward, GraphForward, MirroredStep, RowsDiff
 from offline_paged.worker.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
 from offline_paged.worker.sampling_rows import SamplingRows
@@ -79,6 +80,7 @@ class ModelRunner:
         self._mirror_rows = None  # ranks > 0: MirroredRows, rank 0's rows kept by its diffs
         self.decode_graphs = None
         self.sampling_rows = None
+        self._mask_thread = None  # a one-thread pool, made on the first late mask fill
         if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype).name in ("float16", "bfloat16"):
             if max_model_len is None:
                 raise ValueError("cuda_graphs needs max_model_len (the static attention bound)")
@@ -123,6 +125,8 @@ class ModelRunner:
         defer_grammar_sampling: a step with structured-output rows queues its forward only and comes back
         with `sampling_deferred` set; `launch_deferred_sampling` fills the masks and samples once the
         previous step's tokens have advanced the matchers (the forward runs on the device meanwhile)."""
+        if previous is not None:
+            previous.queue_sampling()  # its late sampling reads buffers this step's device work reuses
         moves = BlockMoves.of(output)
         self._move_blocks(moves)
         self.table_rows.release(output.freed_seq_ids)
@@ -145,13 +149,15 @@ class ModelRunner:
         return self._launch_graph_sampled(output, decode, moves, fill, timer)
 
     def launch_deferred_sampling(self, launched: LaunchedStep) -> LaunchedStep:
-        """The step `launch(..., defer_grammar_sampling=True)` left unsampled, with its masks filled from
-        the matchers as they are now and its sampling queued. Call before the next launch: the decode
-        graphs' logits buffer is reused by the next replay. Rows of sequences that finished meanwhile
+        """The step `launch(..., defer_grammar_sampling=True)` left unsampled, its masks filling from the
+        matchers as they are now on the runner's mask thread (llguidance's parallel fill, without the GIL),
+        its sampling queued once they are filled: by the next `launch(output, previous=it)`, before any of
+        that step's device work, or by reading its samples. So the host schedules the next step while the
+        masks fill. The matchers must not change until then. Rows of sequences that finished meanwhile
         are sampled unmasked (their token is dropped by the output processor)."""
         logits, offsets, masked_in_graph = launched.deferred_logits
         return self._launch_sampling(launched.output, logits, offsets, launched.forward_timer,
-                                     launched.used_cuda_graph, masked_in_graph)
+                                     launched.used_cuda_graph, masked_in_graph, late=True)
 
     def _launch_eager(self, output, rows: np.ndarray, moves: BlockMoves, fill, timer, defer: bool) -> LaunchedStep:
         """Any step (prefill chunks and decodes mixed): the eager forward, then the eager sampler."""
@@ -312,38 +318,65 @@ class ModelRunner:
                             deferred_logits=(logits, offsets, masked_in_graph))
 
     def _launch_sampling(self, output, logits, offsets: list[int], timer, used_graph: bool,
-                         masked_in_graph: bool = False) -> LaunchedStep:
+                         masked_in_graph: bool = False, late: bool = False) -> LaunchedStep:
         """Queue the sampling of every sampled row; prompt logprobs are computed now (on the host).
         logits [K, V]: host, or device when the GpuSampler samples (then prompt-logprob rows are copied
         to the host alone). masked_in_graph: a decode-graph step whose rows (some with a grammar) the
-        graph's masked sampler draws, one token each."""
+        graph's masked sampler draws, one token each. late: the structured-output masks fill on the mask
+        thread and the sampling is queued by the returned step's LateSamples; else both happen now."""
         scheduled = output.scheduled
         if masked_in_graph:
-            samples = self.decode_graphs.sample_masked(_graph_masks(scheduled), self.sampling_rows)
-            return LaunchedStep(output=output, samples=samples,
+            masks = self.decode_graphs.mask_staging(len(scheduled), _grammar_words(scheduled))  # [S, W] int32
+            filled = self._fill_masks(_graph_mask_rows(scheduled, masks), masks, late)
+
+            def draw_in_graph():
+                filled()
+                return self.decode_graphs.sample_masked(masks, self.sampling_rows)
+
+            return LaunchedStep(output=output, samples=LateSamples(draw_in_graph) if late else draw_in_graph(),
                                 sample_index={item.seq.seq_id: i for i, item in enumerate(scheduled)},
                                 owners=None, prompt_logprobs=[None] * len(scheduled), forward_timer=timer,
                                 used_cuda_graph=True)
-        requests, rows, owners, sample_index = [], [], [], {}
-        masks = _structured_masks(scheduled)
+        rows, owners, sample_index, drawn = [], [], {}, []
         for i, item in enumerate(scheduled):
             if not item.num_samples:
                 continue
             row = offsets[i] + (item.num_new_tokens - 1 if item.prompt_logprobs is not None else 0)
-            sample_index[item.seq.seq_id] = len(requests)  # the seq's own token: its row's first draw
-            for request in _sampling_requests(item, masks.get(item.seq.seq_id)):
-                requests.append(request)
-                rows.append(row)
-                owners.append(i)
-        if not requests:
-            samples = ReadySamples([])
-        elif self.gpu_sampler is not None:
-            samples = self.gpu_sampler.sample_async(logits, rows, requests)
-        else:
-            samples = ReadySamples(self.sampler.sample(logits[rows], requests))
+            sample_index[item.seq.seq_id] = len(rows)  # the seq's own token: its row's first draw
+            rows += [row] * item.num_samples
+            owners += [i] * item.num_samples
+            drawn.append(i)
+        grammar = [i for i in drawn if _needs_mask(scheduled[i])]
+        masks = np.empty((len(grammar), _grammar_words(scheduled) if grammar else 0), dtype=np.int32)  # [Rm, W]
+        filled = self._fill_masks([(scheduled[i].seq.matcher, j) for j, i in enumerate(grammar)], masks, late)
+
+        def draw():
+            filled()
+            mask_of = dict(zip(grammar, masks))
+            requests = [request for i in drawn for request in _sampling_requests(scheduled[i], mask_of.get(i))]
+            if not requests:
+                return ReadySamples([])
+            if self.gpu_sampler is not None:
+                return self.gpu_sampler.sample_async(logits, rows, requests)
+            return ReadySamples(self.sampler.sample(logits[rows], requests))
+
         prompt = [_prompt_logprobs(item, logits, offsets[i], self.backend.to_host) for i, item in enumerate(scheduled)]
-        return LaunchedStep(output=output, samples=samples, sample_index=sample_index, owners=owners,
-                            prompt_logprobs=prompt, forward_timer=timer, used_cuda_graph=used_graph)
+        return LaunchedStep(output=output, samples=LateSamples(draw) if late else draw(), sample_index=sample_index,
+                            owners=owners, prompt_logprobs=prompt, forward_timer=timer, used_cuda_graph=used_graph)
+
+    def _fill_masks(self, rows: list, out: np.ndarray, late: bool):
+        """Fill the (matcher, row) pairs' next-token masks into `out` now, or (late) on the runner's mask
+        thread; returns the wait for them (a no-op when filled now)."""
+        if not rows:
+            return _filled
+        from offline_paged.core.structured_matcher import fill_bitmask_rows  # llguidance: only where grammars run
+
+        if not late:
+            fill_bitmask_rows(rows, out)
+            return _filled
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
+        return self._mask_thread.submit(fill_bitmask_rows, rows, out).result
 
 
 @dataclass(slots=True, frozen=True)
@@ -385,30 +418,26 @@ def _grammar_words(scheduled) -> int:
     return next(item.seq.matcher.num_words for item in scheduled if item.seq.matcher is not None)
 
 
-def _graph_masks(scheduled) -> np.ndarray:
-    """[S, W] int32: row i the mask of scheduled sequence i (all bits set where it has none)."""
-    masks = np.full((len(scheduled), _grammar_words(scheduled)), -1, dtype=np.int32)  # [S, W]
-    filled = _structured_masks(scheduled)
+def _needs_mask(item) -> bool:
+    """A sampled sequence with a grammar; one that finished meanwhile (async scheduling ran it one step
+    ahead; its token is dropped), or whose matcher refused its last token (it ends with an error), needs none."""
+    matcher = item.seq.matcher
+    return bool(item.num_samples) and matcher is not None and not item.seq.is_finished and not matcher.is_failed
+
+
+def _graph_mask_rows(scheduled, masks: np.ndarray) -> list:
+    """The (matcher, row) pairs to fill into masks [S, W]; every other row is set to all bits (no constraint)."""
+    rows = []
     for i, item in enumerate(scheduled):
-        mask = filled.get(item.seq.seq_id)
-        if mask is not None:
-            masks[i] = mask
-    return masks
+        if _needs_mask(item):
+            rows.append((item.seq.matcher, i))
+        else:
+            masks[i] = -1
+    return rows
 
 
-def _structured_masks(scheduled) -> dict:
-    """{seq id: [W] int32 next-token mask (W = ceil(grammar vocab / 32))} of the sampled sequences with a grammar, filled
-    in one parallel llguidance call when the step's sampling is queued (their matchers have consumed every
-    earlier token: such steps are processed at once, or their sampling waits for the previous step's
-    processing). A sequence that finished meanwhile (async scheduling ran it one step ahead) gets none."""
-    items = [item for item in scheduled
-             if item.num_samples and item.seq.matcher is not None and not item.seq.is_finished]
-    if not items:
-        return {}
-    from offline_paged.core.structured_matcher import fill_bitmasks  # llguidance: only where grammars run
-
-    masks = fill_bitmasks([item.seq.matcher for item in items])  # [Rm, W]
-    return {item.seq.seq_id: masks[i] for i, item in enumerate(items)}
+def _filled() -> None:
+    """The wait of masks filled at once."""
 
 
 class _TokenWindow(Sequence):
