@@ -1,6 +1,6 @@
 """Host cost of one structured-output step at the bench's shape: llguidance's work for R sequences.
 
-    python benchmarks/bench_mask_fill.py [--rows 256] [--steps 60] [--preset llama-3.2-1b] [--threads 0,8,16]
+    python benchmarks/bench_mask_fill.py [--rows 256] [--steps 60] [--preset llama-3.2-1b] [--threads 0,8,16] [--split 1]
 
 R matchers of `bench --structured json`'s schema over the dummy-weights token table of the preset
 (128,256 ids at the 1B shape) are walked through random allowed tokens. Per step it times the parallel
@@ -11,6 +11,7 @@ the figures depend on the host's cores (the device machine has 16).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -42,6 +43,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--preset", default="llama-3.2-1b")
     parser.add_argument("--threads", default="0", help="comma-separated LLExecutor pool sizes; 0: its default")
+    parser.add_argument("--split", type=int, default=1,
+                        help="fill from this many Python threads, each with its own pool and 1/split of the rows")
     args = parser.parse_args()
     for threads in (int(t) for t in args.threads.split(",")):
         measure(args, threads)
@@ -54,12 +57,19 @@ def measure(args, threads: int) -> None:
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA))
     matchers = [llguidance.LLMatcher(table, grammar) for _ in range(args.rows)]
     masks = np.zeros((args.rows, (config.vocab_size + 31) // 32), dtype=np.int32)  # [R, W]
-    executor = llguidance.LLExecutor(num_threads=threads) if threads else llguidance.LLExecutor()
-    rng = np.random.default_rng(0)
+    executors = [llguidance.LLExecutor(num_threads=threads) if threads else llguidance.LLExecutor()
+                 for _ in range(args.split)]
+    executor, rng = executors[0], np.random.default_rng(0)
+    pairs = list(zip(matchers, range(args.rows)))
+    chunks = [pairs[i::args.split] for i in range(args.split)]
+    callers = concurrent.futures.ThreadPoolExecutor(args.split)
     times: dict[str, list[float]] = {"fill_par": [], "consume_serial": [], "consume_par": []}
     for step in range(args.steps):
         start = time.perf_counter()
-        llg_numpy.fill_next_token_bitmask_par(executor, list(zip(matchers, range(args.rows))), masks)
+        if args.split == 1:
+            llg_numpy.fill_next_token_bitmask_par(executor, pairs, masks)
+        else:
+            list(callers.map(lambda e, c: llg_numpy.fill_next_token_bitmask_par(e, c, masks), executors, chunks))
         times["fill_par"].append(time.perf_counter() - start)
         tokens = _random_allowed(masks, config.vocab_size, eos, rng)
         start = time.perf_counter()
@@ -70,7 +80,7 @@ def measure(args, threads: int) -> None:
             for matcher, token in zip(matchers, tokens):
                 matcher.consume_token(token)
             times["consume_serial"].append(time.perf_counter() - start)
-    print(f"{args.rows} rows, vocab {config.vocab_size}, {os.cpu_count()} cores, pool {threads or 'default'}: " + ", ".join(
+    print(f"{args.rows} rows, vocab {config.vocab_size}, {os.cpu_count()} cores, {args.split} x pool {threads or 'default'}: " + ", ".join(
         f"{name} {1e3 * statistics.median(values):.2f} ms" for name, values in times.items()))
 
 

@@ -7,6 +7,8 @@ where token t is allowed (llguidance's layout; EOS only where the grammar accept
 """
 from __future__ import annotations
 
+import os
+
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
@@ -113,8 +115,13 @@ def advance_ahead(pairs: list[tuple[StructuredMatcher, int]]) -> None:
 _EXECUTOR: list[llguidance.LLExecutor] = []  # a thread pool, not state passed between layers
 
 
+# llguidance's parallel fill scales poorly past a few threads: 256 masks over a 128k vocabulary took 5.1 ms
+# on 1 thread, 2.9 on 4, 3.3 on 8 and 4.1 on 16 (a 16-core H200 host; benchmarks/bench_mask_fill.py).
+MASK_THREADS = 4
+
+
 def _executor() -> llguidance.LLExecutor:
     if not _EXECUTOR:
-        _EXECUTOR.append(llguidance.LLExecutor())
+        _EXECUTOR.append(llguidance.LLExecutor(num_threads=max(1, min(MASK_THREADS, os.cpu_count() or 1))))
     return _EXECUTOR[0]
 
