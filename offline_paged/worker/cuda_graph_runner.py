@@ -235,6 +235,12 @@ class DecodeGraphs:
         self.num_sampled_replays += 1
         return PendingSamples.of_graph(bucket.sampled[:num_seqs], bucket.token_ids[:num_seqs])
 
+    def sampled_ids(self, num_seqs: int):
+        """[S] int32 (device): where the next `sample_masked` of the last `run`'s S slots writes their ids."""
+        bucket, _ = self._last_run
+        self._ensure_sample_outputs(bucket)
+        return bucket.token_ids[:num_seqs]
+
     def masks_fit(self, num_words: int) -> bool:
         """Whether masks of num_words int32 words cover every logit (else the eager sampler applies them:
         a padded vocabulary's tail is allowed for unconstrained rows there)."""

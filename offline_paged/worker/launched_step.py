@@ -33,14 +33,16 @@ class ReadySamples:
 
 class LateSamples:
     """Samples whose sampling is queued only when `launch()` first runs (a structured-output step's masks
-    fill on a host thread meanwhile). Reading `token_ids` or `results()` launches it; the runner launches
-    it explicitly before the next step's first device work (`LaunchedStep.queue_sampling`)."""
+    fill on a host thread meanwhile). `results()` launches it, and so does `token_ids` unless the device
+    array the sampler will write is known in advance (a decode graph's); the runner launches it before
+    the next step's device work that reuses its buffers (`LaunchedStep.queue_sampling`)."""
 
-    __slots__ = ("_start", "_samples")
+    __slots__ = ("_start", "_samples", "_token_ids")
 
-    def __init__(self, start: Callable[[], Any]) -> None:
+    def __init__(self, start: Callable[[], Any], token_ids=None) -> None:
         self._start = start  # () -> PendingSamples: waits for the masks, queues the sampling
         self._samples = None
+        self._token_ids = token_ids  # [R] int32 (device), written by the sampling once queued
 
     def launch(self):
         if self._samples is None:
@@ -49,7 +51,8 @@ class LateSamples:
 
     @property
     def token_ids(self):
-        return self.launch().token_ids
+        """[R] int32 (device): read it only in work queued after `launch()` (the stream orders them)."""
+        return self._token_ids if self._token_ids is not None else self.launch().token_ids
 
     def results(self) -> list:
         return self.launch().results()
