@@ -291,9 +291,10 @@ class LLMEngine:
         launched = self.executor.execute(output, self._in_flight, defer_grammar_sampling=self.async_scheduling)
         t2 = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
-        if launched.sampling_deferred:  # the matchers take the previous step's tokens, the masks fill...
-            feeds = [] if previous is None else self.stop_checker.ahead_feeds(previous.output, previous.wait().results)
-            launched = self.executor.launch_deferred_sampling(launched, feeds)
+        if launched.sampling_deferred:
+            if previous is not None:  # the matchers consume the previous step's tokens first
+                self.stop_checker.feed_matchers_ahead(previous.output, previous.wait().results)
+            launched = self.executor.launch_deferred_sampling(launched)  # its masks fill on a host thread...
         if previous is not None:
             outputs += self._process(previous)  # ...while the previous step is processed
         if self.async_scheduling and output.scheduled and not _needs_host_tokens(output):

@@ -339,7 +339,7 @@ def test_async_scheduling_samples_grammar_rows_after_the_previous_step_with_the_
     eng = tiny_engine(async_scheduling=True)
     deferred = []
     launch_deferred = eng.runner.launch_deferred_sampling
-    eng.runner.launch_deferred_sampling = lambda launched, feeds=(): deferred.append(launched) or launch_deferred(launched, feeds)
+    eng.runner.launch_deferred_sampling = lambda launched: deferred.append(launched) or launch_deferred(launched)
     got = run_to_completion(eng, _async_workload())
     assert len(deferred) > 10  # the grammar steps took the deferred path
     assert _tokens(got) == _tokens(sync)

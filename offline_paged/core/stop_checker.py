@@ -51,14 +51,21 @@ class StopChecker:
         return None
 
     @staticmethod
-    def ahead_feeds(output, results) -> list:
-        """(matcher, token) pairs of a step's one-sample grammar sequences: the tokens `__call__` would feed
-        their matchers, which may take them ahead (structured_matcher.advance_ahead) while the runner
-        fills the next step's masks; `__call__` then reads each outcome instead of consuming again.
-        output: a SchedulerOutput; results: its SequenceResults."""
-        return [(item.seq.matcher, result.samples[0].token_id) for item, result in zip(output.scheduled, results)
-                if item.seq.matcher is not None and item.seq.group.beam is None and item.num_samples == 1
-                and item.seq.status is not SequenceStatus.FINISHED]
+    def feed_matchers_ahead(output, results) -> None:
+        """Feed a step's tokens to the grammar matchers of its one-sample sequences now, in one parallel
+        call, before the output processor appends them: `__call__` then reads each outcome instead of
+        consuming the token again. The engine fills the next step's masks from the advanced matchers
+        while the output processor runs. output: a SchedulerOutput; results: its SequenceResults."""
+        pairs = []
+        for item, result in zip(output.scheduled, results):
+            seq = item.seq
+            if (seq.matcher is not None and seq.group.beam is None and item.num_samples == 1
+                    and seq.status is not SequenceStatus.FINISHED):
+                pairs.append((seq.matcher, result.samples[0].token_id))
+        if pairs:
+            from offline_paged.core.structured_matcher import advance_ahead  # llguidance: only where grammars run
+
+            advance_ahead(pairs)
 
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
         if seq.detokenizer is None:

@@ -100,17 +100,12 @@ def fill_bitmask_rows(rows: list[tuple[StructuredMatcher, int]], out: np.ndarray
         llg_numpy.fill_next_token_bitmask_par(_executor(), [(m._matcher, row) for m, row in rows], out)
 
 
-def advance_ahead(pairs: list[tuple[StructuredMatcher, int]], parallel: bool = True) -> None:
-    """Consume one token per matcher, ahead of the `accept` of the same token by the stop checker, which
-    then reads the outcome kept here. Matchers must be distinct. parallel: in one call on llguidance's
-    pool; else one by one on this thread (while the pool fills other matchers' masks)."""
+def advance_ahead(pairs: list[tuple[StructuredMatcher, int]]) -> None:
+    """Consume one token per matcher, in parallel (llguidance's pool), ahead of the `accept` of the same
+    token by the stop checker, which then reads the outcome kept here. Matchers must be distinct."""
     if not pairs:
         return
-    if parallel:
-        llg_numpy.consume_token_par(_executor(), [(m._matcher, int(token)) for m, token in pairs])
-    else:
-        for matcher, token in pairs:
-            matcher._matcher.consume_token(int(token))
+    llg_numpy.consume_token_par(_executor(), [(m._matcher, int(token)) for m, token in pairs])
     for matcher, token in pairs:
         if matcher._ahead is not None:
             raise RuntimeError("a matcher was advanced twice before accepting")
@@ -118,6 +113,7 @@ def advance_ahead(pairs: list[tuple[StructuredMatcher, int]], parallel: bool = T
 
 
 _EXECUTOR: list[llguidance.LLExecutor] = []  # a thread pool, not state passed between layers
+
 
 # llguidance's parallel fill scales poorly past a few threads: 256 masks over a 128k vocabulary took 5.1 ms
 # on 1 thread, 2.9 on 4, 3.3 on 8 and 4.1 on 16 (a 16-core H200 host; benchmarks/bench_mask_fill.py).

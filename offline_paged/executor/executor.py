@@ -76,10 +76,9 @@ class Executor:
         until `launch_deferred_sampling` (after the engine processed `in_flight`)."""
         return self.runner.launch(output, in_flight, defer_grammar_sampling)
 
-    def launch_deferred_sampling(self, launched: LaunchedStep, feeds=()) -> LaunchedStep:
-        """Feed the matchers the previous step's tokens (`feeds`), fill the masks of a deferred grammar step
-        and queue its sampling (ModelRunner's)."""
-        return self.runner.launch_deferred_sampling(launched, feeds)
+    def launch_deferred_sampling(self, launched: LaunchedStep) -> LaunchedStep:
+        """Fill the masks of a deferred grammar step and queue its sampling (ModelRunner's)."""
+        return self.runner.launch_deferred_sampling(launched)
 
     def check_embeddings(self) -> None:
         """ValueError when this executor cannot run the pooling forward (engine.embed)."""

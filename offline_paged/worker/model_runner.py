@@ -38,10 +38,6 @@ from offline_paged.worker.step_inputs import (DecodeColumns, EagerBatch, StepUpl
                                               pack_eager, pending_inputs, synthetic_prefill, unpack_eager)
 from offline_paged.worker.step_report import DeviceTimer
 
-# A late mask fill starts on a chunk of rows as soon as their matchers took their tokens, while this thread
-# feeds the next chunk: the fill's start waits for 1/MASK_CHUNKS of the feeding, not all of it.
-MASK_CHUNKS = 4
-
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
 
@@ -152,18 +148,17 @@ class ModelRunner:
             return self._launch_graph_masked(output, decode, moves, fill, timer, defer)
         return self._launch_graph_sampled(output, decode, moves, fill, timer)
 
-    def launch_deferred_sampling(self, launched: LaunchedStep, feeds=()) -> LaunchedStep:
-        """The step `launch(..., defer_grammar_sampling=True)` left unsampled, with its sampling queued once
-        its masks are filled: by the next `launch(output, previous=it)` after that step's host work, or by
-        reading its samples. feeds: (matcher, token) pairs of the previous step (StopChecker.ahead_feeds),
-        consumed here ahead of the output processor, in chunks: each chunk's masks fill on the runner's mask
-        thread (llguidance's pool, without the GIL) while this thread feeds the next chunk, then processes
-        the previous step and schedules the next. The matchers must not be touched until then (only
-        through the outcomes fed ahead). Rows of sequences that finished meanwhile are sampled unmasked
+    def launch_deferred_sampling(self, launched: LaunchedStep) -> LaunchedStep:
+        """The step `launch(..., defer_grammar_sampling=True)` left unsampled, its masks filling from the
+        matchers as they are now on the runner's mask thread (llguidance's pool, without the GIL), its
+        sampling queued once they are filled: by the next `launch(output, previous=it)` after that step's
+        host work, or by reading its samples. So the host processes this step's predecessor and schedules
+        the next while the masks fill: the matchers must not be touched until then (the stop checker reads
+        the outcomes of tokens fed ahead). Rows of sequences that finished meanwhile are sampled unmasked
         (their token is dropped by the output processor)."""
         logits, offsets, masked_in_graph = launched.deferred_logits
         return self._launch_sampling(launched.output, logits, offsets, launched.forward_timer,
-                                     launched.used_cuda_graph, masked_in_graph, late=True, feeds=feeds)
+                                     launched.used_cuda_graph, masked_in_graph, late=True)
 
     def _launch_eager(self, output, rows: np.ndarray, moves: BlockMoves, fill, timer, defer: bool) -> LaunchedStep:
         """Any step (prefill chunks and decodes mixed): the eager forward, then the eager sampler."""
@@ -324,7 +319,7 @@ class ModelRunner:
                             deferred_logits=(logits, offsets, masked_in_graph))
 
     def _launch_sampling(self, output, logits, offsets: list[int], timer, used_graph: bool,
-                         masked_in_graph: bool = False, late: bool = False, feeds=()) -> LaunchedStep:
+                         masked_in_graph: bool = False, late: bool = False) -> LaunchedStep:
         """Queue the sampling of every sampled row; prompt logprobs are computed now (on the host).
         logits [K, V]: host, or device when the GpuSampler samples (then prompt-logprob rows are copied
         to the host alone). masked_in_graph: a decode-graph step whose rows (some with a grammar) the
@@ -333,7 +328,7 @@ class ModelRunner:
         scheduled = output.scheduled
         if masked_in_graph:
             masks = self.decode_graphs.mask_staging(len(scheduled), _grammar_words(scheduled))  # [S, W] int32
-            filled = self._fill_masks(_graph_mask_rows(scheduled, masks), masks, late, feeds)
+            filled = self._fill_masks(_graph_mask_rows(scheduled, masks), masks, late)
 
             def draw_in_graph():
                 filled()
@@ -355,7 +350,7 @@ class ModelRunner:
             drawn.append(i)
         grammar = [i for i in drawn if _needs_mask(scheduled[i])]
         masks = np.empty((len(grammar), _grammar_words(scheduled) if grammar else 0), dtype=np.int32)  # [Rm, W]
-        filled = self._fill_masks([(scheduled[i].seq.matcher, j) for j, i in enumerate(grammar)], masks, late, feeds)
+        filled = self._fill_masks([(scheduled[i].seq.matcher, j) for j, i in enumerate(grammar)], masks, late)
 
         def draw():
             filled()
@@ -371,26 +366,19 @@ class ModelRunner:
         return LaunchedStep(output=output, samples=LateSamples(draw) if late else draw(), sample_index=sample_index,
                             owners=owners, prompt_logprobs=prompt, forward_timer=timer, used_cuda_graph=used_graph)
 
-    def _fill_masks(self, rows: list, out: np.ndarray, late: bool, feeds=()):
-        """Feed `feeds` ahead, then fill the (matcher, row) pairs' next-token masks into `out`: now, or (late)
-        on the runner's mask thread, chunk by chunk as their matchers are fed. A row whose matcher refused
-        its token gets all bits (its request ends with the error). Returns the wait for the masks."""
-        from offline_paged.core.structured_matcher import advance_ahead, fill_bitmask_rows  # llguidance
+    def _fill_masks(self, rows: list, out: np.ndarray, late: bool):
+        """Fill the (matcher, row) pairs' next-token masks into `out` now, or (late) on the runner's mask
+        thread; returns the wait for them (a no-op when filled now)."""
+        if not rows:
+            return _filled
+        from offline_paged.core.structured_matcher import fill_bitmask_rows  # llguidance: only where grammars run
 
         if not late:
-            advance_ahead(list(feeds))
-            fill_bitmask_rows(_live_rows(rows, out), out)
+            fill_bitmask_rows(rows, out)
             return _filled
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
-        token_of = {id(matcher): token for matcher, token in feeds}
-        size = -(-len(rows) // MASK_CHUNKS) or 1
-        waits = []
-        for chunk in (rows[i:i + size] for i in range(0, len(rows), size)):
-            advance_ahead([(m, token_of.pop(id(m))) for m, _ in chunk if id(m) in token_of], parallel=False)
-            waits.append(self._mask_thread.submit(fill_bitmask_rows, _live_rows(chunk, out), out).result)
-        advance_ahead([(m, t) for m, t in feeds if id(m) in token_of], parallel=False)  # not sampled in this step
-        return lambda: [wait() for wait in waits]
+        return self._mask_thread.submit(fill_bitmask_rows, rows, out).result
 
 
 @dataclass(slots=True, frozen=True)
@@ -434,8 +422,9 @@ def _grammar_words(scheduled) -> int:
 
 def _needs_mask(item) -> bool:
     """A sampled sequence with a grammar; one that finished meanwhile (async scheduling ran it one step
-    ahead; its token is dropped) needs none."""
-    return bool(item.num_samples) and item.seq.matcher is not None and not item.seq.is_finished
+    ahead; its token is dropped), or whose matcher refused its last token (it ends with an error), needs none."""
+    matcher = item.seq.matcher
+    return bool(item.num_samples) and matcher is not None and not item.seq.is_finished and not matcher.is_failed
 
 
 def _graph_mask_rows(scheduled, masks: np.ndarray) -> list:
@@ -447,17 +436,6 @@ def _graph_mask_rows(scheduled, masks: np.ndarray) -> list:
         else:
             masks[i] = -1
     return rows
-
-
-def _live_rows(rows: list, out: np.ndarray) -> list:
-    """The (matcher, row) pairs whose matcher can take a mask; a failed one's row gets all bits."""
-    live = []
-    for matcher, row in rows:
-        if matcher.is_failed:
-            out[row] = -1
-        else:
-            live.append((matcher, row))
-    return live
 
 
 def _filled() -> None:
