@@ -21,6 +21,7 @@ forwards pair up. Only rank 0 samples.
 from __future__ import annotations
 
 import itertools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -378,7 +379,17 @@ class ModelRunner:
             return _filled
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
-        return self._mask_thread.submit(fill_bitmask_rows, rows, out).result
+        started = threading.Event()
+
+        def fill() -> None:
+            started.set()
+            fill_bitmask_rows(rows, out)  # llguidance drops the GIL for the fill
+
+        filled = self._mask_thread.submit(fill).result
+        # Wait until the thread runs: a thread waking up to the GIL held by this busy one would wait
+        # for the interpreter's switch interval (5 ms), i.e. until this thread blocks in `filled()`.
+        started.wait()
+        return filled
 
 
 @dataclass(slots=True, frozen=True)
