@@ -22,6 +22,7 @@ from offline_paged.core.beam_search import BeamState
 from offline_paged.core.grammar_compiler import GrammarCompiler
 from offline_paged.core.outputs import RequestError
 from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.core.scheduler import Scheduler
 from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from offline_paged.core.structured_matcher import fill_bitmasks
 from offline_paged.core.structured_outputs import StructuredOutputsParams
@@ -349,10 +350,15 @@ def ample():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_gives_the_same_beams(ample, mode):
+def test_preemption_gives_the_same_beams(ample, mode, monkeypatch):
+    parks = []  # idle beams parked: their rows (masked by their grammar) wait while their blocks are freed
+    park = Scheduler._park
+    monkeypatch.setattr(Scheduler, "_park", lambda self, seq: (parks.append(seq.seq_id), park(self, seq)))
     eng = tiny_engine(num_kv_blocks=26, num_cpu_blocks=512, max_num_batched_tokens=16, preemption_mode=mode)
     got = run_to_completion(eng, _workload())
-    assert eng.stats.num_preemptions > 0
+    assert eng.stats.num_preemptions > 0 and parks
+    if mode == "swap":
+        assert eng.stats.num_preemptions_swap > 0
     assert_same_outputs(got, ample)
     assert eng.block_manager.num_seqs == 0 and eng.block_manager.num_free_blocks == eng.num_gpu_blocks
 
