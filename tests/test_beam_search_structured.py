@@ -169,6 +169,21 @@ def test_narrow_beams_equal_a_textbook_beam_search_over_the_allowed_tokens(spec,
         assert "grammar" in spec or satisfies(spec, c.text)
 
 
+def test_the_logprobs_shown_for_a_grammar_beam_are_its_best_allowed_tokens_with_raw_values():
+    spec = {"regex": "(ab|c)[0-9]{1,2}"}
+    got = run_to_completion(tiny_engine(), {"b": (PROMPT, beam(3, spec=spec, logprobs=2))})["b"]
+    for c in got.outputs:
+        matcher = compiler().compile(StructuredOutputsParams.from_dict(spec)).new_matcher()
+        for pos, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            row = model_logprobs()(PROMPT + c.token_ids[:pos])  # [V]
+            allowed = allowed_tokens(matcher)
+            best = sorted(allowed, key=lambda t: -row[t])[:2]
+            assert set(entry) == set(best) | {token}
+            np.testing.assert_allclose([entry[t] for t in entry], row[list(entry)], rtol=0, atol=1e-9)
+            if token != EOS_ID:
+                matcher = advanced(matcher, token)
+
+
 # ------------------------------------------------------------------ every beam satisfies its grammar
 _LEAVES = st.one_of(
     st.lists(st.text("abz", min_size=1, max_size=3), min_size=1, max_size=3, unique=True).map(lambda v: {"enum": v}),
