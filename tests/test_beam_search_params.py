@@ -33,7 +33,8 @@ def test_refusals_name_the_field(kwargs, message):
 
 
 def test_a_grammar_reaches_the_engine_request():
-    sampling = BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs={"choice": ["a", "b"]}).to_sampling_params()
+    params = BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs={"choice": ["a", "b"]})
+    sampling = params.to_sampling_params()
     assert sampling.use_beam_search and sampling.structured_outputs.choice == ("a", "b")
     with pytest.raises(ValueError, match="unknown structured_outputs field"):
         BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs={"choices": ["a"]})

@@ -198,7 +198,8 @@ SCHEMAS = st.dictionaries(st.sampled_from(["a", "id", "x_1"]), _VALUES, min_size
 _PIECES = st.tuples(st.sampled_from(["a", "b", "0", "-", "[a-c]", "[0-9]"]),
                     st.sampled_from(["", "?", "{1,3}", "{2}"])).map("".join)
 REGEXES = st.lists(st.lists(_PIECES, min_size=1, max_size=3).map("".join), min_size=1, max_size=3).map("|".join)
-SPECS = st.one_of(SCHEMAS.map(lambda s: {"json": s, "disable_any_whitespace": True}), REGEXES.map(lambda r: {"regex": r}))
+SPECS = st.one_of(SCHEMAS.map(lambda s: {"json": s, "disable_any_whitespace": True}),
+                  REGEXES.map(lambda r: {"regex": r}))
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
