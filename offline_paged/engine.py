@@ -314,6 +314,8 @@ class LLMEngine:
     def _finish(self, group: SequenceGroup) -> RequestOutput | RequestError:
         del self._groups[group.request_id]
         failed = next((seq.error for seq in group.seqs if seq.error is not None), None)
+        if failed is None and group.beam is not None:
+            failed = group.beam.error  # every beam dropped by its grammar, no hypothesis left
         if failed is not None:  # a grammar matcher refused a token: the request ends with that error
             self._stats.record_finished(group)
             return RequestError(group.request_id, f"structured output failed: {failed}")

@@ -30,3 +30,11 @@ def test_becomes_a_greedy_beam_request_keeping_every_beam():
 def test_refusals_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BeamSearchParams(**(dict(beam_width=2, max_tokens=4) | kwargs))
+
+
+def test_a_grammar_reaches_the_engine_request():
+    params = BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs={"choice": ["a", "b"]})
+    sampling = params.to_sampling_params()
+    assert sampling.use_beam_search and sampling.structured_outputs.choice == ("a", "b")
+    with pytest.raises(ValueError, match="unknown structured_outputs field"):
+        BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs={"choices": ["a"]})

@@ -129,6 +129,14 @@ def test_beam_search_api_equals_the_sampling_params_route(llm):
     assert [s.cum_logprob for s in beams.sequences] == pytest.approx([c.cumulative_logprob for c in route.outputs])
 
 
+def test_beam_search_with_a_grammar_returns_distinct_allowed_beams(llm):
+    choices = ["cat", "cow", "dog", "cod"]
+    [beams] = llm.beam_search(["Pet: "], BeamSearchParams(beam_width=3, max_tokens=8,
+                                                          structured_outputs={"choice": choices}))
+    texts = [s.text for s in beams.sequences]
+    assert len(texts) == 3 and len(set(texts)) == 3 and set(texts) <= set(choices)
+
+
 def test_use_tqdm_drives_the_given_bar_once_per_prompt(llm):
     updates = []
 

@@ -54,3 +54,18 @@ def test_every_way_of_asking_gives_valid_output_and_bad_lines_get_their_own_erro
     assert is_error(records["openai-bad"]) and "schema" in json.dumps(records["openai-bad"])
     text = records["openai-object"]["response"]["body"]["choices"][0]["text"]
     assert text.startswith("{")
+
+
+def test_a_beam_search_line_with_a_grammar_returns_valid_beams_and_a_dead_one_gets_an_error_record():
+    compact = {"json": SCHEMA, "disable_any_whitespace": True}
+    records = _run([
+        {"id": "beams", "prompt": "x", "max_tokens": 60, "n": 3, "use_beam_search": True, "temperature": 0,
+         "structured_outputs": compact},
+        {"id": "dead", "prompt": "x", "max_tokens": 5, "n": 2, "use_beam_search": True, "temperature": 0,
+         "min_tokens": 1, "stop_token_ids": [101, 102, 103], "guided_regex": "[a-c]x"},  # a, b, c banned at first
+    ])
+    texts = [o["text"] for o in records["beams"]["outputs"]]
+    assert len(texts) == 3 and len(set(texts)) == 3
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert is_error(records["dead"]) and "no beam is left" in records["dead"]["error"]["message"]

@@ -57,6 +57,8 @@ def test_sampling_params_take_a_dict_and_round_trip_through_json_fields():
         SamplingParams(structured_outputs={"regexp": "a"})
 
 
-def test_beam_search_with_a_grammar_is_refused():
-    with pytest.raises(ValueError, match="not supported with use_beam_search"):
-        SamplingParams(use_beam_search=True, temperature=0.0, n=2, structured_outputs={"regex": "a"})
+def test_beam_search_takes_a_grammar_and_still_refuses_sampling_settings():
+    params = SamplingParams(use_beam_search=True, temperature=0.0, n=2, structured_outputs={"regex": "a"})
+    assert params.structured_outputs.regex == "a" and SamplingParams.from_dict(params.to_dict()) == params
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        SamplingParams(use_beam_search=True, temperature=1.0, n=2, structured_outputs={"regex": "a"})

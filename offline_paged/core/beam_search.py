@@ -22,6 +22,14 @@ One beam step (the rule of vLLM's original beam search, with HF's `early_stoppin
    stopping on that bound never changes the result (unlike vLLM's `early_stopping=False`
    heuristic, which uses the current length and can stop too soon).
 The request returns its best n hypotheses, best first.
+
+Structured output: each beam carries its own grammar matcher (Sequence.matcher). The runner takes a
+grammar beam's top-k among the tokens its mask allows (EOS only where the grammar accepts), so the
+candidates above stay exact. A candidate's child is a fork of its parent, matcher included, and the stop
+checker advances the child's own copy by the candidate token: siblings never share a matcher, and a
+completed grammar finishes the hypothesis (STOP). A beam left without a candidate (its grammar allows
+nothing, or only tokens banned before min_tokens) and a child its matcher refuses are dropped; only when
+no live beam and no hypothesis is left does the request fail, with `BeamState.error` saying why.
 """
 from __future__ import annotations
 
@@ -82,6 +90,7 @@ class BeamState:
     pending: dict[int, Any] = field(default_factory=dict)
     hypotheses: list[Sequence] = field(default_factory=list)
     num_beams_created: int = 1  # the prompt sequence is beam 0; children get the next indices
+    error: str | None = None  # set when the request ends with no beam and no hypothesis (grammar dead ends)
 
     def add_result(self, seq: Sequence, sample: Any) -> None:
         if seq.seq_id in self.pending:
@@ -105,24 +114,36 @@ class BeamState:
         if not self.is_ready(live):
             raise RuntimeError("beam step before every live beam has its result")
         children: list[tuple[Sequence, Sequence]] = []
+        refused = None
         for candidate in self._candidates(live)[:2 * self.beam_width]:
             child = self._extend(candidate, new_seq_id())
             stop = stop_checker(child)
-            if stop is not None:
+            if child.error is not None:  # its grammar matcher refused the token: the child is dropped
+                refused = child.error
+            elif stop is not None:
                 child.finish(*stop)
                 self._add_hypothesis(child)
             elif len(children) < self.beam_width:
                 children.append((child, candidate.parent))
         self.pending.clear()
         done = not children or self._cannot_improve(children[0][0])
+        if done and not self.hypotheses:
+            self.error = refused or self._dead_end_message(live)
         return BeamStep([] if done else children, done)
+
+    @staticmethod
+    def _dead_end_message(live: list[Sequence]) -> str:
+        params = live[0].group.params
+        why = f" (EOS and stop_token_ids are banned before min_tokens={params.min_tokens})" if params.min_tokens else ""
+        return f"no beam is left: the grammar allowed no candidate token on any beam{why}"
 
     def _candidates(self, live: list[Sequence]) -> list[_Candidate]:
         candidates = []
         for order, beam in enumerate(live):
             row = self.pending[beam.seq_id].top_logprobs
-            if not row:
+            if not row and beam.matcher is None:
                 raise RuntimeError(f"beam {beam.seq_id}: the runner returned no top logprobs")
+            # (an empty row of a grammar beam: its grammar allows no token, and the beam is dropped)
             early = beam.num_output_tokens < beam.group.params.min_tokens
             banned = self.banned_before_min_tokens if early else frozenset()
             candidates += [_Candidate(beam.cumulative_logprob + logprob, order, token, logprob, beam, row)

@@ -25,7 +25,8 @@ Choices that vLLM leaves open or that differ between its versions:
   the only kind we load — changes nothing.
 - `structured_outputs=StructuredOutputsParams(json=... | regex=... | choice=[...] | grammar=... |
   json_object=True)` constrains the output (core/structured_outputs.py; a dict of its fields is accepted
-  too); `guided_decoding=` (vLLM's older name, GuidedDecodingParams) is the same thing. Not with beam search.
+  too); `guided_decoding=` (vLLM's older name, GuidedDecodingParams) is the same thing. With beam search
+  every beam follows the grammar (core/beam_search.py).
 - `truncate_prompt_tokens=k` keeps the last k prompt tokens (-1: as many as max_model_len allows).
 - A temperature below 1e-5 is stored as 0 (greedy), as vLLM does: dividing logits by 5e-324
   overflows to inf and NaN.
@@ -269,8 +270,6 @@ class SamplingParams:
         _check_string_list("bad_words", self.bad_words, MAX_BAD_WORDS)
 
     def _check_beam_search(self) -> None:
-        if self.structured_outputs is not None:
-            raise ValueError("structured_outputs is not supported with use_beam_search")
         if self.temperature != 0.0:
             raise ValueError("temperature must be 0 when use_beam_search is true")
         for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):

@@ -7,7 +7,8 @@ the exponential race with random_stream's uniforms. Rows with top-k or top-p fin
 without a sort (sampling.cu's top_cut, a bitwise descent), so the decode graph's sampler
 (cuda_graph_runner.py) runs the very same kernels on the same packed rows (sampling_rows.pack_params) and
 draws the same tokens. Tokens match the NumPy sampler except where two candidates' keys agree to the last
-bits (CUDA's exp/log vs NumPy's, summation order).
+bits (CUDA's exp/log vs NumPy's, summation order). A beam row under a grammar (sampler.ranks_allowed_tokens)
+takes its top log-probabilities among its allowed tokens, as the NumPy sampler does.
 
 Legend: R sampled rows, K logits rows, V vocab, Rp penalty rows, Ra top-logprob rows.
 """
@@ -20,7 +21,7 @@ import numpy as np
 
 from offline_paged.ops import sampling_launcher as kernels
 from offline_paged.ops.pinned import PinnedDownload, PinnedUpload
-from offline_paged.worker.sampler import SampleResult, SamplingRequest, bad_word_bans
+from offline_paged.worker.sampler import SampleResult, SamplingRequest, bad_word_bans, ranks_allowed_tokens
 from offline_paged.worker.sampling_rows import pack_params, pack_seeds
 
 
@@ -31,6 +32,7 @@ class GpuSampler:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._upload = PinnedUpload()  # the per-row inputs cross without waiting for the device
         self._mask_upload = PinnedUpload()  # structured-output masks: their own slots, as many steps in flight
+        self._top_mask_upload = PinnedUpload()  # the masks of beam rows' top-k (two uploads a step, as above)
 
     def sample(self, logits, rows: Sequence[int], requests: Sequence[SamplingRequest]) -> list[SampleResult]:
         """logits [K, V] float32 (device); request i samples logits row rows[i]. One result per request."""
@@ -66,10 +68,21 @@ class GpuSampler:
         chosen = out[:2 * num_rows].reshape(num_rows, 2)  # [R, 2] (token id, raw logprob)
         kernels.race(adjusted, cut, logits, step["rows"], step["params"], step["seeds"],
                      step["positions"], chosen)
+        allowed_only = [ranks_allowed_tokens(r) for r in requests]
         if asking.size:
-            _top_logprobs(logits, step["rows"], raw_stats, asking, k_max, out[2 * num_rows:])
+            _top_logprobs(logits, step["rows"], raw_stats, asking, k_max, out[2 * num_rows:],
+                          self._top_masks(requests, asking, allowed_only))
         wants = [r.params.logprobs is not None for r in requests]
-        return PendingSamples(out, num_rows, top_ks, asking, k_max, wants)
+        return PendingSamples(out, num_rows, top_ks, asking, k_max, wants, allowed_only=allowed_only)
+
+    def _top_masks(self, requests: Sequence[SamplingRequest], asking: np.ndarray, allowed_only: list[bool]):
+        """(slots [Rb] int32 into `asking`, masks [Rb, W] int32) of the rows whose top-k is taken among their
+        allowed tokens (beam rows under a grammar), uploaded; None when there are none."""
+        slots = [j for j, r in enumerate(asking.tolist()) if allowed_only[r]]
+        if not slots:
+            return None
+        masks = np.stack([requests[asking[j]].token_bitmask for j in slots]).astype(np.int32, copy=False)  # [Rb, W]
+        return self._top_mask_upload(np.asarray(slots, dtype=np.int32)), self._top_mask_upload(masks)
 
 
     def _apply_token_bitmasks(self, adjusted, requests: Sequence[SamplingRequest]) -> None:
@@ -86,14 +99,16 @@ class PendingSamples:
     """A sampling launch: the packed device results `out` (see GpuSampler.sample), already being copied
     to pinned host memory, until `results()` waits for that copy."""
 
-    __slots__ = ("_out", "_download", "_num_rows", "_top_ks", "_asking", "_k_max", "_wants", "_token_ids")
+    __slots__ = ("_out", "_download", "_num_rows", "_top_ks", "_asking", "_k_max", "_wants", "_token_ids",
+                 "_allowed_only")
 
     def __init__(self, out, num_rows: int, top_ks, asking, k_max: int, wants: list[bool],
-                 token_ids=None) -> None:
+                 token_ids=None, allowed_only: list[bool] | None = None) -> None:
         self._out, self._num_rows = out, num_rows
         self._download = PinnedDownload(out) if num_rows else None  # queued right behind the kernels
         self._top_ks, self._asking, self._k_max, self._wants = top_ks, asking, k_max, wants
         self._token_ids = token_ids
+        self._allowed_only = allowed_only or [False] * num_rows
 
     @classmethod
     def of_graph(cls, out, token_ids) -> PendingSamples:
@@ -114,7 +129,7 @@ class PendingSamples:
         if not self._num_rows:
             return []
         host = self._download.wait()  # the one device->host copy
-        return _results(host, self._top_ks, self._asking, self._k_max, self._wants)
+        return _results(host, self._top_ks, self._asking, self._k_max, self._wants, self._allowed_only)
 
 
 def _apply_token_constraints(adjusted, requests: Sequence[SamplingRequest]) -> None:
@@ -191,10 +206,14 @@ def _penalty_tokens(request: SamplingRequest, slot: int, vocab: int) -> np.ndarr
     return tokens
 
 
-def _top_logprobs(logits, rows, raw_stats, asking: np.ndarray, k_max: int, out) -> None:
-    """out[:Ra*k] = ids, out[Ra*k:] = raw logprobs of each asking row's k_max best tokens, best first."""
+def _top_logprobs(logits, rows, raw_stats, asking: np.ndarray, k_max: int, out, top_masks=None) -> None:
+    """out[:Ra*k] = ids, out[Ra*k:] = raw logprobs of each asking row's k_max best tokens, best first.
+    top_masks: (slots into asking, masks) of rows ranked among their allowed tokens only (the others -inf)."""
     picked = cupy.asarray(asking)  # [Ra]
     raw = logits[rows[picked]]  # [Ra, V] float32
+    if top_masks is not None:
+        raw = raw.astype(cupy.float64)  # exact: the same order and values; the mask kernel takes float64 rows
+        kernels.apply_token_bitmask(raw, *top_masks)
     ids = cupy.argsort(-raw, axis=1)[:, :k_max]  # [Ra, k] (fp32 order == raw logprob order)
     values = cupy.take_along_axis(raw, ids, axis=1).astype(cupy.float64)  # [Ra, k]
     stats = raw_stats[picked]  # [Ra, 2]
@@ -204,7 +223,7 @@ def _top_logprobs(logits, rows, raw_stats, asking: np.ndarray, k_max: int, out) 
 
 
 def _results(host: np.ndarray, top_ks: np.ndarray, asking: np.ndarray, k_max: int,
-             wants: list[bool]) -> list[SampleResult]:
+             wants: list[bool], allowed_only: list[bool]) -> list[SampleResult]:
     num_rows = top_ks.size
     chosen = host[:2 * num_rows].reshape(num_rows, 2)  # [R, 2]
     size = asking.size * k_max
@@ -221,6 +240,9 @@ def _results(host: np.ndarray, top_ks: np.ndarray, asking: np.ndarray, k_max: in
         if wants[r]:  # the top k best first, then the chosen token if it is not among them (as sampler.py)
             j, k = slot_of.get(r, 0), int(top_ks[r])
             top = {int(i): float(v) for i, v in zip(top_ids[j, :k], top_values[j, :k])} if k else {}
-            top.setdefault(token, logprob)
+            if allowed_only[r]:  # as sampler.allowed_top_logprobs: masked tokens dropped, no chosen token added
+                top = {i: v for i, v in top.items() if v != -np.inf}
+            else:
+                top.setdefault(token, logprob)
         results.append(SampleResult(token, logprob, top))
     return results

@@ -11,6 +11,8 @@ which draws exactly from p and depends only on (seed, position), never on the ba
 Log-probabilities reported (`SampleResult.logprob`, `top_logprobs`) are always those of the raw
 model distribution, log_softmax(logits), before penalties, temperature and filters (vLLM v1's
 default). Ties at a top-k or top-p boundary are kept (every token with the boundary value stays).
+A beam-search row under a grammar (`ranks_allowed_tokens`) reports its top-k among the tokens its mask
+allows only, with those same raw values: beam candidates come from that top-k, so every one is allowed.
 """
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,6 +86,26 @@ def top_logprobs(row_logprobs: np.ndarray, k: int, chosen: int | None = None) ->
     return result
 
 
+def ranks_allowed_tokens(request: SamplingRequest) -> bool:
+    """Whether the row's top log-probabilities are taken among the tokens its grammar allows: a beam row
+    with a structured-output mask (its beam candidates are that top-k, so each must be allowed)."""
+    return request.token_bitmask is not None and request.params.use_beam_search
+
+
+def allowed_top_logprobs(row_logprobs: np.ndarray, token_bitmask: np.ndarray, k: int) -> dict[int, float]:
+    """The k highest entries of one [V] log-probability row among the tokens `token_bitmask` ([W] int32)
+    allows, best first: fewer when fewer are allowed, none when none is. No chosen token is added."""
+    allowed = unpack_bitmask(token_bitmask[None], row_logprobs.shape[0])[0]  # [V]
+    top = top_logprobs(np.where(allowed, row_logprobs, -np.inf), k)
+    return {token: value for token, value in top.items() if value != -np.inf}
+
+
+def _reported_top(row_logprobs: np.ndarray, request: SamplingRequest, chosen: int) -> dict[int, float]:
+    if ranks_allowed_tokens(request):
+        return allowed_top_logprobs(row_logprobs, request.token_bitmask, request.params.logprobs)
+    return top_logprobs(row_logprobs, request.params.logprobs, chosen)
+
+
 class Sampler:
     """Stateless sampler; `eos_token_ids` are banned (with stop_token_ids) before min_tokens."""
 
@@ -106,8 +128,7 @@ class Sampler:
         chosen_logprobs = raw_logprobs_of(logits, token_ids)  # [S]; the full rows only where asked
         asking = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
         raw = dict(zip(asking, log_softmax(logits[asking]))) if asking else {}
-        return [SampleResult(int(t), float(lp), None if row not in raw else
-                             top_logprobs(raw[row], r.params.logprobs, int(t)))
+        return [SampleResult(int(t), float(lp), None if row not in raw else _reported_top(raw[row], r, int(t)))
                 for row, (t, lp, r) in enumerate(zip(token_ids, chosen_logprobs, requests))]
 
     def _ban_before_min_tokens(self, row: np.ndarray, request: SamplingRequest) -> None:
