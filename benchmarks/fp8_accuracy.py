@@ -8,8 +8,9 @@ so it is left out). For each config it runs the tasks of data/lm_eval (multiple 
 rolling log-likelihood) through our lm-eval backend, and scores a fixed set of loglikelihood requests:
 the multiple-choice task's (context, choice) pairs and a seeded set of (context, continuation) pairs cut
 from the texts of data/prompts.jsonl and data/lm_eval/rolling.jsonl. Prints one table (task scores, their
-differences from the reference in points, mean and largest |loglikelihood difference| per item) and the
-issue's thresholds, and writes a JSON record to benchmarks/results/.
+differences from the reference in points, mean and largest |loglikelihood difference| per item, how many
+greedy generations equal the reference's) and the issue's thresholds, and writes a JSON record (with every
+per-item loglikelihood, so a later GPU run can be compared item by item) to benchmarks/results/.
 
     .venv/bin/python benchmarks/fp8_accuracy.py [--model DIR] [--num-pairs 300] [--seed 0]
         [--configs fp32 bf16 fp8_kv ...] [--no-record]
