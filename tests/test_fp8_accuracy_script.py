@@ -1,0 +1,108 @@
+"""benchmarks/fp8_accuracy.py computes what it reports: the per-item |loglikelihood difference| is 0
+between two engines of one config and > 0 for an FP8 KV cache, its mean is the plain mean, and the
+fixed loglikelihood requests are seeded, distinct slices of the texts. On a tiny random model (the real
+SmolLM2 run is the script itself)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+from fixtures_tiny_model import write_tiny_model  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "fp8_accuracy.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("fp8_accuracy", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+fp8_accuracy = load_script()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-fp8-accuracy"), seed=5)
+
+
+def lm(tiny_dir: Path, **engine_args):
+    from offline_paged.entrypoints.lm_eval import OfflinePagedLM
+
+    return OfflinePagedLM(pretrained=str(tiny_dir), device="cpu", dtype="float32", **engine_args)
+
+
+def requests(model, num_pairs: int = 40, seed: int = 0) -> list:
+    texts = fp8_accuracy.corpus_texts()
+    return fp8_accuracy.pair_requests([model.tok_encode(t) for t in texts], num_pairs, seed)
+
+
+def test_mean_abs_difference_is_the_mean_of_per_item_absolute_differences():
+    assert fp8_accuracy.mean_abs_difference([1.0, 2.0, -3.0], [1.5, 1.0, -3.0]) == pytest.approx(0.5)
+    assert fp8_accuracy.max_abs_difference([1.0, 2.0, -3.0], [1.5, 1.0, -3.0]) == pytest.approx(1.0)
+    assert fp8_accuracy.mean_abs_difference([-2.5, -0.25], [-2.5, -0.25]) == 0.0
+
+
+@pytest.mark.parametrize("reference, other", [([1.0], [1.0, 2.0]), ([], [])])
+def test_mean_abs_difference_refuses_unmatched_or_empty_lists(reference, other):
+    with pytest.raises(ValueError, match="equally long"):
+        fp8_accuracy.mean_abs_difference(reference, other)
+
+
+def test_pairs_are_seeded_distinct_slices_of_the_texts():
+    token_lists = [list(range(100, 130)), list(range(200, 212))]
+    pairs = fp8_accuracy.pair_requests(token_lists, 50, seed=7)
+    assert pairs == fp8_accuracy.pair_requests(token_lists, 50, seed=7)
+    assert pairs != fp8_accuracy.pair_requests(token_lists, 50, seed=8)
+    assert len({(tuple(c), tuple(x)) for _, c, x in pairs}) == 50
+    for key, context, continuation in pairs:
+        assert key is None and context and 1 <= len(continuation) <= 8
+        joined = context + continuation
+        assert any(ids[:len(joined)] == joined for ids in token_lists)  # a prefix cut where it was
+
+
+def test_pairs_refuse_more_than_the_texts_hold():
+    with pytest.raises(ValueError, match="only 3 distinct"):
+        fp8_accuracy.pair_requests([[1, 2, 3]], 4, seed=0)  # (k, m): (1, 1), (1, 2), (2, 1)
+
+
+def test_corpus_holds_the_prompts_and_the_rolling_texts():
+    texts = fp8_accuracy.corpus_texts()
+    assert "Once upon a time, in a small village by the sea," in texts
+    assert any(t.startswith("PagedAttention stores the key-value cache") for t in texts)
+    assert all(isinstance(t, str) and t for t in texts)
+
+
+def test_identical_configs_differ_by_zero_and_an_fp8_kv_cache_by_more(tiny_dir):
+    reference = lm(tiny_dir)
+    pairs = requests(reference)
+    assert pairs == requests(lm(tiny_dir, kv_cache_dtype="fp8"))  # one tokenizer, the same requests
+    base = fp8_accuracy.loglikelihoods(reference, pairs)
+    again = fp8_accuracy.loglikelihoods(lm(tiny_dir), pairs)
+    fp8 = fp8_accuracy.loglikelihoods(lm(tiny_dir, kv_cache_dtype="fp8"), pairs)
+    assert len(base) == len(pairs) and all(value < 0 for value in base)
+    assert fp8_accuracy.mean_abs_difference(base, again) == 0.0
+    assert fp8_accuracy.mean_abs_difference(base, fp8) > 0.0
+
+
+def test_the_report_compares_each_config_with_the_reference():
+    Config, Result = fp8_accuracy.Config, fp8_accuracy.ConfigResult
+    scores = {"mc acc": 50.0, "mc acc_norm": 50.0, "gen EM": 0.0, "rolling bpb": 2.0}
+    reference = Result(Config("fp32", "float32"), scores, [-1.0, -2.0], [-3.0], ["a", "b"], 1.0)
+    other = Result(Config("fp8_kv", "FP8 KV"), scores | {"mc acc": 52.0}, [-1.5, -2.0], [-2.0], ["a", "c"], 1.0)
+    diff = fp8_accuracy.comparison(reference, other)
+    assert diff["score_diff"]["mc acc"] == pytest.approx(2.0) and diff["score_diff"]["gen EM"] == 0.0
+    assert diff["mean_abs_dll_mc"] == pytest.approx(0.25) and diff["mean_abs_dll_pairs"] == pytest.approx(1.0)
+    assert diff["mean_abs_dll_all"] == pytest.approx(0.5) and diff["max_abs_dll_all"] == pytest.approx(1.0)
+    assert diff["same_generations"] == 1
+    verdict = fp8_accuracy.verdict("fp8_kv", diff)
+    assert "1 point NOT met (largest 2.0)" in verdict and "0.500 <= 0.05 NOT met" in verdict
+    assert fp8_accuracy.verdict("bf16", diff) is None
+    text = fp8_accuracy.table([reference, other], {"fp8_kv": diff})
+    assert "| FP8 KV | 52.0 (+2.0) |" in text and "| 1/2 |" in text
