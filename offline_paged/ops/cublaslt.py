@@ -10,6 +10,11 @@ inside a capture takes the heuristic's first candidate (timing there is impossib
 Layout: row-major x [T, K] @ W [K, N] -> out [T, N] is column-major out^T [N, T] = W^T [N, K] x^T [K, T],
 as in graphs.py: A = W (op N with ld N when C-contiguous, op T with ld K when F-contiguous), B = x
 (column-major [K, T], ld K), C = D = out (column-major [N, T], ld N).
+FP8 (`fp8`): xq [T, Kp] e4m3 @ wq [Np, Kp] e4m3 (a weight kept [out, in]) -> acc [T, Np] float32, the same
+machinery with key (T, Kp, Np, op T, CUDA_R_8F_E4M3, CUDA_R_32F): A = wq as column-major [Kp, Np] ld Kp with op T,
+B = xq column-major [Kp, T] ld Kp with op N: both operands K-major, the "TN" form Hopper's FP8 GEMM requires;
+Kp, Np multiples of 16 (its rule for the inner and leading dimensions). No A/B scales (1.0) and no fast
+accumulation: the per-token and per-channel scales are applied by our epilogue (ops/cuda_fp8_linear.py).
 Legend: T rows, K inner dim, N output dim.
 """
 from __future__ import annotations
@@ -22,10 +27,13 @@ import statistics
 import cupy
 import numpy as np
 
+from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear
 from offline_paged.ops.graphs import (_OP_N, _OP_T, WORKSPACE_BYTES, check_gemm_args, check_status, gc_paused,
                                       libcublas_paths)
 
 _CUDA_R_32F = 0
+_CUDA_R_8F_E4M3 = 28
+FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner and leading dimensions multiples of 16
 _CUBLAS_COMPUTE_32F = 68
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
@@ -132,7 +140,20 @@ class TunedGemm:
     def __call__(self, x, w, out_dtype=None, out=None):
         """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous) -> out [T, N] of `out_dtype` (None: x's
         dtype, or float32), written into `out` when given. See CublasGemm.__call__."""
+        if isinstance(w, CudaFp8Linear):  # an FP8 layer: its product runs through `fp8` below
+            if out_dtype is not None or out is not None:
+                raise ValueError("an FP8 linear writes a new array of x's dtype: out_dtype and out must be None")
+            return w.apply(x, self)
         key, out = check_gemm_args(x, w, out_dtype, out)
+        return self._matmul(key, x, w, out)
+
+    def fp8(self, xq, wq, acc):
+        """xq [T, Kp] uint8 (e4m3 bits, C-contiguous) @ wq [Np, Kp] uint8 (C-contiguous, [out, in]) -> acc [T, Np]
+        float32 (written and returned): acc[t, j] = sum_k xq[t, k] wq[j, k], accumulated in fp32. See the
+        module docstring; the algorithm is picked per shape as for 16-bit products."""
+        return self._matmul(check_fp8_args(xq, wq, acc), xq, wq, acc)
+
+    def _matmul(self, key: tuple, x, w, out):
         if out.size == 0:
             return out
         plan = self.plans.get(key)
@@ -181,6 +202,21 @@ class TunedGemm:
         handle = getattr(self, "_handle", None)
         if handle is not None and handle.value:
             self._lib.cublasLtDestroy(handle)
+
+
+def check_fp8_args(xq, wq, acc) -> tuple:
+    """Validate an FP8 GEMM call (see TunedGemm.fp8); returns its plan key."""
+    for name, a, dtype in (("xq", xq, np.uint8), ("wq", wq, np.uint8), ("acc", acc, np.float32)):
+        if not isinstance(a, cupy.ndarray) or a.ndim != 2 or a.dtype != dtype or not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be a 2-D C-contiguous {np.dtype(dtype).name} cupy.ndarray, got "
+                             f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")
+    (num_rows, inner), (num_out, w_inner) = xq.shape, wq.shape
+    if inner != w_inner or acc.shape != (num_rows, num_out):
+        raise ValueError(f"xq [{num_rows}, {inner}] @ wq[{num_out}, {w_inner}]^T cannot be written to acc {acc.shape}")
+    if inner % FP8_ALIGN or num_out % FP8_ALIGN:
+        raise ValueError(f"the FP8 GEMM needs the inner and output widths padded to multiples of {FP8_ALIGN}, "
+                         f"got {inner} and {num_out}")
+    return num_rows, inner, num_out, _OP_T, _CUDA_R_8F_E4M3, _CUDA_R_32F
 
 
 def _capturing(stream: cupy.cuda.Stream) -> bool:
