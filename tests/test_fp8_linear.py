@@ -174,4 +174,8 @@ def test_the_engine_runs_fp8_weights_with_an_fp8_kv_cache():
 def test_roofline_counts_fp8_linear_weights_at_one_byte():
     config = tiny_model().config
     plain, fp8 = RooflineModel(config, itemsize=2), RooflineModel(config, itemsize=2, linear_itemsize=1)
-    assert plain.weight_bytes - fp8.weight_bytes == plain.linear_params
+    c = config
+    scales = 4 * c.num_hidden_layers * ((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                                        + 2 * c.hidden_size + 2 * c.intermediate_size)  # float32 per out channel
+    assert fp8.linear_scale_bytes == scales and plain.linear_scale_bytes == 0
+    assert plain.weight_bytes - fp8.weight_bytes == plain.linear_params - scales
