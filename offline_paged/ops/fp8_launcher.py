@@ -28,7 +28,7 @@ KERNELS = (
 QUANT_THREADS = 256  # fp8_linear.cu's QUANT_THREADS
 FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner dimension and leading dimensions multiples of 16
 MAX_ROW_BLOCKS = 65535  # the quantize kernel strides over rows past this many blocks
-_GRID_STRIDE_BLOCKS = 1024
+_GRID_STRIDE_BLOCKS = 4096  # scale_fp8_output: enough blocks to fill an H200 (132 SMs) several times
 
 
 def padded(width: int) -> int:
