@@ -18,7 +18,7 @@
 //   acc     [R, Np] float32 contiguous: the GEMM's accumulator sum_c xq[r, c] wq[j, c] (Np >= N)
 //   x_scale [R] float32, w_scale [Np] float32
 //   out     [R, N] T contiguous: (acc[r, j] * x_scale[r]) * w_scale[j], rounded to T once (the reference's order)
-//   Grid-stride loop over the R * N outputs (64-bit index).
+//   Grid: y = row (strided by gridDim.y); x * blockDim.x + threadIdx.x = column (strided).
 #include <cuda_fp16.h>
 #include "fp8.cuh"
 
@@ -87,11 +87,12 @@ template <typename T>
 __device__ void scale_output(const float* __restrict__ acc, const float* __restrict__ x_scale,
                              const float* __restrict__ w_scale, T* __restrict__ out, long long num_rows, int num_out,
                              int padded_out) {
-  const long long total = num_rows * num_out;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-    const long long row = i / num_out;
-    const int col = (int)(i - row * num_out);
-    out[i] = from_float<T>(__fmul_rn(__fmul_rn(acc[row * padded_out + col], x_scale[row]), w_scale[col]));
+  for (long long row = blockIdx.y; row < num_rows; row += gridDim.y) {
+    const float row_scale = x_scale[row];
+    const float* in = acc + row * padded_out;
+    T* dst = out + row * num_out;
+    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < num_out; col += gridDim.x * blockDim.x)
+      dst[col] = from_float<T>(__fmul_rn(__fmul_rn(in[col], row_scale), w_scale[col]));
   }
 }
 

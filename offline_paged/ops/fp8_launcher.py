@@ -27,8 +27,8 @@ KERNELS = (
 )
 QUANT_THREADS = 256  # fp8_linear.cu's QUANT_THREADS
 FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner dimension and leading dimensions multiples of 16
-MAX_ROW_BLOCKS = 65535  # the quantize kernel strides over rows past this many blocks
-_GRID_STRIDE_BLOCKS = 4096  # scale_fp8_output: enough blocks to fill an H200 (132 SMs) several times
+MAX_ROW_BLOCKS = 65535  # both kernels stride over rows past this many blocks (CUDA's gridDim.y limit)
+_COLUMN_BLOCKS = 64  # scale_fp8_output: blocks of 256 columns per row at most (they stride past it)
 
 
 def padded(width: int) -> int:
@@ -105,12 +105,11 @@ def scale_fp8_output(acc, x_scale, w_scale, num_out: int, dtype, out=None):
     out = cupy.empty((num_rows, num_out), dtype=dtype) if out is None else out  # [R, N]
     suffix = _suffix("out", out)
     _check("out", out, out.dtype, (num_rows, num_out))
-    total = num_rows * num_out
-    if total:
-        blocks = min(-(-total // 256), _GRID_STRIDE_BLOCKS)
+    if num_rows * num_out:
+        grid = (min(-(-num_out // 256), _COLUMN_BLOCKS), min(num_rows, MAX_ROW_BLOCKS))
         scale = (_kernel(SOURCE, "scale_fp8_output_f16") if suffix == "f16"
                  else _kernel(SOURCE, "scale_fp8_output_bf16"))
         scale(
-            (blocks,), (256,), (acc, x_scale, w_scale, out, np.int64(num_rows), np.int32(num_out),
+            grid, (256,), (acc, x_scale, w_scale, out, np.int64(num_rows), np.int32(num_out),
                                 np.int32(padded_out)))
     return out
