@@ -9,6 +9,9 @@ models of the Llama and Qwen3 families, CUDA graphs on. Needs a GPU.
 - Decode steps replayed from CUDA graphs (the graphs' own tuned GEMM) against the same engine run eagerly: the
   greedy tokens are equal up to near-ties and the chosen tokens' logprobs agree closely.
 - The layers really are FP8 on the device (uint8 weights, float32 scales), the embedding and LM head stay 16-bit.
+- Pre-quantized checkpoints (compressed-tensors per channel with an ignored linear; vLLM fp8 per tensor with static
+  input scales) on CUDA: the device holds the checkpoint's own e4m3 bytes and scales, the ignored linear stays
+  16-bit, and the greedy tokens equal the CPU engine's on the same checkpoint up to near-ties.
 """
 from __future__ import annotations
 
@@ -18,10 +21,14 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from test_gpu_engine import SHAPES, engine, prompts, random_model, top2  # noqa: E402
+from fixtures_fp8_checkpoint import WEIGHTS, write_fp8_checkpoint  # noqa: E402
+from test_gpu_engine import SHAPES, engine, prompts, random_model, top2, write_tiny_gpu_model  # noqa: E402
 from tiny_engine import run_to_completion  # noqa: E402
 
+from offline_paged.core.config import EngineConfig  # noqa: E402
 from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
+from offline_paged.engine import LLMEngine  # noqa: E402
+from offline_paged.models.safetensors_io import read_safetensors  # noqa: E402
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear  # noqa: E402
 
 FAMILIES = {"llama": SHAPES["smollm2-d64-gqa3"] | dict(num_hidden_layers=4, tie_word_embeddings=False),
@@ -100,3 +107,40 @@ def test_fp8_weights_in_decode_graphs_equal_the_eager_engine_up_to_near_ties(nam
           f"max |logprob difference| {worst:.3f}")
     assert worst < NEAR
     assert matched >= 16 * len(requests) // 2  # not vacuous
+
+
+@pytest.mark.parametrize("case", ["ct-channel-dynamic", "fp8-tensor-static"])
+def test_a_prequantized_checkpoint_runs_on_cuda_with_its_own_e4m3_values(case, tmp_path):
+    plain = write_tiny_gpu_model(tmp_path / "plain")
+    if case == "ct-channel-dynamic":
+        directory = write_fp8_checkpoint(plain, tmp_path / case, ignore=("lm_head", "model.layers.1.mlp.down_proj"))
+    else:
+        directory = write_fp8_checkpoint(plain, tmp_path / case, method="fp8", strategy="tensor", static=True)
+    settings = dict(model=str(directory), block_size=16, num_kv_blocks=128, max_num_seqs=8)
+    gpu_engine = LLMEngine(EngineConfig(device="cuda", dtype="float16", **settings))
+    stored = read_safetensors(directory / WEIGHTS)
+    layer = gpu_engine.runner.model.layers[0]
+    parts = [stored[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]  # [out_i, in] e4m3 each
+    want = np.concatenate(parts).view(np.uint8)  # [out, in]
+    assert isinstance(layer.qkv, CudaFp8Linear)
+    np.testing.assert_array_equal(layer.qkv.weight.get()[:want.shape[0], :want.shape[1]], want)
+    assert (layer.qkv.input_scale is None) == (case == "ct-channel-dynamic")
+    last_down = gpu_engine.runner.model.layers[1].down
+    assert isinstance(last_down, CudaFp8Linear) == (case != "ct-channel-dynamic")  # the ignored linear: 16-bit
+    rng = np.random.default_rng(5)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True)
+    requests = {f"r{i}": (rng.integers(0, 200, int(n)).tolist(), params) for i, n in enumerate(rng.integers(8, 60, 6))}
+    got_all = run_to_completion(gpu_engine, requests)
+    assert gpu_engine.runner.decode_graphs is not None and gpu_engine.runner.decode_graphs.num_replays > 0
+    want_all = run_to_completion(LLMEngine(EngineConfig(device="cpu", dtype="float32", **settings)), requests)
+    matched = 0
+    for key in requests:
+        want, got = want_all[key].outputs[0], got_all[key].outputs[0]
+        for i, (want_id, got_id) in enumerate(zip(want.token_ids, got.token_ids)):
+            if want_id != got_id:  # a near-tie of the CPU run itself; after it the contexts differ
+                assert want.logprobs[i][want_id] - want.logprobs[i].get(got_id, -np.inf) < 2 * NEAR, key
+                break
+            assert abs(want.logprobs[i][want_id] - got.logprobs[i][got_id]) < NEAR, key
+            matched += 1
+    print(f"\n{case}: {matched} of {12 * len(requests)} tokens equal the CPU engine's on the same checkpoint")
+    assert matched >= 12 * len(requests) // 2  # not vacuous
