@@ -62,6 +62,9 @@ class CudaFp8Linear:
     def upload(cls, layer: Fp8Linear, gemm_source=None) -> "CudaFp8Linear":
         """A host Fp8Linear (a pre-quantized checkpoint's e4m3 values and scales) on the device, values unchanged."""
         num_in, num_out = layer.weight.shape
+        if layer.input_scale is not None and not (np.isfinite(layer.input_scale) and layer.input_scale > 0):
+            raise ValueError(f"an FP8 layer's static input_scale must be a positive finite number, got "
+                             f"{layer.input_scale!r}")
         bits = np.zeros((padded(num_out), padded(num_in)), dtype=np.uint8)  # [Np, Kp]
         bits[:num_out, :num_in] = np.asarray(layer.weight).T.view(np.uint8)
         scales = np.ones(padded(num_out), dtype=np.float32)  # [Np]
