@@ -206,6 +206,9 @@ def test_misuse_is_refused_with_value_errors():
     with pytest.raises(ValueError, match="acc must be float32"):
         scale_fp8_output(cupy.zeros((4, 16), np.float16), cupy.ones(4, np.float32), cupy.ones(16, np.float32), 16,
                          np.float16)
+    host = e4m3_layer(np.random.default_rng(1), 32, 16)
+    with pytest.raises(ValueError, match="static input_scale must be a positive finite number"):
+        CudaFp8Linear.upload(Fp8Linear(host.weight, host.weight_scale, host.weight.astype(np.float32), 0.0))
     with pytest.raises(RuntimeError, match="has no GEMM"):
         x16 @ layer
     assert FP8_E4M3.itemsize == 1
