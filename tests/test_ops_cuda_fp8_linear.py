@@ -20,6 +20,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+import offline_paged.ops.cuda_fp8_linear as cuda_fp8_linear  # noqa: E402
 from offline_paged.ops.cublaslt import TunedGemm  # noqa: E402
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear  # noqa: E402
 from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output  # noqa: E402
@@ -57,6 +58,14 @@ def e4m3_layer(rng, num_in: int, num_out: int) -> Fp8Linear:
 def shared_layer(num_in: int, num_out: int) -> Fp8Linear:
     """e4m3_layer of a fixed seed per shape, built once per session (the 8B ones take seconds)."""
     return e4m3_layer(np.random.default_rng(num_in * 31 + num_out), num_in, num_out)
+
+
+@pytest.fixture(params=[True, False], ids=["scales-in-cublaslt", "scale-kernel"])
+def scales_in_cublaslt(request, monkeypatch):
+    """Both ways of applying the scales (cuda_fp8_linear.SCALES_IN_CUBLASLT); the first falls back to the second
+    where cuBLASLt has no outer-vector algorithm."""
+    monkeypatch.setattr(cuda_fp8_linear, "SCALES_IN_CUBLASLT", request.param)
+    return request.param
 
 
 def rel_error(actual, expected) -> float:
@@ -108,7 +117,7 @@ def test_weight_quantized_on_the_device_equals_fp8_linear_quantize(dtype):
 @pytest.mark.parametrize("num_rows", [1, 7, 256, 2048])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", list(LAYER_SHAPES))
-def test_fp8_product_equals_numpy_fp8_linear_at_llama_shapes(model, dtype, num_rows):
+def test_fp8_product_equals_numpy_fp8_linear_at_llama_shapes(model, dtype, num_rows, scales_in_cublaslt):
     rng = np.random.default_rng(num_rows)
     stream = cupy.cuda.Stream(non_blocking=True)
     gemm = TunedGemm(stream)
@@ -125,7 +134,7 @@ def test_fp8_product_equals_numpy_fp8_linear_at_llama_shapes(model, dtype, num_r
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_in, num_out", [(100, 50), (576, 960), (24, 8)])
-def test_fp8_product_pads_widths_that_are_not_multiples_of_16(num_in, num_out, dtype):
+def test_fp8_product_pads_widths_that_are_not_multiples_of_16(num_in, num_out, dtype, scales_in_cublaslt):
     rng = np.random.default_rng(num_in)
     host = e4m3_layer(rng, num_in, num_out)
     x = activations(rng, 13, num_in, dtype)
@@ -156,7 +165,7 @@ def test_eager_matmul_operator_runs_the_fp8_product(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static-input-scale"])
-def test_fp8_product_captured_in_a_graph_equals_the_eager_call(dtype, static):
+def test_fp8_product_captured_in_a_graph_equals_the_eager_call(dtype, static, scales_in_cublaslt):
     """A decode graph's TunedGemm: the product captured once (tuned first, eagerly), replayed on new inputs at the
     same address, is bit for bit the eager product of those inputs."""
     rng = np.random.default_rng(4)
@@ -185,6 +194,28 @@ def test_fp8_product_captured_in_a_graph_equals_the_eager_call(dtype, static):
     assert rel_error(eager.get(), want) < ROUNDING[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cublaslt_outer_vector_scales(dtype):
+    """TunedGemm.fp8_scaled on this device: cuBLASLt applies x_scale per token and w_scale per channel and writes the
+    16-bit output (equal to the scale kernel's path within one rounding), or it says False and launches nothing."""
+    rng = np.random.default_rng(9)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    gemm = TunedGemm(stream)
+    host = shared_layer(4096, 6144)
+    layer = CudaFp8Linear.upload(host)
+    x = activations(rng, 256, 4096, dtype)
+    with stream:
+        xq, x_scale = quantize_rows_fp8(cupy.asarray(x))
+        out = cupy.full((256, 6144), np.nan, dtype=dtype)
+        supported = gemm.fp8_scaled(xq, layer.weight, x_scale, layer.weight_scale, out)
+        stream.synchronize()
+    print(f"\ncuBLASLt outer-vector FP8 scales ({dtype.name}): {'supported' if supported else 'not supported'}")
+    if not supported:
+        assert np.isnan(out.get().astype(np.float32)).all()  # nothing was written
+        pytest.skip("cuBLASLt has no outer-vector FP8 algorithm here: the scale kernel's path runs")
+    assert rel_error(out.get(), x.astype(np.float32) @ host) < ROUNDING[dtype]
+
+
 def test_misuse_is_refused_with_value_errors():
     x16 = cupy.zeros((4, 32), dtype=np.float16)
     layer = CudaFp8Linear.upload(e4m3_layer(np.random.default_rng(0), 32, 16))
@@ -199,6 +230,9 @@ def test_misuse_is_refused_with_value_errors():
         gemm.fp8(cupy.zeros((4, 24), np.uint8), cupy.zeros((16, 24), np.uint8), cupy.zeros((4, 16), np.float32))
     with pytest.raises(ValueError, match="cannot be written to acc"):
         gemm.fp8(cupy.zeros((4, 32), np.uint8), cupy.zeros((16, 32), np.uint8), cupy.zeros((4, 32), np.float32))
+    with pytest.raises(ValueError, match=r"x_scale must be a contiguous float32 cupy.ndarray of shape \(4,\)"):
+        gemm.fp8_scaled(cupy.zeros((4, 32), np.uint8), layer.weight, cupy.ones(3, np.float32), layer.weight_scale,
+                        cupy.zeros((4, 16), np.float16))
     with pytest.raises(ValueError, match="out_dtype and out must be None"):
         gemm(x16, layer, out_dtype=np.float32)
     with pytest.raises(ValueError, match="cannot multiply x of shape"):

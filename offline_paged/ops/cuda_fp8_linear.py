@@ -9,8 +9,10 @@ allocates outside CuPy's pool or synchronises (so a decode graph captures them):
 1. quantize_rows_fp8: xq [T, Kp] e4m3 and x_scale [T] (per token: max|x[t]| / 448; or the static input_scale);
 2. TunedGemm.fp8: acc [T, Np] float32 = xq @ wq^T (cuBLASLt, fp32 accumulation, algorithm timed per shape);
 3. scale_fp8_output: out[t, j] = (acc[t, j] x_scale[t]) w_scale[j], rounded once to x's dtype.
-cuBLASLt on sm_90 takes only per-tensor A/B scales, so the per-token x per-channel scales are step 3 (our
-epilogue); the fp32 accumulator also keeps fp16 from overflowing (unscaled sums reach 448^2 K).
+cuBLASLt's per-tensor A/B scales cannot express per-token x per-channel ones, so they are step 3 (our epilogue); the
+fp32 accumulator also keeps fp16 from overflowing (unscaled sums reach 448^2 K). Where the library offers its
+outer-vector scale modes for the shape (CUDA 12.9+; whether sm_90 has them was not known when this was written), steps
+2-3 are one cuBLASLt call writing x's dtype directly (`SCALES_IN_CUBLASLT`; padded output widths always take 2-3).
 
 `x @ layer` works for a cupy x (the model's eager `matmul` is operator.matmul): `__array_ufunc__ = None` makes CuPy
 defer to `__rmatmul__`, which runs through the TunedGemm `gemm_source()` returns for the current stream (CudaOps
@@ -28,6 +30,11 @@ import numpy as np
 from offline_paged.ops.fp8_launcher import padded, quantize_rows_fp8, scale_fp8_output
 from offline_paged.ops.fp8_linear import Fp8Linear
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA
+
+
+# Let cuBLASLt apply the scales itself where it can (TunedGemm.fp8_scaled: outer-vector scale modes, a 16-bit D, and
+# no float32 accumulator through memory); False: always steps 2-3 above. Either way the result is the same product.
+SCALES_IN_CUBLASLT = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +96,10 @@ class CudaFp8Linear:
             raise ValueError(f"cannot multiply x of shape {getattr(x, 'shape', type(x).__name__)} by an FP8 weight "
                              f"of shape {self.shape}")
         xq, x_scale = quantize_rows_fp8(cupy.ascontiguousarray(x), self.weight.shape[1], self.input_scale)  # [T, Kp]
+        if SCALES_IN_CUBLASLT and self.weight.shape[0] == self.out_features:
+            out = cupy.empty((x.shape[0], self.out_features), dtype=x.dtype)  # [T, N]
+            if gemm.fp8_scaled(xq, self.weight, x_scale, self.weight_scale, out):
+                return out
         acc = cupy.empty((x.shape[0], self.weight.shape[0]), dtype=cupy.float32)  # [T, Np]
         gemm.fp8(xq, self.weight, acc)
         return scale_fp8_output(acc, x_scale, self.weight_scale, self.out_features, x.dtype)  # [T, N]
