@@ -233,6 +233,9 @@ def test_misuse_is_refused_with_value_errors():
     with pytest.raises(ValueError, match=r"x_scale must be a contiguous float32 cupy.ndarray of shape \(4,\)"):
         gemm.fp8_scaled(cupy.zeros((4, 32), np.uint8), layer.weight, cupy.ones(3, np.float32), layer.weight_scale,
                         cupy.zeros((4, 16), np.float16))
+    with pytest.raises(ValueError, match="fp8_scaled writes float16 or bfloat16"):
+        gemm.fp8_scaled(cupy.zeros((4, 32), np.uint8), layer.weight, cupy.ones(4, np.float32), layer.weight_scale,
+                        cupy.zeros((4, 16), np.float32))
     with pytest.raises(ValueError, match="out_dtype and out must be None"):
         gemm(x16, layer, out_dtype=np.float32)
     with pytest.raises(ValueError, match="cannot multiply x of shape"):

@@ -175,6 +175,8 @@ class TunedGemm:
         applied by cuBLASLt's epilogue (outer-vector modes), rounded once; xq, wq as in `fp8`, x_scale [T] and
         w_scale [Np] float32 on the device. False, with nothing launched, where cuBLASLt has no algorithm for it
         (remembered per shape; a plan first seen inside a capture takes the heuristic's first candidate)."""
+        if _cuda_type(getattr(out, "dtype", np.float64)) not in (_CUDA_R_16F, _CUDA_R_16BF):
+            raise ValueError(f"fp8_scaled writes float16 or bfloat16, got {getattr(out, 'dtype', type(out))}")
         key = (*check_fp8_args(xq, wq, out, out.dtype), _SCALE_OUTER_VEC_32F)
         for name, v, n in (("x_scale", x_scale, xq.shape[0]), ("w_scale", w_scale, wq.shape[0])):
             if not isinstance(v, cupy.ndarray) or v.dtype != np.float32 or v.shape != (n,) or not v.flags.c_contiguous:
