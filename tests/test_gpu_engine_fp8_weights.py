@@ -34,8 +34,11 @@ from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear  # noqa: E402
 FAMILIES = {"llama": SHAPES["smollm2-d64-gqa3"] | dict(num_hidden_layers=4, tie_word_embeddings=False),
             "qwen3": SHAPES["qwen3"]}
 # Per dtype: (top-2 gap / scale that counts as decisive, least share of decisive positions, largest target-logprob
-# error / scale). Not yet calibrated on the device: the FP8 KV test's fp16 bounds, and twice them for bf16.
-BOUNDS = {"float16": (1e-2, 0.6, 6e-2), "bfloat16": (2.5e-2, 0.3, 1.2e-1)}
+# error / scale). Not calibrated on the device yet. A CPU emulation of the GPU path (the same quantization of fp16
+# activations and weights, NumPy fp16 elsewhere, which rounds more often than the kernels) against the fp32 FP8 engine
+# on the llama shape: decisive share 0.47 at 2.5e-2, 99.6% agreement there (96% at 1e-2), error 4.2e-2; qwen3: all
+# positions decisive and agreeing, error 1.1e-2. bf16: wider, as the 16-bit test's bounds are.
+BOUNDS = {"float16": (2.5e-2, 0.35, 6e-2), "bfloat16": (4e-2, 0.25, 1.2e-1)}
 NEAR = 1.0  # logprob units: a divergence between graph and eager runs only where the top-2 gap is below 2 NEAR
 
 
