@@ -56,7 +56,7 @@ _BENCH_OVERRIDES = {
 @click.option("--output-len", default="100:1024", show_default=True, callback=_length_range,
               help="Output length range (exact: ignore_eos).")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
-@engine_options(repeatable=("dtype", "block_size", "kv_cache_dtype"), overrides=_BENCH_OVERRIDES)
+@engine_options(repeatable=("dtype", "block_size", "kv_cache_dtype", "quantization"), overrides=_BENCH_OVERRIDES)
 @click.option("--kv-layout", "kv_layouts", type=click.Choice(["paged", "contiguous"]), multiple=True,
               help="Repeat to compare (default: paged). contiguous reserves max_model_len per sequence.")
 @click.option("--compare-single", is_flag=True,
@@ -80,6 +80,9 @@ def bench(**options: Any) -> None:
     # Every --kv-cache-dtype runs on each backend, after each other in this process (the ratio in one call).
     options["kv_cache_dtypes"] = options["kv_cache_dtype"] or ("auto",)
     options["kv_cache_dtype"] = options["kv_cache_dtypes"][0]
+    # Likewise every --quantization (none: 16-bit weights), e.g. --quantization none --quantization fp8.
+    options["quantizations"] = options["quantization"] or (None,)
+    options["quantization"] = options["quantizations"][0]
     if options["data_parallel_size"] != 1:
         _bench_data_parallel(options)
         return
@@ -137,6 +140,8 @@ def _check_options(options: dict) -> None:
         raise click.UsageError("several --dtype values need --data-parallel-size 1 (one run per dtype)")
     if len(options["kv_cache_dtype"]) > 1 and options["data_parallel_size"] != 1:
         raise click.UsageError("several --kv-cache-dtype values need --data-parallel-size 1 (one run per value)")
+    if len(options["quantization"]) > 1 and options["data_parallel_size"] != 1:
+        raise click.UsageError("several --quantization values need --data-parallel-size 1 (one run per value)")
     if options["workload"] == "file" and not options["input_file"]:
         raise click.UsageError("--workload file needs --input-file JOB.jsonl")
     if options["workload"] == "random" and options["input_file"]:
@@ -191,16 +196,17 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
     layouts = options["kv_layouts"] or ("paged",)
     block_sizes = options["block_size"] or (16,)
     kv_dtypes = options.get("kv_cache_dtypes") or (options["kv_cache_dtype"],)
+    quantizations = options.get("quantizations") or (options["quantization"],)
     results = []
     variants = [("", requests)]
     if options.get("structured"):
         variants.append((f" {options['structured']}", structured_workload(requests, options["structured"])))
-    for layout, block_size, kv_dtype, (variant, run_requests) in itertools.product(layouts, block_sizes, kv_dtypes,
-                                                                                  variants):
+    for layout, block_size, quantization, kv_dtype, (variant, run_requests) in itertools.product(
+            layouts, block_sizes, quantizations, kv_dtypes, variants):
         # one fresh engine per run: a second run on the same engine would hit the prefix cache
         try:
-            config = _engine_config(options | {"kv_cache_dtype": kv_dtype}, backend.name, layout, block_size,
-                                    max_model_len, tensor_parallel_size)
+            config = _engine_config(options | {"kv_cache_dtype": kv_dtype, "quantization": quantization},
+                                    backend.name, layout, block_size, max_model_len, tensor_parallel_size)
             engine = LLMEngine(config, loaded_model=loaded)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
@@ -218,8 +224,8 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
             label += f" TP={tensor_parallel_size}"
         if len(kv_dtypes) > 1 or engine.kv_cache_dtype != "auto":
             label += f" kv={engine.kv_cache_dtype}"
-        if config.quantization:
-            label += f" w={config.quantization}"
+        if config.quantization or len(quantizations) > 1:
+            label += f" w={config.quantization or 'none'}"
         label += tag + variant
         print(f"running {label} ...", file=sys.stderr, flush=True)
         results.append(run_bench(engine, run_requests, label=label, kv_layout=layout, ceilings=ceilings))
@@ -335,7 +341,8 @@ def _emit(options: dict, results: list, backend, dtype_names: str | None = None)
     if options["tensor_parallel_size"] != 1:
         source += f", tensor parallel {options['tensor_parallel_size']}"
     kv_dtypes = sorted({getattr(r, "kv_cache_dtype", "auto") for r in results}) or ["auto"]
-    quantization = options.get("quantization")
+    quantizations = options.get("quantizations") or (options.get("quantization"),)
+    quantization = "/".join(q or "none" for q in quantizations) if len(quantizations) > 1 else quantizations[0]
     header = (f"offline-paged bench: {source}, {backend.name} {dtype_names or backend.dtype.name}, kv cache "
               f"{'/'.join(kv_dtypes)}, quantization {quantization or 'none'}, workload {options['workload']}"
               + _workload_label(options))

@@ -51,6 +51,13 @@ class ByteSize(click.ParamType):
             self.fail(exc.message, param, ctx)
 
 
+def _canonical_quantization(ctx: click.Context, param: click.Parameter, value):
+    """"none" -> None (EngineConfig's value for 16-bit weights), so a repeated bench option can name both."""
+    if isinstance(value, tuple):
+        return tuple(None if v == "none" else v for v in value)
+    return None if value == "none" else value
+
+
 def _canonical_dtype(ctx: click.Context, param: click.Parameter, value: str | tuple[str, ...]):
     """vLLM's spellings "half" / "float" -> float16 / float32, so every command sees one name."""
     if isinstance(value, tuple):
@@ -110,9 +117,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     _option("calculate_kv_scales", "--calculate-kv-scales/--no-calculate-kv-scales", default=False,
             show_default=True,
             help="FP8 KV cache: per-layer K and V scales from the first prefill instead of 1.0."),
-    _option("quantization", "--quantization", type=click.Choice(QUANTIZATIONS), default=None,
+    _option("quantization", "--quantization", type=click.Choice(("none", *QUANTIZATIONS)), default=None,
+            callback=_canonical_quantization,
             help="fp8: the layers' linear weights in FP8 e4m3 (per-output-channel scales, activations quantized "
-                 "per token); the CPU backend only for now. A pre-quantized FP8 checkpoint needs no flag."),
+                 "per token; on CUDA through cuBLASLt's FP8 GEMM, Hopper or newer); none: 16-bit (the default). "
+                 "A pre-quantized FP8 checkpoint needs no flag."),
     _option("gpu_memory_utilization", "--gpu-memory-utilization",
             type=click.FloatRange(min=0, max=1, min_open=True), default=0.9, show_default=True,
             help="Fraction of free GPU memory the weights' leftovers may give the KV cache."),

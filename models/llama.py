@@ -37,6 +37,11 @@ from .config import LlamaConfig
 from .rope import cos_sin_cache
 from .weight_spec import check_weights
 
+# FP8 weights (quantization="fp8", FP8 checkpoints) on the CUDA backend: the one switch. Their GPU tests
+# (tests/test_ops_cuda_fp8_linear.py, tests/test_gpu_engine_fp8_weights.py) had not run on a device when it was
+# turned on; False refuses them on CUDA again (the CPU backend is unaffected).
+FP8_WEIGHTS_ON_CUDA = True
+
 
 @dataclass(slots=True)
 class LlamaLayer:
@@ -61,7 +66,8 @@ class Llama:
     KvScales (1.0, or taken from the first prefill with `calculate_kv_scales`).
     `quantization="fp8"`: every layer's linear weights (qkv, o_proj, gate_up, down; not the embedding or
     the LM head) become Fp8Linear (e4m3, per-output-channel scales; activations quantized per token at
-    each product). NumPy backends only for now. A pre-quantized FP8 checkpoint (`config.quantization`) keeps its
+    each product): `ops.quantize_linear` builds them (NumpyOps: Fp8Linear; CudaOps: CudaFp8Linear, cuBLASLt's FP8
+    GEMM; FP8_WEIGHTS_ON_CUDA switches that off). A pre-quantized FP8 checkpoint (`config.quantization`) keeps its
     own e4m3 values and scales (models/checkpoint_scales.py) in the same Fp8Linear, whatever `quantization`
     says; its k_scale / v_scale tensors seed the FP8 KV cache's KvScales."""
 
@@ -70,13 +76,14 @@ class Llama:
                  kv_cache_dtype=None, calculate_kv_scales: bool = False, quantization: str | None = None):
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
-        if quantization is not None and (ops.xp is not np or tp is not None):
-            raise ValueError(f"quantization={quantization!r} runs on the CPU backend without tensor parallelism "
-                             "only for now (device='cpu'); leave quantization unset on CUDA")
-        if config.quantization is not None and (ops.xp is not np or tp is not None):
+        if quantization is not None and (tp is not None or (ops.xp is not np and not FP8_WEIGHTS_ON_CUDA)):
+            raise ValueError(f"quantization={quantization!r} is not supported with tensor parallelism"
+                             + ("" if FP8_WEIGHTS_ON_CUDA else " or on CUDA (use device='cpu')")
+                             + " yet; leave quantization unset")
+        if config.quantization is not None and (tp is not None or (ops.xp is not np and not FP8_WEIGHTS_ON_CUDA)):
             raise ValueError(f"this checkpoint's FP8 weights (quantization_config quant_method "
-                             f"{config.quantization.method!r}) run on the CPU backend without tensor parallelism "
-                             "only for now (device='cpu'): the GPU's FP8 GEMM is not built yet")
+                             f"{config.quantization.method!r}) are not supported with tensor parallelism"
+                             + ("" if FP8_WEIGHTS_ON_CUDA else " or on CUDA (use device='cpu')") + " yet")
         if (ops.xp is not np and is_fp8(np.dtype(kv_cache_dtype or dtype)) and not calculate_kv_scales
                 and any(layer_kv_scales(weights, i) != (None, None) for i in range(config.num_hidden_layers))):
             # Switched off on CUDA: the GPU test of checkpoint scales (test_gpu_engine_fp8.py) has not run yet.
@@ -134,10 +141,11 @@ class Llama:
             modules = [p + part for part in FUSED_LINEARS[fused]]
             if modules[0] in self._fp8_modules:  # pre-quantized: the checkpoint's e4m3 values and scales
                 static = self.config.quantization.static_activations
-                return Fp8Linear.from_quantized(*fused_parts(weights, read, p, fused, static))
+                return self.ops.upload_fp8_linear(Fp8Linear.from_quantized(*fused_parts(weights, read, p, fused,
+                                                                                        static)))
             parts = [xp.asarray(read(m + ".weight"), dtype=self.dtype) for m in modules]
             if self.quantization == "fp8" and self.config.quantization is None:
-                return Fp8Linear.quantize(xp.concatenate(parts, axis=0).T)  # [in, out] e4m3 + [out] scales
+                return self.ops.quantize_linear(xp.concatenate(parts, axis=0))  # [out, in] -> e4m3 + [out] scales
             return upload(xp.concatenate(parts, axis=0).T)
 
         spec = self.config.spec

@@ -278,3 +278,28 @@ def test_cli_refuses_several_kv_cache_dtypes_with_data_parallel():
     result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--data-parallel-size",
                                       "2", "--kv-cache-dtype", "fp8", "--kv-cache-dtype", "auto"])
     assert result.exit_code == 2 and "several --kv-cache-dtype values" in result.output
+
+
+def test_cli_compares_weight_quantizations_in_one_call():
+    """--quantization none --quantization fp8: one run per value (times each --kv-cache-dtype) in this process,
+    each record naming its quantization in its label and fields, the header naming both, the FP8 runs' roofline
+    floor counting 1-byte linear weights (and their scales)."""
+    result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--num-requests", "3",
+                                      "--input-len", "20", "--output-len", "4", "--no-warmup", "--json",
+                                      "--quantization", "none", "--quantization", "fp8",
+                                      "--kv-cache-dtype", "auto", "--kv-cache-dtype", "fp8"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.splitlines()[-1])
+    assert [r["quantization"] for r in data["runs"]] == [None, None, "fp8", "fp8"]
+    assert [r["label"] for r in data["runs"]] == ["paged kv=auto w=none", "paged kv=fp8_e4m3 w=none",
+                                                  "paged kv=auto w=fp8", "paged kv=fp8_e4m3 w=fp8"]
+    assert "quantization none/fp8" in data["header"] and data["quantization"] == "none/fp8"
+    plain, _, fp8, _ = data["runs"]
+    assert fp8["num_output_tokens"] == plain["num_output_tokens"] == 12
+    assert fp8["roofline"]["floor_s"] < plain["roofline"]["floor_s"]  # 1-byte linear weights
+
+
+def test_cli_refuses_several_quantizations_with_data_parallel():
+    result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--data-parallel-size",
+                                      "2", "--quantization", "none", "--quantization", "fp8"])
+    assert result.exit_code == 2 and "several --quantization values" in result.output

@@ -16,7 +16,7 @@ from offline_paged.core.config import EngineConfig
 from offline_paged.entrypoints.llm import LLM
 
 LM_EVAL_OWN = {"model", "device", "seed"}  # lm-eval's run has these flags itself
-BENCH_REPEATABLE = {"dtype", "block_size", "kv_cache_dtype"}  # bench sweeps them
+BENCH_REPEATABLE = {"dtype", "block_size", "kv_cache_dtype", "quantization"}  # bench sweeps them
 # the command line each command needs besides the option under test
 COMMANDS = {"generate": ["generate", "in.jsonl"], "bench": ["bench"], "eval": ["eval"]}
 
@@ -49,7 +49,7 @@ def test_the_three_commands_take_the_same_engine_options():
     ("--dtype", "int8"), ("--max-num-seqs", "-1"), ("--max-num-batched-tokens", "0"), ("--max-model-len", "1"),
     ("--block-size", "0"), ("--tensor-parallel-size", "0"), ("--data-parallel-size", "0"),
     ("--admission-batch", "0"), ("--preemption", "drop"), ("--max-logprobs", "-1"), ("--max-num-seqs", "many"),
-    ("--kv-cache-dtype", "int8"),
+    ("--kv-cache-dtype", "int8"), ("--quantization", "int8"),
 ])
 def test_a_bad_value_gets_the_same_message_from_every_command(flag, value):
     errors = {}

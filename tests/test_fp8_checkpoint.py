@@ -295,16 +295,23 @@ def test_an_inconsistent_fp8_checkpoint_is_refused_naming_the_tensor(plain, tmp_
         load_model(directory)
 
 
-def test_cuda_and_tensor_parallelism_refuse_an_fp8_checkpoint(plain, tmp_path):
-    """Refused before any weight is touched: an ops object whose array module is not NumPy (CudaOps'), a
-    tensor-parallel split (checked before any rank starts), and the loader's device path."""
+def test_cuda_and_tensor_parallelism_refuse_an_fp8_checkpoint(plain, tmp_path, monkeypatch):
+    """Refused before any weight is touched: an ops object whose array module is not NumPy (CudaOps') while
+    models.llama.FP8_WEIGHTS_ON_CUDA is off, a tensor-parallel shard or split (checked before any rank starts),
+    and the loader's device path (the engine loads host views and the model uploads them)."""
+    import offline_paged.models.llama as llama_module
+
     class _NotNumpyOps(NumpyOps):
         xp = types.SimpleNamespace()
 
     directory = write_fp8_checkpoint(plain, tmp_path / "ct")
     loaded = load_model(directory)
-    with pytest.raises(ValueError, match=r"quant_method 'compressed-tensors'\) run on the CPU backend .*device='cpu'"):
+    monkeypatch.setattr(llama_module, "FP8_WEIGHTS_ON_CUDA", False)
+    with pytest.raises(ValueError, match=r"quant_method 'compressed-tensors'\) are not supported .*or on CUDA"):
         Llama(loaded.config, loaded.weights, _NotNumpyOps())
+    monkeypatch.setattr(llama_module, "FP8_WEIGHTS_ON_CUDA", True)
+    with pytest.raises(ValueError, match=r"quant_method 'compressed-tensors'\) are not supported with tensor par"):
+        Llama(loaded.config, loaded.weights, NumpyOps(), tp=types.SimpleNamespace())
     with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
         check_divisible(loaded.config, 2)
     with pytest.raises(ValueError, match=r"load as host views only \(device='cpu'"):

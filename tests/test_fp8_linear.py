@@ -138,14 +138,31 @@ def test_bad_values_are_refused_by_name(kwargs, message):
     assert CONFIG_QUANTIZATIONS == QUANTIZATIONS  # the pure-Python core keeps its own copy
 
 
-def test_cuda_refuses_fp8_weights_for_now():
-    """An ops object whose array module is not NumPy (CudaOps') is refused before any weight is touched."""
+def test_fp8_weights_on_cuda_switched_off_are_refused_and_tensor_parallelism_always(monkeypatch):
+    """With models.llama.FP8_WEIGHTS_ON_CUDA off, an ops object whose array module is not NumPy (CudaOps') is
+    refused before any weight is touched; a tensor-parallel shard is refused whatever the switch says."""
+    import offline_paged.models.llama as llama_module
+
     class _NotNumpyOps(NumpyOps):
         xp = types.SimpleNamespace()
 
     model = tiny_model()
-    with pytest.raises(ValueError, match="runs on the CPU backend"):
+    monkeypatch.setattr(llama_module, "FP8_WEIGHTS_ON_CUDA", False)
+    with pytest.raises(ValueError, match=r"or on CUDA \(use device='cpu'\)"):
         Llama(model.config, model.weights, _NotNumpyOps(), quantization="fp8")
+    monkeypatch.setattr(llama_module, "FP8_WEIGHTS_ON_CUDA", True)
+    with pytest.raises(ValueError, match="not supported with tensor parallelism yet"):
+        Llama(model.config, model.weights, NumpyOps(), quantization="fp8", tp=types.SimpleNamespace())
+
+
+def test_numpy_ops_builds_the_reference_fp8_linear():
+    """NumpyOps.quantize_linear takes [out, in] (the checkpoint's layout, what CudaOps keeps) and gives the same
+    layer as Fp8Linear.quantize of [in, out]."""
+    w = np.random.default_rng(3).standard_normal((24, 40)).astype(np.float32)  # [out, in]
+    built, want = NumpyOps().quantize_linear(w), Fp8Linear.quantize(w.T)
+    assert built.shape == (40, 24)
+    np.testing.assert_array_equal(built.weight.view(np.uint8), want.weight.view(np.uint8))
+    np.testing.assert_array_equal(built.weight_scale, want.weight_scale)
 
 
 def test_the_engine_runs_fp8_weights_with_an_fp8_kv_cache():
@@ -157,4 +174,8 @@ def test_the_engine_runs_fp8_weights_with_an_fp8_kv_cache():
 def test_roofline_counts_fp8_linear_weights_at_one_byte():
     config = tiny_model().config
     plain, fp8 = RooflineModel(config, itemsize=2), RooflineModel(config, itemsize=2, linear_itemsize=1)
-    assert plain.weight_bytes - fp8.weight_bytes == plain.linear_params
+    c = config
+    scales = 4 * c.num_hidden_layers * ((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                                        + 2 * c.hidden_size + 2 * c.intermediate_size)  # float32 per out channel
+    assert fp8.linear_scale_bytes == scales and plain.linear_scale_bytes == 0
+    assert plain.weight_bytes - fp8.weight_bytes == plain.linear_params - scales

@@ -230,7 +230,8 @@ class RooflineModel:
                  linear_itemsize: int | None = None) -> None:
         """`itemsize`: bytes per element of the model dtype; `kv_itemsize`: per KV-cache element as stored (1
         for the FP8 KV cache); `linear_itemsize`: per layer linear weight (1 with quantization="fp8"; the
-        embedding and LM head stay in the model dtype). None: `itemsize`."""
+        embedding and LM head stay in the model dtype; FP8 linears also read one float32 scale per output
+        channel). None: `itemsize`."""
         c = config
         self.itemsize = itemsize
         self.kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
@@ -241,7 +242,11 @@ class RooflineModel:
         self.linear_params = c.num_hidden_layers * per_layer  # matmul weights of the layers
         self.head_params = c.vocab_size * c.hidden_size  # the LM head (the embedding when tied)
         self.linear_itemsize = itemsize if linear_itemsize is None else linear_itemsize
-        self.weight_bytes = self.linear_params * self.linear_itemsize + self.head_params * itemsize
+        # FP8 linears: their per-output-channel float32 scales (qkv, o_proj, gate_up, down outputs per layer)
+        channels = c.num_hidden_layers * (q_dim + 2 * kv_dim + 2 * c.hidden_size + 2 * c.intermediate_size)
+        self.linear_scale_bytes = 4 * channels if self.linear_itemsize == 1 else 0
+        self.weight_bytes = (self.linear_params * self.linear_itemsize + self.linear_scale_bytes
+                             + self.head_params * itemsize)
         self.kv_bytes_per_token = c.num_hidden_layers * 2 * kv_dim * self.kv_itemsize  # as the pool stores it
         self.attention_flops_per_key = c.num_hidden_layers * 4 * q_dim  # QK^T and PV, per (query, key)
         self.hidden_size, self.vocab_size = c.hidden_size, c.vocab_size

@@ -46,7 +46,8 @@ class EngineConfig:
     Both backends run it (CUDA: uint8 pools and the _fp8 kernels); not with tensor_parallel_size > 1 yet.
     `quantization`: None, or "fp8" (vLLM's name): the layers' linear weights quantized to e4m3 at load with
     one scale per output channel, activations per token at each product (offline_paged/ops/fp8_linear.py).
-    The CPU backend only for now (the model refuses it on CUDA), not with tensor_parallel_size > 1. A pre-quantized
+    Both backends (CUDA: cuBLASLt's FP8 GEMM, ops/cuda_fp8_linear.py; models/llama.py's FP8_WEIGHTS_ON_CUDA switches
+    it off there); not with tensor_parallel_size > 1. A pre-quantized
     FP8 checkpoint (an FP8 `quantization_config` in its config.json) needs no flag: models/quant_config.py.
     """
 
@@ -80,7 +81,7 @@ class EngineConfig:
     admission_batch: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" | "fp8_e4m3" (FP8 KV cache)
     calculate_kv_scales: bool = False  # FP8 KV: per-layer scales from the first prefill instead of 1.0
-    quantization: str | None = None  # None | "fp8": linear weights in e4m3 (CPU only for now; models/llama.py)
+    quantization: str | None = None  # None | "fp8": linear weights in e4m3 (models/llama.py)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

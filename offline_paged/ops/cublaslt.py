@@ -10,6 +10,14 @@ inside a capture takes the heuristic's first candidate (timing there is impossib
 Layout: row-major x [T, K] @ W [K, N] -> out [T, N] is column-major out^T [N, T] = W^T [N, K] x^T [K, T],
 as in graphs.py: A = W (op N with ld N when C-contiguous, op T with ld K when F-contiguous), B = x
 (column-major [K, T], ld K), C = D = out (column-major [N, T], ld N).
+FP8 (`fp8`): xq [T, Kp] e4m3 @ wq [Np, Kp] e4m3 (a weight kept [out, in]) -> acc [T, Np] float32, the same
+machinery with key (T, Kp, Np, op T, CUDA_R_8F_E4M3, CUDA_R_32F): A = wq as column-major [Kp, Np] ld Kp with op T,
+B = xq column-major [Kp, T] ld Kp with op N: both operands K-major, the "TN" form Hopper's FP8 GEMM requires;
+Kp, Np multiples of 16 (its rule for the inner and leading dimensions). No A/B scales (1.0) and no fast
+accumulation: the per-token and per-channel scales are applied by our epilogue (ops/cuda_fp8_linear.py).
+`fp8_scaled` tries cuBLASLt's own epilogue instead: the outer-vector scale modes (A: one float32 per output channel,
+B: one per token) and a 16-bit D, so no float32 accumulator goes through memory. Where cuBLASLt has no algorithm
+for that (older libraries, architectures without it) it returns False once per shape and the caller falls back.
 Legend: T rows, K inner dim, N output dim.
 """
 from __future__ import annotations
@@ -22,10 +30,16 @@ import statistics
 import cupy
 import numpy as np
 
-from offline_paged.ops.graphs import (_OP_N, _OP_T, WORKSPACE_BYTES, check_gemm_args, check_status, gc_paused,
-                                      libcublas_paths)
+from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear
+from offline_paged.ops.graphs import (_CUDA_R_16BF, _CUDA_R_16F, _OP_N, _OP_T, WORKSPACE_BYTES, _cuda_type,
+                                      check_gemm_args, check_status, gc_paused, libcublas_paths)
 
 _CUDA_R_32F = 0
+_CUDA_R_8F_E4M3 = 28
+_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18  # cublasLtMatmulDescAttributes_t
+_DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
+_SCALE_OUTER_VEC_32F = 3  # cublasLtMatmulMatrixScale_t: one float32 per row of op(A) / per column of op(B)
+FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner and leading dimensions multiples of 16
 _CUBLAS_COMPUTE_32F = 68
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
@@ -69,19 +83,27 @@ def _liblt() -> ctypes.CDLL:
     return lib
 
 
+class NoAlgorithm(RuntimeError):
+    """cuBLASLt offers no algorithm for a product as described (shape, types, scale modes)."""
+
+
 class _Plan:
     """The descriptors of one shape and its candidate algorithms; `chosen` indexes the one that runs."""
 
     def __init__(self, lib, handle, key, workspace_bytes: int) -> None:
-        num_rows, inner, num_out, op_w, in_type, out_type = key
+        num_rows, inner, num_out, op_w, in_type, out_type, *scale_mode = key
         self._lib = lib
         self.desc, self.a, self.b, self.c = (ctypes.c_void_p() for _ in range(4))
         check_status(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F),
                      "MatmulDescCreate")
-        for attr, op in ((_DESC_TRANSA, op_w), (_DESC_TRANSB, _OP_N)):
-            value = ctypes.c_int(op)
-            check_status(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), 4),
-                         "MatmulDescSetAttribute")
+        attributes = [(_DESC_TRANSA, op_w), (_DESC_TRANSB, _OP_N)]
+        attributes += [(attr, mode) for mode in scale_mode for attr in (_DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE)]
+        for attr, value in attributes:
+            value = ctypes.c_int(value)
+            status = lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), 4)
+            if status != 0 and scale_mode:
+                raise NoAlgorithm(f"cuBLASLt refuses scale mode {scale_mode[0]} (status {status})")
+            check_status(status, "MatmulDescSetAttribute")
         a_rows, a_cols, a_ld = (num_out, inner, num_out) if op_w == _OP_N else (inner, num_out, inner)
         for layout, args in ((self.a, (in_type, a_rows, a_cols, a_ld)), (self.b, (in_type, inner, num_rows, inner)),
                              (self.c, (out_type, num_out, num_rows, num_out))):
@@ -95,10 +117,12 @@ class _Plan:
         status = lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.a, self.b, self.c, self.c, pref,
                                                     NUM_CANDIDATES, results, ctypes.byref(count))
         lib.cublasLtMatmulPreferenceDestroy(pref)
+        if status != 0 and scale_mode:
+            raise NoAlgorithm(f"cuBLASLt has no algorithm with scale mode {scale_mode[0]} (status {status})")
         check_status(status, f"MatmulAlgoGetHeuristic for [{num_rows}, {inner}] @ [{inner}, {num_out}]")
         self.algos = [results[j].algo for j in range(count.value) if results[j].state == 0]
         if not self.algos:
-            raise RuntimeError(f"cuBLASLt has no algorithm for [{num_rows}, {inner}] @ [{inner}, {num_out}]")
+            raise NoAlgorithm(f"cuBLASLt has no algorithm for [{num_rows}, {inner}] @ [{inner}, {num_out}]")
         self.chosen = 0
         self.times_ms: list[float] = []  # per candidate, when tuned
 
@@ -128,18 +152,69 @@ class TunedGemm:
         self._one = np.ones(1, dtype=np.float32)  # host scalars, read when the call is made
         self._zero = np.zeros(1, dtype=np.float32)
         self.plans: dict[tuple, _Plan] = {}
+        self.unsupported: set[tuple] = set()  # fp8_scaled keys cuBLASLt has no algorithm for
 
     def __call__(self, x, w, out_dtype=None, out=None):
         """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous) -> out [T, N] of `out_dtype` (None: x's
         dtype, or float32), written into `out` when given. See CublasGemm.__call__."""
+        if isinstance(w, CudaFp8Linear):  # an FP8 layer: its product runs through `fp8` below
+            if out_dtype is not None or out is not None:
+                raise ValueError("an FP8 linear writes a new array of x's dtype: out_dtype and out must be None")
+            return w.apply(x, self)
         key, out = check_gemm_args(x, w, out_dtype, out)
+        return self._matmul(key, x, w, out)
+
+    def fp8(self, xq, wq, acc):
+        """xq [T, Kp] uint8 (e4m3 bits, C-contiguous) @ wq [Np, Kp] uint8 (C-contiguous, [out, in]) -> acc [T, Np]
+        float32 (written and returned): acc[t, j] = sum_k xq[t, k] wq[j, k], accumulated in fp32. See the
+        module docstring; the algorithm is picked per shape as for 16-bit products."""
+        return self._matmul(check_fp8_args(xq, wq, acc, np.float32), xq, wq, acc)
+
+    def fp8_scaled(self, xq, wq, x_scale, w_scale, out) -> bool:
+        """out [T, Np] (float16 / bfloat16, written) = (sum_k xq[t, k] wq[j, k]) x_scale[t] w_scale[j], the scales
+        applied by cuBLASLt's epilogue (outer-vector modes), rounded once; xq, wq as in `fp8`, x_scale [T] and
+        w_scale [Np] float32 on the device. False, with nothing launched, where cuBLASLt has no algorithm for it
+        (remembered per shape; a plan first seen inside a capture takes the heuristic's first candidate)."""
+        if _cuda_type(getattr(out, "dtype", np.float64)) not in (_CUDA_R_16F, _CUDA_R_16BF):
+            raise ValueError(f"fp8_scaled writes float16 or bfloat16, got {getattr(out, 'dtype', type(out))}")
+        key = (*check_fp8_args(xq, wq, out, out.dtype), _SCALE_OUTER_VEC_32F)
+        for name, v, n in (("x_scale", x_scale, xq.shape[0]), ("w_scale", w_scale, wq.shape[0])):
+            if not isinstance(v, cupy.ndarray) or v.dtype != np.float32 or v.shape != (n,) or not v.flags.c_contiguous:
+                raise ValueError(f"{name} must be a contiguous float32 cupy.ndarray of shape ({n},), got "
+                                 f"{getattr(v, 'dtype', type(v))} {getattr(v, 'shape', '')}")
+        if key in self.unsupported:
+            return False
+        fresh = key not in self.plans
+        try:
+            self._matmul(key, xq, wq, out, scales=(w_scale, x_scale))
+        except NoAlgorithm:
+            self.unsupported.add(key)
+            return False
+        except RuntimeError:
+            if not fresh:
+                raise
+            self.plans.pop(key, None)  # its first run failed: the library cannot do it after all
+            self.unsupported.add(key)
+            return False
+        return True
+
+    def _matmul(self, key: tuple, x, w, out, scales=None):
+        """x @ w into out through the plan of `key` (made, and tuned outside a capture, on first use); `scales`:
+        device pointers (A's, B's) of an outer-vector plan, set on its descriptor before it runs."""
         if out.size == 0:
             return out
         plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = _Plan(self._lib, self._handle, key, self._workspace.nbytes)
-            if self.tune and not _capturing(self.stream):
-                self._tune(plan, x, w, out)
+        fresh = plan is None
+        if fresh:
+            plan = _Plan(self._lib, self._handle, key, self._workspace.nbytes)
+            self.plans[key] = plan
+        if scales is not None:
+            for attr, array in zip((_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER), scales):
+                pointer = ctypes.c_void_p(array.data.ptr)
+                check_status(self._lib.cublasLtMatmulDescSetAttribute(plan.desc, attr, ctypes.byref(pointer), 8),
+                             "MatmulDescSetAttribute (scale pointer)")
+        if fresh and self.tune and not _capturing(self.stream):
+            self._tune(plan, x, w, out)
         self._run(plan, plan.algos[plan.chosen], x, w, out)
         return out
 
@@ -181,6 +256,24 @@ class TunedGemm:
         handle = getattr(self, "_handle", None)
         if handle is not None and handle.value:
             self._lib.cublasLtDestroy(handle)
+
+
+def check_fp8_args(xq, wq, acc, acc_dtype) -> tuple:
+    """Validate an FP8 GEMM call (see TunedGemm.fp8: `acc` float32; fp8_scaled: float16 / bfloat16); returns its
+    plan key (without a scale mode)."""
+    if np.dtype(acc_dtype) != np.float32 and _cuda_type(acc_dtype) not in (_CUDA_R_16F, _CUDA_R_16BF):
+        raise ValueError(f"an FP8 GEMM writes float32, float16 or bfloat16, not {np.dtype(acc_dtype).name}")
+    for name, a, dtype in (("xq", xq, np.uint8), ("wq", wq, np.uint8), ("acc", acc, acc_dtype)):
+        if not isinstance(a, cupy.ndarray) or a.ndim != 2 or a.dtype != dtype or not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be a 2-D C-contiguous {np.dtype(dtype).name} cupy.ndarray, got "
+                             f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")
+    (num_rows, inner), (num_out, w_inner) = xq.shape, wq.shape
+    if inner != w_inner or acc.shape != (num_rows, num_out):
+        raise ValueError(f"xq [{num_rows}, {inner}] @ wq[{num_out}, {w_inner}]^T cannot be written to acc {acc.shape}")
+    if inner % FP8_ALIGN or num_out % FP8_ALIGN:
+        raise ValueError(f"the FP8 GEMM needs the inner and output widths padded to multiples of {FP8_ALIGN}, "
+                         f"got {inner} and {num_out}")
+    return num_rows, inner, num_out, _OP_T, _CUDA_R_8F_E4M3, _cuda_type(acc_dtype)
 
 
 def _capturing(stream: cupy.cuda.Stream) -> bool:

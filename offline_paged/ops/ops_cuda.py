@@ -10,6 +10,9 @@ attention take the layer's `kv_scales` (a KvScales) as NumpyOps does. The kernel
 replays the current scales. A KvScales still to `calculate` takes its scales from the first eager write
 that has rows (one device-to-host read of max|k| and max|v|, once per layer); a write while a graph is
 being captured never calculates (the graph reads the buffer the first eager prefill then fills).
+
+FP8 weights: `quantize_linear` / `upload_fp8_linear` build CudaFp8Linear layers (ops/cuda_fp8_linear.py) whose eager
+`x @ layer` runs through `fp8_gemm()`: one TunedGemm per stream, made on first use on that stream.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import cupy
 import numpy as np
 
 from offline_paged.ops.attention import AttentionMetadata
+from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear
+from offline_paged.ops.fp8_linear import Fp8Linear
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA, KvScales, is_fp8
 
 from offline_paged.ops import launchers
@@ -39,6 +44,27 @@ class CudaOps:
         self._logits_gemm = None  # CublasGemm on the null stream, made on first use
         # id(KvScales) -> (the KvScales, kept alive so its id stays unique; its [2] float32 device buffer)
         self._kv_scale_buffers: dict[int, tuple[KvScales, cupy.ndarray]] = {}
+        self._fp8_gemms: dict[int, object] = {}  # stream pointer -> the TunedGemm of eager FP8 products on it
+
+    def quantize_linear(self, w) -> CudaFp8Linear:
+        """w [out, in] (this backend's 16-bit dtype) -> its FP8 layer: e4m3, one scale per output channel."""
+        return CudaFp8Linear.quantize(w, self.fp8_gemm)
+
+    def upload_fp8_linear(self, layer: Fp8Linear) -> CudaFp8Linear:
+        """A host Fp8Linear (a pre-quantized checkpoint's) on the device, its e4m3 values and scales unchanged."""
+        return CudaFp8Linear.upload(layer, self.fp8_gemm)
+
+    def fp8_gemm(self):
+        """The TunedGemm of the current stream (eager FP8 products), made on first use outside any capture. It
+        takes cuBLASLt's first candidate per shape (tune=False): eager steps see many row counts, and timing
+        each would cost more than it saves; the decode graphs' own TunedGemm times its few bucket shapes."""
+        stream = cupy.cuda.get_current_stream()
+        gemm = self._fp8_gemms.get(stream.ptr)
+        if gemm is None:
+            from offline_paged.ops.cublaslt import TunedGemm
+
+            gemm = self._fp8_gemms[stream.ptr] = TunedGemm(stream, tune=False)
+        return gemm
 
     def kv_storage_dtype(self, dtype) -> np.dtype:
         """The element type a KV pool of `dtype` is allocated with here: uint8 for FP8 (CuPy has no float8)."""

@@ -13,6 +13,7 @@ import numpy as np
 
 from offline_paged.ops.attention import AttentionMetadata, paged_attention_reference, write_kv_reference
 from offline_paged.ops.attention_fast import paged_attention_fast
+from offline_paged.ops.fp8_linear import Fp8Linear
 from offline_paged.ops.kv_scales import KvScales
 
 
@@ -29,6 +30,14 @@ class NumpyOps:
     def kv_storage_dtype(self, dtype) -> np.dtype:
         """The element type a KV pool of `dtype` is allocated with: `dtype` itself (ml_dtypes' float8 too)."""
         return np.dtype(dtype)
+
+    def quantize_linear(self, w) -> Fp8Linear:
+        """w [out, in] -> its FP8 layer (e4m3, one scale per output channel), used as `x @ layer`."""
+        return Fp8Linear.quantize(w.T)
+
+    def upload_fp8_linear(self, layer: Fp8Linear) -> Fp8Linear:
+        """A pre-quantized checkpoint's Fp8Linear as this backend keeps it: unchanged."""
+        return layer
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """RMSNorm with vLLM's residual convention: with a residual, x + residual is normalised and

@@ -1,0 +1,115 @@
+"""Thin typed launchers for cuda/fp8_linear.cu, one per kernel: each checks dtypes, contiguity and shapes, raises
+ValueError saying what is wrong, then launches on the current CuPy stream without synchronising.
+
+Legend: R rows (tokens, or a weight's output channels), K inner width, Kp K padded to a multiple of 16 (cuBLASLt's
+FP8 rule), N output width, Np N padded likewise. FP8 arrays are uint8 (the e4m3fn bits; CuPy has no float8).
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from offline_paged.ops.kernel_modules import kernel
+from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA as FP8_STORAGE
+
+try:
+    import ml_dtypes
+
+    _SUFFIX = {np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16"}
+except ImportError:  # a bfloat16 array cannot exist without ml_dtypes anyway
+    _SUFFIX = {np.dtype(np.float16): "f16"}
+
+SOURCE = "fp8_linear.cu"
+# Every (source, entry point) launched here (tests/test_cuda_compile.py checks them; _kernel refuses others).
+KERNELS = (
+    ("fp8_linear.cu", "quantize_rows_fp8_f16"), ("fp8_linear.cu", "quantize_rows_fp8_bf16"),
+    ("fp8_linear.cu", "scale_fp8_output_f16"), ("fp8_linear.cu", "scale_fp8_output_bf16"),
+)
+QUANT_THREADS = 256  # fp8_linear.cu's QUANT_THREADS
+FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner dimension and leading dimensions multiples of 16
+MAX_ROW_BLOCKS = 65535  # both kernels stride over rows past this many blocks (CUDA's gridDim.y limit)
+_COLUMN_BLOCKS = 64  # scale_fp8_output: blocks of 256 columns per row at most (they stride past it)
+
+
+def padded(width: int) -> int:
+    """`width` rounded up to a multiple of FP8_ALIGN."""
+    return -(-width // FP8_ALIGN) * FP8_ALIGN
+
+
+def _kernel(filename: str, name: str):
+    if (filename, name) not in KERNELS:
+        raise RuntimeError(f"{filename}:{name} is not declared in fp8_launcher.KERNELS")
+    return kernel(filename, name)
+
+
+def _suffix(name: str, a) -> str:
+    if not isinstance(a, cupy.ndarray):
+        raise ValueError(f"{name} must be a cupy.ndarray, got {type(a).__name__}")
+    suffix = _SUFFIX.get(np.dtype(a.dtype))
+    if suffix is None:
+        raise ValueError(f"{name} must be float16 or bfloat16, got {a.dtype.name}")
+    return suffix
+
+
+def _check(name: str, a, dtype, shape: tuple) -> None:
+    """`a` is a C-contiguous cupy array of `dtype` and `shape` (messages formatted only on failure)."""
+    if not isinstance(a, cupy.ndarray):
+        raise ValueError(f"{name} must be a cupy.ndarray, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (shape {a.shape}, strides {a.strides})")
+
+
+def quantize_rows_fp8(x, padded_width: int | None = None, static_scale: float | None = None, xq=None, scales=None):
+    """x [R, K] float16 / bfloat16 -> (xq [R, Kp] uint8 e4m3 bits, scales [R] float32): per row r, scales[r] =
+    max|x[r]| / 448 (1.0 for a zero row), or `static_scale` for every row; xq[r, :K] = e4m3(x[r] / scales[r])
+    (nearest even, saturating), xq[r, K:] = 0. Kp = padded_width (default: K rounded up to 16). Byte for byte
+    fp8_linear.quantize_rows (quantize_static) of x as float32. `xq`, `scales`: arrays to write into."""
+    suffix = _suffix("x", x)
+    if x.ndim != 2 or not x.flags.c_contiguous:
+        raise ValueError(f"x must be a C-contiguous 2-D array, got shape {x.shape}, strides {x.strides}")
+    num_rows, width = x.shape
+    padded_width = padded(width) if padded_width is None else int(padded_width)
+    if padded_width < width or padded_width % FP8_ALIGN:
+        raise ValueError(f"padded_width must be a multiple of {FP8_ALIGN} and >= {width}, got {padded_width}")
+    if static_scale is not None and not (np.isfinite(static_scale) and static_scale > 0):
+        raise ValueError(f"static_scale must be a positive finite number, got {static_scale!r}")
+    xq = cupy.empty((num_rows, padded_width), dtype=FP8_STORAGE) if xq is None else xq  # [R, Kp]
+    scales = cupy.empty(num_rows, dtype=cupy.float32) if scales is None else scales  # [R]
+    _check("xq", xq, FP8_STORAGE, (num_rows, padded_width))
+    _check("scales", scales, np.float32, (num_rows,))
+    if num_rows:
+        quantize = (_kernel(SOURCE, "quantize_rows_fp8_f16") if suffix == "f16"
+                    else _kernel(SOURCE, "quantize_rows_fp8_bf16"))
+        quantize(
+            (min(num_rows, MAX_ROW_BLOCKS),), (QUANT_THREADS,),
+            (x, xq, scales, np.int64(num_rows), np.int32(width), np.int32(padded_width),
+             np.float32(static_scale or 0.0)))
+    return xq, scales
+
+
+def scale_fp8_output(acc, x_scale, w_scale, num_out: int, dtype, out=None):
+    """acc [R, Np] float32 (the FP8 GEMM's accumulator), x_scale [R], w_scale [Np] float32 -> out [R, N] of
+    `dtype` (float16 / bfloat16): (acc[r, j] * x_scale[r]) * w_scale[j] rounded once, N = num_out <= Np."""
+    if not isinstance(acc, cupy.ndarray) or acc.ndim != 2:
+        raise ValueError(f"acc must be a 2-D cupy.ndarray, got {getattr(acc, 'shape', type(acc).__name__)}")
+    num_rows, padded_out = acc.shape
+    if not 0 <= num_out <= padded_out:
+        raise ValueError(f"num_out must be in [0, {padded_out}], got {num_out}")
+    _check("acc", acc, np.float32, (num_rows, padded_out))
+    _check("x_scale", x_scale, np.float32, (num_rows,))
+    _check("w_scale", w_scale, np.float32, (padded_out,))
+    out = cupy.empty((num_rows, num_out), dtype=dtype) if out is None else out  # [R, N]
+    suffix = _suffix("out", out)
+    _check("out", out, out.dtype, (num_rows, num_out))
+    if num_rows * num_out:
+        grid = (min(-(-num_out // 256), _COLUMN_BLOCKS), min(num_rows, MAX_ROW_BLOCKS))
+        scale = (_kernel(SOURCE, "scale_fp8_output_f16") if suffix == "f16"
+                 else _kernel(SOURCE, "scale_fp8_output_bf16"))
+        scale(
+            grid, (256,), (acc, x_scale, w_scale, out, np.int64(num_rows), np.int32(num_out),
+                                np.int32(padded_out)))
+    return out

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# FP8 weights on CUDA check on the lent device machine (issue 25, item 2), in one call:
+#   1. the FP8-weight GPU tests (quantize kernel bytes, the cuBLASLt FP8 product against NumPy's Fp8Linear at the
+#      1B / 8B layer shapes, graph replay; the engine teacher-forced against the CPU FP8 engine, graphs vs eager),
+#      then the 16-bit GEMM / graph tests the change touched (TunedGemm gained the FP8 entry point);
+#   2. `offline-paged bench --json` with --quantization none --quantization fp8 and --kv-cache-dtype auto
+#      --kv-cache-dtype fp8 (four runs in one process, so every ratio is measured in one call) at the 1B and 8B
+#      shapes in bfloat16, CUDA graphs on. Records go to $OUT/bench_*.json (then one archive);
+#   3. a short table: out tok/s, ratio to the w=none kv=auto run, % of the roofline floor (bytes as stored).
+# If the tests fail, models/llama.py's FP8_WEIGHTS_ON_CUDA = False switches FP8 weights on CUDA off again.
+#
+# Usage: OUT=/tmp/out [RUNS="1b 8b"] scripts/device_fp8_weights.sh [tests|bench|all]
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/fp8w-out}
+WHAT=${1:-all}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks, carried as .whl/ (git-ignored)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+
+if [ "$WHAT" != bench ]; then
+  timeout ${FP8_TEST_LIMIT:-400} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+    tests/test_ops_cuda_fp8_linear.py tests/test_gpu_engine_fp8_weights.py >"$OUT/fp8w_tests.log" 2>&1
+  echo "fp8 weight gpu tests: $(tail -1 "$OUT/fp8w_tests.log")"
+  grep -E "^FAILED|^ERROR" "$OUT/fp8w_tests.log" | head -20
+  grep -E "fp8 weights, kv|tokens equal before" "$OUT/fp8w_tests.log" | head -16
+  timeout ${TEST_LIMIT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py \
+    tests/test_cuda_graph_runner.py tests/test_gpu_engine.py >"$OUT/gpu_tests_16bit.log" 2>&1
+  echo "16-bit gpu tests: $(tail -1 "$OUT/gpu_tests_16bit.log")"
+  grep -E "^FAILED|^ERROR" "$OUT/gpu_tests_16bit.log" | head -20
+fi
+[ "$WHAT" = tests ] && exit 0
+
+run() {  # name, then bench flags
+  local name=$1; shift
+  PYTHONFAULTHANDLER=1 timeout ${BENCH_LIMIT:-560} offline-paged bench --device cuda --json --cuda-graphs \
+    --dtype bfloat16 --quantization none --quantization fp8 --kv-cache-dtype auto --kv-cache-dtype fp8 "$@" \
+    >"$OUT/bench_$name.json" 2>"$OUT/bench_$name.err" || { echo "bench $name FAILED"; tail -5 "$OUT/bench_$name.err"; }
+}
+RUNS=${RUNS:-"1b 8b"}
+for name in $RUNS; do
+  case $name in
+    1b) run fp8w_$name --dummy-weights llama-3.2-1b ;;
+    8b) run fp8w_$name --dummy-weights llama-3.1-8b ;;
+  esac
+done
+
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+print(f"{'run':<34}{'out tok/s':>11}{'vs bf16':>9}{'% floor':>9}{'floor tok/s':>12}{'KV blocks':>10}")
+record = {}
+for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json")):
+    try:
+        record = json.loads(path.read_text().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        print(f"{path.stem[6:]:<34} (no record)"); continue
+    base = next((r["output_tokens_per_s"] for r in record["runs"]
+                 if r["quantization"] is None and r["kv_cache_dtype"] == "auto"), None)
+    for r in record["runs"]:
+        roof = r["roofline"] or {}
+        ratio = f"{r['output_tokens_per_s'] / base:.2f}x" if base else "-"
+        print(f"{path.stem[6:] + ' ' + r['label']:<34}{r['output_tokens_per_s']:>11,.0f}{ratio:>9}"
+              f"{roof.get('fraction_of_floor', 0):>9.1%}{roof.get('output_tokens_per_s_at_floor', 0):>12,.0f}"
+              f"{r['num_gpu_blocks']:>10}")
+print("commit", record.get("git_commit"), "device", record.get("device"))
+PY
+# At most 8 files come back from the device: the records travel as one archive.
+tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.json "$OUT"/bench_*.err
