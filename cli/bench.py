@@ -65,6 +65,9 @@ _BENCH_OVERRIDES = {
 @click.option("--structured", type=click.Choice(["json"]), default=None,
               help="Run the workload a second time with every request constrained by a JSON schema (structured "
                    "output) and report it against the plain run (compare out tok/s).")
+@click.option("--repeat", type=click.IntRange(1, 20), default=1, show_default=True,
+              help="Run every configuration this many times, interleaved (plain, json, plain, json, ...: a "
+                   "drift of the machine hits both alike); labels get #1, #2, ... and the report adds medians.")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
 @click.option("--roofline/--no-roofline", default=True, show_default=True,
               help="Measure copy bandwidth and matmul rate and estimate the floor.")
@@ -201,8 +204,9 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
     variants = [("", requests)]
     if options.get("structured"):
         variants.append((f" {options['structured']}", structured_workload(requests, options["structured"])))
-    for layout, block_size, quantization, kv_dtype, (variant, run_requests) in itertools.product(
-            layouts, block_sizes, quantizations, kv_dtypes, variants):
+    repeats = options.get("repeat") or 1
+    for layout, block_size, quantization, kv_dtype, repeat, (variant, run_requests) in itertools.product(
+            layouts, block_sizes, quantizations, kv_dtypes, range(repeats), variants):
         # one fresh engine per run: a second run on the same engine would hit the prefix cache
         try:
             config = _engine_config(options | {"kv_cache_dtype": kv_dtype, "quantization": quantization},
@@ -226,7 +230,7 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
             label += f" kv={engine.kv_cache_dtype}"
         if config.quantization or len(quantizations) > 1:
             label += f" w={config.quantization or 'none'}"
-        label += tag + variant
+        label += tag + variant + (f" #{repeat + 1}" if repeats > 1 else "")
         print(f"running {label} ...", file=sys.stderr, flush=True)
         results.append(run_bench(engine, run_requests, label=label, kv_layout=layout, ceilings=ceilings))
         engine.close()

@@ -34,3 +34,33 @@ def test_cli_refuses_structured_with_data_parallel():
     result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--structured", "json",
                                       "--data-parallel-size", "2"])
     assert result.exit_code == 2 and "--structured" in result.output
+
+
+def test_repeat_interleaves_the_runs_and_reports_medians():
+    """--repeat 3 with --structured json: plain #1, json #1, plain #2, ... and a medians table whose figures are
+    the medians of each configuration's runs."""
+    args = ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--num-requests", "4", "--input-len", "8",
+            "--output-len", "12", "--no-roofline", "--structured", "json", "--repeat", "3"]
+    runs = json.loads(CliRunner().invoke(cli, [*args, "--json"]).stdout.splitlines()[-1])["runs"]
+    assert [r["label"] for r in runs] == ["paged #1", "paged json #1", "paged #2", "paged json #2", "paged #3",
+                                          "paged json #3"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith("median of repeats"))) + 1:][:2]
+    assert [line.split()[0] for line in table] == ["paged", "paged"] and table[1].split()[1] == "json"
+    assert table[0].split()[-1] == "1.00x"
+
+
+def test_medians_table_takes_the_median_of_each_configuration():
+    from offline_paged.benchmark.bench_report import format_medians
+
+    class Run:
+        def __init__(self, label, tok_s):
+            self.label, self.output_tokens_per_s, self.steps = label, tok_s, []
+
+    runs = [Run("a #1", 10.0), Run("b #1", 4.0), Run("a #2", 40.0), Run("b #2", 8.0), Run("a #3", 20.0),
+            Run("b #3", 6.0)]
+    rows = {line.split()[0]: line.split() for line in format_medians(runs)[2:]}
+    assert rows["a"][1] == "20" and rows["b"][1] == "6" and rows["b"][-1] == "0.30x"
+    assert format_medians([Run("a", 1.0), Run("b", 2.0)]) == []  # nothing repeated: no table

@@ -1,6 +1,8 @@
 """Formatting of BenchResults: a text report with ratios against the first run, and the KV plot."""
 from __future__ import annotations
 
+import statistics
+
 from offline_paged.benchmark.bench import BenchResult
 
 GiB = 1 << 30
@@ -17,9 +19,30 @@ def format_report(results: list[BenchResult], header: str = "") -> str:
         lines.append(f"{r.label:<22}{r.output_tokens_per_s:>12,.0f}{r.total_tokens_per_s:>13,.0f}"
                      f"{r.wall_s:>9.2f}{r.max_concurrent_seqs:>10}{r.kv_utilization:>9.1%}"
                      f"{r.num_preemptions:>9}{ratio:>15.2f}x")
+    lines += format_medians(results)
     for r in results:
         lines += ["", *format_details(r)]
     return "\n".join(lines)
+
+
+def format_medians(results: list[BenchResult]) -> list[str]:
+    """Runs labelled "... #k" (bench --repeat): per configuration, the median out tok/s and step ms over its
+    repeats, and the median's ratio to the first configuration's. [] when nothing was repeated."""
+    groups: dict[str, list[BenchResult]] = {}
+    for r in results:
+        name, _, repeat = r.label.rpartition(" #")
+        if not (name and repeat.isdigit()):
+            return []
+        groups.setdefault(name, []).append(r)
+    medians = {name: (statistics.median(r.output_tokens_per_s for r in runs),
+                      statistics.median(r.time_split()["step_ms"] for r in runs) if all(r.steps for r in runs) else None)
+               for name, runs in groups.items()}
+    base_name = next(iter(medians))
+    lines = ["", f"{'median of repeats':<22}{'out tok/s':>12}{'step ms':>9}{'runs':>6}{'vs ' + base_name:>16}"]
+    for name, (tok_s, step_ms) in medians.items():
+        step = f"{step_ms:>9.2f}" if step_ms is not None else f"{'-':>9}"
+        lines.append(f"{name:<22}{tok_s:>12,.0f}{step}{len(groups[name]):>6}{tok_s / medians[base_name][0]:>15.2f}x")
+    return lines
 
 
 def format_details(r: BenchResult) -> list[str]:
