@@ -1,12 +1,18 @@
 """Host cost of one structured-output step at the bench's shape: llguidance's work for R sequences.
 
     python benchmarks/bench_mask_fill.py [--rows 256] [--steps 60] [--preset llama-3.2-1b] [--threads 0,8,16] [--split 1]
+        [--processes 1,2,4]
 
 R matchers of `bench --structured json`'s schema over the dummy-weights token table of the preset
 (128,256 ids at the 1B shape) are walked through random allowed tokens. Per step it times the parallel
 mask fill (llguidance's thread pool, into one [R, W] int32 array), consuming one token per matcher one
 call at a time, and consuming them in llguidance's parallel call. Prints the medians in ms. No GPU needed;
 the figures depend on the host's cores (the device machine has 16).
+
+--processes K (K > 1): the rows split over K processes, each with its own token table, matchers and pool of
+--threads; every step starts on a barrier and costs the slowest process's fill. In one process llguidance's
+fill stopped scaling at ~4 threads on the H200 host; this measures whether separate processes do better
+(a mask server in worker processes would then pay).
 """
 from __future__ import annotations
 
@@ -45,9 +51,56 @@ def main() -> None:
     parser.add_argument("--threads", default="0", help="comma-separated LLExecutor pool sizes; 0: its default")
     parser.add_argument("--split", type=int, default=1,
                         help="fill from this many Python threads, each with its own pool and 1/split of the rows")
+    parser.add_argument("--processes", default="1", help="comma-separated process counts (see above)")
     args = parser.parse_args()
     for threads in (int(t) for t in args.threads.split(",")):
-        measure(args, threads)
+        for processes in (int(k) for k in args.processes.split(",")):
+            if processes == 1:
+                measure(args, threads)
+            else:
+                measure_processes(args, threads, processes)
+
+
+def _walk(args, threads: int, rows: int, barrier=None, seed: int = 0) -> list[float]:
+    """Per step, seconds of one parallel fill of `rows` matchers walked through random allowed tokens."""
+    config = preset_config(args.preset)
+    table = ll_tokenizer(DummyTokenizer(config.eos_token_ids), config.vocab_size, config.eos_token_ids)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA))
+    matchers = [llguidance.LLMatcher(table, grammar) for _ in range(rows)]
+    masks = np.zeros((rows, (config.vocab_size + 31) // 32), dtype=np.int32)  # [r, W]
+    executor = llguidance.LLExecutor(num_threads=threads) if threads else llguidance.LLExecutor()
+    rng, pairs, times = np.random.default_rng(seed), list(zip(matchers, range(rows))), []
+    for _ in range(args.steps):
+        if barrier is not None:
+            barrier.wait()
+        start = time.perf_counter()
+        llg_numpy.fill_next_token_bitmask_par(executor, pairs, masks)
+        times.append(time.perf_counter() - start)
+        for matcher, token in zip(matchers, _random_allowed(masks, config.vocab_size, config.eos_token_ids[0], rng)):
+            matcher.consume_token(token)
+    return times
+
+
+def _walk_in_process(args, threads, rows, barrier, seed, results) -> None:
+    results.put(_walk(args, threads, rows, barrier, seed))
+
+
+def measure_processes(args, threads: int, processes: int) -> None:
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(processes), context.Queue()
+    workers = [context.Process(target=_walk_in_process,
+                               args=(args, threads, args.rows // processes, barrier, k, results))
+               for k in range(processes)]
+    for worker in workers:
+        worker.start()
+    per_process = [results.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    slowest = [max(step) for step in zip(*per_process)]  # [steps]
+    print(f"{args.rows} rows, vocab {preset_config(args.preset).vocab_size}, {os.cpu_count()} cores, {processes} "
+          f"processes x pool {threads or 'default'}: fill_par {1e3 * statistics.median(slowest):.2f} ms")
 
 
 def measure(args, threads: int) -> None:
