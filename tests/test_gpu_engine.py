@@ -24,6 +24,7 @@ from fixtures_tiny_model import EOS_ID, _random_weights, _tokenizer  # noqa: E40
 from fixtures_tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 from test_ops_cuda import GQA4_D128_SHAPE, QWEN2_SHAPE, QWEN3_SHAPE, SMOLLM2_SHAPE, random_weights  # noqa: E402
+from teacher_forcing import teacher_forced, top2  # noqa: E402
 from tiny_engine import ByteTokenizer, run_to_completion  # noqa: E402
 
 from offline_paged.cli.main import cli  # noqa: E402
@@ -74,12 +75,6 @@ def prompts(vocab_size: int) -> dict[str, list[int]]:
     return result
 
 
-def top2(entry: dict[int, float]) -> tuple[int, float]:
-    """(argmax token, top-1 minus top-2 logprob) of a logprob dict holding at least the top 2."""
-    best = sorted(entry.items(), key=lambda kv: -kv[1])[:2]
-    return best[0][0], best[0][1] - best[1][1]
-
-
 # Per dtype: (top-2 gap / scale that counts as decisive, least share of decisive positions, largest
 # target-logprob error / scale). bf16 keeps 8 significant bits to fp16's 11: about 8x the noise.
 BOUNDS = {"float16": (3e-3, 0.85, 2e-2), "bfloat16": (2.5e-2, 0.3, 8e-2)}
@@ -101,32 +96,13 @@ def test_gpu_engine_matches_cpu_engine_teacher_forced(name, dtype, cuda_graphs):
     forced = {k: (p + gpu[k].outputs[0].token_ids, score) for k, p in requests.items()}
     cpu = run_to_completion(engine(model, "cpu", dtype="float32"), forced)
 
-    gpu_entries, cpu_entries, targets = [], [], []
-    for key, prompt in requests.items():
-        out = gpu[key].outputs[0]
-        gpu_entries += gpu[key].prompt_logprobs[1:] + out.logprobs
-        cpu_entries += cpu[key].prompt_logprobs[1:]  # position p scores token p of prompt + generated
-        targets += (prompt + out.token_ids)[1:]
-    assert len(gpu_entries) == len(cpu_entries) == len(targets)
-    gpu_top = [top2(e) for e in gpu_entries]
-    cpu_top = [top2(e) for e in cpu_entries]
-    agree = np.array([g[0] == c[0] for g, c in zip(gpu_top, cpu_top)])
-    gpu_target = np.array([e[t] for e, t in zip(gpu_entries, targets)])
-    cpu_target = np.array([e[t] for e, t in zip(cpu_entries, targets)])
     # The logprob of a random target spans the logit range, so it sets the scale for "fp16 noise":
     # a top-2 gap below 3e-3 of it is a coin toss for any correct fp16 run (as in test_ops_cuda).
-    scale = np.abs(cpu_target).max()
     margin, least_decisive, max_error = BOUNDS[dtype]
-    decisive = np.array([c[1] for c in cpu_top]) > margin * scale
-    error = np.abs(gpu_target - cpu_target).max() / scale
-    print(f"\n{name} {dtype} graphs={cuda_graphs}: {len(agree)} positions, next-token agreement {agree.mean():.4f} "
-          f"(on {decisive.sum()} decisive {agree[decisive].mean():.4f}), "
-          f"max |target logprob err| / scale {error:.2e}")
-    assert np.isfinite(gpu_target).all()
-    assert decisive.mean() > least_decisive
-    assert agree[decisive].mean() >= 0.99
-    assert agree.mean() >= (0.98 if dtype == "float16" else 0.9)
-    assert error < max_error
+    forced_run = teacher_forced(requests, gpu, cpu, margin)
+    print(f"\n{name} {dtype} graphs={cuda_graphs}: {forced_run.summary()}")
+    forced_run.check(least_decisive, max_error, decisive_agreement=0.99)
+    assert forced_run.agree.mean() >= (0.98 if dtype == "float16" else 0.9)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -20,6 +20,7 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from test_gpu_engine import SHAPES, engine, prompts, random_model, top2  # noqa: E402
+from teacher_forcing import teacher_forced  # noqa: E402
 from tiny_engine import run_to_completion  # noqa: E402
 
 from offline_paged.core.sampling_params import SamplingParams  # noqa: E402
@@ -57,26 +58,10 @@ def test_fp8_gpu_engine_matches_the_cpu_fp8_engine_teacher_forced(name, calculat
         for g, c in zip(scales, cpu_scales):
             assert g.k_scale == pytest.approx(c.k_scale, rel=2e-2) and g.v_scale == pytest.approx(c.v_scale, rel=2e-2)
 
-    gpu_entries, cpu_entries, targets = [], [], []
-    for key, prompt in requests.items():
-        out = gpu[key].outputs[0]
-        gpu_entries += gpu[key].prompt_logprobs[1:] + out.logprobs
-        cpu_entries += cpu[key].prompt_logprobs[1:]
-        targets += (prompt + out.token_ids)[1:]
-    gpu_top, cpu_top = [top2(e) for e in gpu_entries], [top2(e) for e in cpu_entries]
-    agree = np.array([g[0] == c[0] for g, c in zip(gpu_top, cpu_top)])
-    gpu_target = np.array([e[t] for e, t in zip(gpu_entries, targets)])
-    cpu_target = np.array([e[t] for e, t in zip(cpu_entries, targets)])
-    scale = np.abs(cpu_target).max()
     margin, least_decisive, max_error = FP8_BOUNDS
-    decisive = np.array([c[1] for c in cpu_top]) > margin * scale
-    error = np.abs(gpu_target - cpu_target).max() / scale
-    print(f"\n{name} fp8 calculate={calculate}: {len(agree)} positions, agreement {agree.mean():.4f} (on "
-          f"{decisive.sum()} decisive {agree[decisive].mean():.4f}), max |target logprob err| / scale {error:.2e}")
-    assert np.isfinite(gpu_target).all()
-    assert decisive.mean() > least_decisive
-    assert agree[decisive].mean() >= 0.98
-    assert error < max_error
+    forced_run = teacher_forced(requests, gpu, cpu, margin)
+    print(f"\n{name} fp8 calculate={calculate}: {forced_run.summary()}")
+    forced_run.check(least_decisive, max_error)
 
 
 @pytest.mark.parametrize("calculate", [False, True], ids=["scales-1", "calculated-scales"])
