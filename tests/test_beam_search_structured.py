@@ -24,7 +24,7 @@ from offline_paged.core.outputs import RequestError
 from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.core.scheduler import Scheduler
 from offline_paged.core.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
-from offline_paged.core.structured_matcher import fill_bitmasks
+from offline_paged.core.structured_matcher import fill_bitmask_rows
 from offline_paged.core.structured_outputs import StructuredOutputsParams
 from offline_paged.worker.sampler import SampleResult, Sampler, SamplingRequest, log_softmax, unpack_bitmask
 
@@ -53,7 +53,9 @@ def model_logprobs() -> ModelLogprobs:
 
 
 def allowed_tokens(matcher) -> list[int]:
-    return unpack_bitmask(fill_bitmasks([matcher]), VOCAB_SIZE)[0].nonzero()[0].tolist()
+    mask = np.zeros((1, matcher.num_words), dtype=np.int32)  # [1, W]
+    fill_bitmask_rows([(matcher, 0)], mask)
+    return unpack_bitmask(mask, VOCAB_SIZE)[0].nonzero()[0].tolist()
 
 
 def advanced(matcher, token: int):

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from offline_paged import SamplingParams, StructuredOutputsParams
 from offline_paged.core.grammar_compiler import GrammarCompiler
 from offline_paged.core.outputs import RequestError
-from offline_paged.core.structured_matcher import advance_ahead, fill_bitmasks
+from offline_paged.core.structured_matcher import advance_ahead, fill_bitmask_rows
 from offline_paged.worker.sampler import SamplingRequest, apply_token_bitmasks, unpack_bitmask
 from tiny_engine import EOS_ID, VOCAB_SIZE, ByteTokenizer, run_to_completion, tiny_engine
 
@@ -168,7 +168,8 @@ def test_the_mask_allows_exactly_the_tokens_the_matcher_accepts():
         assert matchers[1].accept(token) is None
     for token in TOKENIZER.encode('{"k":12}'):
         assert matchers[2].accept(token) is None
-    masks = fill_bitmasks(matchers)  # in parallel
+    masks = np.zeros((len(matchers), matchers[0].num_words), dtype=np.int32)  # [R, W]
+    fill_bitmask_rows(list(zip(matchers, range(len(matchers)))), masks)  # in parallel
     for matcher, mask in zip(matchers, masks):
         allowed = unpack_bitmask(mask[None], VOCAB_SIZE)[0]
         accepted = [matcher.fork().accept(t) is None for t in range(VOCAB_SIZE)]

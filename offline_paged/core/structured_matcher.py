@@ -72,20 +72,6 @@ class StructuredMatcher:
     def is_accepting(self) -> bool:
         return self._matcher.is_accepting()
 
-    def fill_bitmask(self, out: np.ndarray) -> None:
-        """out [W] int32 (C-contiguous): the next token's mask."""
-        llg_numpy.fill_next_token_bitmask(self._matcher, out.reshape(1, -1))
-
-
-def fill_bitmasks(matchers: list[StructuredMatcher]) -> np.ndarray:
-    """[len(matchers), W] int32: each matcher's next-token mask (W: their num_words, one grammar tokenizer
-    per engine), filled in parallel by llguidance's thread pool (one executor per process, made on first use).
-    Logits wider than 32 W (a padded vocabulary) treat the tokens past it as not allowed."""
-    num_words = matchers[0].num_words if matchers else 0
-    masks = np.zeros((len(matchers), num_words), dtype=np.int32)  # [R, W]
-    fill_bitmask_rows(list(zip(matchers, range(len(matchers)))), masks)
-    return masks
-
 
 def fill_bitmask_rows(rows: list[tuple[StructuredMatcher, int]], out: np.ndarray) -> None:
     """Write each (matcher, row) pair's next-token mask into out[row] ([R, W] int32, C-contiguous, e.g. a
@@ -93,10 +79,7 @@ def fill_bitmask_rows(rows: list[tuple[StructuredMatcher, int]], out: np.ndarray
     pairs, and without the GIL: a host thread may fill while the caller's thread goes on."""
     if any(m.num_words != out.shape[1] for m, _ in rows):
         raise RuntimeError("matchers of one step were built for different vocabularies")
-    if len(rows) == 1:
-        matcher, row = rows[0]
-        matcher.fill_bitmask(out[row])
-    elif rows:
+    if rows:
         llg_numpy.fill_next_token_bitmask_par(_executor(), [(m._matcher, row) for m, row in rows], out)
 
 
