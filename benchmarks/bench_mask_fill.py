@@ -61,14 +61,25 @@ def main() -> None:
                 measure_processes(args, threads, processes)
 
 
-def _walk(args, threads: int, rows: int, barrier=None, seed: int = 0) -> list[float]:
-    """Per step, seconds of one parallel fill of `rows` matchers walked through random allowed tokens."""
-    config = preset_config(args.preset)
+def _matchers(preset: str, rows: int):
+    """(the preset's LlamaConfig, `rows` fresh matchers of the bench's schema over its dummy token table,
+    their [rows, W] int32 mask array)."""
+    config = preset_config(preset)
     table = ll_tokenizer(DummyTokenizer(config.eos_token_ids), config.vocab_size, config.eos_token_ids)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA))
     matchers = [llguidance.LLMatcher(table, grammar) for _ in range(rows)]
-    masks = np.zeros((rows, (config.vocab_size + 31) // 32), dtype=np.int32)  # [r, W]
-    executor = llguidance.LLExecutor(num_threads=threads) if threads else llguidance.LLExecutor()
+    return config, matchers, np.zeros((rows, (config.vocab_size + 31) // 32), dtype=np.int32)  # [rows, W]
+
+
+def _pool(threads: int) -> llguidance.LLExecutor:
+    """llguidance's thread pool of `threads` threads (0: its default)."""
+    return llguidance.LLExecutor(num_threads=threads) if threads else llguidance.LLExecutor()
+
+
+def _walk(args, threads: int, rows: int, barrier=None, seed: int = 0) -> list[float]:
+    """Per step, seconds of one parallel fill of `rows` matchers walked through random allowed tokens."""
+    config, matchers, masks = _matchers(args.preset, rows)
+    executor = _pool(threads)
     rng, pairs, times = np.random.default_rng(seed), list(zip(matchers, range(rows))), []
     for _ in range(args.steps):
         if barrier is not None:
@@ -104,14 +115,9 @@ def measure_processes(args, threads: int, processes: int) -> None:
 
 
 def measure(args, threads: int) -> None:
-    config = preset_config(args.preset)
+    config, matchers, masks = _matchers(args.preset, args.rows)
     eos = config.eos_token_ids[0]
-    table = ll_tokenizer(DummyTokenizer(config.eos_token_ids), config.vocab_size, config.eos_token_ids)
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA))
-    matchers = [llguidance.LLMatcher(table, grammar) for _ in range(args.rows)]
-    masks = np.zeros((args.rows, (config.vocab_size + 31) // 32), dtype=np.int32)  # [R, W]
-    executors = [llguidance.LLExecutor(num_threads=threads) if threads else llguidance.LLExecutor()
-                 for _ in range(args.split)]
+    executors = [_pool(threads) for _ in range(args.split)]
     executor, rng = executors[0], np.random.default_rng(0)
     pairs = list(zip(matchers, range(args.rows)))
     chunks = [pairs[i::args.split] for i in range(args.split)]
