@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -205,7 +206,9 @@ class LLMEngine:
             raise ValueError("the grammar compiler is already in use; choose its executor before the first "
                              "structured-output request")
         self._grammar_compiler = GrammarCompiler(self._tokenizer, self.model_config.vocab_size,
-                                                 self.eos_token_ids, executor=executor)
+                                                 self.eos_token_ids, executor=executor,
+                                                 mask_processes=self.config.resolved_grammar_mask_processes(
+                                                     self.backend.name, self.async_scheduling, os.cpu_count() or 1))
 
     def _admit(self, group: SequenceGroup, grammar: Future | None) -> None:
         """Hand the group to the scheduler, its first sequence given a matcher of its compiled grammar.

@@ -80,6 +80,23 @@ def test_base_config_loads_and_round_trips(tmp_path):
     assert LlamaConfig.from_dict(BASE | {"max_position_embeddings": 10**9}).max_position_embeddings == 10**9
 
 
+def test_grammar_mask_processes_default_by_backend_cores_and_loop_and_are_validated():
+    from offline_paged.core.config import EngineConfig
+
+    config = EngineConfig()
+    assert config.resolved_grammar_mask_processes("cuda", True, 16) == 8
+    assert config.resolved_grammar_mask_processes("cuda", True, 64) == 8
+    assert config.resolved_grammar_mask_processes("cuda", True, 6) == 3
+    assert config.resolved_grammar_mask_processes("cuda", True, 2) == 0  # one process would gain nothing
+    assert config.resolved_grammar_mask_processes("cpu", True, 16) == 0
+    assert config.resolved_grammar_mask_processes("cuda", False, 16) == 0  # the sync loop overlaps nothing
+    assert EngineConfig(grammar_mask_processes=3).resolved_grammar_mask_processes("cpu", True, 2) == 3
+    assert EngineConfig(grammar_mask_processes=3).resolved_grammar_mask_processes("cuda", False, 16) == 0
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="grammar_mask_processes must be a non-negative integer"):
+            EngineConfig(grammar_mask_processes=bad)
+
+
 def test_admission_batch_defaults_by_backend_and_is_validated():
     from offline_paged.core.config import EngineConfig
 

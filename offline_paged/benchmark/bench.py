@@ -137,8 +137,12 @@ def structured_workload(requests: list[BenchRequest], kind: str = "json") -> lis
 
 def warm_up_grammars(engine, requests: list[BenchRequest]) -> None:
     """Compile every distinct grammar of the workload before the timing (the compile is cached by spec)."""
-    for spec in {r.params.structured_outputs for r in requests if r.params.structured_outputs is not None}:
+    specs = {r.params.structured_outputs for r in requests if r.params.structured_outputs is not None}
+    for spec in specs:
         engine.grammar_compiler.compile(spec)
+    server = engine.grammar_compiler.mask_server if specs else None
+    if server is not None:  # its processes build their token tables before the timing, not in it
+        server.wait_ready()
 
 
 def file_workload(path: str | Path, tokenizer) -> list[BenchRequest]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import llguidance
 
 from offline_paged.core.grammar_tokenizer import ll_tokenizer
+from offline_paged.core.mask_server import MaskServer
 from offline_paged.core.structured_matcher import StructuredMatcher
 from offline_paged.core.structured_outputs import StructuredOutputsParams
 
@@ -34,20 +35,28 @@ class CompiledGrammar:
     template: llguidance.LLMatcher
     kind: str
     num_words: int  # ceil(vocab / 32): the width of its masks
+    text: str = ""  # the llguidance grammar the template was built from
+    mask_server: MaskServer | None = None  # fills its matchers' late masks in worker processes
 
     def new_matcher(self) -> StructuredMatcher:
-        return StructuredMatcher(self.template.deep_copy(), self.num_words)
+        return StructuredMatcher(self.template.deep_copy(), self.num_words, self.text, self.mask_server)
 
 
 class GrammarCompiler:
     """Compiles structured-output specs for one tokenizer; `submit` never blocks on a compile."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_workers: int = 2,
-                 cache_size: int = 1024, executor: Executor | None = None) -> None:
-        """executor: where compiles run (default: a pool of max_workers threads, shut down by close)."""
+                 cache_size: int = 1024, executor: Executor | None = None, mask_processes: int = 0) -> None:
+        """executor: where compiles run (default: a pool of max_workers threads, shut down by close).
+        mask_processes: > 0 starts a MaskServer of that many processes with the tokenizer, which fills the
+        late (overlapped) masks of this compiler's matchers; 0 fills them in this process."""
+        if isinstance(mask_processes, bool) or not isinstance(mask_processes, int) or mask_processes < 0:
+            raise ValueError(f"mask_processes must be a non-negative integer, got {mask_processes!r}")
         self._tokenizer_source = (tokenizer, vocab_size, tuple(eos_token_ids))
         self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s for 50k tokens)
         self._tokenizer_lock = threading.Lock()  # the pool's threads build it once
+        self._mask_processes = mask_processes
+        self.mask_server: MaskServer | None = None  # started with the tokenizer
         self._pool = executor or ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cache_size = cache_size
@@ -73,12 +82,18 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._tokenizer_lock:
+            if self.mask_server is not None:
+                self.mask_server.close()
+                self.mask_server = None
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = ll_tokenizer(*self._tokenizer_source)
+                if self._mask_processes:  # its workers build their tokenizers while grammars compile here
+                    self.mask_server = MaskServer(self._tokenizer_source, self._mask_processes)
         return self._ll_tokenizer
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
@@ -87,7 +102,10 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=limits)
         if matcher.is_error():
             raise ValueError(f"invalid structured_outputs {params.kind}: {_cut(matcher.get_error())}")
-        return CompiledGrammar(matcher, params.kind, -(-self.tokenizer.vocab_size // 32))
+        server = self.mask_server
+        if server is not None:
+            server.add_grammar(text)
+        return CompiledGrammar(matcher, params.kind, -(-self.tokenizer.vocab_size // 32), text, server)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

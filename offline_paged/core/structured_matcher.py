@@ -7,6 +7,7 @@ where token t is allowed (llguidance's layout; EOS only where the grammar accept
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import llguidance
@@ -24,18 +25,26 @@ class StructuredMatcher:
     `is_finished` answers from it. So the output processor touches no llguidance matcher while a mask
     thread fills the next step's masks from them (llguidance refuses a matcher borrowed by a fill)."""
 
-    __slots__ = ("_matcher", "num_words", "_ahead", "_stopped")
+    __slots__ = ("_matcher", "num_words", "grammar_text", "mask_server", "uid", "history", "_ahead", "_stopped")
 
-    def __init__(self, matcher: llguidance.LLMatcher, num_words: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int, grammar_text: str = "",
+                 mask_server=None) -> None:
+        """grammar_text: the llguidance grammar `matcher` was built from (a MaskServer rebuilds it from that
+        and `history`); mask_server: the MaskServer that fills its late masks, or None (this process)."""
         self._matcher = matcher
         self.num_words = num_words  # int32 words of its masks: ceil(the grammar tokenizer's vocab / 32)
+        self.grammar_text = grammar_text
+        self.mask_server = mask_server
+        self.uid = next(_UIDS)  # a mask server's name for it
+        self.history: list[int] = []  # every token consumed since the grammar's start state
         self._ahead: tuple[int, str | None, bool] | None = None  # (token, error, stopped) consumed ahead
         self._stopped: bool | None = None  # is_stopped() after the last token accepted from `_ahead`
 
     def fork(self) -> StructuredMatcher:
         if self._ahead is not None:
             raise RuntimeError("a matcher was forked between advance_ahead and accept")
-        child = StructuredMatcher(self._matcher.deep_copy(), self.num_words)
+        child = StructuredMatcher(self._matcher.deep_copy(), self.num_words, self.grammar_text, self.mask_server)
+        child.history = list(self.history)
         child._stopped = self._stopped
         return child
 
@@ -50,6 +59,7 @@ class StructuredMatcher:
             return error
         self._stopped = None
         self._matcher.consume_token(int(token_id))
+        self.history.append(int(token_id))
         return self._error(token_id)
 
     def _error(self, token_id: int) -> str | None:
@@ -93,8 +103,10 @@ def advance_ahead(pairs: list[tuple[StructuredMatcher, int]]) -> None:
         if matcher._ahead is not None:
             raise RuntimeError("a matcher was advanced twice before accepting")
         matcher._ahead = (int(token), matcher._error(token), matcher._matcher.is_stopped())
+        matcher.history.append(int(token))
 
 
+_UIDS = itertools.count()
 _EXECUTOR: list[llguidance.LLExecutor] = []  # a thread pool, not state passed between layers
 
 

@@ -17,6 +17,16 @@ import numpy as np
 from offline_paged.ops.swap import pinned_empty
 
 
+def pin_in_place(host: np.ndarray) -> np.ndarray:
+    """Page-lock the memory of a C-contiguous host array (e.g. shared memory another process writes), so
+    copies from it are queued like copies from pinned_empty's. It stays locked for the process's life."""
+    if not host.flags.c_contiguous:
+        raise ValueError("pin_in_place needs a C-contiguous array")
+    if host.nbytes:
+        cupy.cuda.runtime.hostRegister(host.ctypes.data, host.nbytes, 0)
+    return host
+
+
 class PinnedUpload:
     def __init__(self, num_slots: int = 4) -> None:
         self._slots = [pinned_empty((0,), np.uint8) for _ in range(num_slots)]

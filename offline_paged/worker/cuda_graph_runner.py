@@ -47,7 +47,7 @@ from offline_paged.ops import step_inputs_launcher as step_kernels
 from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.ops.cublaslt import TunedGemm
 from offline_paged.ops.graphs import gc_paused
-from offline_paged.ops.pinned import PinnedUpload
+from offline_paged.ops.pinned import PinnedUpload, pin_in_place
 from offline_paged.ops.swap import pinned_empty
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, *range(64, 257, 16), *range(288, 513, 32))  # batch sizes with a graph
@@ -140,7 +140,7 @@ class DecodeGraphs:
         self._table_upload = PinnedUpload()
         self._row_upload = PinnedUpload()
         self._mask_upload = PinnedUpload()
-        self._mask_staging = [np.empty((0, 0), np.int32)] * 2  # pinned [b_max, W] int32 each (mask_staging)
+        self._mask_staging = [(None, np.empty((0, 0), np.int32))] * 2  # (source, pinned [b_max, W] int32) each
         self._next_staging = 0
         self._last_run = None  # (bucket, S) of the last replay, for sample_masked
         self.num_replays = 0
@@ -195,15 +195,18 @@ class DecodeGraphs:
         num_seqs = len(slot_rows)
         return logits, PendingSamples.of_graph(bucket.sampled[:num_seqs], bucket.token_ids[:num_seqs])
 
-    def mask_staging(self, num_seqs: int, num_words: int) -> np.ndarray:
+    def mask_staging(self, num_seqs: int, num_words: int, host_rows=None) -> np.ndarray:
         """[num_seqs, num_words] int32 pinned host rows to fill the next `sample_masked`'s masks into: it
         copies them to the device without staging them first. Two buffers used in turn: the one handed
-        out was last copied from two steps ago, and the engine keeps at most one step in flight."""
+        out was last copied from two steps ago, and the engine keeps at most one step in flight.
+        host_rows: where the buffers live, a callable (rows, words) -> int32 array (a MaskServer's shared
+        memory) that this pins; None: pinned memory of our own. A buffer from another source is replaced."""
         index, self._next_staging = self._next_staging, 1 - self._next_staging
-        staging = self._mask_staging[index]
-        if staging.shape[1] != num_words or staging.shape[0] < num_seqs:
-            staging = pinned_empty((max(num_seqs, self.buckets[-1]), num_words), np.int32)  # [b_max, W]
-            self._mask_staging[index] = staging
+        source, staging = self._mask_staging[index]
+        if staging.shape[1] != num_words or staging.shape[0] < num_seqs or source != host_rows:
+            shape = (max(num_seqs, self.buckets[-1]), num_words)  # [b_max, W]
+            staging = pinned_empty(shape, np.int32) if host_rows is None else pin_in_place(host_rows(*shape))
+            self._mask_staging[index] = (host_rows, staging)
         return staging[:num_seqs]
 
     def sample_masked(self, masks: np.ndarray, sampling_rows):
@@ -224,7 +227,7 @@ class DecodeGraphs:
         if bucket.masks is None or bucket.masks.shape[1] != masks.shape[1]:
             bucket.masks = cupy.full((bucket.size, masks.shape[1]), -1, dtype=cupy.int32)  # [b, W]
             bucket.masked_sample_graph = None
-        if any(masks.ctypes.data == staging.ctypes.data for staging in self._mask_staging if staging.size):
+        if any(masks.ctypes.data == staging.ctypes.data for _, staging in self._mask_staging if staging.size):
             bucket.masks[:num_seqs].set(masks)  # pinned: queued, returns at once
         else:
             self._mask_upload(np.ascontiguousarray(masks, dtype=np.int32), out=bucket.masks[:num_seqs])

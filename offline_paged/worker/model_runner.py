@@ -328,7 +328,9 @@ class ModelRunner:
         thread and the sampling is queued by the returned step's LateSamples; else both happen now."""
         scheduled = output.scheduled
         if masked_in_graph:
-            masks = self.decode_graphs.mask_staging(len(scheduled), _grammar_words(scheduled))  # [S, W] int32
+            server = _mask_server(scheduled) if late else None  # its workers write straight into shared rows
+            masks = self.decode_graphs.mask_staging(len(scheduled), _grammar_words(scheduled),
+                                                    server and server.shared_rows)  # [S, W] int32
             filled = self._fill_masks(_graph_mask_rows(scheduled, masks), masks, late)
 
             def draw_in_graph():
@@ -368,10 +370,14 @@ class ModelRunner:
                             owners=owners, prompt_logprobs=prompt, forward_timer=timer, used_cuda_graph=used_graph)
 
     def _fill_masks(self, rows: list, out: np.ndarray, late: bool):
-        """Fill the (matcher, row) pairs' next-token masks into `out` now, or (late) on the runner's mask
-        thread; returns the wait for them (a no-op when filled now)."""
+        """Fill the (matcher, row) pairs' next-token masks into `out` now, or (late) in the matchers'
+        MaskServer's processes when they have one, else on the runner's mask thread; returns the wait for
+        them (a no-op when filled now)."""
         if not rows:
             return _filled
+        server = rows[0][0].mask_server
+        if late and server is not None:  # worker processes fill them (core/mask_server.py)
+            return server.fill(rows, out)
         from offline_paged.core.structured_matcher import fill_bitmask_rows  # llguidance: only where grammars run
 
         if not late:
@@ -429,6 +435,11 @@ def _has_grammar_rows(scheduled) -> bool:
 def _grammar_words(scheduled) -> int:
     """int32 words of the step's structured-output masks (one grammar tokenizer per engine)."""
     return next(item.seq.matcher.num_words for item in scheduled if item.seq.matcher is not None)
+
+
+def _mask_server(scheduled):
+    """The MaskServer of the step's grammar rows (one per engine), or None: masks fill in this process."""
+    return next((item.seq.matcher.mask_server for item in scheduled if item.seq.matcher is not None), None)
 
 
 def _needs_mask(item) -> bool:

@@ -1,0 +1,261 @@
+"""MaskServer: structured-output masks filled by worker processes, each mirroring some of the matchers.
+
+In one process llguidance's parallel fill stops scaling at ~4 threads: 256 masks over a 128k vocabulary take
+2.9 ms on the best pool of a 16-core H200 host, longer than the 1B decode step they must hide behind. Split
+over 8 processes of one thread each, the same fill takes 1.1 ms (benchmarks/bench_mask_fill.py --processes).
+
+Data structure: K worker processes, each with its own LLTokenizer and a dict uid -> LLMatcher (its mirrors);
+here `_placed`: uid -> (worker, tokens that worker's mirror has consumed). A mirror is fully determined by its
+grammar text and the tokens its matcher has consumed (`StructuredMatcher.history`), so a fill sends each
+worker only the tokens its mirrors lack; a matcher the server has not seen (new, forked, or dropped) goes to
+the least loaded worker with its whole history. Masks are written into shared-memory segments the caller can
+pin for the device's copy (`shared_rows`); a fill into any other array goes through a scratch segment.
+
+Invariants: a mirror equals its matcher after every fill that names it; the workers' mirrors are exactly the
+uids of the last fill (the others are dropped, and resent from their history if they come back). All calls
+come from one thread (but `add_grammar`, which a compile thread may call); `fill` returns a wait that must be
+called before the next `fill`.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Callable
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+
+_START_METHOD = "spawn"  # no fork: the parent holds a CUDA context and running threads
+
+
+class MaskServer:
+    """Fills next-token bitmasks of StructuredMatchers in `num_workers` processes of `threads` threads each."""
+
+    def __init__(self, tokenizer_source: tuple, num_workers: int, threads: int = 1) -> None:
+        """tokenizer_source: ll_tokenizer's arguments (tokenizer, vocab_size, eos_token_ids), pickled to the
+        workers, which build their LLTokenizer from it (in the background: `fill` waits for them)."""
+        if num_workers < 1 or threads < 1:
+            raise ValueError(f"a mask server needs at least one worker of one thread, got {num_workers} x {threads}")
+        context = multiprocessing.get_context(_START_METHOD)
+        self._pipes, self._workers = [], []
+        for index in range(num_workers):
+            parent, child = context.Pipe()
+            worker = context.Process(target=_serve, args=(child, tokenizer_source, threads), daemon=True,
+                                     name=f"mask-worker-{index}")
+            worker.start()
+            child.close()
+            self._pipes.append(parent)
+            self._workers.append(worker)
+        self._send_lock = threading.Lock()  # add_grammar comes from the compiler's threads
+        self._ready = [False] * num_workers
+        self._placed: dict[int, tuple[int, int]] = {}  # uid -> (worker, tokens its mirror consumed)
+        self._load = [0] * num_workers  # mirrors per worker
+        self._segments: list[tuple[SharedMemory, np.ndarray]] = []  # every segment made, for close
+        self._scratch: np.ndarray | None = None
+        self._pending: list[int] = []  # workers whose fill is not yet waited for
+        self.num_resent = 0  # matchers sent with their whole history (new, forked, or back after a drop)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    def shared_rows(self, num_rows: int, num_words: int) -> np.ndarray:
+        """A new [num_rows, num_words] int32 array in shared memory that `fill` writes into directly."""
+        nbytes = max(num_rows * num_words * 4, 1)
+        segment = SharedMemory(create=True, size=nbytes)
+        rows = np.ndarray((num_rows, num_words), dtype=np.int32, buffer=segment.buf)  # [R, W]
+        self._segments.append((segment, rows))
+        return rows
+
+    def add_grammar(self, text: str) -> None:
+        """Have every worker compile `text` now, before its first fill needs it."""
+        with self._send_lock:
+            for index in range(len(self._pipes)):
+                self._send(index, ("grammar", text))
+
+    def wait_ready(self) -> None:
+        """Block until every worker has built its tokenizer and compiled the grammars added so far (the
+        bench calls it before its timing)."""
+        if self._pending:
+            raise RuntimeError("wait_ready called while a mask fill is not yet waited for")
+        self._ensure_ready()
+        with self._send_lock:
+            for index in range(len(self._pipes)):
+                self._send(index, ("ping",))
+        for index in range(len(self._pipes)):
+            self._receive(index)
+
+    def _ensure_ready(self) -> None:
+        for index, ready in enumerate(self._ready):
+            if not ready:
+                self._receive(index)
+                self._ready[index] = True
+
+    def fill(self, rows: list, out: np.ndarray) -> Callable[[], None]:
+        """Start filling each (matcher, row) pair's next-token mask into out[row] ([R, W] int32; other rows
+        are left as they are). Returns the wait for the masks; nothing here touches the llguidance matchers."""
+        if self._pending:
+            raise RuntimeError("a mask fill started before the previous one was waited for")
+        self._ensure_ready()
+        if out.ndim != 2 or out.dtype != np.int32 or not out.flags.c_contiguous:
+            raise ValueError(f"masks go into a C-contiguous [R, W] int32 array, got {out.dtype} {out.shape}")
+        bad = [row for _, row in rows if not 0 <= row < out.shape[0]]
+        if bad:
+            raise ValueError(f"rows {bad[:5]} are outside the {out.shape[0]} rows of the masks")
+        target = self._segment_of(out)
+        scratch = target is None
+        if scratch:
+            target = self._scratch_rows(out.shape)
+        name, shape = self._segment_name(target), target.shape
+        entries = self._entries(rows)
+        with self._send_lock:
+            for index in range(len(self._pipes)):
+                drops, work = entries[index]
+                if drops or work:
+                    self._send(index, ("fill", name, shape, drops, work))
+                    self._pending.append(index)
+
+        def wait() -> None:
+            pending, self._pending = self._pending, []
+            for index in pending:
+                self._receive(index)
+            if scratch:
+                for _, row in rows:
+                    out[row] = target[row]
+
+        return wait
+
+    def close(self) -> None:
+        """Stop the workers and free the shared memory (arrays from shared_rows must not be used after)."""
+        with self._send_lock:
+            for pipe in self._pipes:
+                try:
+                    pipe.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for worker in self._workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.terminate()
+        for segment, _ in self._segments:
+            segment.unlink()  # the name goes now; the memory when the last view of it does
+        self._segments = []
+
+    # ----------------------------------------------------------------- internals
+    def _entries(self, rows: list) -> list[tuple[list, list]]:
+        """Per worker: (uids to drop, [(uid, row, tokens to consume, grammar text or None)])."""
+        work: list[list] = [[] for _ in self._workers]
+        seen = set()
+        for matcher, row in rows:
+            uid, history = matcher.uid, matcher.history
+            if uid in seen:
+                raise RuntimeError(f"matcher {uid} appears twice in one mask fill")
+            seen.add(uid)
+            placed = self._placed.get(uid)
+            if placed is None:
+                worker = min(range(len(self._load)), key=self._load.__getitem__)
+                self._load[worker] += 1
+                self.num_resent += 1
+                work[worker].append((uid, row, list(history), matcher.grammar_text))
+            else:
+                worker, consumed = placed
+                work[worker].append((uid, row, history[consumed:], None))
+            self._placed[uid] = (worker, len(history))
+        drops: list[list] = [[] for _ in self._workers]
+        for uid in [uid for uid in self._placed if uid not in seen]:
+            worker, _ = self._placed.pop(uid)
+            self._load[worker] -= 1
+            drops[worker].append(uid)
+        return list(zip(drops, work))
+
+    def _segment_of(self, out: np.ndarray) -> np.ndarray | None:
+        for _, rows in self._segments:
+            if (out.ctypes.data == rows.ctypes.data and out.shape[1:] == rows.shape[1:]
+                    and out.shape[0] <= rows.shape[0] and out.dtype == rows.dtype):
+                return rows
+        return None
+
+    def _segment_name(self, rows: np.ndarray) -> str:
+        return next(segment.name for segment, array in self._segments if array is rows)
+
+    def _scratch_rows(self, shape: tuple) -> np.ndarray:
+        if self._scratch is None or self._scratch.shape[1] != shape[1] or self._scratch.shape[0] < shape[0]:
+            self._scratch = self.shared_rows(max(shape[0], 1), shape[1])
+        return self._scratch
+
+    def _send(self, index: int, message: tuple) -> None:
+        try:
+            self._pipes[index].send(message)
+        except (BrokenPipeError, ConnectionResetError):
+            raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].exitcode})") from None
+
+    def _receive(self, index: int) -> None:
+        try:
+            reply = self._pipes[index].recv()
+        except EOFError:
+            raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].exitcode})") from None
+        if reply is not None:
+            raise RuntimeError(f"mask worker {index} failed: {reply}")
+
+
+def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
+    """A worker's loop: build the tokenizer, answer `ready`, then one reply per fill (None, or the error)."""
+    import llguidance
+    import llguidance.numpy as llg_numpy
+
+    from offline_paged.core.grammar_tokenizer import ll_tokenizer
+
+    try:
+        tokenizer = ll_tokenizer(*tokenizer_source)
+        executor = llguidance.LLExecutor(num_threads=threads)
+    except Exception as exc:  # the parent raises it at its first fill
+        pipe.send(f"{type(exc).__name__}: {exc}")
+        return
+    pipe.send(None)
+    templates: dict[str, llguidance.LLMatcher] = {}
+    mirrors: dict[int, llguidance.LLMatcher] = {}
+    segments: dict[str, SharedMemory] = {}
+
+    def template(text: str) -> llguidance.LLMatcher:
+        if text not in templates:
+            templates[text] = llguidance.LLMatcher(tokenizer, text, log_level=0,
+                                                   limits=llguidance.LLParserLimits(verbose_errors=False))
+        return templates[text]
+
+    while True:
+        try:
+            message = pipe.recv()
+        except EOFError:
+            break
+        if message is None:
+            break
+        if message[0] == "ping":  # answered after every earlier message
+            pipe.send(None)
+            continue
+        if message[0] == "grammar":
+            try:
+                template(message[1])
+            except Exception:  # the compiler found it valid; a fill that needs it reports the error
+                pass
+            continue
+        _, name, shape, drops, work = message
+        try:
+            for uid in drops:
+                mirrors.pop(uid, None)
+            pairs = []
+            for uid, row, tokens, text in work:
+                if text is not None:
+                    mirrors[uid] = template(text).deep_copy()
+                mirror = mirrors[uid]
+                if tokens:
+                    mirror.consume_tokens(tokens)
+                pairs.append((mirror, row))
+            if pairs:  # (llguidance refuses an empty fill)
+                if name not in segments:
+                    segments[name] = SharedMemory(name=name)
+                out = np.ndarray(shape, dtype=np.int32, buffer=segments[name].buf)  # [R, W]
+                llg_numpy.fill_next_token_bitmask_par(executor, pairs, out)
+                del out
+            pipe.send(None)
+        except Exception as exc:
+            pipe.send(f"{type(exc).__name__}: {exc}")
