@@ -3,11 +3,13 @@ through forks, matchers that leave a fill and come back, errors, shared and plai
 engine's overlapped grammar steps give the same tokens with the server as without it."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from offline_paged.core.grammar_compiler import GrammarCompiler
-from offline_paged.core.mask_server import MaskServer
+from offline_paged.core.mask_server import _SHM_DIR, MaskServer
 from offline_paged.core.structured_matcher import advance_ahead, fill_bitmask_rows
 from offline_paged.core.structured_outputs import StructuredOutputsParams
 from test_structured_generation import SCHEMA, _async_workload, _tokens, _workload
@@ -46,6 +48,7 @@ def test_the_servers_masks_equal_this_process_s_through_forks_drops_and_returns(
     matchers = [grammars[i % len(grammars)].new_matcher() for i in range(12)]
     num_words = grammars[0].num_words
     out = server.shared_rows(16, num_words) if shared else np.zeros((16, num_words), np.int32)
+    assert not [name for name in os.listdir(_SHM_DIR) if name.startswith(f"offline-paged-masks-{os.getpid()}-")]
     resent_before, checked = server.num_resent, 0
     for step in range(25):
         live = [m for m in matchers if not m.is_failed and not m.is_finished]

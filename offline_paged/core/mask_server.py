@@ -9,7 +9,9 @@ here `_placed`: uid -> (worker, tokens that worker's mirror has consumed). A mir
 grammar text and the tokens its matcher has consumed (`StructuredMatcher.history`), so a fill sends each
 worker only the tokens its mirrors lack; a matcher the server has not seen (new, forked, or dropped) goes to
 the least loaded worker with its whole history. Masks are written into shared-memory segments the caller can
-pin for the device's copy (`shared_rows`); a fill into any other array goes through a scratch segment.
+pin for the device's copy (`shared_rows`); a fill into any other array goes through a scratch segment. A
+segment is a file in /dev/shm mapped by this process and every worker, then unlinked at once (nothing is
+left behind, even by a crash); its memory goes with the last array over it.
 
 Invariants: a mirror equals its matcher after every fill that names it; the workers' mirrors are exactly the
 uids of the last fill (the others are dropped, and resent from their history if they come back). All calls
@@ -18,14 +20,19 @@ called before the next `fill`.
 """
 from __future__ import annotations
 
+import itertools
+import mmap
 import multiprocessing
+import os
+import tempfile
 import threading
 from collections.abc import Callable
-from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
 _START_METHOD = "spawn"  # no fork: the parent holds a CUDA context and running threads
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_SEGMENT_IDS = itertools.count()
 
 
 class MaskServer:
@@ -50,7 +57,7 @@ class MaskServer:
         self._ready = [False] * num_workers
         self._placed: dict[int, tuple[int, int]] = {}  # uid -> (worker, tokens its mirror consumed)
         self._load = [0] * num_workers  # mirrors per worker
-        self._segments: list[tuple[SharedMemory, np.ndarray]] = []  # every segment made, for close
+        self._segments: list[tuple[int, np.ndarray]] = []  # (id, [R, W] int32) of every segment made
         self._scratch: np.ndarray | None = None
         self._pending: list[int] = []  # workers whose fill is not yet waited for
         self.num_resent = 0  # matchers sent with their whole history (new, forked, or back after a drop)
@@ -61,10 +68,19 @@ class MaskServer:
 
     def shared_rows(self, num_rows: int, num_words: int) -> np.ndarray:
         """A new [num_rows, num_words] int32 array in shared memory that `fill` writes into directly."""
-        nbytes = max(num_rows * num_words * 4, 1)
-        segment = SharedMemory(create=True, size=nbytes)
-        rows = np.ndarray((num_rows, num_words), dtype=np.int32, buffer=segment.buf)  # [R, W]
-        self._segments.append((segment, rows))
+        segment_id = next(_SEGMENT_IDS)
+        path = os.path.join(_SHM_DIR, f"offline-paged-masks-{os.getpid()}-{segment_id}")
+        shape = (num_rows, num_words)
+        rows = _map_rows(path, shape, create=True)  # [R, W]
+        try:
+            self._ensure_ready()
+            with self._send_lock:
+                for index in range(len(self._pipes)):
+                    self._send(index, ("attach", segment_id, path, shape))
+            self._ping()  # every worker has mapped it
+        finally:
+            os.unlink(path)
+        self._segments.append((segment_id, rows))
         return rows
 
     def add_grammar(self, text: str) -> None:
@@ -79,6 +95,9 @@ class MaskServer:
         if self._pending:
             raise RuntimeError("wait_ready called while a mask fill is not yet waited for")
         self._ensure_ready()
+        self._ping()
+
+    def _ping(self) -> None:
         with self._send_lock:
             for index in range(len(self._pipes)):
                 self._send(index, ("ping",))
@@ -106,13 +125,13 @@ class MaskServer:
         scratch = target is None
         if scratch:
             target = self._scratch_rows(out.shape)
-        name, shape = self._segment_name(target), target.shape
+        segment_id = next(i for i, array in self._segments if array is target)
         entries = self._entries(rows)
         with self._send_lock:
             for index in range(len(self._pipes)):
                 drops, work = entries[index]
                 if drops or work:
-                    self._send(index, ("fill", name, shape, drops, work))
+                    self._send(index, ("fill", segment_id, drops, work))
                     self._pending.append(index)
 
         def wait() -> None:
@@ -137,9 +156,7 @@ class MaskServer:
             worker.join(timeout=5)
             if worker.is_alive():
                 worker.terminate()
-        for segment, _ in self._segments:
-            segment.unlink()  # the name goes now; the memory when the last view of it does
-        self._segments = []
+        self._segments = []  # each segment's memory goes with the last array over it
 
     # ----------------------------------------------------------------- internals
     def _entries(self, rows: list) -> list[tuple[list, list]]:
@@ -174,9 +191,6 @@ class MaskServer:
                     and out.shape[0] <= rows.shape[0] and out.dtype == rows.dtype):
                 return rows
         return None
-
-    def _segment_name(self, rows: np.ndarray) -> str:
-        return next(segment.name for segment, array in self._segments if array is rows)
 
     def _scratch_rows(self, shape: tuple) -> np.ndarray:
         if self._scratch is None or self._scratch.shape[1] != shape[1] or self._scratch.shape[0] < shape[0]:
@@ -214,7 +228,7 @@ def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
     pipe.send(None)
     templates: dict[str, llguidance.LLMatcher] = {}
     mirrors: dict[int, llguidance.LLMatcher] = {}
-    segments: dict[str, SharedMemory] = {}
+    segments: dict[int, np.ndarray] = {}  # id -> [R, W] int32
 
     def template(text: str) -> llguidance.LLMatcher:
         if text not in templates:
@@ -232,13 +246,17 @@ def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
         if message[0] == "ping":  # answered after every earlier message
             pipe.send(None)
             continue
+        if message[0] == "attach":
+            _, segment_id, path, shape = message
+            segments[segment_id] = _map_rows(path, shape)
+            continue
         if message[0] == "grammar":
             try:
                 template(message[1])
             except Exception:  # the compiler found it valid; a fill that needs it reports the error
                 pass
             continue
-        _, name, shape, drops, work = message
+        _, segment_id, drops, work = message
         try:
             for uid in drops:
                 mirrors.pop(uid, None)
@@ -251,11 +269,21 @@ def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
                     mirror.consume_tokens(tokens)
                 pairs.append((mirror, row))
             if pairs:  # (llguidance refuses an empty fill)
-                if name not in segments:
-                    segments[name] = SharedMemory(name=name)
-                out = np.ndarray(shape, dtype=np.int32, buffer=segments[name].buf)  # [R, W]
-                llg_numpy.fill_next_token_bitmask_par(executor, pairs, out)
-                del out
+                llg_numpy.fill_next_token_bitmask_par(executor, pairs, segments[segment_id])
             pipe.send(None)
         except Exception as exc:
             pipe.send(f"{type(exc).__name__}: {exc}")
+
+
+def _map_rows(path: str, shape: tuple[int, int], create: bool = False) -> np.ndarray:
+    """An [R, W] int32 array over the file at `path` (made, of the right size, when create), shared with
+    every process that maps it. The array holds the mapping: it is unmapped when the array is collected."""
+    nbytes = max(shape[0] * shape[1] * 4, 4)
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapping, dtype=np.int32, count=shape[0] * shape[1]).reshape(shape)

@@ -11,6 +11,8 @@ keeps at most one step in flight, so two uploads per step and four slots leave e
 """
 from __future__ import annotations
 
+import weakref
+
 import cupy
 import numpy as np
 
@@ -19,11 +21,14 @@ from offline_paged.ops.swap import pinned_empty
 
 def pin_in_place(host: np.ndarray) -> np.ndarray:
     """Page-lock the memory of a C-contiguous host array (e.g. shared memory another process writes), so
-    copies from it are queued like copies from pinned_empty's. It stays locked for the process's life."""
+    copies from it are queued like copies from pinned_empty's. Unlocked when the array is collected, before
+    its memory can go (the array holds its buffer): a later mapping at the same address must not find the
+    range registered still."""
     if not host.flags.c_contiguous:
         raise ValueError("pin_in_place needs a C-contiguous array")
     if host.nbytes:
         cupy.cuda.runtime.hostRegister(host.ctypes.data, host.nbytes, 0)
+        weakref.finalize(host, cupy.cuda.runtime.hostUnregister, host.ctypes.data).atexit = False
     return host
 
 
