@@ -33,52 +33,82 @@ def _allowed(mask_row: np.ndarray) -> np.ndarray:
     return np.flatnonzero(bits)
 
 
-def _local_masks(rows, num_rows: int, num_words: int) -> np.ndarray:
+def _local_masks(rows, num_rows: int, num_words: int) -> np.ndarray:  # (this process's fill)
     expected = np.zeros((num_rows, num_words), np.int32)
     fill_bitmask_rows(rows, expected)
     return expected
 
 
+def _same_outcome(ours: str | None, theirs: str | None) -> None:
+    """Both accept the token, or both refuse it naming the parser error (llguidance words a refusal by
+    whether a mask was computed in that state: a mirror rebuilt from its history computed none)."""
+    assert (ours is None) == (theirs is None)
+    assert ours is None or ours.startswith("Parser Error: token")
+
+
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_rows", "plain_array"])
-def test_the_servers_masks_equal_this_process_s_through_forks_drops_and_returns(compiler, shared):
-    grammars = [compiler.compile(spec) for spec in SPECS]
+def test_the_servers_masks_and_outcomes_equal_this_process_s_through_forks_drops_and_returns(compiler, shared):
+    """Twins: each matcher with the server beside one without. Every step the server's masks equal this
+    process's fill of the twins, and the outcomes `accept` reads (from the server's worker, or from this
+    process's catching-up matcher when the server did not consume the token) equal the twins'."""
+    reference = GrammarCompiler(TOKENIZER, VOCAB_SIZE, (EOS_ID,))  # no server
+    served = [compiler.compile(spec) for spec in SPECS]
+    plain = [reference.compile(spec) for spec in SPECS]
     server = compiler.mask_server
-    assert server is not None and server.num_workers == 2
+    assert server is not None and server.num_workers == 2 and all(g.mask_server is server for g in served)
     rng = np.random.default_rng(0)
-    matchers = [grammars[i % len(grammars)].new_matcher() for i in range(12)]
-    num_words = grammars[0].num_words
+    twins = [(served[i % 3].new_matcher(), plain[i % 3].new_matcher()) for i in range(12)]
+    num_words = served[0].num_words
     out = server.shared_rows(16, num_words) if shared else np.zeros((16, num_words), np.int32)
     assert not [name for name in os.listdir(_SHM_DIR) if name.startswith(f"offline-paged-masks-{os.getpid()}-")]
-    resent_before, checked = server.num_resent, 0
-    for step in range(25):
-        live = [m for m in matchers if not m.is_failed and not m.is_finished]
-        if not live:
-            break
+    resent_before, outcomes_before, checked, outcomes = server.num_resent, server.num_outcomes, 0, 0
+    fed: list = []  # (twin pair, token) fed ahead last step, accepted after this step's fill
+    for step in range(30):
+        live = [t for t in twins if not t[1].is_failed and not t[1].is_finished]
         # Some matchers sit out a step (a preempted sequence): the server drops them and resends them later.
-        present = [m for m in live if step % 5 != 0 or m.uid % 2 == 0]
-        rows = [(m, int(r)) for m, r in zip(present, rng.permutation(16)[:len(present)])]
+        present = [t for t in live if step % 5 != 0 or t[0].uid % 2 == 0]
+        rows = [(t, int(r)) for t, r in zip(present, rng.permutation(16)[:len(present)])]
         out[:] = 7  # rows not filled keep this
-        server.fill(rows, out)()
-        expected = _local_masks(rows, 16, num_words)
-        for matcher, row in rows:
-            np.testing.assert_array_equal(out[row], expected[row], err_msg=f"step {step} matcher {matcher.uid}")
+        wait = server.fill([(t[0], row) for t, row in rows], out)
+        for (ours, theirs), token in fed:  # the stop checker's accept, while the masks fill
+            _same_outcome(ours.accept(token), theirs.accept(token))
+            assert ours.is_finished == theirs.is_finished and ours.is_failed == theirs.is_failed
+            outcomes += 1
+        wait()
+        expected = np.zeros((16, num_words), np.int32)
+        fill_bitmask_rows([(t[1], row) for t, row in rows], expected)
+        for twin, row in rows:
+            np.testing.assert_array_equal(out[row], expected[row], err_msg=f"step {step} matcher {twin[0].uid}")
             checked += 1
         filled = {row for _, row in rows}
         assert all((out[row] == 7).all() for row in range(16) if row not in filled)
-        # Advance: mostly allowed tokens, one refused token now and then, a fork of one matcher.
-        pairs = []
-        for matcher, row in rows:
+        if not rows:
+            break
+        # Mostly allowed tokens, a refused one now and then; fed ahead (most) or accepted at once.
+        fed = []
+        for twin, row in rows:
             allowed = _allowed(expected[row])
             allowed = allowed[allowed != EOS_ID] if (allowed != EOS_ID).any() else allowed
             token = int(rng.choice(allowed)) if allowed.size and rng.random() > 0.03 else int(rng.integers(VOCAB_SIZE))
-            pairs.append((matcher, token))
-        advance_ahead(pairs)
-        for matcher, token in pairs:
-            matcher.accept(token)
-        if step % 4 == 1:
-            matchers.append(rng.choice(present).fork())
-    assert checked > 100
-    assert server.num_resent > resent_before + len(matchers) - 12  # new, forked and returning matchers
+            if rng.random() < 0.8:
+                fed.append((twin, token))
+            else:
+                _same_outcome(twin[0].accept(token), twin[1].accept(token))
+        advance_ahead([(t[0], token) for t, token in fed])
+        advance_ahead([(t[1], token) for t, token in fed])
+        if step % 4 == 1 and not fed:
+            ours, theirs = present[0]
+            twins.append((ours.fork(), theirs.fork()))
+        elif step % 4 == 1:  # fork after the outcomes are read
+            for (ours, theirs), token in fed:
+                _same_outcome(ours.accept(token), theirs.accept(token))
+            fed = []
+            ours, theirs = rows[0][0]
+            twins.append((ours.fork(), theirs.fork()))
+    assert checked > 100 and outcomes > 50
+    assert server.num_outcomes > outcomes_before + 50  # most accepted tokens' outcomes came from the workers
+    assert server.num_resent > resent_before + len(twins) - 12  # new, forked and returning matchers
+    assert len(twins) > 12
 
 
 def test_a_dead_worker_is_an_error_and_bad_rows_are_refused_before_any_worker_sees_them():
@@ -113,6 +143,6 @@ def test_overlapped_grammar_steps_give_the_same_tokens_with_mask_processes(workl
     eng = tiny_engine(async_scheduling=True, grammar_mask_processes=2)
     got = run_to_completion(eng, workload())
     server = eng.grammar_compiler.mask_server
-    assert server is not None and server.num_resent > 0  # the server filled the masks
+    assert server is not None and server.num_resent > 0 and server.num_outcomes > 0  # the server ran them
     assert _tokens(got) == _tokens(local)
     eng.close()

@@ -14,7 +14,9 @@ segment is a file in /dev/shm mapped by this process and every worker, then unli
 left behind, even by a crash); its memory goes with the last array over it.
 
 Invariants: a mirror equals its matcher after every fill that names it; the workers' mirrors are exactly the
-uids of the last fill (the others are dropped, and resent from their history if they come back). All calls
+uids of the last fill (the others are dropped, and resent from their history if they come back). A worker
+answers each fill twice: the outcome of the tokens it consumed (error, stopped) per matcher, which `outcome`
+hands to `StructuredMatcher.accept` (so this process consumes nothing in the step loop), then the masks. All calls
 come from one thread (but `add_grammar`, which a compile thread may call); `fill` returns a wait that must be
 called before the next `fill`.
 """
@@ -60,7 +62,11 @@ class MaskServer:
         self._segments: list[tuple[int, np.ndarray]] = []  # (id, [R, W] int32) of every segment made
         self._scratch: np.ndarray | None = None
         self._pending: list[int] = []  # workers whose fill is not yet waited for
+        self._awaiting_outcomes: list[int] = []  # workers of the pending fill whose outcomes are not read
+        self._outcomes: dict[int, tuple[int, str | None, bool]] = {}  # uid -> (history length, error, stopped)
+        self._lengths: dict[int, int] = {}  # uid -> its history length at the last fill
         self.num_resent = 0  # matchers sent with their whole history (new, forked, or back after a drop)
+        self.num_outcomes = 0  # outcomes `outcome` answered (the others this process's matchers computed)
 
     @property
     def num_workers(self) -> int:
@@ -127,14 +133,17 @@ class MaskServer:
             target = self._scratch_rows(out.shape)
         segment_id = next(i for i, array in self._segments if array is target)
         entries = self._entries(rows)
+        self._outcomes = {}
         with self._send_lock:
             for index in range(len(self._pipes)):
                 drops, work = entries[index]
                 if drops or work:
                     self._send(index, ("fill", segment_id, drops, work))
                     self._pending.append(index)
+        self._awaiting_outcomes = list(self._pending)
 
         def wait() -> None:
+            self._read_outcomes()
             pending, self._pending = self._pending, []
             for index in pending:
                 self._receive(index)
@@ -143,6 +152,18 @@ class MaskServer:
                     out[row] = target[row]
 
         return wait
+
+    def outcome(self, uid: int, history_length: int) -> tuple[str | None, bool] | None:
+        """(error or None, is_stopped) of matcher `uid` after the first history_length tokens of its history,
+        from the last fill's worker; None when that fill did not consume up to there (then the caller's
+        matcher consumes them itself)."""
+        if self._awaiting_outcomes and uid not in self._outcomes:
+            self._read_outcomes()
+        known = self._outcomes.get(uid)
+        if known is None or known[0] != history_length:
+            return None
+        self.num_outcomes += 1
+        return known[1], known[2]
 
     def close(self) -> None:
         """Stop the workers and free the shared memory (arrays from shared_rows must not be used after)."""
@@ -163,6 +184,7 @@ class MaskServer:
         """Per worker: (uids to drop, [(uid, row, tokens to consume, grammar text or None)])."""
         work: list[list] = [[] for _ in self._workers]
         seen = set()
+        self._lengths = {}  # uid -> its history length at this fill
         for matcher, row in rows:
             uid, history = matcher.uid, matcher.history
             if uid in seen:
@@ -178,6 +200,7 @@ class MaskServer:
                 worker, consumed = placed
                 work[worker].append((uid, row, history[consumed:], None))
             self._placed[uid] = (worker, len(history))
+            self._lengths[uid] = len(history)
         drops: list[list] = [[] for _ in self._workers]
         for uid in [uid for uid in self._placed if uid not in seen]:
             worker, _ = self._placed.pop(uid)
@@ -197,19 +220,28 @@ class MaskServer:
             self._scratch = self.shared_rows(max(shape[0], 1), shape[1])
         return self._scratch
 
+    def _read_outcomes(self) -> None:
+        awaiting, self._awaiting_outcomes = self._awaiting_outcomes, []
+        for index in awaiting:
+            for uid, error, stopped in self._receive(index, expect_list=True):
+                self._outcomes[uid] = (self._lengths[uid], error, stopped)
+
     def _send(self, index: int, message: tuple) -> None:
         try:
             self._pipes[index].send(message)
         except (BrokenPipeError, ConnectionResetError):
             raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].exitcode})") from None
 
-    def _receive(self, index: int) -> None:
+    def _receive(self, index: int, expect_list: bool = False):
         try:
             reply = self._pipes[index].recv()
         except EOFError:
             raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].exitcode})") from None
-        if reply is not None:
+        if isinstance(reply, str):
             raise RuntimeError(f"mask worker {index} failed: {reply}")
+        if (reply is None) == expect_list:
+            raise RuntimeError(f"mask worker {index} answered out of turn: {reply!r}")
+        return reply
 
 
 def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
@@ -218,6 +250,7 @@ def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
     import llguidance.numpy as llg_numpy
 
     from offline_paged.core.grammar_tokenizer import ll_tokenizer
+    from offline_paged.core.structured_matcher import error_message
 
     try:
         tokenizer = ll_tokenizer(*tokenizer_source)
@@ -257,22 +290,28 @@ def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
                 pass
             continue
         _, segment_id, drops, work = message
+        replies = 0  # two per fill: the outcomes, then None (the masks are in), or an error in their place
         try:
             for uid in drops:
                 mirrors.pop(uid, None)
-            pairs = []
+            pairs, outcomes = [], []
             for uid, row, tokens, text in work:
                 if text is not None:
                     mirrors[uid] = template(text).deep_copy()
                 mirror = mirrors[uid]
                 if tokens:
-                    mirror.consume_tokens(tokens)
+                    for token in tokens:  # one by one, as StructuredMatcher._local
+                        mirror.consume_token(token)
+                    outcomes.append((uid, error_message(mirror, tokens[-1]), mirror.is_stopped()))
                 pairs.append((mirror, row))
+            pipe.send(outcomes)
+            replies += 1
             if pairs:  # (llguidance refuses an empty fill)
                 llg_numpy.fill_next_token_bitmask_par(executor, pairs, segments[segment_id])
             pipe.send(None)
         except Exception as exc:
-            pipe.send(f"{type(exc).__name__}: {exc}")
+            for _ in range(2 - replies):
+                pipe.send(f"{type(exc).__name__}: {exc}")
 
 
 def _map_rows(path: str, shape: tuple[int, int], create: bool = False) -> np.ndarray:

@@ -20,12 +20,20 @@ _MESSAGE_LIMIT = 300
 class StructuredMatcher:
     """Mutable: `accept` advances it; `fork` copies it. Not shared between sequences.
 
-    `advance_ahead` may consume a step's tokens for many matchers at once, before the output processor
-    reaches them: each then holds its outcome (`_ahead`) until `accept` of that same token reads it, and
-    `is_finished` answers from it. So the output processor touches no llguidance matcher while a mask
-    thread fills the next step's masks from them (llguidance refuses a matcher borrowed by a fill)."""
+    `history` holds every token it consumed; the llguidance matcher (`_local()`) has consumed the first
+    `_consumed` of them. Without a mask server the two are always equal. With one, tokens fed ahead are
+    only recorded: the server's worker consumes them into its mirror before it fills the next mask and
+    reports the outcome, and this process's matcher catches up only when it is needed here (a fork, a
+    mask filled in this process, an outcome the server does not have).
 
-    __slots__ = ("_matcher", "num_words", "grammar_text", "mask_server", "uid", "history", "_ahead", "_stopped")
+    `advance_ahead` takes a step's tokens for many matchers at once, before the output processor reaches
+    them: each then holds the token and its outcome (`_ahead`: the outcome is None while a server computes
+    it) until `accept` of that same token reads it, and `is_finished` answers from it. So the output
+    processor touches no llguidance matcher while a mask thread fills the next step's masks from them
+    (llguidance refuses a matcher borrowed by a fill)."""
+
+    __slots__ = ("_matcher", "num_words", "grammar_text", "mask_server", "uid", "history", "_consumed",
+                 "_ahead", "_stopped", "_failed")
 
     def __init__(self, matcher: llguidance.LLMatcher, num_words: int, grammar_text: str = "",
                  mask_server=None) -> None:
@@ -37,50 +45,69 @@ class StructuredMatcher:
         self.mask_server = mask_server
         self.uid = next(_UIDS)  # a mask server's name for it
         self.history: list[int] = []  # every token consumed since the grammar's start state
-        self._ahead: tuple[int, str | None, bool] | None = None  # (token, error, stopped) consumed ahead
+        self._consumed = 0  # tokens of history _matcher has consumed
+        self._ahead: tuple[int, tuple[str | None, bool] | None] | None = None  # (token, (error, stopped))
         self._stopped: bool | None = None  # is_stopped() after the last token accepted from `_ahead`
+        self._failed = False  # a token was refused
+
+    def _local(self) -> llguidance.LLMatcher:
+        """This process's llguidance matcher, caught up with `history`."""
+        for token in self.history[self._consumed:]:
+            self._matcher.consume_token(token)  # (consume_tokens refuses an EOS after a finished grammar)
+        self._consumed = len(self.history)
+        return self._matcher
 
     def fork(self) -> StructuredMatcher:
         if self._ahead is not None:
             raise RuntimeError("a matcher was forked between advance_ahead and accept")
-        child = StructuredMatcher(self._matcher.deep_copy(), self.num_words, self.grammar_text, self.mask_server)
+        child = StructuredMatcher(self._local().deep_copy(), self.num_words, self.grammar_text, self.mask_server)
         child.history = list(self.history)
-        child._stopped = self._stopped
+        child._consumed = len(child.history)
+        child._stopped, child._failed = self._stopped, self._failed
         return child
 
     def accept(self, token_id: int) -> str | None:
         """Consume a sampled token; None when the grammar allows it, else the error (the matcher stays
         in its error state). A token consumed by `advance_ahead` is not consumed again: its outcome is read."""
         if self._ahead is not None:
-            token, error, self._stopped = self._ahead
+            token, outcome = self._ahead
             self._ahead = None
             if token != token_id:
                 raise RuntimeError(f"matcher advanced by token {token} but the sequence appended {token_id}")
-            return error
-        self._stopped = None
-        self._matcher.consume_token(int(token_id))
-        self.history.append(int(token_id))
-        return self._error(token_id)
-
-    def _error(self, token_id: int) -> str | None:
-        if not self._matcher.is_error():
-            return None  # (a matcher that failed while computing a mask accepts EOS but is in error)
-        message = self._matcher.get_error().strip() or f"token {token_id} is not allowed by the grammar"
-        return message if len(message) <= _MESSAGE_LIMIT else message[:_MESSAGE_LIMIT] + "..."
+            if outcome is None and self.mask_server is not None:
+                outcome = self.mask_server.outcome(self.uid, len(self.history))
+            if outcome is None:  # not in the server's last fill: this process's matcher consumes it
+                local = self._local()
+                outcome = (error_message(local, token), local.is_stopped())
+            error, self._stopped = outcome
+        else:
+            self._stopped = None
+            self.history.append(int(token_id))
+            error = error_message(self._local(), token_id)
+        self._failed = self._failed or error is not None
+        return error
 
     @property
     def is_finished(self) -> bool:
         """The grammar is complete and can take no more tokens (EOS aside)."""
-        return self._matcher.is_stopped() if self._stopped is None else self._stopped
+        return self._local().is_stopped() if self._stopped is None else self._stopped
 
     @property
     def is_failed(self) -> bool:
         """A token was refused (the matcher is in its error state: it allows nothing but EOS)."""
-        return self._matcher.is_error()
+        return self._failed
 
     @property
     def is_accepting(self) -> bool:
-        return self._matcher.is_accepting()
+        return self._local().is_accepting()
+
+
+def error_message(matcher: llguidance.LLMatcher, token_id: int) -> str | None:
+    """None when the llguidance matcher is not in its error state (after consuming token_id), else the error."""
+    if not matcher.is_error():
+        return None  # (a matcher that failed while computing a mask accepts EOS but is in error)
+    message = matcher.get_error().strip() or f"token {token_id} is not allowed by the grammar"
+    return message if len(message) <= _MESSAGE_LIMIT else message[:_MESSAGE_LIMIT] + "..."
 
 
 def fill_bitmask_rows(rows: list[tuple[StructuredMatcher, int]], out: np.ndarray) -> None:
@@ -90,20 +117,26 @@ def fill_bitmask_rows(rows: list[tuple[StructuredMatcher, int]], out: np.ndarray
     if any(m.num_words != out.shape[1] for m, _ in rows):
         raise RuntimeError("matchers of one step were built for different vocabularies")
     if rows:
-        llg_numpy.fill_next_token_bitmask_par(_executor(), [(m._matcher, row) for m, row in rows], out)
+        llg_numpy.fill_next_token_bitmask_par(_executor(), [(m._local(), row) for m, row in rows], out)
 
 
 def advance_ahead(pairs: list[tuple[StructuredMatcher, int]]) -> None:
-    """Consume one token per matcher, in parallel (llguidance's pool), ahead of the `accept` of the same
-    token by the stop checker, which then reads the outcome kept here. Matchers must be distinct."""
-    if not pairs:
-        return
-    llg_numpy.consume_token_par(_executor(), [(m._matcher, int(token)) for m, token in pairs])
+    """Take one token per matcher ahead of the `accept` of the same token by the stop checker, which then
+    reads the outcome kept here. Matchers with a mask server only record it (the server's next fill
+    consumes it and reports the outcome); the others consume it now, in parallel (llguidance's pool).
+    Matchers must be distinct."""
+    if any(matcher._ahead is not None for matcher, _ in pairs):
+        raise RuntimeError("a matcher was advanced twice before accepting")
+    local = [(matcher, int(token)) for matcher, token in pairs if matcher.mask_server is None]
+    if local:
+        llg_numpy.consume_token_par(_executor(), [(matcher._local(), token) for matcher, token in local])
     for matcher, token in pairs:
-        if matcher._ahead is not None:
-            raise RuntimeError("a matcher was advanced twice before accepting")
-        matcher._ahead = (int(token), matcher._error(token), matcher._matcher.is_stopped())
         matcher.history.append(int(token))
+        if matcher.mask_server is None:
+            matcher._consumed += 1
+            matcher._ahead = (int(token), (error_message(matcher._matcher, token), matcher._matcher.is_stopped()))
+        else:
+            matcher._ahead = (int(token), None)
 
 
 _UIDS = itertools.count()
