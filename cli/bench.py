@@ -56,7 +56,8 @@ _BENCH_OVERRIDES = {
 @click.option("--output-len", default="100:1024", show_default=True, callback=_length_range,
               help="Output length range (exact: ignore_eos).")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
-@engine_options(repeatable=("dtype", "block_size", "kv_cache_dtype", "quantization"), overrides=_BENCH_OVERRIDES)
+@engine_options(repeatable=("dtype", "block_size", "kv_cache_dtype", "quantization", "grammar_mask_processes"),
+                overrides=_BENCH_OVERRIDES)
 @click.option("--kv-layout", "kv_layouts", type=click.Choice(["paged", "contiguous"]), multiple=True,
               help="Repeat to compare (default: paged). contiguous reserves max_model_len per sequence.")
 @click.option("--compare-single", is_flag=True,
@@ -86,6 +87,9 @@ def bench(**options: Any) -> None:
     # Likewise every --quantization (none: 16-bit weights), e.g. --quantization none --quantization fp8.
     options["quantizations"] = options["quantization"] or (None,)
     options["quantization"] = options["quantizations"][0]
+    # And every --grammar-mask-processes for the --structured run (e.g. 0 and 8: in-process and mask processes).
+    options["grammar_mask_counts"] = options["grammar_mask_processes"] or (None,)
+    options["grammar_mask_processes"] = options["grammar_mask_counts"][0]
     if options["data_parallel_size"] != 1:
         _bench_data_parallel(options)
         return
@@ -201,15 +205,19 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
     kv_dtypes = options.get("kv_cache_dtypes") or (options["kv_cache_dtype"],)
     quantizations = options.get("quantizations") or (options["quantization"],)
     results = []
-    variants = [("", requests)]
+    variants = [("", requests, None)]  # (label, requests, grammar_mask_processes)
     if options.get("structured"):
-        variants.append((f" {options['structured']}", structured_workload(requests, options["structured"])))
+        constrained = structured_workload(requests, options["structured"])
+        counts = options.get("grammar_mask_counts") or (options["grammar_mask_processes"],)
+        variants += [(f" {options['structured']}" + ("" if len(counts) == 1 else f" m={count}"), constrained, count)
+                     for count in counts]
     repeats = options.get("repeat") or 1
-    for layout, block_size, quantization, kv_dtype, repeat, (variant, run_requests) in itertools.product(
+    for layout, block_size, quantization, kv_dtype, repeat, (variant, run_requests, mask_count) in itertools.product(
             layouts, block_sizes, quantizations, kv_dtypes, range(repeats), variants):
         # one fresh engine per run: a second run on the same engine would hit the prefix cache
         try:
-            config = _engine_config(options | {"kv_cache_dtype": kv_dtype, "quantization": quantization},
+            config = _engine_config(options | {"kv_cache_dtype": kv_dtype, "quantization": quantization,
+                                               "grammar_mask_processes": mask_count},
                                     backend.name, layout, block_size, max_model_len, tensor_parallel_size)
             engine = LLMEngine(config, loaded_model=loaded)
         except ValueError as exc:

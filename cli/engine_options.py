@@ -137,6 +137,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     _option("admission_batch", "--admission-batch", type=_POSITIVE, default=None,
             help="While every running sequence decodes, admit waiting ones only once this many fit "
                  "(default: max-num-seqs // 8 on CUDA, 1 on the CPU; 1 = whenever one fits)."),
+    _option("grammar_mask_processes", "--grammar-mask-processes", type=click.IntRange(min=0), default=None,
+            help="Structured output: processes that fill the grammar masks beside the device step (default: "
+                 "min(8, cores // 2) on CUDA with async scheduling, else 0: this process fills them)."),
     _option("seed", "--seed", type=click.IntRange(min=0), default=0, show_default=True,
             help="Engine seed (for unseeded requests)."),
     _option("max_logprobs", "--max-logprobs", type=click.IntRange(min=0), default=20, show_default=True,

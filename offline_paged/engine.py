@@ -197,6 +197,11 @@ class LLMEngine:
             self.use_grammar_executor(None)
         return self._grammar_compiler
 
+    @property
+    def mask_server(self):
+        """The MaskServer filling structured-output masks in worker processes, if one was started."""
+        return None if self._grammar_compiler is None else self._grammar_compiler.mask_server
+
     def use_grammar_executor(self, executor) -> None:
         """Compile grammars on `executor` (a concurrent.futures.Executor; None: the compiler's own thread
         pool). Call before the first structured-output request."""

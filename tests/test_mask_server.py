@@ -66,7 +66,7 @@ def test_the_servers_masks_and_outcomes_equal_this_process_s_through_forks_drops
     for step in range(30):
         live = [t for t in twins if not t[1].is_failed and not t[1].is_finished]
         # Some matchers sit out a step (a preempted sequence): the server drops them and resends them later.
-        present = [t for t in live if step % 5 != 0 or t[0].uid % 2 == 0]
+        present = [t for j, t in enumerate(live) if step % 5 != 0 or j % 2 == 0]
         rows = [(t, int(r)) for t, r in zip(present, rng.permutation(16)[:len(present)])]
         out[:] = 7  # rows not filled keep this
         wait = server.fill([(t[0], row) for t, row in rows], out)
@@ -105,8 +105,8 @@ def test_the_servers_masks_and_outcomes_equal_this_process_s_through_forks_drops
             fed = []
             ours, theirs = rows[0][0]
             twins.append((ours.fork(), theirs.fork()))
-    assert checked > 100 and outcomes > 50
-    assert server.num_outcomes > outcomes_before + 50  # most accepted tokens' outcomes came from the workers
+    assert checked > 150 and outcomes > 100  # (224 and 129 with this seed)
+    assert server.num_outcomes > outcomes_before + 80  # most accepted tokens' outcomes came from the workers
     assert server.num_resent > resent_before + len(twins) - 12  # new, forked and returning matchers
     assert len(twins) > 12
 

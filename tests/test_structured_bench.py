@@ -30,6 +30,20 @@ def test_cli_runs_plain_then_json_and_reports_both():
     assert 6 <= runs[1]["num_output_tokens"] <= 6 * 24  # a completed grammar may end a request early
 
 
+def test_each_grammar_mask_processes_value_is_a_structured_run_with_its_counters():
+    result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--num-requests", "6",
+                                      "--input-len", "8", "--output-len", "24", "--no-roofline", "--json",
+                                      "--structured", "json", "--async-scheduling",
+                                      "--grammar-mask-processes", "0", "--grammar-mask-processes", "2"])
+    assert result.exit_code == 0, result.output
+    runs = json.loads(result.stdout.splitlines()[-1])["runs"]
+    assert [r["label"] for r in runs] == ["paged", "paged json m=0", "paged json m=2"]
+    assert runs[0]["mask_server"] is None and runs[1]["mask_server"] is None
+    served = runs[2]["mask_server"]
+    assert served["num_workers"] == 2 and served["num_fills"] > 0 and served["num_outcomes"] > 0
+    assert served["outcome_wait_ms"] >= 0 and served["mask_wait_ms"] >= 0
+
+
 def test_cli_refuses_structured_with_data_parallel():
     result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--structured", "json",
                                       "--data-parallel-size", "2"])

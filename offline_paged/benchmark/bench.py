@@ -308,6 +308,7 @@ class BenchResult:
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype as resolved ("auto" | "fp8_e4m3")
     quantization: str | None = None  # weight quantization (None: the model dtype's weights)
+    mask_server: dict | None = None  # structured output: the mask processes' counters over the run
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -375,7 +376,7 @@ class BenchResult:
             "max_model_len": self.max_model_len, "kv_utilization": self.kv_utilization,
             "kv_block_usage": self.kv_block_usage, "max_concurrent_seqs": self.max_concurrent_seqs,
             "num_preemptions": self.num_preemptions, "time_split": self.time_split(),
-            "roofline": self.roofline(),
+            "roofline": self.roofline(), "mask_server": self.mask_server,
         }
 
     def to_json(self, with_steps: bool = False) -> str:
@@ -414,6 +415,8 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
                              kv_itemsize=engine.runner.kv_cache.dtype.itemsize,
                              linear_itemsize=1 if quantization == "fp8" else None)
     preemptions_before = engine.stats.num_preemptions
+    server = getattr(engine, "mask_server", None)
+    server_before = None if server is None else server.stats()
     for index, request in enumerate(requests):
         engine.add_request(f"bench-{index}", prompt_token_ids=request.prompt_token_ids,
                            params=request.params)
@@ -463,7 +466,17 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         wall_s=wall, num_gpu_blocks=manager.num_gpu_blocks, max_model_len=engine.max_model_len,
         num_preemptions=engine.stats.num_preemptions - preemptions_before,
         peak_device_memory=memory.peak, ceilings=ceilings, steps=steps,
-        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=engine.kv_cache_dtype, quantization=quantization)
+        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=engine.kv_cache_dtype, quantization=quantization,
+        mask_server=None if server is None else _counters_over_run(server_before, server.stats()))
+
+
+def _counters_over_run(before: dict, after: dict) -> dict:
+    """A MaskServer's counters over one run, its waits in mean ms per fill."""
+    fills = max(after["num_fills"] - before["num_fills"], 1)
+    delta = {key: after[key] - before[key] for key in ("num_fills", "num_outcomes", "num_resent")}
+    return delta | {"num_workers": after["num_workers"],
+                    "outcome_wait_ms": 1e3 * (after["outcome_wait_s"] - before["outcome_wait_s"]) / fills,
+                    "mask_wait_ms": 1e3 * (after["mask_wait_s"] - before["mask_wait_s"]) / fills}
 
 
 def _record(end_s, wall_s, report, engine, manager) -> StepRecord:

@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -67,6 +68,9 @@ class MaskServer:
         self._lengths: dict[int, int] = {}  # uid -> its history length at the last fill
         self.num_resent = 0  # matchers sent with their whole history (new, forked, or back after a drop)
         self.num_outcomes = 0  # outcomes `outcome` answered (the others this process's matchers computed)
+        self.num_fills = 0
+        self.outcome_wait_s = 0.0  # time this process waited for the workers' outcomes
+        self.mask_wait_s = 0.0  # ... and then for their masks
 
     @property
     def num_workers(self) -> int:
@@ -141,12 +145,15 @@ class MaskServer:
                     self._send(index, ("fill", segment_id, drops, work))
                     self._pending.append(index)
         self._awaiting_outcomes = list(self._pending)
+        self.num_fills += 1
 
         def wait() -> None:
             self._read_outcomes()
+            start = time.perf_counter()
             pending, self._pending = self._pending, []
             for index in pending:
                 self._receive(index)
+            self.mask_wait_s += time.perf_counter() - start
             if scratch:
                 for _, row in rows:
                     out[row] = target[row]
@@ -164,6 +171,11 @@ class MaskServer:
             return None
         self.num_outcomes += 1
         return known[1], known[2]
+
+    def stats(self) -> dict[str, float]:
+        """Counters for a bench report: fills, outcomes served, and the waits in seconds."""
+        return {"num_workers": self.num_workers, "num_fills": self.num_fills, "num_outcomes": self.num_outcomes,
+                "num_resent": self.num_resent, "outcome_wait_s": self.outcome_wait_s, "mask_wait_s": self.mask_wait_s}
 
     def close(self) -> None:
         """Stop the workers and free the shared memory (arrays from shared_rows must not be used after)."""
@@ -221,10 +233,12 @@ class MaskServer:
         return self._scratch
 
     def _read_outcomes(self) -> None:
+        start = time.perf_counter()
         awaiting, self._awaiting_outcomes = self._awaiting_outcomes, []
         for index in awaiting:
             for uid, error, stopped in self._receive(index, expect_list=True):
                 self._outcomes[uid] = (self._lengths[uid], error, stopped)
+        self.outcome_wait_s += time.perf_counter() - start
 
     def _send(self, index: int, message: tuple) -> None:
         try:
