@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
-# Structured output on the lent device machine: the GPU mask tests, then the 1B bench plain vs every request
-# JSON-constrained (issue 24's >= 85% figure). The device image lacks llguidance: carry its wheel as .whl/
-# (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_31_x86_64
-# -d .whl llguidance==1.9.1; .whl/ is git-ignored) and name .whl in the run's carry.
-# Usage: scripts/device_structured.sh   (logs under $OUT, default /tmp/structured-out)
+# Structured output on the lent device, in one call: the 1B bench with every request JSON-constrained,
+# masks filled in this process (0) and by mask processes (8), each beside the plain run, interleaved
+# --repeat times; then a table with the mask server's waits. Usage: OUT=/tmp/out [REPEAT=3] scripts/device_structured.sh
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/structured-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "carry the llguidance wheel in .whl/"; exit 5; }
-export PYTHONPATH=/tmp/site
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_structured.py 2>&1 | tee "$OUT/tests.log" | tail -8
-timeout 300 python3 -c "from offline_paged.cli.main import cli; cli()" bench --dummy-weights llama-3.2-1b \
-  --num-requests 256 --input-len 64:128 --output-len 128:192 --structured json --no-roofline 2>&1 \
-  | tee "$OUT/bench.log" | head -14
+timeout 400 offline-paged bench --device cuda --json --dummy-weights llama-3.2-1b --cuda-graphs \
+  --input-len 64:128 --output-len 128:192 --structured json --grammar-mask-processes 0 \
+  --grammar-mask-processes ${PROCESSES:-8} --repeat ${REPEAT:-3} >"$OUT/bench_structured.json" 2>"$OUT/bench_structured.err" \
+  || tail -5 "$OUT/bench_structured.err"
+python3 - "$OUT/bench_structured.json" <<'PY'
+import json, sys
+record = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+print(f"{'run':<22}{'out tok/s':>10}{'step ms':>9}{'sched':>7}{'exec':>7}{'post':>7}{'fwd dev':>8}{'outcome wait':>13}{'mask wait':>10}")
+for r in record["runs"]:
+    t, m = r["time_split"], r.get("mask_server") or {}
+    print(f"{r['label']:<22}{r['output_tokens_per_s']:>10,.0f}{t['step_ms']:>9.2f}{t['schedule_ms']:>7.2f}"
+          f"{t['execute_ms']:>7.2f}{t['postprocess_ms']:>7.2f}{t['forward_device_ms'] or 0:>8.2f}"
+          f"{m.get('outcome_wait_ms', float('nan')):>13.2f}{m.get('mask_wait_ms', float('nan')):>10.2f}")
+print("commit", record.get("git_commit"), "device", record.get("device"))
+PY
