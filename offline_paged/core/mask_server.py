@@ -66,6 +66,7 @@ class MaskServer:
         self._awaiting_outcomes: list[int] = []  # workers of the pending fill whose outcomes are not read
         self._outcomes: dict[int, tuple[int, str | None, bool]] = {}  # uid -> (history length, error, stopped)
         self._lengths: dict[int, int] = {}  # uid -> its history length at the last fill
+        self._fed: dict[int, object] = {}  # uid -> matcher given a token ahead since the last fill
         self.num_resent = 0  # matchers sent with their whole history (new, forked, or back after a drop)
         self.num_outcomes = 0  # outcomes `outcome` answered (the others this process's matchers computed)
         self.num_fills = 0
@@ -120,9 +121,15 @@ class MaskServer:
                 self._receive(index)
                 self._ready[index] = True
 
+    def fed(self, matcher) -> None:
+        """`matcher` took a token ahead (advance_ahead): the next fill consumes it in its mirror and reports
+        the outcome, whether or not that fill asks for its mask (a sequence that ends with this token)."""
+        self._fed[matcher.uid] = matcher
+
     def fill(self, rows: list, out: np.ndarray) -> Callable[[], None]:
         """Start filling each (matcher, row) pair's next-token mask into out[row] ([R, W] int32; other rows
-        are left as they are). Returns the wait for the masks; nothing here touches the llguidance matchers."""
+        are left as they are); matchers fed since the last fill consume their tokens too. Returns the wait
+        for the masks; nothing here touches the llguidance matchers."""
         if self._pending:
             raise RuntimeError("a mask fill started before the previous one was waited for")
         self._ensure_ready()
@@ -193,11 +200,15 @@ class MaskServer:
 
     # ----------------------------------------------------------------- internals
     def _entries(self, rows: list) -> list[tuple[list, list]]:
-        """Per worker: (uids to drop, [(uid, row, tokens to consume, grammar text or None)])."""
+        """Per worker: (uids to drop, [(uid, row or None, tokens to consume, grammar text or None)]); a
+        matcher fed ahead but not in `rows` only consumes (row None)."""
         work: list[list] = [[] for _ in self._workers]
         seen = set()
         self._lengths = {}  # uid -> its history length at this fill
-        for matcher, row in rows:
+        fed, self._fed = self._fed, {}
+        filled = {matcher.uid for matcher, _ in rows}
+        consume_only = [(matcher, None) for uid, matcher in fed.items() if uid not in filled]
+        for matcher, row in rows + consume_only:
             uid, history = matcher.uid, matcher.history
             if uid in seen:
                 raise RuntimeError(f"matcher {uid} appears twice in one mask fill")
@@ -317,7 +328,8 @@ def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
                     for token in tokens:  # one by one, as StructuredMatcher._local
                         mirror.consume_token(token)
                     outcomes.append((uid, error_message(mirror, tokens[-1]), mirror.is_stopped()))
-                pairs.append((mirror, row))
+                if row is not None:
+                    pairs.append((mirror, row))
             pipe.send(outcomes)
             replies += 1
             if pairs:  # (llguidance refuses an empty fill)

@@ -137,6 +137,7 @@ def advance_ahead(pairs: list[tuple[StructuredMatcher, int]]) -> None:
             matcher._ahead = (int(token), (error_message(matcher._matcher, token), matcher._matcher.is_stopped()))
         else:
             matcher._ahead = (int(token), None)
+            matcher.mask_server.fed(matcher)
 
 
 _UIDS = itertools.count()
