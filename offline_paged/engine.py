@@ -305,6 +305,7 @@ class LLMEngine:
             launched = self.executor.launch_deferred_sampling(launched)  # its masks fill on a host thread...
         if previous is not None:
             outputs += self._process(previous)  # ...while the previous step is processed
+        launched.queue_early_sampling()  # (masks from a MaskServer that asks for it)
         if self.async_scheduling and output.scheduled and not _needs_host_tokens(output):
             self._in_flight = launched
         else:

@@ -148,3 +148,34 @@ def test_overlapped_grammar_steps_give_the_same_tokens_with_mask_processes(workl
     assert server is not None and server.num_resent > 0 and server.num_outcomes > 0  # the server ran them
     assert _tokens(got) == _tokens(local)
     eng.close()
+
+
+def test_a_late_sampling_is_queued_early_only_when_it_asks_to_be():
+    """LaunchedStep.queue_early_sampling: the step loop's call after processing the previous step."""
+    from offline_paged.worker.launched_step import LateSamples, LaunchedStep, ReadySamples
+
+    started = []
+
+    def step(early: bool) -> LaunchedStep:
+        samples = LateSamples(lambda: started.append(early) or ReadySamples([]), early=early)
+        return LaunchedStep(output=None, samples=samples, sample_index={}, owners=[], prompt_logprobs=[],
+                            forward_timer=None, used_cuda_graph=False)
+
+    late, early = step(False), step(True)
+    late.queue_early_sampling()
+    early.queue_early_sampling()
+    early.queue_early_sampling()  # once only
+    assert started == [True]
+    late.queue_sampling()  # the next launch queues the others
+    assert started == [True, False]
+
+
+@pytest.mark.parametrize("workload", [_async_workload, _workload], ids=["mixed", "json"])
+def test_masked_sampling_queued_early_gives_the_same_tokens(workload):
+    local = run_to_completion(tiny_engine(async_scheduling=True, grammar_mask_processes=0), workload())
+    eng = tiny_engine(async_scheduling=True, grammar_mask_processes=2)
+    assert eng.grammar_compiler.tokenizer is not None and eng.mask_server is not None  # (started with it)
+    eng.mask_server.queue_sampling_early = True
+    got = run_to_completion(eng, workload())
+    assert _tokens(got) == _tokens(local)
+    eng.close()

@@ -67,6 +67,9 @@ class MaskServer:
         self._outcomes: dict[int, tuple[int, str | None, bool]] = {}  # uid -> (history length, error, stopped)
         self._lengths: dict[int, int] = {}  # uid -> its history length at the last fill
         self._fed: dict[int, object] = {}  # uid -> matcher given a token ahead since the last fill
+        # The step loop queues the masked sampling right after processing the previous step (the masks are
+        # in by then), not in the next step's launch. Off until it is measured on the device.
+        self.queue_sampling_early = False
         self.num_resent = 0  # matchers sent with their whole history (new, forked, or back after a drop)
         self.num_outcomes = 0  # outcomes `outcome` answered (the others this process's matchers computed)
         self.num_fills = 0

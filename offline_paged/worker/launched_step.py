@@ -35,14 +35,16 @@ class LateSamples:
     """Samples whose sampling is queued only when `launch()` first runs (a structured-output step's masks
     fill on a host thread meanwhile). `results()` launches it, and so does `token_ids` unless the device
     array the sampler will write is known in advance (a decode graph's); the runner launches it before
-    the next step's device work that reuses its buffers (`LaunchedStep.queue_sampling`)."""
+    the next step's device work that reuses its buffers (`LaunchedStep.queue_sampling`), or the step loop
+    right after it processed the previous step when `early` (`LaunchedStep.queue_early_sampling`)."""
 
-    __slots__ = ("_start", "_samples", "_token_ids")
+    __slots__ = ("_start", "_samples", "_token_ids", "early")
 
-    def __init__(self, start: Callable[[], Any], token_ids=None) -> None:
+    def __init__(self, start: Callable[[], Any], token_ids=None, early: bool = False) -> None:
         self._start = start  # () -> PendingSamples: waits for the masks, queues the sampling
         self._samples = None
         self._token_ids = token_ids  # [R] int32 (device), written by the sampling once queued
+        self.early = early  # its masks come fast (a MaskServer's): queue it before the next step is scheduled
 
     def launch(self):
         if self._samples is None:
@@ -119,6 +121,12 @@ class LaunchedStep:
         """Queue a late sampling (LateSamples) now, if it is not queued yet: before the next step's device
         work, which reuses the decode graph's logits and input buffers."""
         if isinstance(self.samples, LateSamples):
+            self.samples.launch()
+
+    def queue_early_sampling(self) -> None:
+        """Queue a late sampling now if it asked to be queued early (LateSamples.early): the device then
+        samples as soon as the forward ends, while the host schedules the next step."""
+        if isinstance(self.samples, LateSamples) and self.samples.early:
             self.samples.launch()
 
     @property

@@ -337,7 +337,8 @@ class ModelRunner:
                 filled()
                 return self.decode_graphs.sample_masked(masks, self.sampling_rows)
 
-            samples = LateSamples(draw_in_graph, self.decode_graphs.sampled_ids(len(scheduled))) if late else draw_in_graph()
+            samples = LateSamples(draw_in_graph, self.decode_graphs.sampled_ids(len(scheduled)),
+                                  _early(server)) if late else draw_in_graph()
             return LaunchedStep(output=output, samples=samples,
                                 sample_index={item.seq.seq_id: i for i, item in enumerate(scheduled)},
                                 owners=None, prompt_logprobs=[None] * len(scheduled), forward_timer=timer,
@@ -366,7 +367,9 @@ class ModelRunner:
             return ReadySamples(self.sampler.sample(logits[rows], requests))
 
         prompt = [_prompt_logprobs(item, logits, offsets[i], self.backend.to_host) for i, item in enumerate(scheduled)]
-        return LaunchedStep(output=output, samples=LateSamples(draw) if late else draw(), sample_index=sample_index,
+        early = late and _early(scheduled[grammar[0]].seq.matcher.mask_server if grammar else None)
+        return LaunchedStep(output=output, samples=LateSamples(draw, early=early) if late else draw(),
+                            sample_index=sample_index,
                             owners=owners, prompt_logprobs=prompt, forward_timer=timer, used_cuda_graph=used_graph)
 
     def _fill_masks(self, rows: list, out: np.ndarray, late: bool):
@@ -440,6 +443,11 @@ def _grammar_words(scheduled) -> int:
 def _mask_server(scheduled):
     """The MaskServer of the step's grammar rows (one per engine), or None: masks fill in this process."""
     return next((item.seq.matcher.mask_server for item in scheduled if item.seq.matcher is not None), None)
+
+
+def _early(server) -> bool:
+    """Whether a late sampling whose masks `server` fills (None: this process) is queued early."""
+    return server is not None and server.queue_sampling_early
 
 
 def _needs_mask(item) -> bool:
