@@ -16,7 +16,7 @@ from offline_paged.core.config import EngineConfig
 from offline_paged.entrypoints.llm import LLM
 
 LM_EVAL_OWN = {"model", "device", "seed"}  # lm-eval's run has these flags itself
-BENCH_REPEATABLE = {"dtype", "block_size", "kv_cache_dtype", "quantization"}  # bench sweeps them
+BENCH_REPEATABLE = {"dtype", "block_size", "kv_cache_dtype", "quantization", "grammar_mask_processes"}  # bench sweeps them
 # the command line each command needs besides the option under test
 COMMANDS = {"generate": ["generate", "in.jsonl"], "bench": ["bench"], "eval": ["eval"]}
 
