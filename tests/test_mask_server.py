@@ -4,6 +4,8 @@ engine's overlapped grammar steps give the same tokens with the server as withou
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -125,10 +127,33 @@ def test_a_dead_worker_is_an_error_and_bad_rows_are_refused_before_any_worker_se
     np.testing.assert_array_equal(out[1], _local_masks([(matcher, 1)], 2, grammar.num_words)[1])
     for worker in server._workers:
         worker.kill()
-        worker.join()
+        worker.wait()
     with pytest.raises(RuntimeError, match="mask worker . died"):
         server.fill([(matcher, 0)], out)()
     compiler.close()
+
+
+def test_a_script_without_a_main_guard_starts_its_workers_once(tmp_path):
+    """The workers do not import the parent's __main__ (multiprocessing's spawn would: each of them would
+    run the script's top level again, here starting servers of its own)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from offline_paged.core.grammar_compiler import GrammarCompiler\n"
+        "from offline_paged.core.structured_outputs import StructuredOutputsParams\n"
+        "from tiny_engine import EOS_ID, VOCAB_SIZE, ByteTokenizer\n"
+        "print('top level ran', flush=True)\n"
+        "compiler = GrammarCompiler(ByteTokenizer(), VOCAB_SIZE, (EOS_ID,), mask_processes=2)\n"
+        "grammar = compiler.compile(StructuredOutputsParams(regex='ab|ac'))\n"
+        "out = np.zeros((1, grammar.num_words), np.int32)\n"
+        "compiler.mask_server.fill([(grammar.new_matcher(), 0)], out)()\n"
+        "print('allowed', np.flatnonzero(np.unpackbits(out.view(np.uint8), bitorder='little')).tolist())\n"
+        "compiler.close()\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("top level ran") == 1
+    assert f"allowed [{TOKENIZER.encode('a')[0]}]" in result.stdout
 
 
 def test_misuse_is_refused():

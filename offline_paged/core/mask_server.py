@@ -24,16 +24,22 @@ from __future__ import annotations
 
 import itertools
 import mmap
-import multiprocessing
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import numpy as np
 
-_START_METHOD = "spawn"  # no fork: the parent holds a CUDA context and running threads
+# A worker is `python -c _WORKER_MAIN FD`: not a fork (the parent holds a CUDA context and running
+# threads), and not multiprocessing's spawn either, which imports the parent's __main__ again in each child:
+# a user's script without an `if __name__ == "__main__"` guard would load its model eight more times.
+_WORKER_MAIN = "import sys; from offline_paged.core.mask_server import worker_main; worker_main(int(sys.argv[1]))"
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _SEGMENT_IDS = itertools.count()
 
@@ -46,16 +52,12 @@ class MaskServer:
         workers, which build their LLTokenizer from it (in the background: `fill` waits for them)."""
         if num_workers < 1 or threads < 1:
             raise ValueError(f"a mask server needs at least one worker of one thread, got {num_workers} x {threads}")
-        context = multiprocessing.get_context(_START_METHOD)
         self._pipes, self._workers = [], []
-        for index in range(num_workers):
-            parent, child = context.Pipe()
-            worker = context.Process(target=_serve, args=(child, tokenizer_source, threads), daemon=True,
-                                     name=f"mask-worker-{index}")
-            worker.start()
-            child.close()
-            self._pipes.append(parent)
+        for _ in range(num_workers):
+            worker, pipe = _start_worker()
             self._workers.append(worker)
+            self._pipes.append(pipe)
+            pipe.send((tokenizer_source, threads))
         self._send_lock = threading.Lock()  # add_grammar comes from the compiler's threads
         self._ready = [False] * num_workers
         self._placed: dict[int, tuple[int, int]] = {}  # uid -> (worker, tokens its mirror consumed)
@@ -196,9 +198,11 @@ class MaskServer:
                 except (BrokenPipeError, OSError):
                     pass
         for worker in self._workers:
-            worker.join(timeout=5)
-            if worker.is_alive():
-                worker.terminate()
+            try:
+                worker.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
         self._segments = []  # each segment's memory goes with the last array over it
 
     # ----------------------------------------------------------------- internals
@@ -258,13 +262,13 @@ class MaskServer:
         try:
             self._pipes[index].send(message)
         except (BrokenPipeError, ConnectionResetError):
-            raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].exitcode})") from None
+            raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].poll()})") from None
 
     def _receive(self, index: int, expect_list: bool = False):
         try:
             reply = self._pipes[index].recv()
         except EOFError:
-            raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].exitcode})") from None
+            raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].poll()})") from None
         if isinstance(reply, str):
             raise RuntimeError(f"mask worker {index} failed: {reply}")
         if (reply is None) == expect_list:
@@ -272,8 +276,29 @@ class MaskServer:
         return reply
 
 
+def _start_worker() -> tuple[subprocess.Popen, Connection]:
+    """A worker process and our end of its socket (the child gets this process's sys.path)."""
+    ours, theirs = socket.socketpair()
+    with theirs:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
+        worker = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
+                                  pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+    return worker, Connection(ours.detach())
+
+
+def worker_main(fd: int) -> None:
+    """A worker process's entry point: serve the parent at the other end of socket `fd` until it goes."""
+    pipe = Connection(fd)
+    try:
+        tokenizer_source, threads = pipe.recv()
+    except EOFError:
+        return
+    _serve(pipe, tokenizer_source, threads)
+
+
 def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
-    """A worker's loop: build the tokenizer, answer `ready`, then one reply per fill (None, or the error)."""
+    """A worker's loop: build the tokenizer, answer `ready`, then two replies per fill (outcomes, then
+    None; or the error in their place)."""
     import llguidance
     import llguidance.numpy as llg_numpy
 
