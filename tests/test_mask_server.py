@@ -175,6 +175,20 @@ def test_overlapped_grammar_steps_give_the_same_tokens_with_mask_processes(workl
     eng.close()
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_sequences_come_back_to_the_server_with_their_history(mode):
+    """Preemption takes sequences out of the fills (their mirrors are dropped) and brings them back (resent
+    with their whole history): the tokens equal the in-process fill's."""
+    config = dict(num_kv_blocks=28, num_cpu_blocks=256, max_num_batched_tokens=16, preemption_mode=mode,
+                  async_scheduling=True)
+    local = run_to_completion(tiny_engine(grammar_mask_processes=0, **config), _workload())
+    eng = tiny_engine(grammar_mask_processes=2, **config)
+    got = run_to_completion(eng, _workload())
+    assert eng.stats.num_preemptions > 0 and eng.mask_server.num_outcomes > 0
+    assert _tokens(got) == _tokens(local)
+    eng.close()
+
+
 def test_a_late_sampling_is_queued_early_only_when_it_asks_to_be():
     """LaunchedStep.queue_early_sampling: the step loop's call after processing the previous step."""
     from offline_paged.worker.launched_step import LateSamples, LaunchedStep, ReadySamples
