@@ -156,6 +156,28 @@ def test_a_script_without_a_main_guard_starts_its_workers_once(tmp_path):
     assert f"allowed [{TOKENIZER.encode('a')[0]}]" in result.stdout
 
 
+class ParentOnlyTokenizer(ByteTokenizer):
+    """A token table only the creating process can read: the mask workers fail to build their tokenizer."""
+
+    def __init__(self) -> None:
+        self.parent = os.getpid()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if os.getpid() != self.parent:
+            raise RuntimeError("no token table outside the parent")
+        return super().token_bytes(token_id)
+
+
+def test_workers_that_fail_to_start_leave_the_masks_to_this_process_with_a_warning():
+    compiler = GrammarCompiler(ParentOnlyTokenizer(), VOCAB_SIZE, (EOS_ID,), mask_processes=2)
+    with pytest.warns(RuntimeWarning, match="grammar mask processes did not start .*no token table"):
+        grammar = compiler.compile(SPECS[1])
+    assert grammar.mask_server is None and compiler.mask_server is None
+    matcher = grammar.new_matcher()
+    assert matcher.mask_server is None and matcher.accept(TOKENIZER.encode("a")[0]) is None
+    compiler.close()
+
+
 def test_misuse_is_refused():
     with pytest.raises(ValueError, match="at least one worker"):
         MaskServer((TOKENIZER, VOCAB_SIZE, (EOS_ID,)), 0)

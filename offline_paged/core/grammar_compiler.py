@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 from collections import OrderedDict
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -102,10 +103,28 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=limits)
         if matcher.is_error():
             raise ValueError(f"invalid structured_outputs {params.kind}: {_cut(matcher.get_error())}")
-        server = self.mask_server
+        server = self._ready_mask_server()
         if server is not None:
             server.add_grammar(text)
         return CompiledGrammar(matcher, params.kind, -(-self.tokenizer.vocab_size // 32), text, server)
+
+    def _ready_mask_server(self) -> MaskServer | None:
+        """The mask server once its workers are up (the first compile waits for them, off the step loop);
+        None, with a warning, when they failed to start: masks are then filled in this process."""
+        server = self.mask_server
+        if server is None:
+            return None
+        try:
+            server.ensure_ready()
+        except RuntimeError as exc:
+            with self._tokenizer_lock:
+                if self.mask_server is server:
+                    self.mask_server = None
+                    server.close()
+                    warnings.warn(f"grammar mask processes did not start ({exc}); masks are filled in this "
+                                  "process", RuntimeWarning, stacklevel=2)
+            return None
+        return server
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

@@ -60,6 +60,7 @@ class MaskServer:
             pipe.send((tokenizer_source, threads))
         self._send_lock = threading.Lock()  # add_grammar comes from the compiler's threads
         self._ready = [False] * num_workers
+        self._ready_lock = threading.Lock()
         self._placed: dict[int, tuple[int, int]] = {}  # uid -> (worker, tokens its mirror consumed)
         self._load = [0] * num_workers  # mirrors per worker
         self._segments: list[tuple[int, np.ndarray]] = []  # (id, [R, W] int32) of every segment made
@@ -89,7 +90,7 @@ class MaskServer:
         shape = (num_rows, num_words)
         rows = _map_rows(path, shape, create=True)  # [R, W]
         try:
-            self._ensure_ready()
+            self.ensure_ready()
             with self._send_lock:
                 for index in range(len(self._pipes)):
                     self._send(index, ("attach", segment_id, path, shape))
@@ -110,7 +111,7 @@ class MaskServer:
         bench calls it before its timing)."""
         if self._pending:
             raise RuntimeError("wait_ready called while a mask fill is not yet waited for")
-        self._ensure_ready()
+        self.ensure_ready()
         self._ping()
 
     def _ping(self) -> None:
@@ -120,11 +121,14 @@ class MaskServer:
         for index in range(len(self._pipes)):
             self._receive(index)
 
-    def _ensure_ready(self) -> None:
-        for index, ready in enumerate(self._ready):
-            if not ready:
-                self._receive(index)
-                self._ready[index] = True
+    def ensure_ready(self) -> None:
+        """Block until every worker has built its tokenizer; RuntimeError if one failed (thread-safe: the
+        compiler's threads call it before the first grammar is handed out)."""
+        with self._ready_lock:
+            for index, ready in enumerate(self._ready):
+                if not ready:
+                    self._receive(index)
+                    self._ready[index] = True
 
     def fed(self, matcher) -> None:
         """`matcher` took a token ahead (advance_ahead): the next fill consumes it in its mirror and reports
@@ -137,7 +141,7 @@ class MaskServer:
         for the masks; nothing here touches the llguidance matchers."""
         if self._pending:
             raise RuntimeError("a mask fill started before the previous one was waited for")
-        self._ensure_ready()
+        self.ensure_ready()
         if out.ndim != 2 or out.dtype != np.int32 or not out.flags.c_contiguous:
             raise ValueError(f"masks go into a C-contiguous [R, W] int32 array, got {out.dtype} {out.shape}")
         bad = [row for _, row in rows if not 0 <= row < out.shape[0]]
