@@ -14,11 +14,12 @@ segment is a file in /dev/shm mapped by this process and every worker, then unli
 left behind, even by a crash); its memory goes with the last array over it.
 
 Invariants: a mirror equals its matcher after every fill that names it; the workers' mirrors are exactly the
-uids of the last fill (the others are dropped, and resent from their history if they come back). A worker
-answers each fill twice: the outcome of the tokens it consumed (error, stopped) per matcher, which `outcome`
-hands to `StructuredMatcher.accept` (so this process consumes nothing in the step loop), then the masks. All calls
-come from one thread (but `add_grammar`, which a compile thread may call); `fill` returns a wait that must be
-called before the next `fill`.
+uids of the last fill and the matchers fed since the one before (the others are dropped, and resent from
+their history if they come back). A worker answers each fill twice: the outcome of the tokens it consumed
+(error, stopped) per matcher, which `outcome` hands to `StructuredMatcher.accept` (so this process consumes
+nothing in the step loop), then the masks. All calls come from one thread, but `add_grammar` and
+`ensure_ready`, which the compiler's threads call; `fill` returns a wait that must be called before the next
+`fill`.
 """
 from __future__ import annotations
 
