@@ -85,7 +85,10 @@ class MaskServer:
         return len(self._workers)
 
     def shared_rows(self, num_rows: int, num_words: int) -> np.ndarray:
-        """A new [num_rows, num_words] int32 array in shared memory that `fill` writes into directly."""
+        """A new [num_rows, num_words] int32 array in shared memory that `fill` writes into directly (not while
+        a fill is pending: every worker maps it before this returns)."""
+        if self._pending:
+            raise RuntimeError("shared_rows called while a mask fill is not yet waited for")
         segment_id = next(_SEGMENT_IDS)
         path = os.path.join(_SHM_DIR, f"offline-paged-masks-{os.getpid()}-{segment_id}")
         shape = (num_rows, num_words)
