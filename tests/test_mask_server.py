@@ -123,6 +123,8 @@ def test_a_dead_worker_is_an_error_and_bad_rows_are_refused_before_any_worker_se
     out = np.zeros((2, grammar.num_words), np.int32)
     with pytest.raises(ValueError, match=r"rows \[5\] are outside the 2 rows"):
         server.fill([(matcher, 5)], out)
+    with pytest.raises(RuntimeError, match=f"matcher {matcher.uid} appears twice in one mask fill"):
+        server.fill([(matcher, 0), (matcher, 1)], out)
     server.fill([(matcher, 1)], out)()  # the server goes on
     np.testing.assert_array_equal(out[1], _local_masks([(matcher, 1)], 2, grammar.num_words)[1])
     for worker in server._workers:

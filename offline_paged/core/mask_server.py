@@ -69,7 +69,6 @@ class MaskServer:
         self._pending: list[int] = []  # workers whose fill is not yet waited for
         self._awaiting_outcomes: list[int] = []  # workers of the pending fill whose outcomes are not read
         self._outcomes: dict[int, tuple[int, str | None, bool]] = {}  # uid -> (history length, error, stopped)
-        self._lengths: dict[int, int] = {}  # uid -> its history length at the last fill
         self._fed: dict[int, object] = {}  # uid -> matcher given a token ahead since the last fill
         # The step loop queues the masked sampling right after processing the previous step (the masks are
         # in by then), not in the next step's launch. Off until it is measured on the device.
@@ -218,16 +217,15 @@ class MaskServer:
         """Per worker: (uids to drop, [(uid, row or None, tokens to consume, grammar text or None)]); a
         matcher fed ahead but not in `rows` only consumes (row None)."""
         work: list[list] = [[] for _ in self._workers]
-        seen = set()
-        self._lengths = {}  # uid -> its history length at this fill
+        seen = {matcher.uid for matcher, _ in rows}
+        if len(seen) != len(rows):
+            twice = next(uid for uid in seen if sum(matcher.uid == uid for matcher, _ in rows) > 1)
+            raise RuntimeError(f"matcher {twice} appears twice in one mask fill")
         fed, self._fed = self._fed, {}
-        filled = {matcher.uid for matcher, _ in rows}
-        consume_only = [(matcher, None) for uid, matcher in fed.items() if uid not in filled]
+        consume_only = [(matcher, None) for uid, matcher in fed.items() if uid not in seen]
+        seen.update(matcher.uid for matcher, _ in consume_only)
         for matcher, row in rows + consume_only:
             uid, history = matcher.uid, matcher.history
-            if uid in seen:
-                raise RuntimeError(f"matcher {uid} appears twice in one mask fill")
-            seen.add(uid)
             placed = self._placed.get(uid)
             if placed is None:
                 worker = min(range(len(self._load)), key=self._load.__getitem__)
@@ -237,8 +235,7 @@ class MaskServer:
             else:
                 worker, consumed = placed
                 work[worker].append((uid, row, history[consumed:], None))
-            self._placed[uid] = (worker, len(history))
-            self._lengths[uid] = len(history)
+            self._placed[uid] = (worker, len(history))  # (the history length its outcome is for)
         drops: list[list] = [[] for _ in self._workers]
         for uid in [uid for uid in self._placed if uid not in seen]:
             worker, _ = self._placed.pop(uid)
@@ -263,7 +260,7 @@ class MaskServer:
         awaiting, self._awaiting_outcomes = self._awaiting_outcomes, []
         for index in awaiting:
             for uid, error, stopped in self._receive(index, expect_list=True):
-                self._outcomes[uid] = (self._lengths[uid], error, stopped)
+                self._outcomes[uid] = (self._placed[uid][1], error, stopped)
         self.outcome_wait_s += time.perf_counter() - start
 
     def _send(self, index: int, message: tuple) -> None:
