@@ -302,7 +302,7 @@ class LLMEngine:
         if launched.sampling_deferred:
             if previous is not None:  # the matchers consume the previous step's tokens first
                 self.stop_checker.feed_matchers_ahead(previous.output, previous.wait().results)
-            launched = self.executor.launch_deferred_sampling(launched)  # its masks fill on a host thread...
+            launched = self.executor.launch_deferred_sampling(launched)  # its masks fill elsewhere...
         if previous is not None:
             outputs += self._process(previous)  # ...while the previous step is processed
         launched.queue_early_sampling()  # (masks from a MaskServer that asks for it)
