@@ -284,9 +284,11 @@ class LLMEngine:
         token is fed to the next step on the device); one that turns out finished has its extra token
         dropped by the output processor and its blocks freed. A step whose next inputs need its tokens
         on the host (beam search, n > 1 forks, penalties, bad words) is processed at once, as in the
-        sync loop. A step with structured-output rows launches its forward only; its masks are filled
-        and its sampling queued after the previous step's processing (the matchers have consumed that
-        step's tokens then), while the forward runs.
+        sync loop. A step with structured-output rows launches its forward only; its masks start filling
+        once the previous step's tokens are known (fed to the matchers), while that step is processed and
+        the forward runs; its sampling is queued by the next step's launch, or right after that processing
+        when a MaskServer asks for it (LateSamples.early). The report splits the post phase: the wait for
+        the previous step's samples, and the feeding and mask-fill start.
         """
         t0 = time.perf_counter()
         outputs: list = self._admit_compiled()
@@ -299,10 +301,17 @@ class LLMEngine:
         launched = self.executor.execute(output, self._in_flight, defer_grammar_sampling=self.async_scheduling)
         t2 = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
+        token_wait = 0.0
+        if previous is not None:
+            previous.wait()  # its samples on the host (read again below, from the step's cache)
+            token_wait = time.perf_counter() - t2
+        mask_dispatch = 0.0
         if launched.sampling_deferred:
+            t3 = time.perf_counter()
             if previous is not None:  # the matchers consume the previous step's tokens first
                 self.stop_checker.feed_matchers_ahead(previous.output, previous.wait().results)
             launched = self.executor.launch_deferred_sampling(launched)  # its masks fill elsewhere...
+            mask_dispatch = time.perf_counter() - t3
         if previous is not None:
             outputs += self._process(previous)  # ...while the previous step is processed
         launched.queue_early_sampling()  # (masks from a MaskServer that asks for it)
@@ -311,7 +320,7 @@ class LLMEngine:
         else:
             outputs += self._process(launched)
         report = StepReport(output.scheduled, t1 - t0, t2 - t1, time.perf_counter() - t2,
-                            launched.forward_timer, launched.used_cuda_graph)
+                            launched.forward_timer, launched.used_cuda_graph, token_wait, mask_dispatch)
         return outputs, report
 
     def _process(self, launched: LaunchedStep) -> list[RequestOutput]:

@@ -169,6 +169,7 @@ def test_run_bench_reads_the_step_report_and_patches_nothing():
     for step in result.steps:
         assert step.forward_s is None and not step.cuda_graph  # CPU: no device timer, no graphs
         assert 0 <= step.schedule_s + step.execute_s + step.postprocess_s <= step.wall_s
+        assert 0 <= step.token_wait_s + step.mask_dispatch_s <= step.postprocess_s
     assert sum(s.num_tokens for s in result.steps) == result.num_prompt_tokens + result.num_output_tokens - 6
 
 

@@ -42,6 +42,11 @@ def test_each_grammar_mask_processes_value_is_a_structured_run_with_its_counters
     served = runs[2]["mask_server"]
     assert served["num_workers"] == 2 and served["num_fills"] > 0 and served["num_outcomes"] > 0
     assert served["outcome_wait_ms"] >= 0 and served["mask_wait_ms"] >= 0
+    # The post phase's parts: only the constrained runs feed matchers and start mask fills.
+    assert runs[0]["time_split"]["mask_dispatch_ms"] == 0 < runs[2]["time_split"]["mask_dispatch_ms"]
+    for run in runs:
+        split = run["time_split"]
+        assert 0 <= split["token_wait_ms"] + split["mask_dispatch_ms"] <= split["postprocess_ms"]
 
 
 def test_cli_refuses_structured_with_data_parallel():

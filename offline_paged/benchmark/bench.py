@@ -288,6 +288,8 @@ class StepRecord:
     blocks_filled: float  # token slots in use / block_size
     floor_s: float | None  # roofline floor of this step
     idle_before_s: float | None = None  # device time from the previous forward's end to this one's start
+    token_wait_s: float = 0.0  # of postprocess_s: waiting for the previous step's samples
+    mask_dispatch_s: float = 0.0  # of postprocess_s: structured output's feeding and mask-fill start
 
 
 @dataclass(slots=True)
@@ -337,7 +339,7 @@ class BenchResult:
         """Mean milliseconds per step: wall, schedule, execute, device forward, and the rest."""
         n = max(len(self.steps), 1)
         total = {k: sum(getattr(s, k) for s in self.steps)
-                 for k in ("wall_s", "schedule_s", "execute_s", "postprocess_s")}
+                 for k in ("wall_s", "schedule_s", "execute_s", "postprocess_s", "token_wait_s", "mask_dispatch_s")}
         forward = None if not self.steps or self.steps[0].forward_s is None else \
             sum(s.forward_s for s in self.steps)
         return {
@@ -346,6 +348,8 @@ class BenchResult:
             "schedule_ms": 1e3 * total["schedule_s"] / n,
             "execute_ms": 1e3 * total["execute_s"] / n,
             "postprocess_ms": 1e3 * total["postprocess_s"] / n,
+            "token_wait_ms": 1e3 * total["token_wait_s"] / n,  # (parts of postprocess_ms)
+            "mask_dispatch_ms": 1e3 * total["mask_dispatch_s"] / n,
             "num_cuda_graph_steps": sum(s.cuda_graph for s in self.steps),
             "forward_device_ms": None if forward is None else 1e3 * forward / n,
             "host_ms": 1e3 * (total["wall_s"] - (forward if forward is not None else total["execute_s"])) / n,
@@ -486,7 +490,8 @@ def _record(end_s, wall_s, report, engine, manager) -> StepRecord:
     held = round(stats.kv_block_usage_current * manager.num_gpu_blocks)
     return StepRecord(end_s, wall_s, report.schedule_s, report.execute_s, report.postprocess_s,
                       None, report.used_cuda_graph, len(report.scheduled), 0, held,
-                      stats.kv_utilization_current * held, None)
+                      stats.kv_utilization_current * held, None,
+                      token_wait_s=report.token_wait_s, mask_dispatch_s=report.mask_dispatch_s)
 
 
 class _DeviceMemory:

@@ -47,6 +47,10 @@ class StepReport:
     postprocess_s: float
     forward_timer: DeviceTimer | None
     used_cuda_graph: bool
+    # Parts of postprocess_s: waiting for the previous step's samples on the host, and (structured output
+    # under async scheduling) feeding its tokens to the matchers and starting this step's mask fill.
+    token_wait_s: float = 0.0
+    mask_dispatch_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
