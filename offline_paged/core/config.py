@@ -83,7 +83,7 @@ class EngineConfig:
     calculate_kv_scales: bool = False  # FP8 KV: per-layer scales from the first prefill instead of 1.0
     quantization: str | None = None  # None | "fp8": linear weights in e4m3 (models/llama.py)
     # Structured output: processes that fill the overlapped steps' grammar masks (core/mask_server.py).
-    # None = auto: 0 for now (MASK_PROCESSES_BY_DEFAULT below), later min(8, cores // 2) on CUDA.
+    # None = auto: min(8, cores // 2) on CUDA (auto_grammar_mask_processes), else 0.
     # Only with async scheduling (the sync loop fills masks when it needs them: nothing to overlap).
     grammar_mask_processes: int | None = None
 
@@ -162,20 +162,13 @@ class EngineConfig:
         return max(1, self.max_num_seqs // 8) if backend_name == "cuda" else 1
 
     def resolved_grammar_mask_processes(self, backend_name: str, async_scheduling: bool, num_cores: int) -> int:
-        """grammar_mask_processes, or its default: 0 while MASK_PROCESSES_BY_DEFAULT is off, else
-        auto_grammar_mask_processes. Always 0 without async scheduling, whose masks are filled when they are
-        needed."""
+        """grammar_mask_processes, or its default, auto_grammar_mask_processes. Always 0 without async
+        scheduling, whose masks are filled when they are needed."""
         if not async_scheduling:
             return 0
         if self.grammar_mask_processes is not None:
             return self.grammar_mask_processes
-        return auto_grammar_mask_processes(backend_name, num_cores) if MASK_PROCESSES_BY_DEFAULT else 0
-
-
-# The mask workers as started now (`python -c` over a socketpair, core/mask_server.py) have not run on the
-# device yet (its spawn-started predecessor did, 1.3-1.6x the in-process fill); until they have, mask
-# processes run only when asked for (grammar_mask_processes=N).
-MASK_PROCESSES_BY_DEFAULT = False
+        return auto_grammar_mask_processes(backend_name, num_cores)
 
 
 def auto_grammar_mask_processes(backend_name: str, num_cores: int) -> int:
