@@ -141,6 +141,24 @@ def _engine(layout="paged", num_blocks=40, block_size=4):
     return LLMEngine(config, loaded_model=tiny_model())
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warm_up_runs_a_step_that_prefills_beside_decodes(async_scheduling):
+    """The mixed step's first call compiles kernels and imports modules on CUDA: the warm-up pays that."""
+    engine = LLMEngine(EngineConfig(device="cpu", block_size=4, num_kv_blocks=200, max_model_len=200,
+                                    async_scheduling=async_scheduling), loaded_model=tiny_model())
+    schedule, kinds = engine.scheduler.schedule, []
+
+    def recording():
+        output = schedule()
+        kinds.append({item.num_new_tokens > 1 for item in output.scheduled})  # True: a prefill chunk
+        return output
+
+    engine.scheduler.schedule = recording
+    warm_up(engine, VOCAB_SIZE)
+    assert {True, False} in kinds
+    assert not engine.has_unfinished_requests()
+
+
 def test_run_bench_counts_exact_tokens_and_records_every_step():
     requests = random_workload(12, (4, 20), (3, 12), vocab_size=VOCAB_SIZE, seed=1)
     engine = _engine()
