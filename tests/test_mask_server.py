@@ -234,11 +234,13 @@ def test_a_late_sampling_is_queued_early_only_when_it_asks_to_be():
 
 
 @pytest.mark.parametrize("workload", [_async_workload, _workload], ids=["mixed", "json"])
-def test_masked_sampling_queued_early_gives_the_same_tokens(workload):
+def test_masked_sampling_queued_by_the_next_launch_gives_the_same_tokens(workload):
+    """queue_sampling_early off (the server's default is on, which the test above runs)."""
     local = run_to_completion(tiny_engine(async_scheduling=True, grammar_mask_processes=0), workload())
     eng = tiny_engine(async_scheduling=True, grammar_mask_processes=2)
     assert eng.grammar_compiler.tokenizer is not None and eng.mask_server is not None  # (started with it)
-    eng.mask_server.queue_sampling_early = True
+    assert eng.mask_server.queue_sampling_early
+    eng.mask_server.queue_sampling_early = False
     got = run_to_completion(eng, workload())
     assert _tokens(got) == _tokens(local)
     eng.close()
