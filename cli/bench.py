@@ -65,7 +65,9 @@ _BENCH_OVERRIDES = {
                    "workload on one engine process (one GPU).")
 @click.option("--structured", type=click.Choice(["json"]), default=None,
               help="Run the workload a second time with every request constrained by a JSON schema (structured "
-                   "output) and report it against the plain run (compare out tok/s).")
+                   "output) and report it against the plain run (compare out tok/s); then a third time "
+                   "unconstrained, each request to the length its constrained output reached (plain@json "
+                   "lengths: the like-for-like run, since a completed grammar ends its request early).")
 @click.option("--repeat", type=click.IntRange(1, 20), default=1, show_default=True,
               help="Run every configuration this many times, interleaved (plain, json, plain, json, ...: a "
                    "drift of the machine hits both alike); labels get #1, #2, ... and the report adds medians.")
@@ -194,8 +196,8 @@ def _load(options: dict, backend):
 
 def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int = 1, tag: str = "") -> list:
     """Every (layout, block size) run of one backend and model; `tag` is appended to each label."""
-    from offline_paged.benchmark.bench import (max_total_len, measure_ceilings, release_device_memory, run_bench,
-                                               structured_workload, warm_up, warm_up_grammars)
+    from offline_paged.benchmark.bench import (at_lengths, max_total_len, measure_ceilings, release_device_memory,
+                                               run_bench, structured_workload, warm_up, warm_up_grammars)
     from offline_paged.engine import LLMEngine
 
     ceilings = measure_ceilings(backend) if options["roofline"] else None
@@ -206,14 +208,23 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
     quantizations = options.get("quantizations") or (options["quantization"],)
     results = []
     variants = [("", requests, None)]  # (label, requests, grammar_mask_processes)
+    constrained = None
     if options.get("structured"):
         constrained = structured_workload(requests, options["structured"])
         counts = options.get("grammar_mask_counts") or (options["grammar_mask_processes"],)
         variants += [(f" {options['structured']}" + ("" if len(counts) == 1 else f" m={count}"), constrained, count)
                      for count in counts]
+        # Unconstrained again, each request to the length its first constrained run of this repeat reached:
+        # the like-for-like comparison (requests whose grammar completed ended early; the plain run's did not).
+        variants.append((f" plain@{options['structured']} lengths", None, None))
     repeats = options.get("repeat") or 1
+    lengths = None  # output lengths of this repeat's first constrained run
     for layout, block_size, quantization, kv_dtype, repeat, (variant, run_requests, mask_count) in itertools.product(
             layouts, block_sizes, quantizations, kv_dtypes, range(repeats), variants):
+        if not variant:
+            lengths = None
+        elif run_requests is None:
+            run_requests = at_lengths(requests, lengths)
         # one fresh engine per run: a second run on the same engine would hit the prefix cache
         try:
             config = _engine_config(options | {"kv_cache_dtype": kv_dtype, "quantization": quantization,
@@ -226,7 +237,7 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
             raise CouldNotStart(str(exc)) from None
         if options["warmup"]:
             warm_up(engine, loaded.config.vocab_size)
-        if variant:
+        if variant and run_requests is constrained:
             try:
                 warm_up_grammars(engine, run_requests)  # compiled outside the timing (also without --warmup)
             except ValueError as exc:
@@ -241,6 +252,8 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
         label += tag + variant + (f" #{repeat + 1}" if repeats > 1 else "")
         print(f"running {label} ...", file=sys.stderr, flush=True)
         results.append(run_bench(engine, run_requests, label=label, kv_layout=layout, ceilings=ceilings))
+        if variant and run_requests is constrained and lengths is None:
+            lengths = results[-1].output_lengths
         engine.close()
         del engine
         release_device_memory(backend)

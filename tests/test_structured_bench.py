@@ -21,13 +21,27 @@ def test_structured_workload_constrains_every_request_and_keeps_the_rest():
 
 def test_cli_runs_plain_then_json_and_reports_both():
     result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--num-requests", "6",
-                                      "--input-len", "8", "--output-len", "24", "--no-roofline", "--json",
+                                      "--input-len", "8", "--output-len", "200", "--no-roofline", "--json",
                                       "--structured", "json"])
     assert result.exit_code == 0, result.output
     runs = json.loads(result.stdout.splitlines()[-1])["runs"]
-    assert [r["label"] for r in runs] == ["paged", "paged json"]
-    assert runs[0]["num_output_tokens"] == 6 * 24
-    assert 6 <= runs[1]["num_output_tokens"] <= 6 * 24  # a completed grammar may end a request early
+    assert [r["label"] for r in runs] == ["paged", "paged json", "paged plain@json lengths"]
+    assert runs[0]["num_output_tokens"] == 6 * 200
+    assert 6 <= runs[1]["num_output_tokens"] < 6 * 200  # completed grammars ended requests early
+    # The like-for-like run: unconstrained, each request to its constrained output's length.
+    assert runs[2]["num_output_tokens"] == runs[1]["num_output_tokens"] and runs[2]["mask_server"] is None
+
+
+def test_at_lengths_keeps_the_prompts_and_drops_the_constraint():
+    from offline_paged.benchmark.bench import at_lengths
+
+    constrained = structured_workload(random_workload(3, (4, 8), (10, 20), 100))
+    plain = at_lengths(constrained, [5, 0, 12])
+    assert [r.prompt_token_ids for r in plain] == [r.prompt_token_ids for r in constrained]
+    assert [(r.params.max_tokens, r.params.min_tokens) for r in plain] == [(5, 5), (1, 1), (12, 12)]
+    assert all(r.params.structured_outputs is None and r.params.ignore_eos for r in plain)
+    with pytest.raises(ValueError, match="2 lengths for 3 requests"):
+        at_lengths(constrained, [1, 2])
 
 
 def test_each_grammar_mask_processes_value_is_a_structured_run_with_its_counters():
@@ -37,7 +51,7 @@ def test_each_grammar_mask_processes_value_is_a_structured_run_with_its_counters
                                       "--grammar-mask-processes", "0", "--grammar-mask-processes", "2"])
     assert result.exit_code == 0, result.output
     runs = json.loads(result.stdout.splitlines()[-1])["runs"]
-    assert [r["label"] for r in runs] == ["paged", "paged json m=0", "paged json m=2"]
+    assert [r["label"] for r in runs] == ["paged", "paged json m=0", "paged json m=2", "paged plain@json lengths"]
     assert runs[0]["mask_server"] is None and runs[1]["mask_server"] is None
     served = runs[2]["mask_server"]
     assert served["num_workers"] == 2 and served["num_fills"] > 0 and served["num_outcomes"] > 0
@@ -61,13 +75,16 @@ def test_repeat_interleaves_the_runs_and_reports_medians():
     args = ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--num-requests", "4", "--input-len", "8",
             "--output-len", "12", "--no-roofline", "--structured", "json", "--repeat", "3"]
     runs = json.loads(CliRunner().invoke(cli, [*args, "--json"]).stdout.splitlines()[-1])["runs"]
-    assert [r["label"] for r in runs] == ["paged #1", "paged json #1", "paged #2", "paged json #2", "paged #3",
-                                          "paged json #3"]
+    assert [r["label"] for r in runs] == [f"paged{variant} #{k}" for k in (1, 2, 3)
+                                          for variant in ("", " json", " plain@json lengths")]
+    for k in range(3):  # each repeat's like-for-like run takes that repeat's constrained lengths
+        assert runs[3 * k + 2]["num_output_tokens"] == runs[3 * k + 1]["num_output_tokens"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    table = lines[lines.index(next(line for line in lines if line.startswith("median of repeats"))) + 1:][:2]
-    assert [line.split()[0] for line in table] == ["paged", "paged"] and table[1].split()[1] == "json"
+    table = lines[lines.index(next(line for line in lines if line.startswith("median of repeats"))) + 1:][:3]
+    assert [line.split()[0] for line in table] == ["paged"] * 3
+    assert table[1].split()[1] == "json" and table[2].split()[1] == "plain@json"
     assert table[0].split()[-1] == "1.00x"
 
 

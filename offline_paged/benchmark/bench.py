@@ -135,6 +135,16 @@ def structured_workload(requests: list[BenchRequest], kind: str = "json") -> lis
             for r in requests]
 
 
+def at_lengths(requests: list[BenchRequest], lengths: list[int]) -> list[BenchRequest]:
+    """The same prompts unconstrained, each generating exactly lengths[i] tokens (at least 1): the
+    like-for-like plain run of a structured one, whose completed grammars end some requests early."""
+    if len(lengths) != len(requests):
+        raise ValueError(f"{len(lengths)} lengths for {len(requests)} requests")
+    return [BenchRequest(r.prompt_token_ids, dataclasses.replace(
+                r.params, max_tokens=max(1, n), min_tokens=max(1, n), ignore_eos=True, structured_outputs=None))
+            for r, n in zip(requests, lengths)]
+
+
 def warm_up_grammars(engine, requests: list[BenchRequest]) -> None:
     """Compile every distinct grammar of the workload before the timing (the compile is cached by spec)."""
     specs = {r.params.structured_outputs for r in requests if r.params.structured_outputs is not None}
@@ -311,6 +321,7 @@ class BenchResult:
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype as resolved ("auto" | "fp8_e4m3")
     quantization: str | None = None  # weight quantization (None: the model dtype's weights)
     mask_server: dict | None = None  # structured output: the mask processes' counters over the run
+    output_lengths: list[int] = field(default_factory=list)  # tokens of each request's first output, in order
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -429,6 +440,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
     for index, request in enumerate(requests):
         engine.add_request(f"bench-{index}", prompt_token_ids=request.prompt_token_ids,
                            params=request.params)
+    output_lengths = [0] * len(requests)
     memory = _DeviceMemory(engine.backend)
     num_prompt = num_output = 0
     steps: list[StepRecord] = []
@@ -447,6 +459,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
             for output in finished:
                 num_prompt += len(output.prompt_token_ids)
                 num_output += sum(len(c.token_ids) for c in output.outputs)
+                output_lengths[int(output.request_id.removeprefix("bench-"))] = len(output.outputs[0].token_ids)
             steps.append(_record(t1 - start, t1 - t0, report, engine, manager))
             timers.append(report.forward_timer)
             schedules.append(report.scheduled)  # ScheduledSequences are read-only once built: safe to read later
@@ -476,7 +489,8 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         num_preemptions=engine.stats.num_preemptions - preemptions_before,
         peak_device_memory=memory.peak, ceilings=ceilings, steps=steps,
         tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=engine.kv_cache_dtype, quantization=quantization,
-        mask_server=None if server is None else _counters_over_run(server_before, server.stats()))
+        mask_server=None if server is None else _counters_over_run(server_before, server.stats()),
+        output_lengths=output_lengths)
 
 
 def _counters_over_run(before: dict, after: dict) -> dict:
