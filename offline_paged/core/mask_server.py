@@ -64,6 +64,7 @@ class MaskServer:
         self._send_lock = threading.Lock()  # add_grammar comes from the compiler's threads
         self._ready = [False] * num_workers
         self._ready_lock = threading.Lock()
+        self._all_ready = False
         self._placed: dict[int, tuple[int, int]] = {}  # uid -> (worker, tokens its mirror consumed)
         self._load = [0] * num_workers  # mirrors per worker
         self._segments: list[tuple[int, np.ndarray]] = []  # (id, [R, W] int32) of every segment made
@@ -131,11 +132,14 @@ class MaskServer:
     def ensure_ready(self) -> None:
         """Block until every worker has built its tokenizer; RuntimeError if one failed (thread-safe: the
         compiler's threads call it before the first grammar is handed out)."""
+        if self._all_ready:
+            return
         with self._ready_lock:
             for index, ready in enumerate(self._ready):
                 if not ready:
                     self._receive(index)
                     self._ready[index] = True
+            self._all_ready = True
 
     def fed(self, matcher) -> None:
         """`matcher` took a token ahead (advance_ahead): the next fill consumes it in its mirror and reports
@@ -151,8 +155,9 @@ class MaskServer:
         self.ensure_ready()
         if out.ndim != 2 or out.dtype != np.int32 or not out.flags.c_contiguous:
             raise ValueError(f"masks go into a C-contiguous [R, W] int32 array, got {out.dtype} {out.shape}")
-        bad = [row for _, row in rows if not 0 <= row < out.shape[0]]
-        if bad:
+        indices = [row for _, row in rows]
+        if indices and (min(indices) < 0 or max(indices) >= out.shape[0]):
+            bad = [row for row in indices if not 0 <= row < out.shape[0]]
             raise ValueError(f"rows {bad[:5]} are outside the {out.shape[0]} rows of the masks")
         target = self._segment_of(out)
         scratch = target is None
@@ -244,7 +249,7 @@ class MaskServer:
             self._placed[uid] = (worker, len(history))
         self._fill_lengths = lengths
         drops: list[list] = [[] for _ in self._workers]
-        for uid in [uid for uid in self._placed if uid not in seen]:
+        for uid in self._placed.keys() - seen:
             worker, _ = self._placed.pop(uid)
             self._load[worker] -= 1
             drops[worker].append(uid)

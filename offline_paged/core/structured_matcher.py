@@ -127,17 +127,20 @@ def advance_ahead(pairs: list[tuple[StructuredMatcher, int]]) -> None:
     Matchers must be distinct."""
     if any(matcher._ahead is not None for matcher, _ in pairs):
         raise RuntimeError("a matcher was advanced twice before accepting")
-    local = [(matcher, int(token)) for matcher, token in pairs if matcher.mask_server is None]
-    if local:
-        llg_numpy.consume_token_par(_executor(), [(matcher._local(), token) for matcher, token in local])
+    local = []  # (llguidance matcher caught up to before the token, matcher, token)
     for matcher, token in pairs:
-        matcher.history.append(int(token))
+        token = int(token)
         if matcher.mask_server is None:
-            matcher._consumed += 1
-            matcher._ahead = (int(token), (error_message(matcher._matcher, token), matcher._matcher.is_stopped()))
+            local.append((matcher._local(), matcher, token))
         else:
-            matcher._ahead = (int(token), None)
+            matcher._ahead = (token, None)
             matcher.mask_server.fed(matcher)
+        matcher.history.append(token)
+    if local:
+        llg_numpy.consume_token_par(_executor(), [(ll_matcher, token) for ll_matcher, _, token in local])
+        for ll_matcher, matcher, token in local:
+            matcher._consumed += 1
+            matcher._ahead = (token, (error_message(ll_matcher, token), ll_matcher.is_stopped()))
 
 
 _UIDS = itertools.count()
