@@ -158,6 +158,29 @@ def test_a_script_without_a_main_guard_starts_its_workers_once(tmp_path):
     assert f"allowed [{TOKENIZER.encode('a')[0]}]" in result.stdout
 
 
+def test_close_kills_a_worker_that_does_not_exit_and_lets_the_others_exit():
+    import signal
+
+    server = MaskServer((TOKENIZER, VOCAB_SIZE, (EOS_ID,)), 3)
+    server.wait_ready()
+    stuck = server._workers[1]
+    os.kill(stuck.pid, signal.SIGSTOP)  # it cannot read the stop message
+    server.close()
+    assert stuck.returncode == -signal.SIGKILL
+    assert [worker.returncode for i, worker in enumerate(server._workers) if i != 1] == [0, 0]
+    server.close()  # a second close does nothing
+
+
+def test_close_with_a_fill_pending_lets_every_worker_exit_cleanly():
+    grammar = GrammarCompiler(TOKENIZER, VOCAB_SIZE, (EOS_ID,), mask_processes=2)
+    spec = grammar.compile(SPECS[0])
+    server = grammar.mask_server
+    out = server.shared_rows(4, spec.num_words)
+    server.fill([(spec.new_matcher(), row) for row in range(4)], out)  # never waited for
+    grammar.close()
+    assert [worker.returncode for worker in server._workers] == [0, 0]
+
+
 class ParentOnlyTokenizer(ByteTokenizer):
     """A token table only the creating process can read: the mask workers fail to build their tokenizer."""
 

@@ -44,6 +44,7 @@ import numpy as np
 _WORKER_MAIN = "import sys; from offline_paged.core.mask_server import worker_main; worker_main(int(sys.argv[1]))"
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _SEGMENT_IDS = itertools.count()
+_EXIT_GRACE_S = 2.0  # close(): how long the workers get to exit together before they are killed
 _ALLOWED = (None, False)  # the outcome of a token the grammar allows, not finishing it (error, stopped)
 
 
@@ -212,12 +213,16 @@ class MaskServer:
                     pipe.send(None)
                 except (BrokenPipeError, OSError):
                     pass
+        # They hold nothing to save: one grace period for all of them, then the stragglers are killed.
+        deadline = time.monotonic() + _EXIT_GRACE_S
         for worker in self._workers:
             try:
-                worker.wait(timeout=5)
+                worker.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
+        for pipe in self._pipes:
+            pipe.close()
         self._segments = []  # each segment's memory goes with the last array over it
 
     # ----------------------------------------------------------------- internals
@@ -310,7 +315,10 @@ def worker_main(fd: int) -> None:
         tokenizer_source, threads = pipe.recv()
     except EOFError:
         return
-    _serve(pipe, tokenizer_source, threads)
+    try:
+        _serve(pipe, tokenizer_source, threads)
+    except (BrokenPipeError, ConnectionResetError):  # the parent went away while we answered: nothing to do
+        return
 
 
 def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
