@@ -80,7 +80,8 @@ class HostOnlySampler:
         k_max = int(top_ks.max())
         host = np.full(2 * len(requests) + 2 * asking.size * k_max, 7.0)  # token 7, logprob 7.0
         host[1::2][:len(requests)] = -1.0
-        return mod._results(host, top_ks, asking, k_max, [r.params.logprobs is not None for r in requests])
+        wants = [r.params.logprobs is not None for r in requests]
+        return mod._results(host, top_ks, asking, k_max, wants, [False] * len(requests))
 
 
 class HostOnlyGraphSamples:
@@ -95,7 +96,7 @@ class HostOnlyGraphSamples:
         host = np.tile(np.array([7.0, -1.0]), self._num_seqs)  # [S * 2] float64 (token id, logprob)
         num_seqs = self._num_seqs
         return self._mod._results(host, np.zeros(num_seqs, np.int64), np.zeros(0, np.int64), 0,
-                                  [False] * num_seqs)
+                                  [False] * num_seqs, [False] * num_seqs)
 
 
 class HostOnlyDecodeGraphs:
