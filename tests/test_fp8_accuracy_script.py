@@ -106,3 +106,25 @@ def test_the_report_compares_each_config_with_the_reference():
     assert fp8_accuracy.verdict("bf16", diff) is None
     text = fp8_accuracy.table([reference, other], {"fp8_kv": diff})
     assert "| FP8 KV | 52.0 (+2.0) |" in text and "| 1/2 |" in text
+
+
+def test_the_granularity_script_rounds_through_e4m3_at_each_scale():
+    """benchmarks/fp8_kv_granularity.py: each granularity's rounding is e4m3's (within half a step of 3
+    mantissa bits of the scaled value), its largest scaled magnitude lands on 448, and scale 1.0 clips."""
+    spec = importlib.util.spec_from_file_location("fp8_kv_granularity", SCRIPT.parent / "fp8_kv_granularity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import numpy as np
+
+    x = np.random.default_rng(0).normal(0, 3, (5, 4, 64)).astype(np.float32)  # [T, H, D]
+    x[0, 0, 0] = 1000.0  # beyond e4m3's range at scale 1.0
+    one = module.round_e4m3(x, "one")
+    assert one[0, 0, 0] == 448.0 and one.dtype == np.float32
+    for granularity, axes in (("token", (-2, -1)), ("token_head", (-1,))):
+        scale = np.abs(x).max(axis=axes, keepdims=True) / 448.0
+        got = module.round_e4m3(x, granularity)
+        normal = np.abs(x / scale) >= 2.0 ** -6  # e4m3's normal range: relative rounding
+        assert np.all(np.abs(got - x)[normal] <= 2.0 ** -4 * np.abs(x)[normal] + 1e-6)
+        relative = np.abs(got - x)[normal] / np.abs(x)[normal]
+        assert relative.max() > 2.0 ** -6  # 3 mantissa bits, not a finer format's
+        assert np.allclose(np.abs(got).max(axis=axes), np.abs(x).max(axis=axes))
