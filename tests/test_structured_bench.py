@@ -100,3 +100,25 @@ def test_medians_table_takes_the_median_of_each_configuration():
     rows = {line.split()[0]: line.split() for line in format_medians(runs)[2:]}
     assert rows["a"][1] == "20" and rows["b"][1] == "6" and rows["b"][-1] == "0.30x"
     assert format_medians([Run("a", 1.0), Run("b", 2.0)]) == []  # nothing repeated: no table
+
+
+def test_like_for_like_ratios_pair_each_constrained_run_with_its_repeat_s_reference():
+    from offline_paged.benchmark.bench_report import format_like_for_like
+
+    class Run:
+        def __init__(self, label, tok_s):
+            self.label, self.output_tokens_per_s = label, tok_s
+
+    runs = [Run("paged #1", 10.0), Run("paged json m=0 #1", 3.0), Run("paged json m=8 #1", 6.0),
+            Run("paged plain@json lengths #1", 8.0), Run("paged #2", 10.0), Run("paged json m=0 #2", 2.0),
+            Run("paged json m=8 #2", 7.0), Run("paged plain@json lengths #2", 7.0)]
+    lines = format_like_for_like(runs)
+    assert [line.split()[:4] for line in lines[2:6]] == [
+        ["paged", "json", "m=0", "#1"], ["paged", "json", "m=8", "#1"], ["paged", "json", "m=0", "#2"],
+        ["paged", "json", "m=8", "#2"]]
+    assert [line.split()[4] for line in lines[2:6]] == ["0.38x", "0.75x", "0.29x", "1.00x"]
+    assert lines[6].split()[:5] == ["paged", "json", "m=0", "(median)", "0.33x"]
+    assert lines[7].split()[:5] == ["paged", "json", "m=8", "(median)", "0.88x"]
+    assert format_like_for_like([Run("paged", 1.0), Run("paged json", 0.5)]) == []  # no reference run
+    single = format_like_for_like([Run("paged", 9.0), Run("paged json", 3.0), Run("paged plain@json lengths", 6.0)])
+    assert single[2].split()[:3] == ["paged", "json", "0.50x"] and len(single) == 3

@@ -12,14 +12,16 @@ def format_report(results: list[BenchResult], header: str = "") -> str:
     """One table row per run (ratios against the first run), then each run's details."""
     lines = [header] if header else []
     base = results[0]
-    lines.append(f"{'run':<22}{'out tok/s':>12}{'total tok/s':>13}{'wall s':>9}{'max seqs':>10}"
+    width = max(22, *(len(r.label) + 2 for r in results))
+    lines.append(f"{'run':<{width}}{'out tok/s':>12}{'total tok/s':>13}{'wall s':>9}{'max seqs':>10}"
                  f"{'KV util':>9}{'preempt':>9}{'vs ' + base.label:>16}")
     for r in results:
         ratio = r.output_tokens_per_s / base.output_tokens_per_s
-        lines.append(f"{r.label:<22}{r.output_tokens_per_s:>12,.0f}{r.total_tokens_per_s:>13,.0f}"
+        lines.append(f"{r.label:<{width}}{r.output_tokens_per_s:>12,.0f}{r.total_tokens_per_s:>13,.0f}"
                      f"{r.wall_s:>9.2f}{r.max_concurrent_seqs:>10}{r.kv_utilization:>9.1%}"
                      f"{r.num_preemptions:>9}{ratio:>15.2f}x")
     lines += format_medians(results)
+    lines += format_like_for_like(results)
     for r in results:
         lines += ["", *format_details(r)]
     return "\n".join(lines)
@@ -38,11 +40,39 @@ def format_medians(results: list[BenchResult]) -> list[str]:
                       statistics.median(r.time_split()["step_ms"] for r in runs) if all(r.steps for r in runs) else None)
                for name, runs in groups.items()}
     base_name = next(iter(medians))
-    lines = ["", f"{'median of repeats':<22}{'out tok/s':>12}{'step ms':>9}{'runs':>6}{'vs ' + base_name:>16}"]
+    width = max(22, *(len(name) + 2 for name in medians))
+    lines = ["", f"{'median of repeats':<{width}}{'out tok/s':>12}{'step ms':>9}{'runs':>6}{'vs ' + base_name:>16}"]
     for name, (tok_s, step_ms) in medians.items():
         step = f"{step_ms:>9.2f}" if step_ms is not None else f"{'-':>9}"
-        lines.append(f"{name:<22}{tok_s:>12,.0f}{step}{len(groups[name]):>6}{tok_s / medians[base_name][0]:>15.2f}x")
+        lines.append(f"{name:<{width}}{tok_s:>12,.0f}{step}{len(groups[name]):>6}"
+                     f"{tok_s / medians[base_name][0]:>15.2f}x")
     return lines
+
+
+def format_like_for_like(results: list[BenchResult]) -> list[str]:
+    """bench --structured: each constrained run's out tok/s against the "plain@<kind> lengths" run of its
+    configuration and repeat (unconstrained, to the same output lengths), and the median ratio per
+    constrained configuration over the repeats. [] without such runs."""
+    ratios: dict[str, list[float]] = {}
+    lines = []
+    for reference in results:
+        prefix, marker, rest = reference.label.partition(" plain@")
+        if not marker:
+            continue
+        kind, _, suffix = rest.partition(" lengths")  # suffix: "" or " #k"
+        for r in results:
+            name = r.label.removesuffix(suffix) if suffix else r.label
+            if r is not reference and (not suffix or r.label.endswith(suffix)) and name.startswith(
+                    f"{prefix} {kind}") and " plain@" not in name:
+                ratio = r.output_tokens_per_s / reference.output_tokens_per_s
+                ratios.setdefault(name, []).append(ratio)
+                lines.append(f"{r.label:<30}{ratio:>8.2f}x of {reference.label}")
+    if not lines:
+        return []
+    if any(len(values) > 1 for values in ratios.values()):
+        lines += [f"{name + ' (median)':<30}{statistics.median(values):>8.2f}x over {len(values)} repeats"
+                  for name, values in ratios.items()]
+    return ["", "like for like (constrained / unconstrained at the same output lengths)", *lines]
 
 
 def format_details(r: BenchResult) -> list[str]:
