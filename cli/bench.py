@@ -237,11 +237,12 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
             raise CouldNotStart(str(exc)) from None
         if options["warmup"]:
             warm_up(engine, loaded.config.vocab_size)
-        if variant and run_requests is constrained:
+        if any(r.params.structured_outputs is not None for r in run_requests):
             try:
                 warm_up_grammars(engine, run_requests)  # compiled outside the timing (also without --warmup)
             except ValueError as exc:
-                raise click.UsageError(f"--structured: {exc}") from None
+                where = "--structured" if run_requests is constrained else f"--input-file {options['input_file']}"
+                raise click.UsageError(f"{where}: {exc}") from None
         label = layout if len(block_sizes) == 1 else f"{layout} B={block_size}"
         if options["tensor_parallel_size"] != 1:
             label += f" TP={tensor_parallel_size}"

@@ -122,3 +122,34 @@ def test_like_for_like_ratios_pair_each_constrained_run_with_its_repeat_s_refere
     assert format_like_for_like([Run("paged", 1.0), Run("paged json", 0.5)]) == []  # no reference run
     single = format_like_for_like([Run("paged", 9.0), Run("paged json", 3.0), Run("paged plain@json lengths", 6.0)])
     assert single[2].split()[:3] == ["paged", "json", "0.50x"] and len(single) == 3
+
+
+def test_a_request_whose_grammar_fails_mid_generation_is_counted_not_a_crash():
+    """run_bench gets a RequestError for it (its only allowed token is refused by its regex)."""
+    from offline_paged.benchmark.bench import BenchRequest, run_bench
+    from offline_paged.benchmark.bench_report import format_details
+    from offline_paged.core.sampling_params import SamplingParams
+    from offline_paged.core.structured_outputs import StructuredOutputsParams
+    from tiny_engine import ByteTokenizer, tiny_engine
+
+    z = ByteTokenizer().encode("z")[0]
+    doomed = SamplingParams(max_tokens=8, temperature=0.0, allowed_token_ids=[z],
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    requests = [BenchRequest([5, 6, 7], SamplingParams(max_tokens=6, min_tokens=6, ignore_eos=True)),
+                BenchRequest([5, 6, 8], doomed)]
+    result = run_bench(tiny_engine(), requests)
+    assert result.num_output_tokens == 6 and result.output_lengths == [6, 0]
+    assert len(result.errors) == 1 and result.errors[0].startswith("bench-1: structured output failed")
+    assert json.loads(result.to_json())["num_errors"] == 1
+    assert any(line.startswith("1 request(s) ended with an error") for line in format_details(result))
+
+
+def test_a_file_line_whose_grammar_does_not_compile_is_a_usage_error_naming_it(tmp_path):
+    path = tmp_path / "job.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 4}) + "\n\n"
+                    + json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 4, "structured_outputs": {"regex": "(("}})
+                    + "\n")
+    result = CliRunner().invoke(cli, ["bench", "--dummy-weights", "tiny", "--device", "cpu", "--workload", "file",
+                                      "--input-file", str(path), "--no-roofline"])
+    assert result.exit_code == 2, result.output
+    assert f"--input-file {path}: line 3: invalid structured_outputs regex" in result.output

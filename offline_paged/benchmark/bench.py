@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from offline_paged.core.outputs import RequestError
 from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.core.structured_outputs import StructuredOutputsParams
 
@@ -54,6 +55,7 @@ STRUCTURED_KINDS = {"json": StructuredOutputsParams(json=BENCH_SCHEMA)}
 class BenchRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
+    line: int | None = None  # its line in a --workload file (for error messages)
 
 
 def parse_length_range(text: str) -> tuple[int, int]:
@@ -146,10 +148,17 @@ def at_lengths(requests: list[BenchRequest], lengths: list[int]) -> list[BenchRe
 
 
 def warm_up_grammars(engine, requests: list[BenchRequest]) -> None:
-    """Compile every distinct grammar of the workload before the timing (the compile is cached by spec)."""
-    specs = {r.params.structured_outputs for r in requests if r.params.structured_outputs is not None}
-    for spec in specs:
-        engine.grammar_compiler.compile(spec)
+    """Compile every distinct grammar of the workload before the timing (the compile is cached by spec).
+    ValueError for one that does not compile, naming its request's file line when it has one."""
+    specs = {}  # spec -> its first request
+    for r in requests:
+        if r.params.structured_outputs is not None:
+            specs.setdefault(r.params.structured_outputs, r)
+    for spec, request in specs.items():
+        try:
+            engine.grammar_compiler.compile(spec)
+        except ValueError as exc:
+            raise ValueError(f"line {request.line}: {exc}" if request.line is not None else str(exc)) from None
     server = engine.grammar_compiler.mask_server if specs else None
     if server is not None:  # its processes build their token tables before the timing, not in it
         server.wait_ready()
@@ -170,7 +179,7 @@ def file_workload(path: str | Path, tokenizer) -> list[BenchRequest]:
             parsed = parse_line(number, text, {})
             if isinstance(parsed, LineError):
                 raise ValueError(f"{path}:{number}: {parsed.message}")
-            requests.append(BenchRequest(_token_ids(parsed, tokenizer, path), parsed.params))
+            requests.append(BenchRequest(_token_ids(parsed, tokenizer, path), parsed.params, number))
     if not requests:
         raise ValueError(f"{path}: no requests in the file")
     return requests
@@ -322,6 +331,7 @@ class BenchResult:
     quantization: str | None = None  # weight quantization (None: the model dtype's weights)
     mask_server: dict | None = None  # structured output: the mask processes' counters over the run
     output_lengths: list[int] = field(default_factory=list)  # tokens of each request's first output, in order
+    errors: list[str] = field(default_factory=list)  # requests that ended with an error: "id: message"
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -391,7 +401,8 @@ class BenchResult:
             "max_model_len": self.max_model_len, "kv_utilization": self.kv_utilization,
             "kv_block_usage": self.kv_block_usage, "max_concurrent_seqs": self.max_concurrent_seqs,
             "num_preemptions": self.num_preemptions, "time_split": self.time_split(),
-            "roofline": self.roofline(), "mask_server": self.mask_server,
+            "roofline": self.roofline(), "mask_server": self.mask_server, "num_errors": len(self.errors),
+            "errors": self.errors[:10],
         }
 
     def to_json(self, with_steps: bool = False) -> str:
@@ -441,6 +452,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         engine.add_request(f"bench-{index}", prompt_token_ids=request.prompt_token_ids,
                            params=request.params)
     output_lengths = [0] * len(requests)
+    errors = []
     memory = _DeviceMemory(engine.backend)
     num_prompt = num_output = 0
     steps: list[StepRecord] = []
@@ -457,6 +469,9 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
             finished, report = engine.step_with_report()
             t1 = time.perf_counter()
             for output in finished:
+                if isinstance(output, RequestError):  # (a grammar that refused a token mid-generation)
+                    errors.append(f"{output.request_id}: {output.message}")
+                    continue
                 num_prompt += len(output.prompt_token_ids)
                 num_output += sum(len(c.token_ids) for c in output.outputs)
                 output_lengths[int(output.request_id.removeprefix("bench-"))] = len(output.outputs[0].token_ids)
@@ -490,7 +505,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         peak_device_memory=memory.peak, ceilings=ceilings, steps=steps,
         tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=engine.kv_cache_dtype, quantization=quantization,
         mask_server=None if server is None else _counters_over_run(server_before, server.stats()),
-        output_lengths=output_lengths)
+        output_lengths=output_lengths, errors=errors)
 
 
 def _counters_over_run(before: dict, after: dict) -> dict:

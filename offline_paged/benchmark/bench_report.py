@@ -90,6 +90,8 @@ def format_details(r: BenchResult) -> list[str]:
         f"preemptions {r.num_preemptions}",
         _format_split(split) if r.steps else "per step: not recorded (the steps ran in worker processes)",
     ]
+    if r.errors:
+        out.append(f"{len(r.errors)} request(s) ended with an error (not counted in the tokens), first: {r.errors[0]}")
     roof = r.roofline()
     if roof is not None:
         out.append(
