@@ -3,7 +3,7 @@ sampler's kernels are stubbed out, so what is timed is the Python the GPU path r
 (schedule, input packing, the device sampler's host-side packing and unpacking, postprocess, stats).
 
     python benchmarks/bench_host_step.py [--num-requests 256] [--output-len 128] [--graphs] [--profile]
-                                         [--repeat 3] [--clock wall|cpu]
+                                         [--repeat 3] [--clock wall|cpu] [--structured json --mask-processes K]
 
 The workload is the `bench` random one scaled down in output length: prompts 100..1024, every request
 decodes exactly --output-len tokens, max_num_batched_tokens 8192, so most steps are 256-sequence
@@ -16,6 +16,10 @@ disturbs less (time the process spends waiting for a core is not counted).
 HostOnlyDecodeGraphs that does DecodeGraphs' host part (the five-int-per-slot pack, the block-table change
 feed, the dirty sampling rows) and samples in the "graph" (no eager sampler packing on those steps); its
 samples are unpacked by gpu_sampler._results, as PendingSamples.of_graph's are.
+--structured json constrains every request by the bench's JSON schema (the engine's async grammar path: feed
+the matchers ahead, dispatch the mask fill to --mask-processes worker processes, read their outcomes, sample
+masked in the "graph"). The stand-in samplers draw a random allowed token from each row's mask; that draw
+is not engine work, so it is timed apart ("stub token draw") and left out of "engine step".
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ import types
 
 import numpy as np
 
-from offline_paged.benchmark.bench import random_workload
+from offline_paged.benchmark.bench import STRUCTURED_KINDS, random_workload, structured_workload
 from offline_paged.core.config import EngineConfig
 from offline_paged.engine import LLMEngine
 from offline_paged.models.dummy_weights import dummy_model
@@ -63,11 +67,35 @@ def _gpu_sampler_host_part():
     return gpu_sampler
 
 
-class HostOnlySampler:
-    """GpuSampler.sample with the kernels removed: upload packing, then results from a zeroed download."""
+class TokenDraw:
+    """The stand-in for the device's sampling under a grammar: a random allowed token per mask row (EOS only
+    where nothing else is allowed), timed so that the report can leave it out."""
 
-    def __init__(self, gpu_sampler) -> None:
+    def __init__(self, vocab: int, eos: int, clock) -> None:
+        self.vocab, self.eos, self.clock = vocab, eos, clock
+        self.rng = np.random.default_rng(0)
+        self.seconds = 0.0
+
+    def __call__(self, masks: np.ndarray) -> np.ndarray:
+        """masks [R, W] int32 -> [R] int32 token ids."""
+        start = self.clock()
+        bits = np.unpackbits(np.ascontiguousarray(masks).view(np.uint8), axis=1, bitorder="little")[:, :self.vocab]
+        others = bits.copy()
+        others[:, self.eos] = 0
+        bits = np.where(others.any(axis=1, keepdims=True), others, bits).astype(np.float64)  # [R, V]
+        scores = self.rng.random(bits.shape) * bits
+        tokens = scores.argmax(axis=1).astype(np.int32)
+        self.seconds += self.clock() - start
+        return tokens
+
+
+class HostOnlySampler:
+    """GpuSampler.sample with the kernels removed: upload packing, then results from a zeroed download
+    (rows with a grammar mask draw an allowed token, `TokenDraw`)."""
+
+    def __init__(self, gpu_sampler, draw: TokenDraw | None = None) -> None:
         self._mod = gpu_sampler
+        self._draw = draw
 
     def sample_async(self, logits, rows, requests):
         return ReadySamples(self.sample(logits, rows, requests))
@@ -80,6 +108,9 @@ class HostOnlySampler:
         k_max = int(top_ks.max())
         host = np.full(2 * len(requests) + 2 * asking.size * k_max, 7.0)  # token 7, logprob 7.0
         host[1::2][:len(requests)] = -1.0
+        masked = [i for i, r in enumerate(requests) if r.token_bitmask is not None]
+        if masked:
+            host[0::2][masked] = self._draw(np.stack([requests[i].token_bitmask for i in masked]))
         wants = [r.params.logprobs is not None for r in requests]
         return mod._results(host, top_ks, asking, k_max, wants, [False] * len(requests))
 
@@ -88,12 +119,13 @@ class HostOnlyGraphSamples:
     """PendingSamples.of_graph's host part: results() unpacks a downloaded [S, 2] (token 7, logprob -1.0)
     with gpu_sampler._results, as on the device."""
 
-    def __init__(self, gpu_sampler, num_seqs: int) -> None:
+    def __init__(self, gpu_sampler, num_seqs: int, token_ids: np.ndarray | None = None) -> None:
         self._mod, self._num_seqs = gpu_sampler, num_seqs
-        self.token_ids = np.full(num_seqs, 7, dtype=np.int32)  # [S]
+        self.token_ids = np.full(num_seqs, 7, dtype=np.int32) if token_ids is None else token_ids  # [S]
 
     def results(self) -> list[SampleResult]:
         host = np.tile(np.array([7.0, -1.0]), self._num_seqs)  # [S * 2] float64 (token id, logprob)
+        host[0::2] = self.token_ids
         num_seqs = self._num_seqs
         return self._mod._results(host, np.zeros(num_seqs, np.int64), np.zeros(0, np.int64), 0,
                                   [False] * num_seqs, [False] * num_seqs)
@@ -105,11 +137,41 @@ class HostOnlyDecodeGraphs:
 
     buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-    def __init__(self, vocab: int, block_size: int, max_model_len: int, gpu_sampler) -> None:
+    def __init__(self, vocab: int, block_size: int, max_model_len: int, gpu_sampler, draw: TokenDraw | None = None) -> None:
         self.gpu_sampler = gpu_sampler
         self.vocab, self.max_model_len = vocab, max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self._hosts = {b: np.zeros(5 * b, dtype=np.int32) for b in self.buckets}
+        self._draw = draw
+        self._staging: list = [(None, np.zeros((0, 0), np.int32))] * 2  # (source, rows), used in turn
+        self._next_staging = 0
+        self._last_run = 0  # slots of the last replay
+
+    def masks_fit(self, num_words: int) -> bool:
+        return 32 * num_words >= self.vocab
+
+    def mask_staging(self, num_seqs: int, num_words: int, host_rows=None) -> np.ndarray:
+        """DecodeGraphs.mask_staging without the pinning."""
+        index, self._next_staging = self._next_staging, 1 - self._next_staging
+        source, staging = self._staging[index]
+        if staging.shape[1] != num_words or staging.shape[0] < num_seqs or source != host_rows:
+            shape = (max(num_seqs, self.buckets[-1]), num_words)
+            staging = np.zeros(shape, np.int32) if host_rows is None else host_rows(*shape)
+            self._staging[index] = (host_rows, staging)
+        return staging[:num_seqs]
+
+    def sample_masked(self, masks: np.ndarray, sampling_rows):
+        """DecodeGraphs.sample_masked's host part (the dirty sampling rows), then the stand-in draw."""
+        if masks.shape[0] != self._last_run:
+            raise ValueError(f"masks for {masks.shape[0]} slots after a replay of {self._last_run}")
+        dirty = sampling_rows.take_dirty()
+        if dirty.size:
+            np.concatenate([dirty.astype(np.uint64), sampling_rows.seeds[dirty],
+                            sampling_rows.params[dirty].ravel().view(np.uint64)])
+        return HostOnlyGraphSamples(self.gpu_sampler, masks.shape[0], self._draw(masks))
+
+    def sampled_ids(self, num_seqs: int) -> np.ndarray:
+        return np.zeros(num_seqs, np.int32)  # [S] (the "device" ids the next step's pending inputs read)
 
     def fits(self, num_seqs: int, max_context_len: int, max_table_len: int) -> bool:
         return (0 < num_seqs <= self.buckets[-1] and max_context_len <= self.max_model_len
@@ -126,6 +188,7 @@ class HostOnlyDecodeGraphs:
         pos[:num_seqs], pos[num_seqs:] = positions, 0
         write[:num_seqs], write[num_seqs:] = writes, 0
         table_rows.take_changes()
+        self._last_run = num_seqs
         return np.zeros((size, self.vocab), dtype=np.float32)  # [b, V]
 
     def run_and_sample(self, input_ids, positions, slot_rows, writes, table_rows, sample_positions, sampling_rows,
@@ -138,11 +201,13 @@ class HostOnlyDecodeGraphs:
         return logits, HostOnlyGraphSamples(self.gpu_sampler, len(slot_rows))
 
 
-def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool = True):
+def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool = True,
+                 mask_processes: int = 0, draw: TokenDraw | None = None):
     tiny = dummy_model("tiny")  # 2 layers, hidden 64: the host's share of a step is what is measured
     model = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, max_position_embeddings=4096))
     config = EngineConfig(device="cpu", num_kv_blocks=num_requests * 2200 // 16 + 64, max_num_seqs=256,
-                          max_num_batched_tokens=8192, max_model_len=4096, async_scheduling=async_scheduling)
+                          max_num_batched_tokens=8192, max_model_len=4096, async_scheduling=async_scheduling,
+                          grammar_mask_processes=mask_processes)
     engine = LLMEngine(config, loaded_model=model)
     runner = engine.runner
     vocab = model.config.vocab_size
@@ -152,10 +217,10 @@ def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool
 
     runner.model.forward = forward
     gpu_sampler = _gpu_sampler_host_part()
-    runner.gpu_sampler = HostOnlySampler(gpu_sampler)
+    runner.gpu_sampler = HostOnlySampler(gpu_sampler, draw)
     if graphs:
         runner.attach_decode_graphs(HostOnlyDecodeGraphs(vocab, config.block_size, config.max_model_len,
-                                                         gpu_sampler))
+                                                         gpu_sampler, draw))
     return engine
 
 
@@ -182,8 +247,10 @@ class Timer:
 
 def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[str, float]]:
     """(steps, {label: seconds}) of one pass over the workload: "whole step" and each timed part."""
-    engine = build_engine(args.num_requests, args.graphs, async_scheduling=not args.sync)
     clock = CLOCKS[args.clock]
+    draw = TokenDraw(512, 2, clock)  # the tiny preset's vocabulary and EOS
+    engine = build_engine(args.num_requests, args.graphs, async_scheduling=not args.sync,
+                          mask_processes=args.mask_processes, draw=draw)
     timer = Timer(clock)
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "_prepare", "runner._prepare")
@@ -192,20 +259,36 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     timer.wrap(engine, "_process", "engine._process")  # wait() + postprocess + stats + finished outputs
     timer.wrap(engine.output_processor, "process", "postprocess")
     timer.wrap(engine._stats, "record_schedule", "stats.record_schedule")
-    for index, request in enumerate(random_workload(args.num_requests, output_len=(args.output_len,) * 2,
-                                                    vocab_size=200)):
+    if args.structured:
+        timer.wrap(engine.stop_checker, "feed_matchers_ahead", "feed matchers ahead")
+        timer.wrap(engine.executor, "launch_deferred_sampling", "mask dispatch")
+    requests = random_workload(args.num_requests, output_len=(args.output_len,) * 2, vocab_size=200)
+    if args.structured:
+        requests = structured_workload(requests, args.structured)
+    for index, request in enumerate(requests):
         engine.add_request(f"r{index}", prompt_token_ids=[t + 4 for t in request.prompt_token_ids],
                            params=request.params)
-    num_steps, start = 0, clock()
+    if args.structured:  # compile before the timing, as the bench does
+        engine.step()
+        if engine.mask_server is not None:
+            engine.mask_server.wait_ready()
+    num_steps, start, drawn = 0, clock(), draw.seconds
     if profiler:
         profiler.enable()
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.stats  # the bench probe snapshots the stats every step
-        num_steps += 1
-    if profiler:
-        profiler.disable()
-    return num_steps, {"whole step": clock() - start, **timer.totals}
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.stats  # the bench probe snapshots the stats every step
+            num_steps += 1
+    finally:
+        if profiler:
+            profiler.disable()
+    whole, drawn = clock() - start, draw.seconds - drawn
+    totals = {"whole step": whole}
+    if args.structured:
+        totals.update({"stub token draw": drawn, "engine step": whole - drawn})
+    engine.close()
+    return num_steps, {**totals, **timer.totals}
 
 
 def main() -> None:
@@ -220,6 +303,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of the whole workload; medians are printed")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: perf_counter; cpu: this thread's CPU time")
+    parser.add_argument("--structured", choices=sorted(STRUCTURED_KINDS), default=None,
+                        help="constrain every request like `bench --structured` (with --graphs: the graph's masked path)")
+    parser.add_argument("--mask-processes", type=int, default=0,
+                        help="grammar mask worker processes (EngineConfig.grammar_mask_processes)")
     args = parser.parse_args()
     profiler = cProfile.Profile() if args.profile else None
     runs = [run_once(args, profiler) for _ in range(args.repeat)]

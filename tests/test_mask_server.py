@@ -115,6 +115,40 @@ def test_the_servers_masks_and_outcomes_equal_this_process_s_through_forks_drops
     assert len(twins) > 12
 
 
+def _mapped_segments(pid: int) -> int:
+    """Mask segments of this process that worker `pid` has mapped (unlinked files still show in its maps)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum(f"offline-paged-masks-{os.getpid()}-" in line for line in maps)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the workers' /proc/PID/maps")
+def test_fills_into_growing_plain_arrays_stay_right_and_the_workers_unmap_outgrown_scratch_rows():
+    """A fill into an array outside shared memory goes through a scratch segment, which grows (by
+    doubling) as an eager step's grammar rows do; the workers let go of each one it replaces."""
+    compiler = GrammarCompiler(TOKENIZER, VOCAB_SIZE, (EOS_ID,), mask_processes=2)
+    try:
+        grammars = [compiler.compile(spec) for spec in SPECS]
+        server = compiler.mask_server
+        num_words = grammars[0].num_words
+        rng = np.random.default_rng(1)
+        for num_rows in (3, 70, 150, 300, 20):
+            matchers = [grammars[i % 3].new_matcher() for i in range(num_rows)]
+            for matcher in matchers:  # a few allowed tokens each, so that the masks differ between rows
+                for _ in range(int(rng.integers(3))):
+                    allowed = _allowed(_local_masks([(matcher, 0)], 1, num_words)[0])
+                    allowed = allowed[allowed != EOS_ID]
+                    if allowed.size:
+                        matcher.accept(int(rng.choice(allowed)))
+            rows = [(matcher, int(row)) for matcher, row in zip(matchers, rng.permutation(num_rows))]
+            out = np.zeros((num_rows, num_words), np.int32)
+            server.fill(rows, out)()
+            np.testing.assert_array_equal(out, _local_masks(rows, num_rows, num_words), err_msg=f"{num_rows} rows")
+        # 64 rows, then 128, 256 and 512: only the last is still mapped, in this process and in each worker.
+        assert [_mapped_segments(worker.pid) for worker in server._workers] == [1, 1]
+    finally:
+        compiler.close()
+
+
 def test_a_dead_worker_is_an_error_and_bad_rows_are_refused_before_any_worker_sees_them():
     compiler = GrammarCompiler(TOKENIZER, VOCAB_SIZE, (EOS_ID,), mask_processes=2)
     grammar = compiler.compile(SPECS[1])

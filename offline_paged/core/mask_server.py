@@ -68,8 +68,8 @@ class MaskServer:
         self._all_ready = False
         self._placed: dict[int, tuple[int, int]] = {}  # uid -> (worker, tokens its mirror consumed)
         self._load = [0] * num_workers  # mirrors per worker
-        self._segments: list[tuple[int, np.ndarray]] = []  # (id, [R, W] int32) of every segment made
-        self._scratch: np.ndarray | None = None
+        self._segments: dict[int, tuple[int, np.ndarray]] = {}  # address -> (id, [R, W] int32) of each live segment
+        self._scratch: tuple[int, np.ndarray] | None = None  # (id, rows): fills into arrays not in shared memory
         self._pending: list[int] = []  # workers whose fill is not yet waited for
         self._awaiting_outcomes: list[int] = []  # workers of the pending fill whose outcomes are not read
         self._fill_lengths: dict[int, int] = {}  # uid -> history length, of the last fill's matchers given tokens
@@ -92,6 +92,9 @@ class MaskServer:
     def shared_rows(self, num_rows: int, num_words: int) -> np.ndarray:
         """A new [num_rows, num_words] int32 array in shared memory that `fill` writes into directly (not while
         a fill is pending: every worker maps it before this returns)."""
+        return self._new_segment(num_rows, num_words)[1]
+
+    def _new_segment(self, num_rows: int, num_words: int) -> tuple[int, np.ndarray]:
         if self._pending:
             raise RuntimeError("shared_rows called while a mask fill is not yet waited for")
         segment_id = next(_SEGMENT_IDS)
@@ -106,8 +109,8 @@ class MaskServer:
             self._ping()  # every worker has mapped it
         finally:
             os.unlink(path)
-        self._segments.append((segment_id, rows))
-        return rows
+        self._segments[rows.ctypes.data] = (segment_id, rows)
+        return segment_id, rows
 
     def add_grammar(self, text: str) -> None:
         """Have every worker compile `text` now, before its first fill needs it."""
@@ -142,10 +145,10 @@ class MaskServer:
                     self._ready[index] = True
             self._all_ready = True
 
-    def fed(self, matcher) -> None:
-        """`matcher` took a token ahead (advance_ahead): the next fill consumes it in its mirror and reports
-        the outcome, whether or not that fill asks for its mask (a sequence that ends with this token)."""
-        self._fed[matcher.uid] = matcher
+    def fed(self, matchers: list) -> None:
+        """`matchers` took a token ahead (advance_ahead): the next fill consumes it in their mirrors and reports
+        the outcomes, whether or not that fill asks for their masks (a sequence that ends with this token)."""
+        self._fed.update({matcher.uid: matcher for matcher in matchers})
 
     def fill(self, rows: list, out: np.ndarray) -> Callable[[], None]:
         """Start filling each (matcher, row) pair's next-token mask into out[row] ([R, W] int32; other rows
@@ -160,11 +163,9 @@ class MaskServer:
         if indices and (min(indices) < 0 or max(indices) >= out.shape[0]):
             bad = [row for row in indices if not 0 <= row < out.shape[0]]
             raise ValueError(f"rows {bad[:5]} are outside the {out.shape[0]} rows of the masks")
-        target = self._segment_of(out)
-        scratch = target is None
-        if scratch:
-            target = self._scratch_rows(out.shape)
-        segment_id = next(i for i, array in self._segments if array is target)
+        segment = self._segment_of(out)
+        scratch = segment is None
+        segment_id, target = self._scratch_rows(out.shape) if scratch else segment
         entries = self._entries(rows)
         self._exceptions = {}
         with self._send_lock:
@@ -223,7 +224,7 @@ class MaskServer:
                 worker.wait()
         for pipe in self._pipes:
             pipe.close()
-        self._segments = []  # each segment's memory goes with the last array over it
+        self._segments, self._scratch = {}, None  # each segment's memory goes with the last array over it
 
     # ----------------------------------------------------------------- internals
     def _entries(self, rows: list) -> list[tuple[list, list]]:
@@ -236,40 +237,62 @@ class MaskServer:
             raise RuntimeError(f"matcher {twice} appears twice in one mask fill")
         fed, self._fed = self._fed, {}
         consume_only = [(matcher, None) for uid, matcher in fed.items() if uid not in seen]
-        seen.update(matcher.uid for matcher, _ in consume_only)
+        if consume_only:
+            seen.update(matcher.uid for matcher, _ in consume_only)
+            rows = rows + consume_only
+        placed = self._placed
         lengths = {}  # uid -> history length, of the matchers given tokens (their outcomes are for that length)
-        for matcher, row in rows + consume_only:
+        for matcher, row in rows:  # (one pass: 256 rows a step on the JSON bench's hot path)
             uid, history = matcher.uid, matcher.history
-            placed = self._placed.get(uid)
-            if placed is None:
-                worker, consumed = min(range(len(self._load)), key=self._load.__getitem__), 0
+            length = len(history)
+            where = placed.get(uid)
+            if where is None:
+                worker = min(range(len(self._load)), key=self._load.__getitem__)
                 self._load[worker] += 1
                 self.num_resent += 1
                 work[worker].append((uid, row, list(history), matcher.grammar_text))
+                if length:
+                    lengths[uid] = length
             else:
-                worker, consumed = placed
-                work[worker].append((uid, row, history[consumed:], None))
-            if len(history) > consumed:
-                lengths[uid] = len(history)
-            self._placed[uid] = (worker, len(history))
+                worker, consumed = where
+                if length > consumed:
+                    work[worker].append((uid, row, history[consumed:], None))
+                    lengths[uid] = length
+                else:
+                    work[worker].append((uid, row, (), None))
+            placed[uid] = (worker, length)
         self._fill_lengths = lengths
         drops: list[list] = [[] for _ in self._workers]
-        for uid in self._placed.keys() - seen:
-            worker, _ = self._placed.pop(uid)
-            self._load[worker] -= 1
-            drops[worker].append(uid)
+        if len(placed) != len(seen):
+            for uid in placed.keys() - seen:
+                worker, _ = placed.pop(uid)
+                self._load[worker] -= 1
+                drops[worker].append(uid)
         return list(zip(drops, work))
 
-    def _segment_of(self, out: np.ndarray) -> np.ndarray | None:
-        for _, rows in self._segments:
-            if (out.ctypes.data == rows.ctypes.data and out.shape[1:] == rows.shape[1:]
-                    and out.shape[0] <= rows.shape[0] and out.dtype == rows.dtype):
-                return rows
+    def _segment_of(self, out: np.ndarray) -> tuple[int, np.ndarray] | None:
+        """(id, rows) of the segment whose leading rows `out` is, or None. (A dict by address: `.ctypes` on
+        each of a long list of segments cost 0.1 ms a step.)"""
+        found = self._segments.get(out.__array_interface__["data"][0])
+        if found is None:
+            return None
+        rows = found[1]
+        if out.shape[1:] == rows.shape[1:] and out.shape[0] <= rows.shape[0] and out.dtype == rows.dtype:
+            return found
         return None
 
-    def _scratch_rows(self, shape: tuple) -> np.ndarray:
-        if self._scratch is None or self._scratch.shape[1] != shape[1] or self._scratch.shape[0] < shape[0]:
-            self._scratch = self.shared_rows(max(shape[0], 1), shape[1])
+    def _scratch_rows(self, shape: tuple) -> tuple[int, np.ndarray]:
+        """The scratch segment, (id, rows) of at least shape[0] rows; it grows by doubling, and the workers
+        unmap the one it replaces (an eager step's grammar rows grow with each admission)."""
+        old = self._scratch
+        if old is None or old[1].shape[1] != shape[1] or old[1].shape[0] < shape[0]:
+            grown = 2 * old[1].shape[0] if old is not None and old[1].shape[1] == shape[1] else 0
+            self._scratch = self._new_segment(max(shape[0], grown, 64), shape[1])
+            if old is not None:
+                del self._segments[old[1].ctypes.data]
+                with self._send_lock:
+                    for index in range(len(self._pipes)):
+                        self._send(index, ("detach", old[0]))
         return self._scratch
 
     def _read_outcomes(self) -> None:
@@ -360,6 +383,9 @@ def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
         if message[0] == "attach":
             _, segment_id, path, shape = message
             segments[segment_id] = _map_rows(path, shape)
+            continue
+        if message[0] == "detach":
+            segments.pop(message[1], None)
             continue
         if message[0] == "grammar":
             try:

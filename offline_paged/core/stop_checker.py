@@ -56,12 +56,16 @@ class StopChecker:
         call, before the output processor appends them: `__call__` then reads each outcome instead of
         consuming the token again. The engine fills the next step's masks from the advanced matchers
         while the output processor runs. output: a SchedulerOutput; results: its SequenceResults."""
+        if hasattr(results, "first_samples"):  # (the decode graph's results: one sample each, none built)
+            firsts = results.first_samples()
+        else:
+            firsts = [result.samples[0] if result.samples else None for result in results]
         pairs = []
-        for item, result in zip(output.scheduled, results):
+        for item, first in zip(output.scheduled, firsts):
             seq = item.seq
-            if (seq.matcher is not None and seq.group.beam is None and item.num_samples == 1
-                    and seq.status is not SequenceStatus.FINISHED):
-                pairs.append((seq.matcher, result.samples[0].token_id))
+            if (seq.matcher is not None and item.num_samples == 1 and seq.status is not SequenceStatus.FINISHED
+                    and seq.group.beam is None):
+                pairs.append((seq.matcher, first.token_id))
         if pairs:
             from offline_paged.core.structured_matcher import advance_ahead  # llguidance: only where grammars run
 

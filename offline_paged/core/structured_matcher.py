@@ -128,14 +128,21 @@ def advance_ahead(pairs: list[tuple[StructuredMatcher, int]]) -> None:
     if any(matcher._ahead is not None for matcher, _ in pairs):
         raise RuntimeError("a matcher was advanced twice before accepting")
     local = []  # (llguidance matcher caught up to before the token, matcher, token)
-    for matcher, token in pairs:
+    served: dict = {}  # mask server -> its matchers fed here
+    for matcher, token in pairs:  # (one pass: 256 rows a step on the JSON bench's hot path)
         token = int(token)
-        if matcher.mask_server is None:
+        server = matcher.mask_server
+        if server is None:
             local.append((matcher._local(), matcher, token))
         else:
             matcher._ahead = (token, None)
-            matcher.mask_server.fed(matcher)
+            if server in served:
+                served[server].append(matcher)
+            else:
+                served[server] = [matcher]
         matcher.history.append(token)
+    for server, matchers in served.items():
+        server.fed(matchers)
     if local:
         llg_numpy.consume_token_par(_executor(), [(ll_matcher, token) for ll_matcher, _, token in local])
         for ll_matcher, matcher, token in local:

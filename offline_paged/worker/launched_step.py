@@ -83,6 +83,10 @@ class OneSampleEach(Sequence):
         for sample, prompt in zip(self._samples, self._prompt_logprobs):
             yield SequenceResult([sample], prompt)
 
+    def first_samples(self) -> list:
+        """Sample i of sequence i, for each (no SequenceResult built)."""
+        return self._samples
+
 
 @dataclass(slots=True)
 class ExecuteOutput:
