@@ -89,3 +89,63 @@ def test_prompt_logprobs_keep_only_new_positions():
     late = SimpleNamespace(request_id="s", prompt_logprobs=[None], params=SimpleNamespace(prompt_logprobs_start=3))
     _extend_prompt_logprobs(late, 0, entries[:4])
     assert late.prompt_logprobs == [None, None, None] + entries[2:4]
+
+
+class _ScriptedMatcher:
+    """A grammar matcher fed ahead whose mask server has not answered yet: `accept` is the wait for its
+    outcome (recorded, so a test sees when it ran), then (error, finished) as scripted."""
+
+    def __init__(self, error: str | None, finished: bool, calls: list) -> None:
+        self.error, self.finished, self.calls = error, finished, calls
+        self.outcome_pending = True
+        self.is_finished = False
+
+    def accept(self, token_id: int) -> str | None:
+        self.calls.append(token_id)
+        self.outcome_pending = False
+        self.is_finished = self.finished
+        return self.error
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5], ids=["length_hit_too", "running"])
+def test_grammar_outcomes_still_pending_are_settled_after_the_step_s_other_sequences(max_tokens):
+    """With core's StopChecker, a sequence whose grammar outcome is still being computed is checked for
+    everything else in step order, and its outcome read once every sequence of the step was seen: a refused
+    token ends it with ABORT and the error whatever ended it meanwhile (the grammar is checked first); a
+    completed grammar ends it with STOP unless something else already did (it is checked last)."""
+    from offline_paged.core.stop_checker import StopChecker
+    from tiny_engine import EOS_ID, ByteTokenizer
+
+    scheduler = Scheduler(BlockManager(64, 0, 4, watermark=0.0, enable_prefix_caching=False), 8, 64,
+                          PreemptionMode.RECOMPUTE)
+    processor = OutputProcessor(scheduler, StopChecker(ByteTokenizer(), (EOS_ID,), max_model_len=64))
+    calls: list = []
+    scripts = {"refused": ("token 9 is not allowed", False), "done": (None, True), "open": (None, False)}
+    groups = {}
+    for index, name in enumerate(scripts):
+        group = SequenceGroup(name, index, None, [5, 6, 7], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                              [0])
+        scheduler.add_group(group)
+        groups[name] = group
+    output = scheduler.schedule()
+    for item in output.scheduled:
+        item.seq.matcher = _ScriptedMatcher(*scripts[item.seq.group.request_id], calls)
+    seen_before_settling = []
+    original_append = processor._append
+
+    def append(seq, sample, pending=None):  # how many outcomes were read when each sequence was checked
+        original_append(seq, sample, pending)
+        seen_before_settling.append(len(calls))
+
+    processor._append = append
+    finished = processor.process(output, [SequenceResult([TokenSample(9, -1.0)])] * len(output.scheduled))
+    assert seen_before_settling == [0, 0, 0] and calls == [9, 9, 9]  # read after the step, not per row
+    refused, done, still_open = (groups[name].seqs[0] for name in scripts)
+    assert refused.finish_reason is FinishReason.ABORT and refused.error == "token 9 is not allowed"
+    if max_tokens == 1:  # every one hit its length first: the grammar's completion does not override it
+        assert done.finish_reason is FinishReason.LENGTH and still_open.finish_reason is FinishReason.LENGTH
+        assert set(finished) == set(groups.values())
+    else:
+        assert done.finish_reason is FinishReason.STOP and not still_open.is_finished
+        assert set(finished) == {groups["refused"], groups["done"]}
+    assert scheduler.block_manager.num_free_blocks == 64 - (0 if max_tokens == 1 else 1)

@@ -24,6 +24,9 @@ class OutputProcessor:
     def __init__(self, scheduler: Scheduler, stop_checker: StopChecker) -> None:
         self.scheduler = scheduler
         self.stop_checker = stop_checker
+        # core.stop_checker.StopChecker takes `pending` and has `settle`: grammar outcomes a mask server is
+        # still computing are applied after the step's other sequences (their wait hides behind them).
+        self._settle = getattr(stop_checker, "settle", None)
 
     def process(self, output: SchedulerOutput, results: list[SequenceResult]) -> list[SequenceGroup]:
         """Fold one step's results in; returns the requests that finished in this step.
@@ -32,6 +35,7 @@ class OutputProcessor:
         if len(results) != len(output.scheduled):
             raise RuntimeError(f"runner returned {len(results)} results for {len(output.scheduled)} sequences")
         finished: list[SequenceGroup] = []
+        pending: list[Sequence] | None = [] if self._settle is not None else None
         for item, result in zip(output.scheduled, results):
             seq = item.seq
             if seq.status is SequenceStatus.FINISHED:
@@ -47,19 +51,27 @@ class OutputProcessor:
                 if samples:
                     self._beam_result(seq, samples[0])
             elif len(samples) == 1:
-                self._append(seq, samples[0])
+                self._append(seq, samples[0], pending)
             elif samples:
                 for target, sample in zip(self._fork(seq, len(samples)), samples):
-                    self._append(target, sample)
+                    self._append(target, sample, pending)
             # A group is finished when every sequence in group.seqs is, and an unfinished sequence is always
             # among them (beam parents leave it retired, i.e. FINISHED): while seq runs, skip the group walk.
             if seq.status is SequenceStatus.FINISHED and group.is_finished and group not in finished:
                 finished.append(group)
+        if pending:
+            for seq, stop in self._settle(pending):
+                if seq.status is SequenceStatus.FINISHED:
+                    seq.finish(*stop)  # a refused token overrides the reason found before its outcome was in
+                else:
+                    self.scheduler.finish_seq(seq, *stop)
+                if seq.group.is_finished and seq.group not in finished:
+                    finished.append(seq.group)
         return finished
 
-    def _append(self, seq: Sequence, sample) -> None:
+    def _append(self, seq: Sequence, sample, pending: list[Sequence] | None = None) -> None:
         seq.append_token(sample)
-        stop = self.stop_checker(seq)
+        stop = self.stop_checker(seq) if pending is None else self.stop_checker(seq, pending)
         if stop is not None:
             self.scheduler.finish_seq(seq, *stop)
 

@@ -5,6 +5,9 @@ then EOS (unless ignore_eos), stop_token_ids, stop strings; then max_tokens and 
 Structured output: a sequence with a grammar matcher feeds it every appended token first; a token the
 grammar refuses ends the sequence (ABORT, `seq.error` says why: the engine turns it into the request's
 error), and a completed grammar ends it (STOP) whatever min_tokens says, since nothing else may follow.
+A token fed ahead whose outcome a mask server is still computing is checked last, by `settle`, once the
+output processor has seen the step's other sequences (the wait for the workers' reply hides behind them);
+the result is the same as checking it first: a refusal wins over any other reason, a completion over none.
 Stop strings are searched in incrementally detokenized text (never half a character); the text of a
 sequence stopped by a string ends just before it, as in vLLM (or just after it with
 `include_stop_str_in_output`). The token ids are kept whole. `detokenize=False` gives empty text.
@@ -23,15 +26,24 @@ class StopChecker:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def __call__(self, seq: Sequence) -> StopDecision | None:
-        """Look at seq's newest token; return (reason, stop_reason) if it must stop now."""
+    def __call__(self, seq: Sequence, pending: list[Sequence] | None = None) -> StopDecision | None:
+        """Look at seq's newest token; return (reason, stop_reason) if it must stop now.
+
+        pending: where a sequence goes whose grammar outcome for this token a mask server is still
+        computing (fed ahead, `StructuredMatcher.outcome_pending`); it is checked for everything else now,
+        and `settle` applies the outcomes once the caller has seen the whole step. None: wait for it here."""
         params = seq.group.params
         token_id = seq.token_ids[-1]
         num_outputs = seq.num_known_output_tokens  # a lookahead step's pending token does not count
-        if seq.matcher is not None:
-            seq.error = seq.matcher.accept(token_id)
-            if seq.error is not None:
-                return FinishReason.ABORT, None
+        matcher = seq.matcher
+        if matcher is not None:
+            if pending is not None and matcher.outcome_pending:
+                pending.append(seq)
+                matcher = None  # (its grammar checks wait for settle)
+            else:
+                seq.error = matcher.accept(token_id)
+                if seq.error is not None:
+                    return FinishReason.ABORT, None
         if num_outputs >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 seq.finished_by_eos = True
@@ -46,9 +58,24 @@ class StopChecker:
             self._detokenizer(seq).push([token_id])  # keep the text current for later checks
         if num_outputs >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
-        if seq.matcher is not None and seq.matcher.is_finished:
+        if matcher is not None and matcher.is_finished:
             return FinishReason.STOP, None
         return None
+
+    @staticmethod
+    def settle(pending: list[Sequence]) -> list[tuple[Sequence, StopDecision]]:
+        """The grammar outcomes of the newest tokens of `pending` (sequences `__call__` checked without
+        them): (seq, decision) for each sequence they end. A refused token ends its sequence with ABORT,
+        over any reason found meanwhile (the grammar is checked first); a completed grammar ends one that
+        nothing else ended (it is checked last)."""
+        decisions = []
+        for seq in pending:
+            seq.error = seq.matcher.accept(seq.token_ids[-1])
+            if seq.error is not None:
+                decisions.append((seq, (FinishReason.ABORT, None)))
+            elif seq.status is not SequenceStatus.FINISHED and seq.matcher.is_finished:
+                decisions.append((seq, (FinishReason.STOP, None)))
+        return decisions
 
     @staticmethod
     def feed_matchers_ahead(output, results) -> None:

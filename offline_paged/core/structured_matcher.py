@@ -88,6 +88,12 @@ class StructuredMatcher:
         return error
 
     @property
+    def outcome_pending(self) -> bool:
+        """It took its newest token ahead and a mask server is computing that token's outcome (`accept`
+        would wait for the server's reply)."""
+        return self._ahead is not None and self._ahead[1] is None
+
+    @property
     def is_finished(self) -> bool:
         """The grammar is complete and can take no more tokens (EOS aside)."""
         return self._local().is_stopped() if self._stopped is None else self._stopped
