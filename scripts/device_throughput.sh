@@ -48,6 +48,7 @@ for name in $RUNS; do
     1b_graphs_n1024_a1) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024 --admission-batch 1 ;;
     1b_structured|1b_structured_again) run $name --dummy-weights llama-3.2-1b --cuda-graphs --input-len 64:128 --output-len 128:192 --structured json ;;
     1b_json_x2) run $name --dummy-weights llama-3.2-1b --cuda-graphs --structured json --repeat 2 ;;
+    1b_json_x3) run $name --dummy-weights llama-3.2-1b --cuda-graphs --structured json --repeat 3 ;;
     1b_json_m12) run $name --dummy-weights llama-3.2-1b --cuda-graphs --structured json --grammar-mask-processes 12 ;;
     1b_structured_x3) run $name --dummy-weights llama-3.2-1b --cuda-graphs --input-len 64:128 --output-len 128:192 --structured json --repeat 3 ;;
     1b_graphs_n4096) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 4096 ;;
