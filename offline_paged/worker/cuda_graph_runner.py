@@ -141,11 +141,6 @@ class DecodeGraphs:
         self._row_upload = PinnedUpload()
         self._mask_upload = PinnedUpload()
         self._mask_staging = [(None, np.empty((0, 0), np.int32))] * 2  # (source, pinned [b_max, W] int32) each
-        # Staged masks cross PCIe on a stream of their own (4 MB for 256 rows of a 128k vocabulary), while the
-        # forward they wait beside runs; `_masks_read`: the event after the last masked sampling, which the
-        # next copy waits for (it rewrites the bucket's device masks).
-        self._mask_stream = None
-        self._masks_read = None
         self._next_staging = 0
         self._last_run = None  # (bucket, S) of the last replay, for sample_masked
         self.num_replays = 0
@@ -232,21 +227,14 @@ class DecodeGraphs:
         if bucket.masks is None or bucket.masks.shape[1] != masks.shape[1]:
             bucket.masks = cupy.full((bucket.size, masks.shape[1]), -1, dtype=cupy.int32)  # [b, W]
             bucket.masked_sample_graph = None
-        current = cupy.cuda.get_current_stream()
         if any(masks.ctypes.data == staging.ctypes.data for _, staging in self._mask_staging if staging.size):
-            if self._mask_stream is None:
-                self._mask_stream = cupy.cuda.Stream(non_blocking=True)
-            if self._masks_read is not None:
-                self._mask_stream.wait_event(self._masks_read)
-            bucket.masks[:num_seqs].set(masks, stream=self._mask_stream)  # pinned: queued, returns at once
-            current.wait_event(self._mask_stream.record())
+            bucket.masks[:num_seqs].set(masks)  # pinned: queued, returns at once
         else:
             self._mask_upload(np.ascontiguousarray(masks, dtype=np.int32), out=bucket.masks[:num_seqs])
         if bucket.masked_sample_graph is None:
             self._ensure_sample_outputs(bucket)
             bucket.masked_sample_graph, _ = self._capture_graph(lambda: self._sample(bucket, masked=True))
         bucket.masked_sample_graph.launch()
-        self._masks_read = current.record()
         self.num_sampled_replays += 1
         return PendingSamples.of_graph(bucket.sampled[:num_seqs], bucket.token_ids[:num_seqs])
 
