@@ -37,15 +37,9 @@ __device__ __forceinline__ uint4 e4m3x8_to<__half>(uint2 w) {
   return e4m3x8_to_half8(w);
 }
 
-__device__ __forceinline__ unsigned half2_to_bf16x2(unsigned h) {
-  const __half2 pair = *reinterpret_cast<const __half2*>(&h);
-  return pack_float2<bf16_t>(__low2float(pair), __high2float(pair));
-}
-
 template <>
 __device__ __forceinline__ uint4 e4m3x8_to<bf16_t>(uint2 w) {
-  const uint4 h = e4m3x8_to_half8(w);
-  return make_uint4(half2_to_bf16x2(h.x), half2_to_bf16x2(h.y), half2_to_bf16x2(h.z), half2_to_bf16x2(h.w));
+  return e4m3x8_to_bf16x8(w);
 }
 
 // cp.async completion is tracked in groups: commit after each stage, wait until <= N are pending.

@@ -62,11 +62,38 @@ __device__ __forceinline__ void e4m3x4_to_half2x2(unsigned w, unsigned& lo, unsi
   asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(hi) : "r"(b), "r"(two_pow_8));
 }
 
+// Two e4m3 bytes as a bf16 pair times 2^-120 (bf16's exponent bias is 120 more than e4m3's), from a word
+// whose 16-bit lanes hold byte << 8 (lo lane: first): the sign stays at bit 15, exponent+mantissa go to bits
+// 4..10. Exact, subnormals too.
+__device__ __forceinline__ unsigned e4m3x2_spread_to_bf16x2_scaled(unsigned spread) {
+  return (spread & 0x80008000u) | ((spread & 0x7f007f00u) >> 4);
+}
+
+// Four e4m3 bytes of `w` (byte 0 first) -> two words of bf16 pairs (bytes 0, 1) and (bytes 2, 3), exact: as
+// e4m3x4_to_half2x2, without going through fp16 and float. fma with -0 (not mul.bf16x2, which needs sm_90):
+// x * 2^120 + (-0) is x * 2^120 for every x, zeros keeping their sign.
+__device__ __forceinline__ void e4m3x4_to_bf16x2x2(unsigned w, unsigned& lo, unsigned& hi) {
+  const unsigned two_pow_120 = 0x7b807b80u;  // (2^120, 2^120) in bf16
+  const unsigned minus_zero = 0x80008000u;
+  const unsigned a = e4m3x2_spread_to_bf16x2_scaled(__byte_perm(w, 0u, 0x1404));  // (b0 << 8, b1 << 8)
+  const unsigned b = e4m3x2_spread_to_bf16x2_scaled(__byte_perm(w, 0u, 0x3424));  // (b2 << 8, b3 << 8)
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(lo) : "r"(a), "r"(two_pow_120), "r"(minus_zero));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(b), "r"(two_pow_120), "r"(minus_zero));
+}
+
 // Eight e4m3 bytes (w.x: elements 0..3, w.y: 4..7) -> eight fp16 in a 16-byte vector, element i in half i.
 __device__ __forceinline__ uint4 e4m3x8_to_half8(uint2 w) {
   uint4 r;
   e4m3x4_to_half2x2(w.x, r.x, r.y);
   e4m3x4_to_half2x2(w.y, r.z, r.w);
+  return r;
+}
+
+// Eight e4m3 bytes -> eight bf16 in a 16-byte vector, element i in half i.
+__device__ __forceinline__ uint4 e4m3x8_to_bf16x8(uint2 w) {
+  uint4 r;
+  e4m3x4_to_bf16x2x2(w.x, r.x, r.y);
+  e4m3x4_to_bf16x2x2(w.y, r.z, r.w);
   return r;
 }
 

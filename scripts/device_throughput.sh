@@ -48,6 +48,7 @@ for name in $RUNS; do
     1b_graphs_n1024_a1) run $name --dummy-weights llama-3.2-1b --cuda-graphs --num-requests 1024 --admission-batch 1 ;;
     1b_structured|1b_structured_again) run $name --dummy-weights llama-3.2-1b --cuda-graphs --input-len 64:128 --output-len 128:192 --structured json ;;
     1b_json_x2) run $name --dummy-weights llama-3.2-1b --cuda-graphs --structured json --repeat 2 ;;
+    1b_bf16_kv_x2) run $name --dummy-weights llama-3.2-1b --cuda-graphs --dtype bfloat16 --kv-cache-dtype auto --kv-cache-dtype fp8 --repeat 2 ;;
     1b_json_x3) run $name --dummy-weights llama-3.2-1b --cuda-graphs --structured json --repeat 3 ;;
     1b_json_m12) run $name --dummy-weights llama-3.2-1b --cuda-graphs --structured json --grammar-mask-processes 12 ;;
     1b_structured_x3) run $name --dummy-weights llama-3.2-1b --cuda-graphs --input-len 64:128 --output-len 128:192 --structured json --repeat 3 ;;
@@ -63,7 +64,7 @@ done
 
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
-print(f"{'run':<20}{'out tok/s':>11}{'step ms':>9}{'host %':>8}{'sched':>7}{'exec':>7}{'post':>7}{'fwd dev':>8}{'graph steps':>12}{'% floor':>9}")
+print(f"{'run':<20}{'out tok/s':>11}{'step ms':>9}{'host %':>8}{'sched':>7}{'exec':>7}{'post':>7}{'fwd dev':>8}{'graph steps':>12}{'% floor':>9}{'errors':>7}")
 for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json")):
     try:
         record = json.loads(path.read_text().strip().splitlines()[-1])
@@ -75,7 +76,7 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json")):
         print(f"{name:<20}{r['output_tokens_per_s']:>11,.0f}{t['step_ms']:>9.2f}"
               f"{t['host_ms'] / t['step_ms']:>8.0%}{t['schedule_ms']:>7.2f}{t['execute_ms']:>7.2f}"
               f"{t['postprocess_ms']:>7.2f}{t['forward_device_ms'] or 0:>8.2f}{t['num_cuda_graph_steps']:>12}"
-              f"{roof.get('fraction_of_floor', 0):>9.1%}")
+              f"{roof.get('fraction_of_floor', 0):>9.1%}{r.get('num_errors', 0):>7}")
 print("commit", record.get("git_commit"), "device", record.get("device"))
 PY
 # At most 8 files come back from the device: the records travel as one archive.

@@ -219,3 +219,36 @@ def test_a_kv_scale_for_a_16_bit_cache_or_a_missing_one_is_refused():
     with pytest.raises(ValueError, match="kv_scale must hold"):
         launchers.paged_attention(q, cache8, cache8, ints, one, qsl, 1, 1, 1.0,
                                   kv_scale=cupy.ones(3, cupy.float32))
+
+
+_DEQUANT_ALL = r"""
+#include "fp8.cuh"
+#include "common.cuh"
+extern "C" __global__ void dequant_all(const uint2* bytes, uint4* as_half, uint4* as_bf16) {
+  const int i = threadIdx.x;  // 8 bytes each: 32 threads cover 0..255
+  as_half[i] = e4m3x8_to<__half>(bytes[i]);
+  as_bf16[i] = e4m3x8_to<bf16_t>(bytes[i]);
+}
+"""
+
+
+def test_every_e4m3_byte_dequantizes_exactly_to_fp16_and_bf16():
+    """The attention kernels' e4m3 -> T conversion (cuda/common.cuh e4m3x8_to) of each of the 256 bytes
+    equals ml_dtypes' value exactly in both 16-bit types, zeros and subnormals included; the two NaN bytes
+    read as +-480 (the pool never holds them: writes saturate at 448)."""
+    from offline_paged.ops.kernel_modules import COMPILE_OPTIONS, inline_headers
+
+    module = cupy.RawModule(code=inline_headers(_DEQUANT_ALL), options=COMPILE_OPTIONS)
+    every = cupy.arange(256, dtype=cupy.uint8)
+    as_half = cupy.zeros(256, dtype=cupy.float16)
+    as_bf16 = cupy.zeros(256, dtype=cupy.uint16)
+    module.get_function("dequant_all")((1,), (32,), (every, as_half, as_bf16))
+    expected = np.arange(256, dtype=np.uint8).view(FP8_E4M3).astype(np.float32)  # [256]
+    nan = np.isnan(expected)
+    assert nan.sum() == 2
+    expected[nan] = np.copysign(480.0, np.where(np.arange(256)[nan] >= 128, -1.0, 1.0))
+    half = as_half.get().astype(np.float32)
+    bf16 = (as_bf16.get().astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(half, expected)
+    np.testing.assert_array_equal(bf16, expected)
+    assert np.signbit(half[128]) and np.signbit(bf16[128]) and not np.signbit(bf16[0])  # -0 stays -0

@@ -25,7 +25,11 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.M)
 def read_source(filename: str) -> str:
     """The CUDA C source `filename` of offline_paged.kernels with its `#include "x.cuh"` lines replaced by
     those headers (NVRTC gets one text and needs no include path); tests may patch this to plant a bug."""
-    text = source_path(filename).read_text(encoding="utf-8")
+    return inline_headers(source_path(filename).read_text(encoding="utf-8"))
+
+
+def inline_headers(text: str) -> str:
+    """CUDA C `text` with its `#include "x.cuh"` lines replaced by those headers of offline_paged.kernels."""
     return _LOCAL_INCLUDE.sub(lambda m: source_path(m.group(1)).read_text(encoding="utf-8"), text)
 
 
