@@ -32,7 +32,8 @@
 //   block: 256 threads, one entry each.
 //
 // top_cut / top_cut_logits (every row; rows without top-k / top-p, and greedy rows, get -inf). No sort, so it
-// can be captured. top_cut_logits reads float64(logits[rows[r]]) in place of adjusted[r].
+// can be captured. top_cut_logits reads float64(logits[rows[r]]) in place of adjusted[r]; top_cut_logits_masked
+// too, with bitmask [R, W] int32 applied as apply_token_bitmask would (a clear bit, or a token past 32 W: -inf).
 //   adjusted [R, V] fp64; params [R, 8] fp64 (see race); cut [R] fp64 (out): the race keeps x >= cut
 //   x_j = adjusted_j / temperature. top-k: kth = (the k-th largest adjusted value) / temperature (ties kept),
 //   found by a bit-by-bit descent over order_key(adjusted) (64 counting passes). top-p on the survivors
@@ -49,7 +50,9 @@
 //
 // chosen_ids: out [R, 2] fp64 (race's output) -> token_ids [R] int32. One thread per row.
 //
-// race (eager: reads adjusted) and race_logits (the decode graph: reads float64(logits[rows[r]]) in place)
+// race (eager: reads adjusted) and race_logits (the decode graph: reads float64(logits[rows[r]]) in place;
+// race_logits_masked with bitmask [R, W] applied as in top_cut_logits_masked: the masked graph's sampler, the
+// same tokens and raw logprobs as prepare_rows -> apply_token_bitmask -> top_cut -> race without the copy)
 //   adjusted [R, V] fp64; cut [R] fp64 (-inf: no top-k / top-p); logits, rows as above
 //   params [R, 8] fp64: (temperature, min_p, greedy flag, unused...) ; seeds [R] uint64; positions [R] uint64
 //   out [R, 2] fp64 (out): (token id, raw logprob of that token, from the raw row's OnlineStats)
@@ -228,9 +231,21 @@ __device__ __forceinline__ double entry(const double* a, const float* raw, int i
   return FROM_LOGITS ? (double)raw[i] : a[i];
 }
 
-template <bool FROM_LOGITS>
+// Whether a row's packed mask (`mask`: its W words; llguidance's layout) allows token i; tokens past 32 W never.
+__device__ __forceinline__ bool allowed(const int* mask, int words, int i) {
+  const int w = i >> 5;
+  return w < words && ((static_cast<unsigned>(mask[w]) >> (i & 31)) & 1u);
+}
+
+// Entry i as the eager sampler sees it after apply_token_bitmask (MASKED) or as entry() (not MASKED).
+template <bool FROM_LOGITS, bool MASKED>
+__device__ __forceinline__ double masked_entry(const double* a, const float* raw, const int* mask, int words, int i) {
+  return MASKED && !allowed(mask, words, i) ? NEG_INF : entry<FROM_LOGITS>(a, raw, i);
+}
+
+template <bool FROM_LOGITS, bool MASKED = false>
 __device__ void top_cut_impl(const double* adjusted, const float* logits, const int* rows, const double* params,
-                             double* cut, int vocab) {
+                             double* cut, int vocab, const int* bitmask = nullptr, int words = 0) {
   __shared__ double scratch[WARPS];
   const int r = blockIdx.x;
   const double temperature = params[8 * r], top_p = params[8 * r + 3];
@@ -242,6 +257,8 @@ __device__ void top_cut_impl(const double* adjusted, const float* logits, const 
   }
   const double* a = FROM_LOGITS ? nullptr : adjusted + (size_t)r * vocab;
   const float* raw = FROM_LOGITS ? logits + (size_t)rows[r] * vocab : nullptr;
+  const int* mask = MASKED ? bitmask + (size_t)r * words : nullptr;
+  auto value = [&](int i) { return masked_entry<FROM_LOGITS, MASKED>(a, raw, mask, words, i); };
   // top-k: the largest key with at least k entries >= it is the key of the k-th largest adjusted value
   // (ties kept); dividing by temperature > 0 keeps the order, so kth = that value / temperature.
   double kth = NEG_INF;
@@ -250,7 +267,7 @@ __device__ void top_cut_impl(const double* adjusted, const float* logits, const 
     for (int bit = 63; bit >= 0; --bit) {
       const unsigned long long candidate = prefix | (1ULL << bit);
       double n = 0.0;
-      for (int i = threadIdx.x; i < vocab; i += BLOCK) n += order_key(entry<FROM_LOGITS>(a, raw, i)) >= candidate ? 1.0 : 0.0;
+      for (int i = threadIdx.x; i < vocab; i += BLOCK) n += order_key(value(i)) >= candidate ? 1.0 : 0.0;
       if (block_sum(n, scratch) >= (double)top_k) prefix = candidate;
     }
     kth = __ddiv_rn(key_value(prefix), temperature);
@@ -259,13 +276,13 @@ __device__ void top_cut_impl(const double* adjusted, const float* logits, const 
   if (top_p < 1.0) {
     double m = NEG_INF;
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+      const double x = __ddiv_rn(value(i), temperature);
       if (x >= kth) m = fmax(m, x);
     }
     m = block_max(m, scratch);
     double s = 0.0;
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+      const double x = __ddiv_rn(value(i), temperature);
       if (x >= kth) s = __dadd_rn(s, exp(__dsub_rn(x, m)));
     }
     const double lse = log(block_sum(s, scratch));
@@ -276,7 +293,7 @@ __device__ void top_cut_impl(const double* adjusted, const float* logits, const 
       const unsigned long long candidate = bit == 64 ? 0ULL : prefix | (1ULL << bit);
       double h = 0.0;
       for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-        const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+        const double x = __ddiv_rn(value(i), temperature);
         if (x >= kth && order_key(x) >= candidate) h = __dadd_rn(h, exp(__dsub_rn(__dsub_rn(x, m), lse)));
       }
       const bool reached = block_sum(h, scratch) >= top_p;
@@ -307,6 +324,13 @@ extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjust
 extern "C" __global__ void __launch_bounds__(BLOCK) top_cut_logits(const float* logits, const int* rows,
                                                                  const double* params, double* cut, int vocab) {
   top_cut_impl<true>(nullptr, logits, rows, params, cut, vocab);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) top_cut_logits_masked(const float* logits, const int* rows,
+                                                                        const int* bitmask, int words,
+                                                                        const double* params, double* cut,
+                                                                        int vocab) {
+  top_cut_impl<true, true>(nullptr, logits, rows, params, cut, vocab, bitmask, words);
 }
 
 // Graph sampling: each bucket slot's sampling inputs from the persistent per-row buffers.
@@ -378,15 +402,18 @@ __device__ __forceinline__ double exact_key(double x, unsigned long long base, i
 //   otherwise (rare) every entry does. Either way the token is the exact race's: argmax of the float64 key,
 //   the smaller index on equal keys.
 // Also the raw row's (max, lse) (OnlineStats, as prepare_rows) for the sampled token's raw logprob.
-template <bool FROM_LOGITS>
+template <bool FROM_LOGITS, bool MASKED = false>
 __device__ void race_impl(const double* adjusted, const double* cut, const float* logits, const int* rows,
                           const double* params, const unsigned long long* seeds,
-                          const unsigned long long* positions, double* out, int vocab) {
+                          const unsigned long long* positions, double* out, int vocab,
+                          const int* bitmask = nullptr, int words = 0) {
   __shared__ double scratch[WARPS];
   __shared__ int iscratch[WARPS];
   const int r = blockIdx.x;
   const double* a = FROM_LOGITS ? nullptr : adjusted + (size_t)r * vocab;
   const float* raw = logits + (size_t)rows[r] * vocab;
+  const int* mask = MASKED ? bitmask + (size_t)r * words : nullptr;
+  auto value = [&](int i) { return masked_entry<FROM_LOGITS, MASKED>(a, raw, mask, words, i); };
   const double temperature = params[8 * r], min_p = params[8 * r + 1];
   const bool greedy = params[8 * r + 2] != 0.0;
   const unsigned long long base = stream_base(seeds[r], positions[r]);
@@ -396,7 +423,7 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
   if (greedy) {
     for_each_entry(raw, vocab, [&](float raw_x, int i) {
       stats.add(raw_x);
-      better(best, best_i, FROM_LOGITS ? (double)raw_x : a[i], i);
+      better(best, best_i, MASKED && !allowed(mask, words, i) ? NEG_INF : (FROM_LOGITS ? (double)raw_x : a[i]), i);
     });
   } else if (min_p > 0.0) {
     for_each_entry(raw, vocab, [&](float raw_x, int) { stats.add(raw_x); });
@@ -404,13 +431,13 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
     // max and normaliser of the survivors of top-k / top-p (x >= c; -inf never survives)
     double m = NEG_INF;
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+      const double x = __ddiv_rn(value(i), temperature);
       if (x >= c) m = fmax(m, x);
     }
     m = block_max(m, scratch);
     double s = 0.0;
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+      const double x = __ddiv_rn(value(i), temperature);
       if (x >= c) s = __dadd_rn(s, exp(__dsub_rn(x, m)));
     }
     const double lse = log(block_sum(s, scratch));
@@ -418,12 +445,12 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
     const double floor_p = __dmul_rn(min_p, exp(__dsub_rn(0.0, lse)));
     s = 0.0;
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+      const double x = __ddiv_rn(value(i), temperature);
       if (x >= c && exp(__dsub_rn(__dsub_rn(x, m), lse)) >= floor_p) s = __dadd_rn(s, exp(__dsub_rn(x, m)));
     }
     const double lse2 = log(block_sum(s, scratch));
     for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-      const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+      const double x = __ddiv_rn(value(i), temperature);
       const bool kept = x >= c && exp(__dsub_rn(__dsub_rn(x, m), lse)) >= floor_p;
       const double p = kept ? exp(__dsub_rn(__dsub_rn(x, m), lse2)) : 0.0;
       if (p > 0.0) {
@@ -439,9 +466,9 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
     int i1 = -1;
     for_each_entry(raw, vocab, [&](float raw_x, int i) {
       stats.add(raw_x);
-      const float y = (FROM_LOGITS ? raw_x : (float)a[i]) * inv_t;
+      const float y = MASKED && !allowed(mask, words, i) ? NEG_INF_F : (FROM_LOGITS ? raw_x : (float)a[i]) * inv_t;
       if (!(y >= c32 - margin)) return;  // surely cut (or -inf / NaN)
-      if (y <= c32 + margin && !(__ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature) >= c)) return;
+      if (y <= c32 + margin && !(__ddiv_rn(value(i), temperature) >= c)) return;
       const float score = y - log_exponential(stream_bits(base, (unsigned long long)i));
       if (score > s1) {
         s2 = s1;
@@ -456,12 +483,12 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
     const bool crowded = block_max(s2 >= top - band ? 1.0 : 0.0, scratch) > 0.0;
     if (!crowded) {
       if (i1 >= 0 && s1 >= top - band) {
-        const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i1), temperature);
+        const double x = __ddiv_rn(value(i1), temperature);
         better(best, best_i, exact_key(x, base, i1), i1);
       }
     } else {
       for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-        const double x = __ddiv_rn(entry<FROM_LOGITS>(a, raw, i), temperature);
+        const double x = __ddiv_rn(value(i), temperature);
         if (x >= c && x > NEG_INF) better(best, best_i, exact_key(x, base, i), i);
       }
     }
@@ -488,4 +515,13 @@ extern "C" __global__ void __launch_bounds__(BLOCK) race_logits(const double* cu
                                                               const unsigned long long* positions, double* out,
                                                               int vocab) {
   race_impl<true>(nullptr, cut, logits, rows, params, seeds, positions, out, vocab);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) race_logits_masked(const double* cut, const float* logits,
+                                                                     const int* rows, const int* bitmask, int words,
+                                                                     const double* params,
+                                                                     const unsigned long long* seeds,
+                                                                     const unsigned long long* positions, double* out,
+                                                                     int vocab) {
+  race_impl<true, true>(nullptr, cut, logits, rows, params, seeds, positions, out, vocab, bitmask, words);
 }

@@ -90,6 +90,43 @@ def test_logits_variants_equal_the_float64_copy_variants_bit_for_bit(vocab):
     np.testing.assert_allclose(stats[:, 1], reference_lse, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [49152, 3001])
+def test_masked_logits_variants_equal_the_masked_float64_copy_bit_for_bit(vocab):
+    """The masked decode graph's top_cut_logits / race_logits with a bitmask read the fp32 rows in place:
+    the same cut, token and raw logprob as prepare_rows -> apply_token_bitmask -> top_cut -> race, for
+    dense, sparse, one-token and all-set masks and a mask narrower than the vocabulary (tokens past 32 W
+    are refused), and never a refused token."""
+    from offline_paged.ops import sampling_launcher as kernels
+
+    rng = np.random.default_rng(vocab + 1)
+    num_rows = 96
+    logits, rows, params, seeds, positions = _race_inputs(rng, num_rows, vocab)
+    words = -(-vocab // 32) - 1  # one word short of the vocabulary: its last tokens are refused
+    bits = rng.random((num_rows, 32 * words)) < rng.choice([0.02, 0.3, 0.9], (num_rows, 1))  # [R, 32 W]
+    bits[::7] = True  # unconstrained rows (up to 32 W)
+    bits[1::9] = False
+    bits[1::9, 5] = True  # a grammar that allows one token
+    masks = cupy.asarray(np.packbits(bits, axis=1, bitorder="little").view(np.int32))  # [R, W]
+    adjusted = cupy.empty((num_rows, vocab), dtype=cupy.float64)
+    raw_stats = cupy.empty((num_rows, 2), dtype=cupy.float64)
+    kernels.prepare_rows(logits, rows, adjusted, raw_stats)
+    kernels.apply_token_bitmask(adjusted, cupy.arange(num_rows, dtype=cupy.int32), masks)
+    cut, cut_in_place = cupy.empty(num_rows), cupy.empty(num_rows)
+    kernels.top_cut(adjusted, params, cut)
+    kernels.top_cut_logits(logits, rows, params, cut_in_place, masks)
+    np.testing.assert_array_equal(cut.get(), cut_in_place.get())
+    out, out_in_place = cupy.empty((num_rows, 2)), cupy.empty((num_rows, 2))
+    kernels.race(adjusted, cut, logits, rows, params, seeds, positions, out)
+    kernels.race_logits(cut, logits, rows, params, seeds, positions, out_in_place, masks)
+    out, out_in_place = out.get(), out_in_place.get()
+    np.testing.assert_array_equal(out, out_in_place)
+    tokens = out_in_place[:, 0].astype(np.int64)
+    assert all(bits[r, t] for r, t in enumerate(tokens)) and (tokens[1::9] == 5).all()
+    unmasked = cupy.empty((num_rows, 2))
+    kernels.race_logits(cut, logits, rows, params, seeds, positions, unmasked)
+    assert (unmasked.get()[:, 0] != tokens).sum() > num_rows // 4  # the masks changed the draw
+
+
 @pytest.mark.parametrize("same_thread", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_race_settles_near_ties_below_fp32_resolution_in_float64(same_thread, temperature):

@@ -20,6 +20,7 @@ KERNELS = (
     ("sampling.cu", "ban_tokens"), ("sampling.cu", "top_cut"), ("sampling.cu", "top_cut_logits"),
     ("sampling.cu", "race"), ("sampling.cu", "race_logits"), ("sampling.cu", "gather_row_params"),
     ("sampling.cu", "chosen_ids"), ("sampling.cu", "apply_token_bitmask"),
+    ("sampling.cu", "top_cut_logits_masked"), ("sampling.cu", "race_logits_masked"),
 )
 BLOCK = 1024  # threads per row block (sampling.cu's BLOCK)
 PARAMS_WIDTH = 8
@@ -115,16 +116,23 @@ def top_cut(adjusted, params, cut) -> None:
         _kernel(SOURCE, "top_cut")((num_rows,), (BLOCK,), (adjusted, params, cut, np.int32(vocab)))
 
 
-def top_cut_logits(logits, rows, params, cut) -> None:
+def top_cut_logits(logits, rows, params, cut, bitmask=None) -> None:
     """top_cut of the rows float64(logits[rows[r]]) read in place: the decode graph's sampler, whose rows
-    have no penalties or bans, needs no [R, V] float64 copy."""
+    have no penalties or bans, needs no [R, V] float64 copy. bitmask [R, W] int32: row r's structured-output
+    mask applied as apply_token_bitmask would (the masked graph's sampler)."""
     _check("logits", logits, np.float32, (None, None))
     _check("rows", rows, np.int32, (None,))
     num_rows, vocab = rows.shape[0], logits.shape[1]
     _check("params", params, np.float64, (num_rows, PARAMS_WIDTH))
     _check("cut", cut, np.float64, (num_rows,))
-    if num_rows:
+    if not num_rows:
+        return
+    if bitmask is None:
         _kernel(SOURCE, "top_cut_logits")((num_rows,), (BLOCK,), (logits, rows, params, cut, np.int32(vocab)))
+        return
+    _check("bitmask", bitmask, np.int32, (num_rows, None))
+    _kernel(SOURCE, "top_cut_logits_masked")((num_rows,), (BLOCK,), (logits, rows, bitmask, np.int32(bitmask.shape[1]),
+                                                                     params, cut, np.int32(vocab)))
 
 
 def gather_row_params(slot_rows, sample_positions, row_params, row_seeds, params, seeds, positions) -> None:
@@ -172,12 +180,20 @@ def race(adjusted, cut, logits, rows, params, seeds, positions, out) -> None:
                                                        out, np.int32(vocab)))
 
 
-def race_logits(cut, logits, rows, params, seeds, positions, out) -> None:
+def race_logits(cut, logits, rows, params, seeds, positions, out, bitmask=None) -> None:
     """`race` over the rows float64(logits[rows[r]]) read in place (the decode graph's sampler): the same
-    tokens and logprobs as `race` on a copy of those rows."""
+    tokens and logprobs as `race` on a copy of those rows. bitmask [R, W] int32: as in top_cut_logits (the
+    same as `race` on a copy masked by apply_token_bitmask; the raw logprob stays the unmasked row's)."""
     _check("rows", rows, np.int32, (None,))
     num_rows = rows.shape[0]
     _check_race(num_rows, None, cut, logits, rows, params, seeds, positions, out)
-    if num_rows:
+    if not num_rows:
+        return
+    if bitmask is None:
         _kernel(SOURCE, "race_logits")((num_rows,), (BLOCK,), (cut, logits, rows, params, seeds, positions,
                                                               out, np.int32(logits.shape[1])))
+        return
+    _check("bitmask", bitmask, np.int32, (num_rows, None))
+    _kernel(SOURCE, "race_logits_masked")((num_rows,), (BLOCK,), (cut, logits, rows, bitmask,
+                                                                 np.int32(bitmask.shape[1]), params, seeds,
+                                                                 positions, out, np.int32(logits.shape[1])))
