@@ -126,11 +126,8 @@ class EngineConfig:
             require_positive("admission_batch", self.admission_batch)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
-        if self.grammar_mask_processes is not None and (
-                isinstance(self.grammar_mask_processes, bool) or not isinstance(self.grammar_mask_processes, int)
-                or self.grammar_mask_processes < 0):
-            raise ValueError(f"grammar_mask_processes must be a non-negative integer or None, "
-                             f"got {self.grammar_mask_processes!r}")
+        if self.grammar_mask_processes is not None:
+            require_non_negative("grammar_mask_processes", self.grammar_mask_processes)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.calculate_kv_scales, bool):
@@ -182,3 +179,8 @@ def auto_grammar_mask_processes(backend_name: str, num_cores: int) -> int:
 def require_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def require_non_negative(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import llguidance
 
+from offline_paged.core.config import require_non_negative
 from offline_paged.core.grammar_tokenizer import ll_tokenizer
 from offline_paged.core.mask_server import MaskServer
 from offline_paged.core.structured_matcher import StructuredMatcher
@@ -51,8 +52,7 @@ class GrammarCompiler:
         """executor: where compiles run (default: a pool of max_workers threads, shut down by close).
         mask_processes: > 0 starts a MaskServer of that many processes with the tokenizer, which fills the
         late (overlapped) masks of this compiler's matchers; 0 fills them in this process."""
-        if isinstance(mask_processes, bool) or not isinstance(mask_processes, int) or mask_processes < 0:
-            raise ValueError(f"mask_processes must be a non-negative integer, got {mask_processes!r}")
+        require_non_negative("mask_processes", mask_processes)
         self._tokenizer_source = (tokenizer, vocab_size, tuple(eos_token_ids))
         self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s for 50k tokens)
         self._tokenizer_lock = threading.Lock()  # the pool's threads build it once
