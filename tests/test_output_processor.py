@@ -93,15 +93,16 @@ def test_prompt_logprobs_keep_only_new_positions():
 
 class _ScriptedMatcher:
     """A grammar matcher fed ahead whose mask server has not answered yet: `accept` is the wait for its
-    outcome (recorded, so a test sees when it ran), then (error, finished) as scripted."""
+    outcome (it records how many of the step's tokens had been appended by then), then (error, finished)
+    as scripted."""
 
-    def __init__(self, error: str | None, finished: bool, calls: list) -> None:
-        self.error, self.finished, self.calls = error, finished, calls
+    def __init__(self, error: str | None, finished: bool, appended_so_far, calls: list) -> None:
+        self.error, self.finished, self.appended_so_far, self.calls = error, finished, appended_so_far, calls
         self.outcome_pending = True
         self.is_finished = False
 
     def accept(self, token_id: int) -> str | None:
-        self.calls.append(token_id)
+        self.calls.append((token_id, self.appended_so_far()))
         self.outcome_pending = False
         self.is_finished = self.finished
         return self.error
@@ -119,7 +120,6 @@ def test_grammar_outcomes_still_pending_are_settled_after_the_step_s_other_seque
     scheduler = Scheduler(BlockManager(64, 0, 4, watermark=0.0, enable_prefix_caching=False), 8, 64,
                           PreemptionMode.RECOMPUTE)
     processor = OutputProcessor(scheduler, StopChecker(ByteTokenizer(), (EOS_ID,), max_model_len=64))
-    calls: list = []
     scripts = {"refused": ("token 9 is not allowed", False), "done": (None, True), "open": (None, False)}
     groups = {}
     for index, name in enumerate(scripts):
@@ -128,18 +128,16 @@ def test_grammar_outcomes_still_pending_are_settled_after_the_step_s_other_seque
         scheduler.add_group(group)
         groups[name] = group
     output = scheduler.schedule()
-    for item in output.scheduled:
-        item.seq.matcher = _ScriptedMatcher(*scripts[item.seq.group.request_id], calls)
-    seen_before_settling = []
-    original_append = processor._append
+    seqs = [item.seq for item in output.scheduled]
+    calls: list = []
 
-    def append(seq, sample, pending=None):  # how many outcomes were read when each sequence was checked
-        original_append(seq, sample, pending)
-        seen_before_settling.append(len(calls))
+    def appended_so_far() -> int:
+        return sum(len(seq.output_token_ids) for seq in seqs)
 
-    processor._append = append
-    finished = processor.process(output, [SequenceResult([TokenSample(9, -1.0)])] * len(output.scheduled))
-    assert seen_before_settling == [0, 0, 0] and calls == [9, 9, 9]  # read after the step, not per row
+    for seq in seqs:
+        seq.matcher = _ScriptedMatcher(*scripts[seq.group.request_id], appended_so_far, calls)
+    finished = processor.process(output, [SequenceResult([TokenSample(9, -1.0)])] * len(seqs))
+    assert calls == [(9, 3)] * 3  # every outcome read after the step's three tokens were appended
     refused, done, still_open = (groups[name].seqs[0] for name in scripts)
     assert refused.finish_reason is FinishReason.ABORT and refused.error == "token 9 is not allowed"
     if max_tokens == 1:  # every one hit its length first: the grammar's completion does not override it
