@@ -19,12 +19,13 @@ python3 - "$OUT/bench_structured.json" <<'PY'
 import json, sys
 record = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 print(f"{'run':<22}{'out tok/s':>10}{'step ms':>9}{'sched':>7}{'exec':>7}{'post':>7}{'tok wait':>9}{'dispatch':>9}"
-      f"{'fwd dev':>8}{'outcome wait':>13}{'mask wait':>10}")
+      f"{'fwd dev':>8}{'outcome wait':>13}{'mask wait':>10}{'errors':>7}")
 for r in record["runs"]:
     t, m = r["time_split"], r.get("mask_server") or {}
     print(f"{r['label']:<22}{r['output_tokens_per_s']:>10,.0f}{t['step_ms']:>9.2f}{t['schedule_ms']:>7.2f}"
           f"{t['execute_ms']:>7.2f}{t['postprocess_ms']:>7.2f}{t.get('token_wait_ms', 0):>9.2f}"
           f"{t.get('mask_dispatch_ms', 0):>9.2f}{t['forward_device_ms'] or 0:>8.2f}"
-          f"{m.get('outcome_wait_ms', float('nan')):>13.2f}{m.get('mask_wait_ms', float('nan')):>10.2f}")
+          f"{m.get('outcome_wait_ms', float('nan')):>13.2f}{m.get('mask_wait_ms', float('nan')):>10.2f}"
+          f"{r.get('num_errors', 0):>7}")  # requests ended by a grammar error: a masking bug shows here first
 print("commit", record.get("git_commit"), "device", record.get("device"))
 PY
