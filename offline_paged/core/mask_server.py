@@ -103,9 +103,7 @@ class MaskServer:
         rows = _map_rows(path, shape, create=True)  # [R, W]
         try:
             self.ensure_ready()
-            with self._send_lock:
-                for index in range(len(self._pipes)):
-                    self._send(index, ("attach", segment_id, path, shape))
+            self._broadcast(("attach", segment_id, path, shape))
             self._ping()  # every worker has mapped it
         finally:
             os.unlink(path)
@@ -114,9 +112,7 @@ class MaskServer:
 
     def add_grammar(self, text: str) -> None:
         """Have every worker compile `text` now, before its first fill needs it."""
-        with self._send_lock:
-            for index in range(len(self._pipes)):
-                self._send(index, ("grammar", text))
+        self._broadcast(("grammar", text))
 
     def wait_ready(self) -> None:
         """Block until every worker has built its tokenizer and compiled the grammars added so far (the
@@ -127,9 +123,7 @@ class MaskServer:
         self._ping()
 
     def _ping(self) -> None:
-        with self._send_lock:
-            for index in range(len(self._pipes)):
-                self._send(index, ("ping",))
+        self._broadcast(("ping",))
         for index in range(len(self._pipes)):
             self._receive(index)
 
@@ -290,9 +284,7 @@ class MaskServer:
             self._scratch = self._new_segment(max(shape[0], grown, 64), shape[1])
             if old is not None:
                 del self._segments[old[1].ctypes.data]
-                with self._send_lock:
-                    for index in range(len(self._pipes)):
-                        self._send(index, ("detach", old[0]))
+                self._broadcast(("detach", old[0]))
         return self._scratch
 
     def _read_outcomes(self) -> None:
@@ -302,6 +294,12 @@ class MaskServer:
             for uid, error, stopped in self._receive(index, expect_list=True):
                 self._exceptions[uid] = (error, stopped)
         self.outcome_wait_s += time.perf_counter() - start
+
+    def _broadcast(self, message: tuple) -> None:
+        """Send `message` to every worker (the compiler's threads send too: under the send lock)."""
+        with self._send_lock:
+            for index in range(len(self._pipes)):
+                self._send(index, message)
 
     def _send(self, index: int, message: tuple) -> None:
         try:
