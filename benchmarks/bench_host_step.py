@@ -38,7 +38,7 @@ from offline_paged.benchmark.bench import STRUCTURED_KINDS, random_workload, str
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.outputs import RequestError
 from offline_paged.engine import LLMEngine
-from offline_paged.models.dummy_weights import dummy_model
+from offline_paged.models.dummy_weights import dummy_model, preset_config
 from offline_paged.worker.launched_step import ReadySamples
 from offline_paged.worker.sampler import SampleResult
 
@@ -165,10 +165,7 @@ class HostOnlyDecodeGraphs:
         """DecodeGraphs.sample_masked's host part (the dirty sampling rows), then the stand-in draw."""
         if masks.shape[0] != self._last_run:
             raise ValueError(f"masks for {masks.shape[0]} slots after a replay of {self._last_run}")
-        dirty = sampling_rows.take_dirty()
-        if dirty.size:
-            np.concatenate([dirty.astype(np.uint64), sampling_rows.seeds[dirty],
-                            sampling_rows.params[dirty].ravel().view(np.uint64)])
+        _sync_rows(sampling_rows)
         return HostOnlyGraphSamples(self.gpu_sampler, masks.shape[0], self._draw(masks))
 
     def sampled_ids(self, num_seqs: int) -> np.ndarray:
@@ -194,12 +191,17 @@ class HostOnlyDecodeGraphs:
 
     def run_and_sample(self, input_ids, positions, slot_rows, writes, table_rows, sample_positions, sampling_rows,
                        timer=None, fill=None):
-        dirty = sampling_rows.take_dirty()
-        if dirty.size:
-            np.concatenate([dirty.astype(np.uint64), sampling_rows.seeds[dirty],
-                            sampling_rows.params[dirty].ravel().view(np.uint64)])
+        _sync_rows(sampling_rows)
         logits = self.run(input_ids, positions, slot_rows, writes, table_rows, timer, fill, sample_positions)
         return logits, HostOnlyGraphSamples(self.gpu_sampler, len(slot_rows))
+
+
+def _sync_rows(sampling_rows) -> None:
+    """DecodeGraphs._sync_rows' host part: the dirty sampling rows packed for their upload."""
+    dirty = sampling_rows.take_dirty()
+    if dirty.size:
+        np.concatenate([dirty.astype(np.uint64), sampling_rows.seeds[dirty],
+                        sampling_rows.params[dirty].ravel().view(np.uint64)])
 
 
 def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool = True,
@@ -249,7 +251,8 @@ class Timer:
 def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[str, float]]:
     """(steps, {label: seconds}) of one pass over the workload: "whole step" and each timed part."""
     clock = CLOCKS[args.clock]
-    draw = TokenDraw(512, 2, clock)  # the tiny preset's vocabulary and EOS
+    tiny = preset_config("tiny")  # build_engine's model
+    draw = TokenDraw(tiny.vocab_size, tiny.eos_token_ids[0], clock)
     engine = build_engine(args.num_requests, args.graphs, async_scheduling=not args.sync,
                           mask_processes=args.mask_processes, draw=draw)
     timer = Timer(clock)
