@@ -8,7 +8,7 @@ Times are medians of CUDA-graph replays (bench_kernels.graph_ms), so launch over
 
     PYTHONPATH=benchmarks python3 benchmarks/bench_decode_splits.py [--head-dim 64] [--max-context 1900]
         [--variants default depth2 decode2 prefill3 registers] [--splits plan 1 2 4] [--prefill]
-        [--order random|longest-first|shortest-first|launch-order]
+        [--order random|longest-first|shortest-first|launch-order] [--kv-cache-dtype fp8]
 """
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ def main() -> None:
                              "launch order, so longest-first is the classic remedy for a ragged last wave); "
                              "launch-order: random, launched longest first through the kernel's launch_order "
                              "(what the decode graphs do)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="fp8: the caches hold e4m3 bytes (random normal values, scales 1.0); GB/s then "
+                             "counts one byte per element")
     parser.add_argument("--prefill", action="store_true",
                         help="every sequence's whole context is its query (a prefill step: the row-split kernel); "
                              "prints TFLOP/s of the causal products")
@@ -56,8 +59,11 @@ def main() -> None:
     for i, n in enumerate(blocks_per_seq):
         tables[i, :n] = perm[at:at + n]
         at += n
-    k_cache = random_f16(num_blocks * block * hkv * d).reshape(num_blocks, block, hkv, d)
-    v_cache = random_f16(num_blocks * block * hkv * d).reshape(num_blocks, block, hkv, d)
+    fp8 = args.kv_cache_dtype == "fp8"
+    new_cache = random_e4m3 if fp8 else random_f16
+    k_cache = new_cache(num_blocks * block * hkv * d).reshape(num_blocks, block, hkv, d)
+    v_cache = new_cache(num_blocks * block * hkv * d).reshape(num_blocks, block, hkv, d)
+    kv_scale = cupy.ones(2, dtype=cupy.float32) if fp8 else None  # [2]: (k_scale, v_scale)
     q_lens = lens if args.prefill else np.ones_like(lens)  # [S]
     q = random_f16(int(q_lens.sum()) * h * d).reshape(-1, h, d)
     tables_d, lens_d = cupy.asarray(tables), cupy.asarray(lens.astype(np.int32))
@@ -66,25 +72,28 @@ def main() -> None:
     if args.order == "launch-order":
         order = cupy.empty(args.batch, dtype=cupy.int32)  # [S]
         step_inputs_launcher.launch_order(lens_d, order)
-    kv_bytes = int(lens.sum()) * hkv * d * 2 * 2  # K and V read once
+    kv_bytes = int(lens.sum()) * hkv * d * 2 * k_cache.itemsize  # K and V read once
     flops = 4 * h * d * int((lens * (lens + 1) // 2).sum())  # QK^T and PV over the causal triangle
     copy = copy_bandwidth_gbs()
     print(f"batch {args.batch}, contexts {args.min_context}..{args.max_context} (mean {lens.mean():.0f}), "
-          f"{'prefill' if args.prefill else 'decode'}, head dim {d}, {h}/{hkv} heads; K/V {kv_bytes / 1e9:.2f} GB; "
+          f"{'prefill' if args.prefill else 'decode'}, head dim {d}, {h}/{hkv} heads, {args.kv_cache_dtype} cache; "
+          f"K/V {kv_bytes / 1e9:.2f} GB; "
           f"copy {copy:,.0f} GB/s")
     rate = "TFLOP/s" if args.prefill else "GB/s"
     print(f"{'variant':>10}{'splits':>8}{'ms':>9}{rate:>9}{'of copy':>9}{'max|diff|':>11}")
-    original, stages = modules.read_source, (launchers.DECODE_RING_STAGES, launchers.PREFILL_RING_STAGES)
+    original = modules.read_source
+    stages = {name: getattr(launchers, name) for name in _STAGE_CONSTANTS}
     reference = None
     for variant in args.variants:
         modules.read_source = lambda name, v=variant: _patched(original(name), v)
-        launchers.DECODE_RING_STAGES, launchers.PREFILL_RING_STAGES = VARIANTS[variant][1]
+        for name, value in zip(_STAGE_CONSTANTS, VARIANTS[variant][1]):
+            setattr(launchers, name, value)
         modules.clear_cache()
         for splits in args.splits:
             def run(splits=splits):
                 return launchers.paged_attention(q, k_cache, v_cache, tables_d, lens_d, qsl, int(q_lens.max()),
                                                  args.max_context, d ** -0.5, num_splits=splits,
-                                                 launch_order=order)
+                                                 launch_order=order, kv_scale=kv_scale)
             out = run()
             reference = out if reference is None else reference
             diff = float(cupy.abs(out.astype(cupy.float32) - reference.astype(cupy.float32)).max())
@@ -92,29 +101,46 @@ def main() -> None:
             gbs = kv_bytes / ms / 1e6
             figure = f"{flops / ms / 1e9:>9,.0f}{'':>9}" if args.prefill else f"{gbs:>9,.0f}{gbs / copy:>9.1%}"
             print(f"{variant:>10}{'plan' if splits is None else splits:>8}{ms:>9.3f}{figure}{diff:>11.2e}")
-    modules.read_source, (launchers.DECODE_RING_STAGES, launchers.PREFILL_RING_STAGES) = original, stages
+    modules.read_source = original
+    for name, value in stages.items():
+        setattr(launchers, name, value)
     modules.clear_cache()
 
 
 # Source variants of cuda/attention.cu, compared in one process (the first is the reference output): a
-# variant is its source patches plus the (decode, prefill) ring depths it gives launchers, which size the
-# dynamic shared memory. The register variants keep the rings' launch size, unused (occupancy as before).
+# variant is its source patches plus the (decode, decode over FP8, prefill) ring depths it gives launchers,
+# which size the dynamic shared memory (the fp8 variants matter with --kv-cache-dtype fp8 only). The register variants keep the rings' launch size, unused (occupancy as before).
 # Measured 2026-11-30 on the H200 (batch 256, contexts 100..1900, plan), register pipeline: depth1
 # 0.198 ms (64.8% of copy), depth2 0.172 ms (74.7%, identical output), depth1 + lb4 0.177 ms (72.4%).
 # The cp.async rings came after; see benchmarks/NOTES.md for their figures.
 _DECODE = "constexpr int DECODE_RING_STAGES = 3;"
 _PREFILL = "constexpr int PREFILL_RING_STAGES = 2;"
+_DECODE_FP8 = "constexpr int DECODE_RING_STAGES_FP8 = 3;"
 _DEPTH1 = ("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;")
+_STAGE_CONSTANTS = ("DECODE_RING_STAGES", "DECODE_RING_STAGES_FP8", "PREFILL_RING_STAGES")
 VARIANTS = {
-    "default": ([], (3, 2)),
-    "decode2": ([(_DECODE, _DECODE.replace("3", "2"))], (2, 2)),
-    "decode4": ([(_DECODE, _DECODE.replace("3", "4"))], (4, 2)),
-    "prefill3": ([(_PREFILL, _PREFILL.replace("2", "3"))], (3, 3)),
-    "l2_128": ([("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::128B [")], (3, 2)),
-    "depth2": ([(_DECODE, _DECODE.replace("3", "0"))], (3, 2)),
-    "depth1": ([(_DECODE, _DECODE.replace("3", "0")), _DEPTH1], (3, 2)),
-    "registers": ([(_DECODE, _DECODE.replace("3", "0")), (_PREFILL, _PREFILL.replace("2", "0"))], (0, 0)),
+    "default": ([], (3, 3, 2)),
+    "decode2": ([(_DECODE, _DECODE.replace("3", "2"))], (2, 3, 2)),
+    "decode4": ([(_DECODE, _DECODE.replace("3", "4"))], (4, 3, 2)),
+    "prefill3": ([(_PREFILL, _PREFILL.replace("2", "3"))], (3, 3, 3)),
+    "l2_128": ([("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::128B [")], (3, 3, 2)),
+    "depth2": ([(_DECODE, _DECODE.replace("3", "0"))], (3, 3, 2)),
+    "depth1": ([(_DECODE, _DECODE.replace("3", "0")), _DEPTH1], (3, 3, 2)),
+    "registers": ([(_DECODE, _DECODE.replace("3", "0")), (_PREFILL, _PREFILL.replace("2", "0"))], (0, 3, 0)),
+    # FP8 cache: the D = 64 ring's depth (its pieces fill half of each slot), the register pipeline instead,
+    # and D = 128 with one chunk of keys ahead (as the 16-bit kernel) rather than two of K and V.
+    "fp8ring2": ([(_DECODE_FP8, _DECODE_FP8.replace("3", "2"))], (3, 2, 2)),
+    "fp8ring4": ([(_DECODE_FP8, _DECODE_FP8.replace("3", "4"))], (3, 4, 2)),
+    "fp8ring5": ([(_DECODE_FP8, _DECODE_FP8.replace("3", "5"))], (3, 5, 2)),
+    "fp8registers": ([(_DECODE_FP8, _DECODE_FP8.replace("3", "0"))], (3, 0, 2)),
+    "fp8depth1": ([("constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;", "constexpr bool PREFETCH_V = D == 64;")],
+                  (3, 3, 2)),
 }
+
+
+def random_e4m3(n: int):
+    """n random e4m3fn bytes of magnitude below 2 (the exponent's top bit cleared, which also rules out NaN)."""
+    return (cupy.random.randint(0, 256, n, dtype=cupy.int32) & 0xBF).astype(cupy.uint8)
 
 
 def _patched(source: str, variant: str) -> str:

@@ -52,12 +52,15 @@ constexpr int ROWS = 16;   // rows in a warp tile (mma M)
 constexpr int CHUNK = 16;  // keys a warp consumes per step (mma K of the P.V product)
 constexpr int PAD = 4;     // floats of padding per shared-memory row of O (fewer bank conflicts)
 constexpr int D64_PIPELINE_DEPTH = 2;  // register pipeline: chunks of K/V requested ahead at D = 64 (1 or 2)
+// (also for an FP8 cache at D = 128: its raw 8-byte pieces take half the registers of 16-bit ones, so two chunks
+// of K and V ahead fit where one chunk of keys did, and keep as many bytes in flight as the 16-bit kernel)
 // cp.async rings (see attention_impl): N slots, N - 1 of them in flight while the warps compute on one;
 // 0 = the register pipeline instead. Decode at D = 64 (a ring per warp; D = 128 decode always uses
 // registers) and row-split CTAs (one shared ring). launchers.py keeps copies of both: they size the
 // dynamic shared memory. Measured on the H200 (benchmarks/NOTES.md): decode 3 slots (2 starve it, 4 cost
 // occupancy); row split 2 (3 slots of D = 128 chunks leave one CTA fewer per SM).
 constexpr int DECODE_RING_STAGES = 3;
+constexpr int DECODE_RING_STAGES_FP8 = 3;  // an FP8 cache's pieces fill half a 16-byte slot (see cp_async_kv)
 constexpr int PREFILL_RING_STAGES = 2;
 
 
@@ -394,7 +397,9 @@ __device__ void attention_impl(const Params<T, C>& P) {
   // the launcher's ring_bytes), or registers. Decode (KEY_SPLIT) at D = 64: a ring per warp. ROW_SPLIT:
   // one ring per CTA, filled and read by its 4 warps together, so each chunk of K/V is read from memory
   // once per CTA instead of once per warp. D = 128 decode keeps the register pipeline.
-  constexpr int RING = ROW_SPLIT ? PREFILL_RING_STAGES : D == 64 ? DECODE_RING_STAGES : 0;
+  constexpr int RING = ROW_SPLIT ? PREFILL_RING_STAGES
+                     : D == 64   ? (kIsFp8<C> ? DECODE_RING_STAGES_FP8 : DECODE_RING_STAGES)
+                                 : 0;
   constexpr bool ASYNC = RING > 0;
   constexpr bool SHARED = ASYNC && ROW_SPLIT;
   constexpr int STAGES = ASYNC ? RING : 1;
@@ -530,11 +535,11 @@ __device__ void attention_impl(const Params<T, C>& P) {
       consume_chunk<D, T, C>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
     }
   } else {
-    // Register pipeline: the next chunk's keys (and, for D = 64 where registers allow, its values) are
-    // requested before this chunk's arithmetic, so a warp always has loads in flight. DEPTH chunks ahead
-    // (D = 64 only): a D = 64 chunk is half the bytes of a D = 128 one, so one chunk ahead leaves too few
-    // bytes in flight per SM to cover the memory latency.
-    constexpr bool PREFETCH_V = D == 64;
+    // Register pipeline: the next chunk's keys (and, where registers allow, its values) are requested
+    // before this chunk's arithmetic, so a warp always has loads in flight. DEPTH chunks ahead (D = 64, and
+    // an FP8 cache at D = 128): a D = 64 chunk, or an FP8 one, is half the bytes of a 16-bit D = 128 one, so
+    // one chunk ahead leaves too few bytes in flight per SM to cover the memory latency.
+    constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;
     constexpr int DEPTH = PREFETCH_V ? D64_PIPELINE_DEPTH : 1;
     const int stride = ROW_SPLIT ? CHUNK : CHUNK * WARPS;
     const int first_key = start_key + (ROW_SPLIT ? 0 : warp * CHUNK);

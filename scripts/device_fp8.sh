@@ -2,12 +2,15 @@
 # FP8 KV cache check on the lent device machine (issue 25), in one call:
 #   1. the FP8 GPU tests first (kernels against the NumPy FP8 reference, the FP8 engine against the CPU FP8
 #      engine and the 16-bit engine), then the 16-bit kernel and engine tests the change touched;
-#   2. `offline-paged bench --json` with --kv-cache-dtype fp8 --kv-cache-dtype auto (both in one process, so
+#   2. decode attention alone (bench_decode_splits.py, launch order as the graphs run it) over an FP8 and a
+#      16-bit pool at head dims 64 (1B shape) and 128 (8B shape): GB/s of K/V as stored and % of copy, for the
+#      FP8 variants in FP8_VARIANTS (ring depths at D = 64; one chunk ahead at D = 128);
+#   3. `offline-paged bench --json` with --kv-cache-dtype fp8 --kv-cache-dtype auto (both in one process, so
 #      the ratio is measured in one call) at the 1B and 8B shapes in bfloat16, CUDA graphs on. Records go
 #      to $OUT/bench_*.json (then one archive);
-#   3. a short table: out tok/s, FP8 / auto, % of the roofline floor (KV bytes as stored), KV blocks.
+#   4. a short table: out tok/s, FP8 / auto, % of the roofline floor (KV bytes as stored), KV blocks.
 #
-# Usage: OUT=/tmp/out [RUNS="1b 8b 1b_n1024"] scripts/device_fp8.sh [tests|bench|all]
+# Usage: OUT=/tmp/out [RUNS="1b 8b 1b_n1024"] scripts/device_fp8.sh [tests|kernels|bench|all]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fp8-out}
@@ -20,7 +23,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks, carried
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
 
-if [ "$WHAT" != bench ]; then
+if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   timeout ${FP8_TEST_LIMIT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -x \
     tests/test_ops_cuda_fp8.py tests/test_gpu_engine_fp8.py >"$OUT/fp8_tests.log" 2>&1
   echo "fp8 gpu tests: $(tail -1 "$OUT/fp8_tests.log")"
@@ -34,6 +37,19 @@ if [ "$WHAT" != bench ]; then
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests_16bit.log" | head -20
 fi
 [ "$WHAT" = tests ] && exit 0
+
+if [ "$WHAT" = kernels ] || [ "$WHAT" = all ]; then
+  FP8_VARIANTS=${FP8_VARIANTS:-"default fp8ring2 fp8ring4 fp8ring5 fp8registers fp8depth1"}
+  for dim in 64 128; do
+    for cache in auto fp8; do
+      variants=default; [ $cache = fp8 ] && variants=$FP8_VARIANTS
+      timeout ${KERNEL_LIMIT:-120} env PYTHONPATH="benchmarks:${PYTHONPATH:-}" python3 benchmarks/bench_decode_splits.py \
+        --head-dim $dim --order launch-order --splits plan --kv-cache-dtype $cache --variants $variants 2>&1 \
+        | tail -n +1 || echo "decode splits d=$dim $cache FAILED"
+    done
+  done
+fi
+[ "$WHAT" = kernels ] && exit 0
 
 run() {  # name, then bench flags
   local name=$1; shift

@@ -66,6 +66,7 @@ ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 WARPS = 4
 # Slots of attention.cu's cp.async rings (copies of its constants; 0: K/V through registers instead):
 DECODE_RING_STAGES = 3  # decode (key-split) CTAs at head dim 64, a ring per warp
+DECODE_RING_STAGES_FP8 = 3  # the same over an FP8 cache (its pieces fill half of each 16-byte slot)
 PREFILL_RING_STAGES = 2  # row-split CTAs, one ring shared by the 4 warps
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
 CHUNK_KEYS = KEYS_PER_ROUND // WARPS  # keys one warp consumes per step (attention.cu's CHUNK)
@@ -296,7 +297,8 @@ def _attention_launch(kernel: str, head_dim: int, max_rows: int, suffix: str) ->
     tiles = math.ceil(max_rows / ROWS_PER_TILE)
     shared_range = row_split and PREFILL_RING_STAGES > 0  # the CTA's 4 tiles read one key range
     return AttentionLaunch("attention.cu", f"paged_attention_d{head_dim}_{kernel}_{suffix}", WARPS * 32,
-                           ring_bytes(head_dim, row_split), math.ceil(tiles / WARPS) if row_split else tiles,
+                           ring_bytes(head_dim, row_split, suffix.endswith("_fp8")),
+                           math.ceil(tiles / WARPS) if row_split else tiles,
                            ROWS_PER_TILE * (WARPS if shared_range else 1))
 
 
@@ -305,11 +307,12 @@ def prefill_shared_bytes(head_dim: int) -> int:
     return PREFILL_STAGES * 2 * PREFILL_TILE_KEYS * head_dim * 2  # 2 bytes per element
 
 
-def ring_bytes(head_dim: int, row_split: bool) -> int:
+def ring_bytes(head_dim: int, row_split: bool, fp8: bool = False) -> int:
     """Dynamic shared memory of an attention.cu launch: the cp.async ring, WARPS x stages chunks of 16 keys
-    of K and V, for row-split CTAs and for decode (key-split) CTAs at head dim 64; 0 where the kernel
-    keeps K/V in registers."""
-    stages = PREFILL_RING_STAGES if row_split else DECODE_RING_STAGES if head_dim == 64 else 0
+    of K and V, for row-split CTAs and for decode (key-split) CTAs at head dim 64 (fp8: over an FP8 cache,
+    whose ring keeps the 16-bit layout); 0 where the kernel keeps K/V in registers."""
+    decode_stages = DECODE_RING_STAGES_FP8 if fp8 else DECODE_RING_STAGES
+    stages = PREFILL_RING_STAGES if row_split else decode_stages if head_dim == 64 else 0
     return WARPS * stages * 2 * CHUNK_KEYS * head_dim * 2  # 2 bytes per element
 
 
