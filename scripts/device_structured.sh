@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Structured output on the lent device, in one call: the 1B bench with every request JSON-constrained,
 # masks filled in this process (0) and by mask processes (8), each beside the plain run, interleaved
-# --repeat times; then a table with the mask server's waits. Usage: OUT=/tmp/out [REPEAT=3] scripts/device_structured.sh
+# --repeat times; then a table with the mask server's waits.
+# Usage: OUT=/tmp/out [REPEAT=3] [COUNTS="0 8"] [LENGTHS=short|default] scripts/device_structured.sh
+#   COUNTS: the --grammar-mask-processes values, one JSON run each per repeat (the like-for-like run follows them);
+#   LENGTHS=default: the bench's own lengths (100..1024 in and out) instead of the short 64:128 / 128:192.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/structured-out}
@@ -11,18 +14,26 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
-timeout 400 offline-paged bench --device cuda --json --dummy-weights llama-3.2-1b --cuda-graphs \
-  --input-len 64:128 --output-len 128:192 --structured json --grammar-mask-processes 0 \
-  --grammar-mask-processes ${PROCESSES:-8} --repeat ${REPEAT:-3} >"$OUT/bench_structured.json" 2>"$OUT/bench_structured.err" \
+lengths="--input-len 64:128 --output-len 128:192"
+[ "${LENGTHS:-short}" = default ] && lengths=""
+counts=""
+for count in ${COUNTS:-0 ${PROCESSES:-8}}; do counts="$counts --grammar-mask-processes $count"; done
+timeout ${BENCH_LIMIT:-400} offline-paged bench --device cuda --json --dummy-weights llama-3.2-1b --cuda-graphs \
+  $lengths --structured json $counts --repeat ${REPEAT:-3} >"$OUT/bench_structured.json" 2>"$OUT/bench_structured.err" \
   || tail -5 "$OUT/bench_structured.err"
 python3 - "$OUT/bench_structured.json" <<'PY'
 import json, sys
 record = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-print(f"{'run':<22}{'out tok/s':>10}{'step ms':>9}{'sched':>7}{'exec':>7}{'post':>7}{'tok wait':>9}{'dispatch':>9}"
-      f"{'fwd dev':>8}{'outcome wait':>13}{'mask wait':>10}{'errors':>7}")
+# like for like: each run's out tok/s over its repeat's "plain@json lengths" run (the same output lengths)
+reference = {r["label"].partition(" plain@json lengths")[2]: r["output_tokens_per_s"] for r in record["runs"]
+             if " plain@json lengths" in r["label"]}
+print(f"{'run':<30}{'out tok/s':>10}{'like4like':>10}{'step ms':>9}{'sched':>7}{'exec':>7}{'post':>7}{'tok wait':>9}"
+      f"{'dispatch':>9}{'fwd dev':>8}{'outcome wait':>13}{'mask wait':>10}{'errors':>7}")
 for r in record["runs"]:
     t, m = r["time_split"], r.get("mask_server") or {}
-    print(f"{r['label']:<22}{r['output_tokens_per_s']:>10,.0f}{t['step_ms']:>9.2f}{t['schedule_ms']:>7.2f}"
+    base = reference.get(r["label"][r["label"].rfind(" #"):] if " #" in r["label"] else "")
+    like = f"{r['output_tokens_per_s'] / base:>10.3f}" if base else f"{'-':>10}"
+    print(f"{r['label']:<30}{r['output_tokens_per_s']:>10,.0f}{like}{t['step_ms']:>9.2f}{t['schedule_ms']:>7.2f}"
           f"{t['execute_ms']:>7.2f}{t['postprocess_ms']:>7.2f}{t.get('token_wait_ms', 0):>9.2f}"
           f"{t.get('mask_dispatch_ms', 0):>9.2f}{t['forward_device_ms'] or 0:>8.2f}"
           f"{m.get('outcome_wait_ms', float('nan')):>13.2f}{m.get('mask_wait_ms', float('nan')):>10.2f}"
