@@ -117,6 +117,9 @@ _DECODE = "constexpr int DECODE_RING_STAGES = 3;"
 _PREFILL = "constexpr int PREFILL_RING_STAGES = 2;"
 _DECODE_FP8 = "constexpr int DECODE_RING_STAGES_FP8 = 3;"
 _DEPTH1 = ("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;")
+_FP8_DEPTH1 = ("constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;", "constexpr bool PREFETCH_V = D == 64;")
+_LAUNCH_16 = "__launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX("
+_LAUNCH_FP8 = "__launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX##_fp8("
 _STAGE_CONSTANTS = ("DECODE_RING_STAGES", "DECODE_RING_STAGES_FP8", "PREFILL_RING_STAGES")
 VARIANTS = {
     "default": ([], (3, 3, 2)),
@@ -133,8 +136,15 @@ VARIANTS = {
     "fp8ring4": ([(_DECODE_FP8, _DECODE_FP8.replace("3", "4"))], (3, 4, 2)),
     "fp8ring5": ([(_DECODE_FP8, _DECODE_FP8.replace("3", "5"))], (3, 5, 2)),
     "fp8registers": ([(_DECODE_FP8, _DECODE_FP8.replace("3", "0"))], (3, 0, 2)),
-    "fp8depth1": ([("constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;", "constexpr bool PREFETCH_V = D == 64;")],
-                  (3, 3, 2)),
+    "fp8depth1": ([_FP8_DEPTH1], (3, 3, 2)),
+    # Occupancy: a register cap for 3 CTAs per SM at D = 128 (2 without: 232 / 242 registers), 4 at D = 64 on
+    # the FP8 register pipeline (149 without). ptxas: 16-bit D = 128 spills 320 bytes, FP8 232, FP8 with one
+    # chunk ahead none (167 registers); FP8 D = 64 registers none (126).
+    "lb3": ([(_LAUNCH_16, _LAUNCH_16.replace("(128)", "(128, 3)"))], (3, 3, 2)),
+    "fp8lb3": ([(_LAUNCH_FP8, _LAUNCH_FP8.replace("(128)", "(128, 3)"))], (3, 3, 2)),
+    "fp8depth1lb3": ([_FP8_DEPTH1, (_LAUNCH_FP8, _LAUNCH_FP8.replace("(128)", "(128, 3)"))], (3, 3, 2)),
+    "fp8registerslb4": ([(_DECODE_FP8, _DECODE_FP8.replace("3", "0")),
+                         (_LAUNCH_FP8, _LAUNCH_FP8.replace("(128)", "(128, 4)"))], (3, 0, 2)),
 }
 
 
