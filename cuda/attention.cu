@@ -52,15 +52,19 @@ constexpr int ROWS = 16;   // rows in a warp tile (mma M)
 constexpr int CHUNK = 16;  // keys a warp consumes per step (mma K of the P.V product)
 constexpr int PAD = 4;     // floats of padding per shared-memory row of O (fewer bank conflicts)
 constexpr int D64_PIPELINE_DEPTH = 2;  // register pipeline: chunks of K/V requested ahead at D = 64 (1 or 2)
-// (also for an FP8 cache at D = 128: its raw 8-byte pieces take half the registers of 16-bit ones, so two chunks
-// of K and V ahead fit where one chunk of keys did, and keep as many bytes in flight as the 16-bit kernel)
 // cp.async rings (see attention_impl): N slots, N - 1 of them in flight while the warps compute on one;
 // 0 = the register pipeline instead. Decode at D = 64 (a ring per warp; D = 128 decode always uses
 // registers) and row-split CTAs (one shared ring). launchers.py keeps copies of both: they size the
 // dynamic shared memory. Measured on the H200 (benchmarks/NOTES.md): decode 3 slots (2 starve it, 4 cost
 // occupancy); row split 2 (3 slots of D = 128 chunks leave one CTA fewer per SM).
 constexpr int DECODE_RING_STAGES = 3;
-constexpr int DECODE_RING_STAGES_FP8 = 3;  // an FP8 cache's pieces fill half a 16-byte slot (see cp_async_kv)
+// Over an FP8 cache the decode kernels are bound by latency, not by bytes (half as many for the same work):
+// at D = 64 the register pipeline beats the ring (0.137 against 0.143 ms, bench_decode_splits.py), and at
+// D = 128 a register cap for 3 CTAs per SM (FP8_D128_MIN_CTAS; 167 registers, no spill, with one chunk of
+// keys ahead) beats 2 CTAs with two chunks of K and V ahead (0.217 against 0.255 ms). A 16-bit D = 128 kernel
+// capped alike spills (0.43 ms).
+constexpr int DECODE_RING_STAGES_FP8 = 0;
+#define FP8_D128_MIN_CTAS 3
 constexpr int PREFILL_RING_STAGES = 2;
 
 
@@ -535,11 +539,11 @@ __device__ void attention_impl(const Params<T, C>& P) {
       consume_chunk<D, T, C>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
     }
   } else {
-    // Register pipeline: the next chunk's keys (and, where registers allow, its values) are requested
-    // before this chunk's arithmetic, so a warp always has loads in flight. DEPTH chunks ahead (D = 64, and
-    // an FP8 cache at D = 128): a D = 64 chunk, or an FP8 one, is half the bytes of a 16-bit D = 128 one, so
-    // one chunk ahead leaves too few bytes in flight per SM to cover the memory latency.
-    constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;
+    // Register pipeline: the next chunk's keys (and, for D = 64 where registers allow, its values) are
+    // requested before this chunk's arithmetic, so a warp always has loads in flight. DEPTH chunks ahead
+    // (D = 64 only): a D = 64 chunk is half the bytes of a D = 128 one, so one chunk ahead leaves too few
+    // bytes in flight per SM to cover the memory latency.
+    constexpr bool PREFETCH_V = D == 64;
     constexpr int DEPTH = PREFETCH_V ? D64_PIPELINE_DEPTH : 1;
     const int stride = ROW_SPLIT ? CHUNK : CHUNK * WARPS;
     const int first_key = start_key + (ROW_SPLIT ? 0 : warp * CHUNK);
@@ -623,7 +627,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
 // The _fp8 entry points read an FP8 cache (uint8 e4m3 bits) and take kv_scale [2] fp32 on the device =
 // (k_scale, v_scale), read at launch (so a CUDA graph replays whatever scales the buffer holds): the
 // scores use scale_log2 * k_scale, the output O * v_scale. The 16-bit entry points take no kv_scale.
-#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, T, SUFFIX)                                                       \
+#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, T, SUFFIX, FP8_MIN_CTAS)                                         \
   extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX(               \
       const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_o, float* partial_ml,           \
       const int* block_tables, const int* context_lens, const int* query_start_loc,                          \
@@ -635,7 +639,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
                       max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window, 1.f}; \
     attention_impl<D, ROW_SPLIT, T, T>(p);                                                                   \
   }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX##_fp8(         \
+  extern "C" __global__ void __launch_bounds__(128, FP8_MIN_CTAS) paged_attention_d##D##_##MODE##_##SUFFIX##_fp8(\
       const T* q, const fp8_e4m3_t* k_cache, const fp8_e4m3_t* v_cache, T* out, float* partial_o,            \
       float* partial_ml, const int* block_tables, const int* context_lens, const int* query_start_loc,       \
       const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                  \
@@ -647,11 +651,11 @@ __device__ void attention_impl(const Params<T, C>& P) {
                                   scale_log2 * kv_scale[0], block_shift, window, kv_scale[1]};               \
     attention_impl<D, ROW_SPLIT, T, fp8_e4m3_t>(p);                                                          \
   }
-#define DEFINE_ATTENTION_ALL(T, SUFFIX)            \
-  DEFINE_ATTENTION(64, keysplit, false, T, SUFFIX)  \
-  DEFINE_ATTENTION(64, rowsplit, true, T, SUFFIX)   \
-  DEFINE_ATTENTION(128, keysplit, false, T, SUFFIX) \
-  DEFINE_ATTENTION(128, rowsplit, true, T, SUFFIX)
+#define DEFINE_ATTENTION_ALL(T, SUFFIX)                                \
+  DEFINE_ATTENTION(64, keysplit, false, T, SUFFIX, 1)                   \
+  DEFINE_ATTENTION(64, rowsplit, true, T, SUFFIX, 1)                    \
+  DEFINE_ATTENTION(128, keysplit, false, T, SUFFIX, FP8_D128_MIN_CTAS)  \
+  DEFINE_ATTENTION(128, rowsplit, true, T, SUFFIX, 1)
 DEFINE_ATTENTION_ALL(__half, f16)
 DEFINE_ATTENTION_ALL(bf16_t, bf16)
 
