@@ -58,12 +58,12 @@ constexpr int D64_PIPELINE_DEPTH = 2;  // register pipeline: chunks of K/V reque
 // dynamic shared memory. Measured on the H200 (benchmarks/NOTES.md): decode 3 slots (2 starve it, 4 cost
 // occupancy); row split 2 (3 slots of D = 128 chunks leave one CTA fewer per SM).
 constexpr int DECODE_RING_STAGES = 3;
-// Over an FP8 cache the decode kernels are bound by latency, not by bytes (half as many for the same work):
-// at D = 64 the register pipeline beats the ring (0.137 against 0.143 ms, bench_decode_splits.py), and at
-// D = 128 a register cap for 3 CTAs per SM (FP8_D128_MIN_CTAS; 167 registers, no spill, with one chunk of
-// keys ahead) beats 2 CTAs with two chunks of K and V ahead (0.217 against 0.255 ms). A 16-bit D = 128 kernel
-// capped alike spills (0.43 ms).
-constexpr int DECODE_RING_STAGES_FP8 = 0;
+// Over an FP8 cache the decode kernels are bound by latency, not by bytes (half as many for the same work;
+// bench_decode_splits.py, H200): at D = 64 a deeper ring loses (4 slots 0.159, 5 slots 0.188 against 0.143 ms)
+// and registers are within noise of it (0.137-0.159); at D = 128 a register cap for 3 CTAs per SM
+// (FP8_D128_MIN_CTAS; 167 registers, no spill, one chunk of keys ahead) beats 2 CTAs (0.216-0.217 against
+// 0.271 ms, or 0.253-0.255 with two chunks of K and V ahead). A 16-bit D = 128 kernel capped alike spills (0.43 ms).
+constexpr int DECODE_RING_STAGES_FP8 = 3;
 #define FP8_D128_MIN_CTAS 3
 constexpr int PREFILL_RING_STAGES = 2;
 

@@ -41,7 +41,7 @@ fi
 [ "$WHAT" = tests ] && exit 0
 
 if [ "$WHAT" = kernels ] || [ "$WHAT" = all ]; then
-  FP8_VARIANTS=${FP8_VARIANTS:-"default fp8ring3 fp8uncapped fp8depth2"}
+  FP8_VARIANTS=${FP8_VARIANTS:-"default fp8registers fp8uncapped fp8depth2"}
   for dim in 64 128; do
     for cache in auto fp8; do
       variants=default; [ $cache = fp8 ] && variants=$FP8_VARIANTS

@@ -66,7 +66,7 @@ ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 WARPS = 4
 # Slots of attention.cu's cp.async rings (copies of its constants; 0: K/V through registers instead):
 DECODE_RING_STAGES = 3  # decode (key-split) CTAs at head dim 64, a ring per warp
-DECODE_RING_STAGES_FP8 = 0  # the same over an FP8 cache: registers (bound by latency there, not bytes)
+DECODE_RING_STAGES_FP8 = 3  # the same over an FP8 cache (its pieces fill half of each 16-byte slot)
 PREFILL_RING_STAGES = 2  # row-split CTAs, one ring shared by the 4 warps
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
 CHUNK_KEYS = KEYS_PER_ROUND // WARPS  # keys one warp consumes per step (attention.cu's CHUNK)
