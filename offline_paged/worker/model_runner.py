@@ -139,13 +139,14 @@ class ModelRunner:
         # CUDA events around the forward, never inside a capture (DecodeGraphs captures on its own
         # stream); started after the host-side input packing so that they time the device's work.
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
-        decode = self._graph_decode(output.scheduled, rows)
-        defer = defer_grammar_sampling and _has_grammar_rows(output.scheduled)
+        grammar = _has_grammar_rows(output.scheduled)
+        decode = self._graph_decode(output.scheduled, rows, grammar)
+        defer = defer_grammar_sampling and grammar
         if decode is None:
             return self._launch_eager(output, rows, moves, fill, timer, defer)
         if decode.sample_positions is None:
             return self._launch_graph(output, decode, moves, fill, timer, defer)
-        if _has_grammar_rows(output.scheduled):
+        if grammar:
             return self._launch_graph_masked(output, decode, moves, fill, timer, defer)
         return self._launch_graph_sampled(output, decode, moves, fill, timer)
 
@@ -215,9 +216,10 @@ class ModelRunner:
                             owners=None, prompt_logprobs=[None] * len(scheduled), forward_timer=timer,
                             used_cuda_graph=True)
 
-    def _graph_decode(self, scheduled, rows: np.ndarray) -> _GraphDecode | None:
+    def _graph_decode(self, scheduled, rows: np.ndarray, grammar: bool) -> _GraphDecode | None:
         """The replay of a decode-only step that fits a CUDA graph bucket; None when the eager forward runs
-        (no graphs, some sequence computes more than one token, or no bucket fits). rows [S]: block-table rows."""
+        (no graphs, some sequence computes more than one token, or no bucket fits). rows [S]: block-table rows;
+        grammar: some sampled row has a structured-output matcher (_has_grammar_rows)."""
         graphs = self.decode_graphs
         if graphs is None:
             return None
@@ -227,8 +229,7 @@ class ModelRunner:
         if not graphs.fits(len(scheduled), int(columns.positions.max()) + 1, int(self.table_rows.lens[rows].max())):
             return None
         sample_positions = self._graph_sample_positions(scheduled, rows, columns)
-        if (sample_positions is not None and _has_grammar_rows(scheduled)
-                and not graphs.masks_fit(_grammar_words(scheduled))):
+        if sample_positions is not None and grammar and not graphs.masks_fit(_grammar_words(scheduled)):
             sample_positions = None  # masks narrower than the logits: the eager sampler applies them
         return _GraphDecode(columns, rows, sample_positions)
 
@@ -367,7 +368,7 @@ class ModelRunner:
             return ReadySamples(self.sampler.sample(logits[rows], requests))
 
         prompt = [_prompt_logprobs(item, logits, offsets[i], self.backend.to_host) for i, item in enumerate(scheduled)]
-        early = late and _early(scheduled[grammar[0]].seq.matcher.mask_server if grammar else None)
+        early = late and _early(_mask_server(scheduled) if grammar else None)
         return LaunchedStep(output=output, samples=LateSamples(draw, early=early) if late else draw(),
                             sample_index=sample_index,
                             owners=owners, prompt_logprobs=prompt, forward_timer=timer, used_cuda_graph=used_graph)
