@@ -266,6 +266,7 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     if args.structured:
         timer.wrap(engine.stop_checker, "feed_matchers_ahead", "feed matchers ahead")
         timer.wrap(engine.executor, "launch_deferred_sampling", "mask dispatch")
+        timer.wrap(engine.output_processor, "_settle", "outcomes settled")
     requests = random_workload(args.num_requests, output_len=(args.output_len,) * 2, vocab_size=200)
     if args.structured:
         requests = structured_workload(requests, args.structured)
@@ -274,8 +275,9 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
                            params=request.params)
     if args.structured:  # compile before the timing, as the bench does
         engine.step()
-        if engine.mask_server is not None:
+        if engine.mask_server is not None:  # (made with the first grammar)
             engine.mask_server.wait_ready()
+            timer.wrap(engine.mask_server, "fill", "mask server fill")
     num_steps, start, drawn = 0, clock(), draw.seconds
     if profiler:
         profiler.enable()
