@@ -8,7 +8,7 @@ Times are medians of CUDA-graph replays (bench_kernels.graph_ms), so launch over
 
     PYTHONPATH=benchmarks python3 benchmarks/bench_decode_splits.py [--head-dim 64] [--max-context 1900]
         [--variants default depth2 decode2 prefill3 registers] [--splits plan 1 2 4] [--prefill]
-        [--order random|longest-first|shortest-first|launch-order] [--kv-cache-dtype fp8]
+        [--order random|longest-first|shortest-first|launch-order] [--kv-cache-dtype fp8] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def main() -> None:
                              "launch order, so longest-first is the classic remedy for a ragged last wave); "
                              "launch-order: random, launched longest first through the kernel's launch_order "
                              "(what the decode graphs do)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+                        help="the activations' (and a 16-bit cache's) element type")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="fp8: the caches hold e4m3 bytes (random normal values, scales 1.0); GB/s then "
                              "counts one byte per element")
@@ -60,12 +62,17 @@ def main() -> None:
         tables[i, :n] = perm[at:at + n]
         at += n
     fp8 = args.kv_cache_dtype == "fp8"
-    new_cache = random_e4m3 if fp8 else random_f16
+    dtype = np.dtype(np.float16) if args.dtype == "float16" else launchers.BFLOAT16
+
+    def random_16(n: int):
+        return random_f16(n).astype(dtype, copy=False)
+
+    new_cache = random_e4m3 if fp8 else random_16
     k_cache = new_cache(num_blocks * block * hkv * d).reshape(num_blocks, block, hkv, d)
     v_cache = new_cache(num_blocks * block * hkv * d).reshape(num_blocks, block, hkv, d)
     kv_scale = cupy.ones(2, dtype=cupy.float32) if fp8 else None  # [2]: (k_scale, v_scale)
     q_lens = lens if args.prefill else np.ones_like(lens)  # [S]
-    q = random_f16(int(q_lens.sum()) * h * d).reshape(-1, h, d)
+    q = random_16(int(q_lens.sum()) * h * d).reshape(-1, h, d)
     tables_d, lens_d = cupy.asarray(tables), cupy.asarray(lens.astype(np.int32))
     qsl = cupy.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))  # [S + 1]
     order = None
@@ -76,7 +83,7 @@ def main() -> None:
     flops = 4 * h * d * int((lens * (lens + 1) // 2).sum())  # QK^T and PV over the causal triangle
     copy = copy_bandwidth_gbs()
     print(f"batch {args.batch}, contexts {args.min_context}..{args.max_context} (mean {lens.mean():.0f}), "
-          f"{'prefill' if args.prefill else 'decode'}, head dim {d}, {h}/{hkv} heads, {args.kv_cache_dtype} cache; "
+          f"{'prefill' if args.prefill else 'decode'}, head dim {d}, {h}/{hkv} heads, {args.dtype}, {args.kv_cache_dtype} cache; "
           f"K/V {kv_bytes / 1e9:.2f} GB; "
           f"copy {copy:,.0f} GB/s")
     rate = "TFLOP/s" if args.prefill else "GB/s"
@@ -138,6 +145,14 @@ VARIANTS = {
     "fp8ring2": ([(_DECODE_FP8, _DECODE_FP8.replace("3", "2"))], (3, 2, 2)),
     "fp8registers": ([(_DECODE_FP8, _DECODE_FP8.replace("3", "0"))], (3, 0, 2)),
     "fp8uncapped": ([(_FP8_CAP, _FP8_CAP.replace("3", "1"))], (3, 3, 2)),
+    # e4m3 -> fp16 by the bit path (24 instructions per 8 elements) instead of cvt.rn.f16x2.e4m3x2 (4), and P.V
+    # in T rather than fp16 over an FP8 cache (a bf16 model then converts V to bf16 by the bit path too).
+    "fp8bitdequant": ([("#if __CUDA_ARCH__ >= 890", "#if 0")], (3, 3, 2)),
+    "fp8pv_t": ([("struct PvElement<T, fp8_e4m3_t> {\n  using type = __half;", "struct PvElement<T, fp8_e4m3_t> {\n  using type = T;")],
+                (3, 3, 2)),
+    "fp8before": ([("#if __CUDA_ARCH__ >= 890", "#if 0"),
+                   ("struct PvElement<T, fp8_e4m3_t> {\n  using type = __half;", "struct PvElement<T, fp8_e4m3_t> {\n  using type = T;"),
+                   ("#define FP8_D64_MIN_CTAS 4", "#define FP8_D64_MIN_CTAS 1")], (3, 3, 2)),
     "fp8depth2": ([(_FP8_CAP, _FP8_CAP.replace("3", "1")),
                    ("constexpr bool PREFETCH_V = D == 64;", "constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;")],
                   (3, 3, 2)),

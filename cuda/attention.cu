@@ -65,6 +65,7 @@ constexpr int DECODE_RING_STAGES = 3;
 // 0.271 ms, or 0.253-0.255 with two chunks of K and V ahead). A 16-bit D = 128 kernel capped alike spills (0.43 ms).
 constexpr int DECODE_RING_STAGES_FP8 = 3;
 #define FP8_D128_MIN_CTAS 3
+#define FP8_D64_MIN_CTAS 4  // the ring's 4 CTAs per SM (48 KiB of it each): at most 128 registers
 constexpr int PREFILL_RING_STAGES = 2;
 
 
@@ -146,6 +147,18 @@ __device__ __forceinline__ void cp_async_kv(uint4* smem, const C* gmem, bool ok)
     cp_async16(smem, gmem, ok);
   }
 }
+
+// The element type of the P.V product: T, or fp16 over an FP8 cache whatever T is. P lies in [0, 1] and every
+// e4m3 value is an fp16 exactly, so fp16 loses nothing there (its 10-bit mantissa holds P better than bf16's 7),
+// and on sm_89+ e4m3 -> fp16 is one instruction per pair (cuda/fp8.cuh) where e4m3 -> bf16 takes six.
+template <typename T, typename C>
+struct PvElement {
+  using type = T;
+};
+template <typename T>
+struct PvElement<T, fp8_e4m3_t> {
+  using type = __half;
+};
 
 // A loaded or staged piece (load_kv8, the ring) as 8 T, element i in half i: itself for a 16-bit cache.
 template <typename T, typename C>
@@ -378,19 +391,20 @@ __device__ __forceinline__ void consume_chunk(const Params<T, C>& P, const unsig
   st.l_lo = st.l_lo * alpha_lo + s[0][0] + s[0][1] + s[1][0] + s[1][1];  // per-lane partial; quad-summed later
   st.l_hi = st.l_hi * alpha_hi + s[0][2] + s[0][3] + s[1][2] + s[1][3];
   // S accumulators of the two n8 tiles are exactly the A fragment of P for a k16 step.
-  const unsigned pa0 = pack_float2<T>(s[0][0], s[0][1]), pa1 = pack_float2<T>(s[0][2], s[0][3]);
-  const unsigned pa2 = pack_float2<T>(s[1][0], s[1][1]), pa3 = pack_float2<T>(s[1][2], s[1][3]);
-  uint4 v[4][D / 64];  // the chunk's values as T (an FP8 cache's converted here, after the softmax)
+  using TV = typename PvElement<T, C>::type;
+  const unsigned pa0 = pack_float2<TV>(s[0][0], s[0][1]), pa1 = pack_float2<TV>(s[0][2], s[0][3]);
+  const unsigned pa2 = pack_float2<TV>(s[1][0], s[1][1]), pa3 = pack_float2<TV>(s[1][2], s[1][3]);
+  uint4 v[4][D / 64];  // the chunk's values as TV (an FP8 cache's converted here, after the softmax)
 #pragma unroll
   for (int e = 0; e < 4; ++e)
 #pragma unroll
-    for (int c = 0; c < D / 64; ++c) v[e][c] = as_elements<T, C>(vf[e][c]);
+    for (int c = 0; c < D / 64; ++c) v[e][c] = as_elements<TV, C>(vf[e][c]);
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     st.o[j][0] *= alpha_lo; st.o[j][1] *= alpha_lo; st.o[j][2] *= alpha_hi; st.o[j][3] *= alpha_hi;
     const unsigned b0 = pair_halves(v[0][j / 8], v[1][j / 8], j % 8);
     const unsigned b1 = pair_halves(v[2][j / 8], v[3][j / 8], j % 8);
-    mma16816<T>(st.o[j], pa0, pa1, pa2, pa3, b0, b1);
+    mma16816<TV>(st.o[j], pa0, pa1, pa2, pa3, b0, b1);
   }
 }
 
@@ -652,7 +666,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
     attention_impl<D, ROW_SPLIT, T, fp8_e4m3_t>(p);                                                          \
   }
 #define DEFINE_ATTENTION_ALL(T, SUFFIX)                                \
-  DEFINE_ATTENTION(64, keysplit, false, T, SUFFIX, 1)                   \
+  DEFINE_ATTENTION(64, keysplit, false, T, SUFFIX, FP8_D64_MIN_CTAS)   \
   DEFINE_ATTENTION(64, rowsplit, true, T, SUFFIX, 1)                    \
   DEFINE_ATTENTION(128, keysplit, false, T, SUFFIX, FP8_D128_MIN_CTAS)  \
   DEFINE_ATTENTION(128, rowsplit, true, T, SUFFIX, 1)

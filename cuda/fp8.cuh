@@ -81,11 +81,27 @@ __device__ __forceinline__ void e4m3x4_to_bf16x2x2(unsigned w, unsigned& lo, uns
   asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(b), "r"(two_pow_120), "r"(minus_zero));
 }
 
-// Eight e4m3 bytes (w.x: elements 0..3, w.y: 4..7) -> eight fp16 in a 16-byte vector, element i in half i.
+// Four e4m3 bytes of `w` (byte 0 first) -> two words of fp16 pairs by the hardware's conversion (sm_89+: one
+// cvt.rn.f16x2.e4m3x2 per pair, the lower byte to the lower half), exact. The two NaN bytes read as NaN here
+// (the bit path reads them as +-480); the pool never holds them, since writes saturate at +-448.
+__device__ __forceinline__ void e4m3x4_to_half2x2_cvt(unsigned w, unsigned& lo, unsigned& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+}
+
+// Eight e4m3 bytes (w.x: elements 0..3, w.y: 4..7) -> eight fp16 in a 16-byte vector, element i in half i:
+// 4 conversion instructions on sm_89+ against 24 on the bit path (the FP8 decode kernels are bound by their
+// instructions, not their bytes: benchmarks/NOTES.md).
 __device__ __forceinline__ uint4 e4m3x8_to_half8(uint2 w) {
   uint4 r;
+#if __CUDA_ARCH__ >= 890
+  e4m3x4_to_half2x2_cvt(w.x, r.x, r.y);
+  e4m3x4_to_half2x2_cvt(w.y, r.z, r.w);
+#else
   e4m3x4_to_half2x2(w.x, r.x, r.y);
   e4m3x4_to_half2x2(w.y, r.z, r.w);
+#endif
   return r;
 }
 
