@@ -116,7 +116,8 @@ def main() -> None:
 
 # Source variants of cuda/attention.cu, compared in one process (the first is the reference output): a
 # variant is its source patches plus the (decode, decode over FP8, prefill) ring depths it gives launchers,
-# which size the dynamic shared memory (the fp8 variants matter with --kv-cache-dtype fp8 only). The register variants keep the rings' launch size, unused (occupancy as before).
+# which size the dynamic shared memory (the fp8 variants matter with --kv-cache-dtype fp8 only). The register
+# variants keep the rings' launch size, unused (occupancy as before).
 # Measured 2026-11-30 on the H200 (batch 256, contexts 100..1900, plan), register pipeline: depth1
 # 0.198 ms (64.8% of copy), depth2 0.172 ms (74.7%, identical output), depth1 + lb4 0.177 ms (72.4%).
 # The cp.async rings came after; see benchmarks/NOTES.md for their figures.
@@ -126,6 +127,9 @@ _DECODE_FP8 = "constexpr int DECODE_RING_STAGES_FP8 = 3;"
 _DEPTH1 = ("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;")
 _FP8_CAP = "#define FP8_D128_MIN_CTAS 3"
 _LAUNCH_16 = "__launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX("
+_BIT_DEQUANT = ("#if __CUDA_ARCH__ >= 890", "#if 0")  # e4m3 -> fp16 by the bit path on every arch
+_PV_IN_T = ("struct PvElement<T, fp8_e4m3_t> {\n  using type = __half;",
+            "struct PvElement<T, fp8_e4m3_t> {\n  using type = T;")
 _STAGE_CONSTANTS = ("DECODE_RING_STAGES", "DECODE_RING_STAGES_FP8", "PREFILL_RING_STAGES")
 VARIANTS = {
     "default": ([], (3, 3, 2)),
@@ -147,12 +151,9 @@ VARIANTS = {
     "fp8uncapped": ([(_FP8_CAP, _FP8_CAP.replace("3", "1"))], (3, 3, 2)),
     # e4m3 -> fp16 by the bit path (24 instructions per 8 elements) instead of cvt.rn.f16x2.e4m3x2 (4), and P.V
     # in T rather than fp16 over an FP8 cache (a bf16 model then converts V to bf16 by the bit path too).
-    "fp8bitdequant": ([("#if __CUDA_ARCH__ >= 890", "#if 0")], (3, 3, 2)),
-    "fp8pv_t": ([("struct PvElement<T, fp8_e4m3_t> {\n  using type = __half;", "struct PvElement<T, fp8_e4m3_t> {\n  using type = T;")],
-                (3, 3, 2)),
-    "fp8before": ([("#if __CUDA_ARCH__ >= 890", "#if 0"),
-                   ("struct PvElement<T, fp8_e4m3_t> {\n  using type = __half;", "struct PvElement<T, fp8_e4m3_t> {\n  using type = T;"),
-                   ("#define FP8_D64_MIN_CTAS 4", "#define FP8_D64_MIN_CTAS 1")], (3, 3, 2)),
+    "fp8bitdequant": ([_BIT_DEQUANT], (3, 3, 2)),
+    "fp8pv_t": ([_PV_IN_T], (3, 3, 2)),
+    "fp8before": ([_BIT_DEQUANT, _PV_IN_T, ("#define FP8_D64_MIN_CTAS 4", "#define FP8_D64_MIN_CTAS 1")], (3, 3, 2)),
     "fp8depth2": ([(_FP8_CAP, _FP8_CAP.replace("3", "1")),
                    ("constexpr bool PREFETCH_V = D == 64;", "constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;")],
                   (3, 3, 2)),
