@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--min-context", type=int, default=100)
     parser.add_argument("--max-context", type=int, default=1900)
     parser.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
+    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", *launchers.ATTENTION_KERNELS],
+                        help="attention kernels to time (auto: the launcher's choice)")
     parser.add_argument("--splits", nargs="+", type=lambda v: None if v == "plan" else int(v),
                         default=[None, 1, 2, 4])
     parser.add_argument("--order", choices=("random", "longest-first", "shortest-first", "launch-order"),
@@ -87,7 +89,7 @@ def main() -> None:
           f"K/V {kv_bytes / 1e9:.2f} GB; "
           f"copy {copy:,.0f} GB/s")
     rate = "TFLOP/s" if args.prefill else "GB/s"
-    print(f"{'variant':>10}{'splits':>8}{'ms':>9}{rate:>9}{'of copy':>9}{'max|diff|':>11}")
+    print(f"{'variant':>14}{'kernel':>10}{'splits':>8}{'ms':>9}{rate:>9}{'of copy':>9}{'max|diff|':>11}")
     original = modules.read_source
     stages = {name: getattr(launchers, name) for name in _STAGE_CONSTANTS}
     reference = None
@@ -96,18 +98,18 @@ def main() -> None:
         for name, value in zip(_STAGE_CONSTANTS, VARIANTS[variant][1]):
             setattr(launchers, name, value)
         modules.clear_cache()
-        for splits in args.splits:
-            def run(splits=splits):
+        for kernel, splits in [(k, n) for k in args.kernels for n in args.splits]:
+            def run(splits=splits, kernel=None if kernel == "auto" else kernel):
                 return launchers.paged_attention(q, k_cache, v_cache, tables_d, lens_d, qsl, int(q_lens.max()),
                                                  args.max_context, d ** -0.5, num_splits=splits,
-                                                 launch_order=order, kv_scale=kv_scale)
+                                                 launch_order=order, kv_scale=kv_scale, kernel=kernel)
             out = run()
             reference = out if reference is None else reference
             diff = float(cupy.abs(out.astype(cupy.float32) - reference.astype(cupy.float32)).max())
             ms = graph_ms(run, repeats=20)
             gbs = kv_bytes / ms / 1e6
             figure = f"{flops / ms / 1e9:>9,.0f}{'':>9}" if args.prefill else f"{gbs:>9,.0f}{gbs / copy:>9.1%}"
-            print(f"{variant:>10}{'plan' if splits is None else splits:>8}{ms:>9.3f}{figure}{diff:>11.2e}")
+            print(f"{variant:>14}{kernel:>10}{'plan' if splits is None else splits:>8}{ms:>9.3f}{figure}{diff:>11.2e}")
     modules.read_source = original
     for name, value in stages.items():
         setattr(launchers, name, value)
@@ -126,7 +128,9 @@ _PREFILL = "constexpr int PREFILL_RING_STAGES = 2;"
 _DECODE_FP8 = "constexpr int DECODE_RING_STAGES_FP8 = 3;"
 _DEPTH1 = ("constexpr int D64_PIPELINE_DEPTH = 2;", "constexpr int D64_PIPELINE_DEPTH = 1;")
 _FP8_CAP = "#define FP8_D128_MIN_CTAS 3"
-_LAUNCH_16 = "__launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX("
+_LAUNCH_16 = "DEFINE_ATTENTION(128, keysplit, false, WideTile, T, SUFFIX, 1, FP8_D128_MIN_CTAS)"
+_DECODE_CAP = "#define DECODE_D128_MIN_CTAS 3"
+_DECODE_FP8_CAP = "#define DECODE_FP8_D128_MIN_CTAS 4"
 _BIT_DEQUANT = ("#if __CUDA_ARCH__ >= 890", "#if 0")  # e4m3 -> fp16 by the bit path on every arch
 _PV_IN_T = ("struct PvElement<T, fp8_e4m3_t> {\n  using type = __half;",
             "struct PvElement<T, fp8_e4m3_t> {\n  using type = T;")
@@ -141,7 +145,13 @@ VARIANTS = {
     "depth1": ([(_DECODE, _DECODE.replace("3", "0")), _DEPTH1], (3, 3, 2)),
     "registers": ([(_DECODE, _DECODE.replace("3", "0")), (_PREFILL, _PREFILL.replace("2", "0"))], (0, 3, 0)),
     # 16-bit D = 128 capped at 168 registers for 3 CTAs per SM: it spills 320 bytes (0.43 against 0.31 ms).
-    "lb3": ([(_LAUNCH_16, _LAUNCH_16.replace("(128)", "(128, 3)"))], (3, 3, 2)),
+    "lb3": ([(_LAUNCH_16, _LAUNCH_16.replace("SUFFIX, 1,", "SUFFIX, 3,"))], (3, 3, 2)),
+    # The "decode" kernels (8-row tiles) at D = 128 without their register caps: 182 registers (2 CTAs per SM)
+    # instead of 168 (3) for 16 bits, 144-148 (3) instead of 124-126 (4) over FP8; and FP8 capped for 3 CTAs.
+    "dec_uncapped": ([(_DECODE_CAP, _DECODE_CAP.replace("3", "1")),
+                      (_DECODE_FP8_CAP, _DECODE_FP8_CAP.replace("4", "1"))],
+                     (3, 3, 2)),
+    "dec_fp8cap3": ([(_DECODE_FP8_CAP, _DECODE_FP8_CAP.replace("4", "3"))], (3, 3, 2)),
     # FP8 cache (with --kv-cache-dtype fp8; 2026-12-03, 256 x 100..1900, launch order): the D = 64 ring of 2,
     # 4, 5 slots 0.147, 0.159, 0.188 ms against 3 slots' 0.143 (registers: 0.137 in one call, 0.159 against 0.147
     # in the next); D = 128 without the 3-CTA register cap (232 registers, 2 CTAs per SM), 0.271 ms, and so with

@@ -48,7 +48,6 @@
 namespace {
 
 constexpr int WARPS = 4;
-constexpr int ROWS = 16;   // rows in a warp tile (mma M)
 constexpr int CHUNK = 16;  // keys a warp consumes per step (mma K of the P.V product)
 constexpr int PAD = 4;     // floats of padding per shared-memory row of O (fewer bank conflicts)
 constexpr int D64_PIPELINE_DEPTH = 2;  // register pipeline: chunks of K/V requested ahead at D = 64 (1 or 2)
@@ -66,6 +65,10 @@ constexpr int DECODE_RING_STAGES = 3;
 constexpr int DECODE_RING_STAGES_FP8 = 3;
 #define FP8_D128_MIN_CTAS 3
 #define FP8_D64_MIN_CTAS 4  // the ring's 4 CTAs per SM (48 KiB of it each): at most 128 registers
+#define DECODE_D64_MIN_CTAS 4
+#define DECODE_D128_MIN_CTAS 3
+#define DECODE_FP8_D64_MIN_CTAS 4
+#define DECODE_FP8_D128_MIN_CTAS 4
 constexpr int PREFILL_RING_STAGES = 2;
 
 
@@ -297,22 +300,22 @@ __device__ __forceinline__ void read_stage(const uint4* stage, int g, int t, uin
 
 // Combine `num_parts` (max, sum, O) partial results per row held in shared memory and write them out:
 // normalised T when there is one split, else un-normalised fp32 partials for merge_partials.
-template <int D, typename T, typename C>
+template <int D, int ROWS_T, typename T, typename C>
 __device__ void finish_rows(const Params<T, C>& P, const float* so, const float* sm, const float* sl, int num_parts,
                             int tid, int num_threads, int row0, int num_rows, int q_start, int kvh, int split) {
   const int H = P.num_kv_heads * P.group;
-  for (int idx = tid; idx < ROWS * D; idx += num_threads) {
+  for (int idx = tid; idx < ROWS_T * D; idx += num_threads) {
     const int r = idx / D, d = idx % D;
     const int row = row0 + r;
     if (row >= num_rows) continue;
     float m = neg_inf();
-    for (int w = 0; w < num_parts; ++w) m = fmaxf(m, sm[w * ROWS + r]);
+    for (int w = 0; w < num_parts; ++w) m = fmaxf(m, sm[w * ROWS_T + r]);
     float o = 0.f, l = 0.f;
     if (m != neg_inf()) {
       for (int w = 0; w < num_parts; ++w) {
-        const float weight = exp2f(sm[w * ROWS + r] - m);
-        o += weight * so[(w * ROWS + r) * (D + PAD) + d];
-        l += weight * sl[w * ROWS + r];
+        const float weight = exp2f(sm[w * ROWS_T + r] - m);
+        o += weight * so[(w * ROWS_T + r) * (D + PAD) + d];
+        l += weight * sl[w * ROWS_T + r];
       }
     }
     if constexpr (kIsFp8<C>) o *= P.v_scale;  // O = sum p (stored V) x v_scale
@@ -332,84 +335,260 @@ __device__ void finish_rows(const Params<T, C>& P, const float* so, const float*
   }
 }
 
-// Online-softmax state of a warp's 16 rows: O (mma accumulators) and each row's running max and sum.
-template <int D>
-struct RowState {
-  float o[D / 8][4];
-  float m_lo, m_hi, l_lo, l_hi;  // rows g and g + 8: max (log2 units) and this lane's part of the sum
-};
-
-// One 16-key chunk k0 for a warp's 16 rows, its K/V already in fragments: S = Q K^T, scale and masks,
-// online softmax, O += P V.
-template <int D, typename T, typename C>
-__device__ __forceinline__ void consume_chunk(const Params<T, C>& P, const unsigned (&qa)[D / 16][4],
-                                              const uint4 (&kf)[2][D / 32], const uint4 (&vf)[4][D / 64], int k0,
-                                              int key_end, int pos_lo, int pos_hi, int window, int t,
-                                              RowState<D>& st) {
-  float s[2][4];
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-    for (int c = 0; c < D / 32; ++c) {
-      const uint4 k = as_elements<T, C>(kf[n][c]);
-      mma16816<T>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], k.x, k.y);
-      mma16816<T>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], k.z, k.w);
-    }
-  }
-  // Scale, causal mask (key position <= the row's query position), window mask and range mask.
-  float mx_lo = neg_inf(), mx_hi = neg_inf();
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int p = k0 + 8 * n + 2 * t + (e & 1);
-      const int pos = e < 2 ? pos_lo : pos_hi;
-      s[n][e] = (p < key_end && p <= pos && p > pos - window) ? s[n][e] * P.scale_log2 : neg_inf();
-    }
-    mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
-    mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
-  }
-  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-  const float new_lo = fmaxf(st.m_lo, mx_lo), new_hi = fmaxf(st.m_hi, mx_hi);
-  // A row that has seen only masked keys keeps max -inf; subtract 0 then so no (-inf) - (-inf) = NaN.
-  const float base_lo = new_lo == neg_inf() ? 0.f : new_lo;
-  const float base_hi = new_hi == neg_inf() ? 0.f : new_hi;
-  const float alpha_lo = exp2f(st.m_lo - base_lo), alpha_hi = exp2f(st.m_hi - base_hi);
-  st.m_lo = new_lo;
-  st.m_hi = new_hi;
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    s[n][0] = exp2f(s[n][0] - base_lo);
-    s[n][1] = exp2f(s[n][1] - base_lo);
-    s[n][2] = exp2f(s[n][2] - base_hi);
-    s[n][3] = exp2f(s[n][3] - base_hi);
-  }
-  st.l_lo = st.l_lo * alpha_lo + s[0][0] + s[0][1] + s[1][0] + s[1][1];  // per-lane partial; quad-summed later
-  st.l_hi = st.l_hi * alpha_hi + s[0][2] + s[0][3] + s[1][2] + s[1][3];
-  // S accumulators of the two n8 tiles are exactly the A fragment of P for a k16 step.
-  using TV = typename PvElement<T, C>::type;
-  const unsigned pa0 = pack_float2<TV>(s[0][0], s[0][1]), pa1 = pack_float2<TV>(s[0][2], s[0][3]);
-  const unsigned pa2 = pack_float2<TV>(s[1][0], s[1][1]), pa3 = pack_float2<TV>(s[1][2], s[1][3]);
-  uint4 v[4][D / 64];  // the chunk's values as TV (an FP8 cache's converted here, after the softmax)
-#pragma unroll
-  for (int e = 0; e < 4; ++e)
-#pragma unroll
-    for (int c = 0; c < D / 64; ++c) v[e][c] = as_elements<TV, C>(vf[e][c]);
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    st.o[j][0] *= alpha_lo; st.o[j][1] *= alpha_lo; st.o[j][2] *= alpha_hi; st.o[j][3] *= alpha_hi;
-    const unsigned b0 = pair_halves(v[0][j / 8], v[1][j / 8], j % 8);
-    const unsigned b1 = pair_halves(v[2][j / 8], v[3][j / 8], j % 8);
-    mma16816<TV>(st.o[j], pa0, pa1, pa2, pa3, b0, b1);
-  }
+// movmatrix: the transpose of an 8 x 8 matrix of 16-bit elements held as an mma fragment (lane (g, t) holds row
+// g, columns 2t and 2t + 1; after it, the same entries of the transpose).
+__device__ __forceinline__ unsigned transpose8x8(unsigned x) {
+  unsigned y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
-template <int D, bool ROW_SPLIT, typename T, typename C>
+// A warp's row tile: its Q fragments, its online softmax (O, each row's running max and sum) and what one 16-key
+// chunk of K/V, already in fragments (load_keys / load_values / read_stage), does to them. Two shapes:
+//   WideTile, 16 rows (keysplit, rowsplit): the rows are the M dimension of m16n8k16, S = Q K^T and O += P V.
+//   NarrowTile, 8 rows (decode): the rows are the N dimension, S^T = K Q^T and O^T += V^T P^T. A decode tile holds
+//     one token's G = 2..8 heads of a KV head; in M = 16 at least half of every product and of O's registers was
+//     padding, here half as many mma and half of O's registers do the same work.
+// Both take the K/V fragments in the same lane layout, so the loaders and rings serve both.
+template <int D>
+struct WideTile {
+  static constexpr int ROWS = 16;
+  unsigned qa[D / 16][4];  // Q as mma A fragments (head dim permuted within 32-wide slices, as K is)
+  float o[D / 8][4];       // O: n8 tile j, accumulator e is row g (+8 for e >= 2), d = 64 (j / 8) + 8 (2t + e % 2) + j % 8
+  float m_lo, m_hi, l_lo, l_hi;  // rows g and g + 8: max (log2 units) and this lane's part of the sum
+  int pos_lo, pos_hi;            // their query positions
+
+  // Head dim d is permuted within each 32-wide slice c so that lane (g, t) holds d = 32c + 8t .. 32c + 8t + 7
+  // of its rows (one 16-byte load): k-step 2c takes halves 0-3, k-step 2c+1 halves 4-7. K's B fragments use
+  // the same permutation, and a dot product does not care about the order of d.
+  template <typename T, typename C>
+  __device__ __forceinline__ void init(const Params<T, C>& P, int q_start, int kvh, int row0, int num_rows,
+                                       int first_pos, int g, int t) {
+    const int H = P.num_kv_heads * P.group;
+    const int row_lo = row0 + g, row_hi = row0 + g + 8;
+    pos_lo = first_pos + row_lo / P.group;
+    pos_hi = first_pos + row_hi / P.group;
+    const T* q_lo = P.q + ((size_t)(q_start + row_lo / P.group) * H + kvh * P.group + row_lo % P.group) * D;
+    const T* q_hi = P.q + ((size_t)(q_start + row_hi / P.group) * H + kvh * P.group + row_hi % P.group) * D;
+    const bool valid_lo = row_lo < num_rows, valid_hi = row_hi < num_rows;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      const uint4 lo = valid_lo ? load16(q_lo + 32 * c + 8 * t) : zero;
+      const uint4 hi = valid_hi ? load16(q_hi + 32 * c + 8 * t) : zero;
+      qa[2 * c][0] = lo.x; qa[2 * c][1] = hi.x; qa[2 * c][2] = lo.y; qa[2 * c][3] = hi.y;
+      qa[2 * c + 1][0] = lo.z; qa[2 * c + 1][1] = hi.z; qa[2 * c + 1][2] = lo.w; qa[2 * c + 1][3] = hi.w;
+    }
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    m_lo = m_hi = neg_inf();
+    l_lo = l_hi = 0.f;
+  }
+
+  // Chunk k0: S = Q K^T, scale and masks, online softmax, O += P V.
+  template <typename T, typename C>
+  __device__ __forceinline__ void consume(const Params<T, C>& P, const uint4 (&kf)[2][D / 32],
+                                          const uint4 (&vf)[4][D / 64], int k0, int key_end, int window, int g,
+                                          int t) {
+    float s[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) {
+        const uint4 k = as_elements<T, C>(kf[n][c]);
+        mma16816<T>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], k.x, k.y);
+        mma16816<T>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], k.z, k.w);
+      }
+    }
+    // Scale, causal mask (key position <= the row's query position), window mask and range mask.
+    float mx_lo = neg_inf(), mx_hi = neg_inf();
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int p = k0 + 8 * n + 2 * t + (e & 1);
+        const int pos = e < 2 ? pos_lo : pos_hi;
+        s[n][e] = (p < key_end && p <= pos && p > pos - window) ? s[n][e] * P.scale_log2 : neg_inf();
+      }
+      mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
+    }
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+    // A row that has seen only masked keys keeps max -inf; subtract 0 then so no (-inf) - (-inf) = NaN.
+    const float base_lo = new_lo == neg_inf() ? 0.f : new_lo;
+    const float base_hi = new_hi == neg_inf() ? 0.f : new_hi;
+    const float alpha_lo = exp2f(m_lo - base_lo), alpha_hi = exp2f(m_hi - base_hi);
+    m_lo = new_lo;
+    m_hi = new_hi;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      s[n][0] = exp2f(s[n][0] - base_lo);
+      s[n][1] = exp2f(s[n][1] - base_lo);
+      s[n][2] = exp2f(s[n][2] - base_hi);
+      s[n][3] = exp2f(s[n][3] - base_hi);
+    }
+    l_lo = l_lo * alpha_lo + s[0][0] + s[0][1] + s[1][0] + s[1][1];  // per-lane partial; quad-summed in stash
+    l_hi = l_hi * alpha_hi + s[0][2] + s[0][3] + s[1][2] + s[1][3];
+    // S accumulators of the two n8 tiles are exactly the A fragment of P for a k16 step.
+    using TV = typename PvElement<T, C>::type;
+    const unsigned pa0 = pack_float2<TV>(s[0][0], s[0][1]), pa1 = pack_float2<TV>(s[0][2], s[0][3]);
+    const unsigned pa2 = pack_float2<TV>(s[1][0], s[1][1]), pa3 = pack_float2<TV>(s[1][2], s[1][3]);
+    uint4 v[4][D / 64];  // the chunk's values as TV (an FP8 cache's converted here, after the softmax)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int c = 0; c < D / 64; ++c) v[e][c] = as_elements<TV, C>(vf[e][c]);
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      o[j][0] *= alpha_lo; o[j][1] *= alpha_lo; o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
+      const unsigned b0 = pair_halves(v[0][j / 8], v[1][j / 8], j % 8);
+      const unsigned b1 = pair_halves(v[2][j / 8], v[3][j / 8], j % 8);
+      mma16816<TV>(o[j], pa0, pa1, pa2, pa3, b0, b1);
+    }
+  }
+
+  // Each row's sum over its quad, then (max, sum, O) to this warp's part of shared memory, O in natural d order.
+  __device__ __forceinline__ void stash(float* my_o, float* my_m, float* my_l, int g, int t) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = g + 8 * (e >> 1);
+        const int d = 64 * (j / 8) + 8 * (2 * t + (e & 1)) + j % 8;
+        my_o[r * (D + PAD) + d] = o[j][e];
+      }
+    }
+    if (t == 0) {
+      my_m[g] = m_lo;
+      my_m[g + 8] = m_hi;
+      my_l[g] = l_lo;
+      my_l[g + 8] = l_hi;
+    }
+  }
+};
+
+template <int D>
+struct NarrowTile {
+  static constexpr int ROWS = 8;
+  unsigned qb[D / 16][2];  // Q^T as mma B fragments: lane (g, t) holds row g, d permuted as WideTile's
+  float o[D / 16][4];      // O^T: m16 tile j, accumulator e is d = 64 (j / 4) + 8g + 2 (j % 4) + e / 2, row 2t + e % 2
+  float m0, m1, l0, l1;    // rows 2t and 2t + 1: max (log2 units) and this lane's part of the sum
+  int pos0, pos1;          // their query positions
+
+  template <typename T, typename C>
+  __device__ __forceinline__ void init(const Params<T, C>& P, int q_start, int kvh, int row0, int num_rows,
+                                       int first_pos, int g, int t) {
+    const int H = P.num_kv_heads * P.group;
+    const int row = row0 + g;
+    pos0 = first_pos + (row0 + 2 * t) / P.group;
+    pos1 = first_pos + (row0 + 2 * t + 1) / P.group;
+    const T* q = P.q + ((size_t)(q_start + row / P.group) * H + kvh * P.group + row % P.group) * D;
+    const bool valid = row < num_rows;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+      const uint4 x = valid ? load16(q + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
+      qb[2 * c][0] = x.x; qb[2 * c][1] = x.y; qb[2 * c + 1][0] = x.z; qb[2 * c + 1][1] = x.w;
+    }
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    m0 = m1 = neg_inf();
+    l0 = l1 = 0.f;
+  }
+
+  // Chunk k0: S^T = K Q^T (the keys k0 + g and k0 + g + 8 of load_keys as the A fragment's rows), scale and masks,
+  // online softmax per column, P^T to a B fragment by transposing its two 8 x 8 halves, O^T += V^T P^T (V's
+  // pieces of load_values as A fragments: lane g's d = 64c + 8g + h, keys 2t, 2t + 1, 2t + 8, 2t + 9).
+  template <typename T, typename C>
+  __device__ __forceinline__ void consume(const Params<T, C>& P, const uint4 (&kf)[2][D / 32],
+                                          const uint4 (&vf)[4][D / 64], int k0, int key_end, int window, int g,
+                                          int t) {
+    float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of mma, summed after
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+      const uint4 lo = as_elements<T, C>(kf[0][c]), hi = as_elements<T, C>(kf[1][c]);
+      mma16816<T>(s, lo.x, hi.x, lo.y, hi.y, qb[2 * c][0], qb[2 * c][1]);
+      mma16816<T>(s_odd, lo.z, hi.z, lo.w, hi.w, qb[2 * c + 1][0], qb[2 * c + 1][1]);
+    }
+    // s[e]: key k0 + g + 8 (e / 2), row 2t + e % 2. Scale, causal, window and range masks.
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int p = k0 + g + 8 * (e >> 1);
+      const int pos = (e & 1) ? pos1 : pos0;
+      s[e] = (p < key_end && p <= pos && p > pos - window) ? (s[e] + s_odd[e]) * P.scale_log2 : neg_inf();
+    }
+    float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+    for (int lanes = 4; lanes < 32; lanes *= 2) {  // over g: the lanes holding the column's other keys
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, lanes));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, lanes));
+    }
+    const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
+    // A row that has seen only masked keys keeps max -inf; subtract 0 then so no (-inf) - (-inf) = NaN.
+    const float base0 = new0 == neg_inf() ? 0.f : new0;
+    const float base1 = new1 == neg_inf() ? 0.f : new1;
+    const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
+    m0 = new0;
+    m1 = new1;
+    s[0] = exp2f(s[0] - base0);
+    s[1] = exp2f(s[1] - base1);
+    s[2] = exp2f(s[2] - base0);
+    s[3] = exp2f(s[3] - base1);
+    l0 = l0 * alpha0 + s[0] + s[2];  // per-lane partial; summed over g in stash
+    l1 = l1 * alpha1 + s[1] + s[3];
+    using TV = typename PvElement<T, C>::type;
+    const unsigned b0 = transpose8x8(pack_float2<TV>(s[0], s[1]));  // keys 2t, 2t + 1 of row g
+    const unsigned b1 = transpose8x8(pack_float2<TV>(s[2], s[3]));  // keys 2t + 8, 2t + 9
+    uint4 v[4][D / 64];  // the chunk's values as TV (an FP8 cache's converted here, after the softmax)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int c = 0; c < D / 64; ++c) v[e][c] = as_elements<TV, C>(vf[e][c]);
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+      const int c = j / 4, h = 2 * (j % 4);
+      o[j][0] *= alpha0; o[j][1] *= alpha1; o[j][2] *= alpha0; o[j][3] *= alpha1;
+      mma16816<TV>(o[j], pair_halves(v[0][c], v[1][c], h), pair_halves(v[0][c], v[1][c], h + 1),
+                   pair_halves(v[2][c], v[3][c], h), pair_halves(v[2][c], v[3][c], h + 1), b0, b1);
+    }
+  }
+
+  // Each row's sum over g, then (max, sum, O) to this warp's part of shared memory, O in natural d order.
+  __device__ __forceinline__ void stash(float* my_o, float* my_m, float* my_l, int g, int t) {
+#pragma unroll
+    for (int lanes = 4; lanes < 32; lanes *= 2) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, lanes);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, lanes);
+    }
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 2 * t + (e & 1);
+        const int d = 64 * (j / 4) + 8 * g + 2 * (j % 4) + (e >> 1);
+        my_o[r * (D + PAD) + d] = o[j][e];
+      }
+    }
+    if (g == 0) {
+      my_m[2 * t] = m0;
+      my_m[2 * t + 1] = m1;
+      my_l[2 * t] = l0;
+      my_l[2 * t + 1] = l1;
+    }
+  }
+};
+
+template <int D, bool ROW_SPLIT, typename T, typename C, typename Tile>
 __device__ void attention_impl(const Params<T, C>& P) {
+  constexpr int ROWS_T = Tile::ROWS;
   static_assert(D == 64 || D == 128, "head dim must be 64 or 128");
   // Where K/V go on their way to the mma fragments: a cp.async ring in dynamic shared memory (sized by
   // the launcher's ring_bytes), or registers. Decode (KEY_SPLIT) at D = 64: a ring per warp. ROW_SPLIT:
@@ -425,12 +604,12 @@ __device__ void attention_impl(const Params<T, C>& P) {
   // [STAGES][WARPS][CHUNK_PIECES] (SHARED: slot s holds 4 consecutive chunks) or [WARPS][STAGES][...]
   extern __shared__ uint4 ring[];
   // After the key loop the ring is free: the async paths put the warps' O there instead.
-  __shared__ float s_o_static[ASYNC ? 1 : WARPS * ROWS * (D + PAD)];
+  __shared__ float s_o_static[ASYNC ? 1 : WARPS * ROWS_T * (D + PAD)];
   float* s_o = ASYNC ? reinterpret_cast<float*>(ring) : s_o_static;
-  static_assert(!ASYNC || (STAGES >= 2 && WARPS * STAGES * CHUNK_PIECES * 16 >= WARPS * ROWS * (D + PAD) * 4),
+  static_assert(!ASYNC || (STAGES >= 2 && WARPS * STAGES * CHUNK_PIECES * 16 >= WARPS * ROWS_T * (D + PAD) * 4),
                 "the cp.async ring needs 2+ stages and must hold the warps' O");
-  __shared__ float s_m[WARPS * ROWS];
-  __shared__ float s_l[WARPS * ROWS];
+  __shared__ float s_m[WARPS * ROWS_T];
+  __shared__ float s_l[WARPS * ROWS_T];
 
   const int seq = P.launch_order ? P.launch_order[blockIdx.z] : blockIdx.z;
   const int kvh = blockIdx.y / P.num_splits;
@@ -443,19 +622,16 @@ __device__ void attention_impl(const Params<T, C>& P) {
   const int context_len = P.context_lens[seq];
   const int num_rows = q_len * P.group;
   const int tile = ROW_SPLIT ? blockIdx.x * WARPS + warp : blockIdx.x;
-  const int row0 = tile * ROWS;
-  const int cta_row0 = ROW_SPLIT ? blockIdx.x * WARPS * ROWS : row0;
+  const int row0 = tile * ROWS_T;
+  const int cta_row0 = ROW_SPLIT ? blockIdx.x * WARPS * ROWS_T : row0;
   if (cta_row0 >= num_rows) return;  // uniform per CTA
   // A ROW_SPLIT warp past the last row has no rows: with a shared ring it still stages its chunks and
   // meets the barriers; without one it leaves (those warps share no barrier).
   const bool active = row0 < num_rows;
   if (!SHARED && !active) return;
 
-  const int H = P.num_kv_heads * P.group;
   const int first_pos = context_len - q_len;  // position of the sequence's first query token
-  const int row_lo = row0 + g, row_hi = row0 + g + 8;
-  const int pos_lo = first_pos + row_lo / P.group, pos_hi = first_pos + row_hi / P.group;
-  const int last_row = min(row0 + ROWS, num_rows) - 1;
+  const int last_row = min(row0 + ROWS_T, num_rows) - 1;
   // The window starts at key_lo for this tile's first (earliest) row; later rows mask more keys below.
   const int window = P.window > 0 ? P.window : (1 << 30);
   const int key_lo = P.window > 0 ? max(0, first_pos + row0 / P.group - window + 1) : 0;
@@ -463,36 +639,15 @@ __device__ void attention_impl(const Params<T, C>& P) {
   // first tile's window start to the last tile's last row), else they are the tile's own. Splits count
   // from the range's window start, rounded down to a multiple of 64 (launchers.key_span bounds the span).
   const int range_row0 = SHARED ? cta_row0 : row0;
-  const int range_last = SHARED ? min(cta_row0 + WARPS * ROWS, num_rows) - 1 : last_row;
+  const int range_last = SHARED ? min(cta_row0 + WARPS * ROWS_T, num_rows) - 1 : last_row;
   const int range_lo = P.window > 0 ? max(0, first_pos + range_row0 / P.group - window + 1) : 0;
   const int key_begin = (range_lo & ~63) + split * P.partition_size;
   const int range_end = min(min(key_begin + P.partition_size, context_len), first_pos + range_last / P.group + 1);
   const int key_end = min(range_end, first_pos + last_row / P.group + 1);  // past this tile's last row
   const int* table = P.block_tables + (size_t)seq * P.max_blocks_per_seq;
 
-  // Q as mma A fragments. Head dim d is permuted within each 32-wide slice c so that lane (g, t) holds
-  // d = 32c + 8t .. 32c + 8t + 7 (one 16-byte load): k-step 2c takes halves 0-3, k-step 2c+1 halves 4-7.
-  // K's B fragments use the same permutation, and a dot product does not care about the order of d.
-  unsigned qa[D / 16][4];
-  {
-    const T* q_lo = P.q + ((size_t)(q_start + row_lo / P.group) * H + kvh * P.group + row_lo % P.group) * D;
-    const T* q_hi = P.q + ((size_t)(q_start + row_hi / P.group) * H + kvh * P.group + row_hi % P.group) * D;
-    const bool valid_lo = row_lo < num_rows, valid_hi = row_hi < num_rows;
-#pragma unroll
-    for (int c = 0; c < D / 32; ++c) {
-      const uint4 zero = make_uint4(0, 0, 0, 0);
-      const uint4 lo = valid_lo ? load16(q_lo + 32 * c + 8 * t) : zero;
-      const uint4 hi = valid_hi ? load16(q_hi + 32 * c + 8 * t) : zero;
-      qa[2 * c][0] = lo.x; qa[2 * c][1] = hi.x; qa[2 * c][2] = lo.y; qa[2 * c][3] = hi.y;
-      qa[2 * c + 1][0] = lo.z; qa[2 * c + 1][1] = hi.z; qa[2 * c + 1][2] = lo.w; qa[2 * c + 1][3] = hi.w;
-    }
-  }
-
-  RowState<D> st;
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) st.o[j][0] = st.o[j][1] = st.o[j][2] = st.o[j][3] = 0.f;
-  st.m_lo = st.m_hi = neg_inf();
-  st.l_lo = st.l_hi = 0.f;
+  Tile st;
+  st.init(P, q_start, kvh, row0, num_rows, first_pos, g, t);
   uint4 kf[2][D / 32], vf[4][D / 64];
   const int start_key = max(key_begin, range_lo & ~(CHUNK - 1));  // the chunk holding the window start
 
@@ -522,7 +677,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
           if (k0 >= key_end) break;
           if (k0 < my_first) continue;
           read_stage<D>(ring + (slot * WARPS + c) * CHUNK_PIECES, g, t, kf, vf);
-          consume_chunk<D, T, C>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
+          st.consume(P, kf, vf, k0, key_end, window, g, t);
         }
       }
       slot = slot == STAGES - 1 ? 0 : slot + 1;
@@ -550,7 +705,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
                      my_ring + refill * CHUNK_PIECES);
       cp_async_commit();  // also when empty (past key_end): the group count stays one per chunk
       slot = slot == STAGES - 1 ? 0 : slot + 1;
-      consume_chunk<D, T, C>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
+      st.consume(P, kf, vf, k0, key_end, window, g, t);
     }
   } else {
     // Register pipeline: the next chunk's keys (and, for D = 64 where registers allow, its values) are
@@ -577,7 +732,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
       if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_lo, key_end, g, t, vf);
       load_keys<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, kn);
       if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, vn);
-      consume_chunk<D, T, C>(P, qa, kf, vf, k0, key_end, pos_lo, pos_hi, window, t, st);
+      st.consume(P, kf, vf, k0, key_end, window, g, t);
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -597,41 +752,20 @@ __device__ void attention_impl(const Params<T, C>& P) {
       base = next_base;
     }
   }
-  st.l_lo += __shfl_xor_sync(0xffffffffu, st.l_lo, 1);
-  st.l_lo += __shfl_xor_sync(0xffffffffu, st.l_lo, 2);
-  st.l_hi += __shfl_xor_sync(0xffffffffu, st.l_hi, 1);
-  st.l_hi += __shfl_xor_sync(0xffffffffu, st.l_hi, 2);
-
   if constexpr (ASYNC) {  // the ring becomes s_o: no copy may still land, no warp may still read it
     cp_async_wait<0>();
     __syncthreads();
   }
   if (!active) return;  // (after the CTA's last barrier)
-  // Stash this warp's (max, sum, O) in shared memory in natural d order: accumulator e of n8 tile j is
-  // row g (+8 for e >= 2), d = 64 (j / 8) + 8 (2t + e % 2) + j % 8.
-  float* my_o = s_o + warp * ROWS * (D + PAD);
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = g + 8 * (e >> 1);
-      const int d = 64 * (j / 8) + 8 * (2 * t + (e & 1)) + j % 8;
-      my_o[r * (D + PAD) + d] = st.o[j][e];
-    }
-  }
-  if (t == 0) {
-    s_m[warp * ROWS + g] = st.m_lo;
-    s_m[warp * ROWS + g + 8] = st.m_hi;
-    s_l[warp * ROWS + g] = st.l_lo;
-    s_l[warp * ROWS + g + 8] = st.l_hi;
-  }
+  float* my_o = s_o + warp * ROWS_T * (D + PAD);
+  st.stash(my_o, s_m + warp * ROWS_T, s_l + warp * ROWS_T, g, t);
   if (ROW_SPLIT) {
     __syncwarp();
-    finish_rows<D, T, C>(P, my_o, s_m + warp * ROWS, s_l + warp * ROWS, 1, lane, 32, row0, num_rows, q_start, kvh,
+    finish_rows<D, ROWS_T, T, C>(P, my_o, s_m + warp * ROWS_T, s_l + warp * ROWS_T, 1, lane, 32, row0, num_rows, q_start, kvh,
                    split);
   } else {
     __syncthreads();
-    finish_rows<D, T, C>(P, s_o, s_m, s_l, WARPS, threadIdx.x, blockDim.x, row0, num_rows, q_start, kvh, split);
+    finish_rows<D, ROWS_T, T, C>(P, s_o, s_m, s_l, WARPS, threadIdx.x, blockDim.x, row0, num_rows, q_start, kvh, split);
   }
 }
 
@@ -641,8 +775,8 @@ __device__ void attention_impl(const Params<T, C>& P) {
 // The _fp8 entry points read an FP8 cache (uint8 e4m3 bits) and take kv_scale [2] fp32 on the device =
 // (k_scale, v_scale), read at launch (so a CUDA graph replays whatever scales the buffer holds): the
 // scores use scale_log2 * k_scale, the output O * v_scale. The 16-bit entry points take no kv_scale.
-#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, T, SUFFIX, FP8_MIN_CTAS)                                         \
-  extern "C" __global__ void __launch_bounds__(128) paged_attention_d##D##_##MODE##_##SUFFIX(               \
+#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, TILE, T, SUFFIX, MIN_CTAS, FP8_MIN_CTAS)                                      \
+  extern "C" __global__ void __launch_bounds__(128, MIN_CTAS) paged_attention_d##D##_##MODE##_##SUFFIX(          \
       const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_o, float* partial_ml,           \
       const int* block_tables, const int* context_lens, const int* query_start_loc,                          \
       const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                  \
@@ -651,7 +785,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
     const Params<T> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,           \
                       query_start_loc, launch_order, num_tokens, num_kv_heads, group, block_size,            \
                       max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window, 1.f}; \
-    attention_impl<D, ROW_SPLIT, T, T>(p);                                                                   \
+    attention_impl<D, ROW_SPLIT, T, T, TILE<D>>(p);                                                             \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(128, FP8_MIN_CTAS) paged_attention_d##D##_##MODE##_##SUFFIX##_fp8(\
       const T* q, const fp8_e4m3_t* k_cache, const fp8_e4m3_t* v_cache, T* out, float* partial_o,            \
@@ -663,13 +797,15 @@ __device__ void attention_impl(const Params<T, C>& P) {
                                   context_lens, query_start_loc, launch_order, num_tokens, num_kv_heads,     \
                                   group, block_size, max_blocks_per_seq, partition_size, num_splits,         \
                                   scale_log2 * kv_scale[0], block_shift, window, kv_scale[1]};               \
-    attention_impl<D, ROW_SPLIT, T, fp8_e4m3_t>(p);                                                          \
+    attention_impl<D, ROW_SPLIT, T, fp8_e4m3_t, TILE<D>>(p);                                                    \
   }
-#define DEFINE_ATTENTION_ALL(T, SUFFIX)                                \
-  DEFINE_ATTENTION(64, keysplit, false, T, SUFFIX, FP8_D64_MIN_CTAS)   \
-  DEFINE_ATTENTION(64, rowsplit, true, T, SUFFIX, 1)                    \
-  DEFINE_ATTENTION(128, keysplit, false, T, SUFFIX, FP8_D128_MIN_CTAS)  \
-  DEFINE_ATTENTION(128, rowsplit, true, T, SUFFIX, 1)
+#define DEFINE_ATTENTION_ALL(T, SUFFIX)                                                                  \
+  DEFINE_ATTENTION(64, keysplit, false, WideTile, T, SUFFIX, 1, FP8_D64_MIN_CTAS)                          \
+  DEFINE_ATTENTION(64, rowsplit, true, WideTile, T, SUFFIX, 1, 1)                                          \
+  DEFINE_ATTENTION(128, keysplit, false, WideTile, T, SUFFIX, 1, FP8_D128_MIN_CTAS)                        \
+  DEFINE_ATTENTION(128, rowsplit, true, WideTile, T, SUFFIX, 1, 1)                                         \
+  DEFINE_ATTENTION(64, decode, false, NarrowTile, T, SUFFIX, DECODE_D64_MIN_CTAS, DECODE_FP8_D64_MIN_CTAS) \
+  DEFINE_ATTENTION(128, decode, false, NarrowTile, T, SUFFIX, DECODE_D128_MIN_CTAS, DECODE_FP8_D128_MIN_CTAS)
 DEFINE_ATTENTION_ALL(__half, f16)
 DEFINE_ATTENTION_ALL(bf16_t, bf16)
 

@@ -120,20 +120,24 @@ DECODE_CASES = [  # (block size, context lengths)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("block_size,contexts", DECODE_CASES)
-def test_decode_attention_matches_reference(head_dim, group, block_size, contexts, dtype):
+@pytest.mark.parametrize("kernel", [None, "keysplit"])
+def test_decode_attention_matches_reference(kernel, head_dim, group, block_size, contexts, dtype):
+    """The launcher's choice (the 8-row "decode" tiles for every group here) and the 16-row key-split tiles."""
     rng = np.random.default_rng(hash((head_dim, group, block_size)) % 2**32)
     case = make_paged_case(rng, [(1, c) for c in contexts], block_size, 2, head_dim, group, dtype=dtype)
-    out, ref = run_attention(case)
+    out, ref = run_attention(case, kernel=kernel)
     assert_close(out, ref, TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_forced_key_splits_merge_exactly(num_splits, head_dim, dtype):
+@pytest.mark.parametrize("kernel", [None, "decode"])
+def test_forced_key_splits_merge_exactly(kernel, num_splits, head_dim, dtype):
+    """12 rows in the longest query: the launcher's key-split tiles of 16, and decode tiles of 8 (two per query)."""
     rng = np.random.default_rng(num_splits)
     case = make_paged_case(rng, [(1, 700), (1, 5), (3, 300), (1, 64)], 16, 2, head_dim, 4, dtype=dtype)
-    out, ref = run_attention(case, num_splits=num_splits)
+    out, ref = run_attention(case, num_splits=num_splits, kernel=kernel)
     assert_close(out, ref, TOL[dtype])
 
 
@@ -141,10 +145,11 @@ def test_forced_key_splits_merge_exactly(num_splits, head_dim, dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("kernel", [None, "rowsplit"])
+@pytest.mark.parametrize("kernel", [None, "rowsplit", "decode"])
 def test_prefill_and_chunked_prefill_in_mixed_batches(kernel, head_dim, group, block_size, dtype):
     """Full prefills, chunks on top of a cached prefix, and decodes in one batch (the launcher's choice,
-    and attention.cu's row-split kernel, which the launcher now picks only for 64..127 rows)."""
+    attention.cu's row-split kernel, which the launcher now picks only for 64..127 rows, and its decode
+    kernel, which must hold for queries of any length in tiles of 8 rows)."""
     rng = np.random.default_rng(block_size * 100 + group)
     seqs = [(37, 37), (1, 90), (16, 16), (20, 133), (1, 1), (70, 70), (5, block_size * 4 + 1)]
     case = make_paged_case(rng, seqs, block_size, 2, head_dim, group, dtype=dtype)
@@ -202,13 +207,15 @@ WINDOW_DECODE_CASES = [  # (block size, window, context lengths)
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 4), (64, 1)])
 @pytest.mark.parametrize("block_size,window,contexts", WINDOW_DECODE_CASES)
-def test_sliding_window_decode_matches_reference(block_size, window, contexts, head_dim, group, num_splits, dtype):
+@pytest.mark.parametrize("kernel", [None, "keysplit"])
+def test_sliding_window_decode_matches_reference(kernel, block_size, window, contexts, head_dim, group, num_splits,
+                                                  dtype):
     rng = np.random.default_rng(hash((block_size, window, head_dim, group)) % 2**32)
     case = make_paged_case(rng, [(1, c) for c in contexts], block_size, 2, head_dim, group, spare_blocks=1,
                            dtype=dtype)
     replaced = free_blocks_before_windows(case, window, spare_block(case))
     assert replaced > 0 or max(contexts) <= window
-    out, ref = run_attention(case, num_splits=num_splits, window=window)
+    out, ref = run_attention(case, num_splits=num_splits, window=window, kernel=kernel)
     assert_close(out, ref, TOL[dtype])
 
 
@@ -216,7 +223,7 @@ def test_sliding_window_decode_matches_reference(block_size, window, contexts, h
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("block_size,window", [(16, 20), (8, 50), (32, 33), (16, 128)])
-@pytest.mark.parametrize("kernel", [None, "rowsplit"])
+@pytest.mark.parametrize("kernel", [None, "rowsplit", "decode"])
 def test_sliding_window_prefill_and_chunks_in_mixed_batches(kernel, head_dim, group, block_size, window, dtype):
     """Prefills longer than the window (ROW_SPLIT tiles whose rows have different window starts),
     chunks on top of a prefix longer than the window, decodes and short prefills, with and without

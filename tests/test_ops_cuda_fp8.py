@@ -139,7 +139,7 @@ MIXED = [(1, 77), (130, 500), (1, 1000), (7, 7), (300, 300), (45, 46), (1, 1)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", ["keysplit", "rowsplit", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode", "keysplit", "rowsplit", "prefill"])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 4), (64, 1), (128, 8)])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_every_attention_kernel_matches_the_reference_on_an_fp8_pool(block_size, head_dim, group, kernel, dtype):
@@ -151,7 +151,7 @@ def test_every_attention_kernel_matches_the_reference_on_an_fp8_pool(block_size,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", [None, "keysplit", "rowsplit", "prefill"])
+@pytest.mark.parametrize("kernel", [None, "decode", "keysplit", "rowsplit", "prefill"])
 @pytest.mark.parametrize("window", [20, 64, 200])
 def test_sliding_window_on_an_fp8_pool(window, kernel, dtype):
     """Blocks wholly before each sequence's first window point at a block of 448s (freed blocks)."""

@@ -102,7 +102,10 @@ def test_prefill_kernel_writes_every_row_without_zero_fill_and_ignores_launch_or
 
 
 def test_kernel_choice_and_refusal():
-    assert launchers.choose_attention_kernel(1, 8) == "keysplit"
+    assert launchers.choose_attention_kernel(1, 8) == "decode"
+    assert launchers.choose_attention_kernel(2, 4) == "decode"
+    assert launchers.choose_attention_kernel(3, 4) == "keysplit"
+    assert launchers.choose_attention_kernel(1, 16) == "keysplit"
     assert launchers.choose_attention_kernel(16, 4) == "rowsplit"
     assert launchers.choose_attention_kernel(32, 4) == "prefill"
     assert launchers.choose_attention_kernel(8192, 1) == "prefill"

@@ -61,8 +61,14 @@ KERNELS = (
     ("prefill_attention.cu", "prefill_attention_d64_bf16_fp8"), ("prefill_attention.cu", "prefill_attention_d128_bf16_fp8"),
     ("layer.cu", "rope_write_kv_fp8_same_cache_bf16"), ("layer.cu", "rope_write_kv_fp8_f32_cache_bf16"),
     ("cache.cu", "write_kv_fp8_f16"), ("cache.cu", "write_kv_fp8_bf16"),
+    # Decode tiles of at most 8 rows (rows as the mma's N dimension), 16-bit and FP8 caches:
+    ("attention.cu", "paged_attention_d64_decode_f16"), ("attention.cu", "paged_attention_d128_decode_f16"),
+    ("attention.cu", "paged_attention_d64_decode_bf16"), ("attention.cu", "paged_attention_d128_decode_bf16"),
+    ("attention.cu", "paged_attention_d64_decode_f16_fp8"), ("attention.cu", "paged_attention_d128_decode_f16_fp8"),
+    ("attention.cu", "paged_attention_d64_decode_bf16_fp8"), ("attention.cu", "paged_attention_d128_decode_bf16_fp8"),
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
+DECODE_TILE_ROWS = 8  # the same for the "decode" kernels (attention.cu's NarrowTile)
 WARPS = 4
 # Slots of attention.cu's cp.async rings (copies of its constants; 0: K/V through registers instead):
 DECODE_RING_STAGES = 3  # decode (key-split) CTAs at head dim 64, a ring per warp
@@ -77,7 +83,7 @@ PREFILL_STAGES = 3  # cp.async stages of K/V tiles (two in flight): they size it
 PREFILL_THREADS = 256
 MAX_GRID_Y_TILES = 65535  # its row tiles run along gridDim.y
 # Which kernel paged_attention launches (None: it decides per call, see choose_attention_kernel):
-ATTENTION_KERNELS = ("keysplit", "rowsplit", "prefill")
+ATTENTION_KERNELS = ("decode", "keysplit", "rowsplit", "prefill")
 MIN_PARTITION = 256  # shortest key range worth a split of its own
 MAX_PARTIAL_BYTES = 256 << 20  # cap on the fp32 split workspace
 VECTOR_WIDTH = 8  # 16-bit elements per 16-byte access in layer.cu's vector paths
@@ -179,11 +185,14 @@ def key_span(max_context_len: int, window: int, rows_per_range: int = ROWS_PER_T
 def choose_attention_kernel(max_query_len: int, group: int) -> str:
     """The kernel paged_attention runs when the caller names none: "prefill" (prefill_attention.cu) once
     the longest query fills a 128-row tile, else attention.cu's "rowsplit" (4 warp tiles of 16 rows per CTA)
-    from 64 rows and "keysplit" below (decode: the warps share one row tile and split its keys)."""
+    from 64 rows, "keysplit" below (the warps share one row tile of 16 and split its keys) and "decode" up to
+    8 rows (the same with tiles of 8 rows as the mma's N dimension: one decode token's heads of a KV head)."""
     rows = max_query_len * group
     if rows >= PREFILL_TILE_ROWS:
         return "prefill"
-    return "rowsplit" if rows >= ROWS_PER_TILE * WARPS else "keysplit"
+    if rows >= ROWS_PER_TILE * WARPS:
+        return "rowsplit"
+    return "keysplit" if rows > DECODE_TILE_ROWS else "decode"
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -239,7 +248,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         return cupy.zeros(q.shape, dtype=q.dtype)
     group = num_heads // num_kv_heads
     kernel = kernel or choose_attention_kernel(max_query_len, group)
-    launch = _attention_launch(kernel, head_dim, max_query_len * group, f"{suffix}_fp8" if fp8 else suffix)
+    launch = _attention_launch(kernel, head_dim, max_query_len * group, suffix, fp8)
     row_bytes = num_tokens * num_heads * head_dim * 4
     span = key_span(max_context_len, int(window), launch.rows_per_range)
     if num_splits is None:
@@ -286,20 +295,22 @@ class AttentionLaunch:
     rows_per_range: int
 
 
-def _attention_launch(kernel: str, head_dim: int, max_rows: int, suffix: str) -> AttentionLaunch:
-    """The launch of `kernel` ("prefill", "rowsplit" or "keysplit") for sequences of at most max_rows
-    (query token, head) rows."""
+def _attention_launch(kernel: str, head_dim: int, max_rows: int, suffix: str, fp8: bool) -> AttentionLaunch:
+    """The launch of `kernel` (one of ATTENTION_KERNELS) for sequences of at most max_rows (query token, head)
+    rows of element type `suffix`, over an FP8 cache or a 16-bit one."""
+    name_suffix = f"{suffix}_fp8" if fp8 else suffix
     if kernel == "prefill":
-        return AttentionLaunch("prefill_attention.cu", f"prefill_attention_d{head_dim}_{suffix}", PREFILL_THREADS,
-                               prefill_shared_bytes(head_dim), math.ceil(max_rows / PREFILL_TILE_ROWS),
-                               PREFILL_TILE_ROWS)
+        return AttentionLaunch("prefill_attention.cu", f"prefill_attention_d{head_dim}_{name_suffix}",
+                               PREFILL_THREADS, prefill_shared_bytes(head_dim),
+                               math.ceil(max_rows / PREFILL_TILE_ROWS), PREFILL_TILE_ROWS)
     row_split = kernel == "rowsplit"
-    tiles = math.ceil(max_rows / ROWS_PER_TILE)
+    tile_rows = DECODE_TILE_ROWS if kernel == "decode" else ROWS_PER_TILE
+    tiles = math.ceil(max_rows / tile_rows)
     shared_range = row_split and PREFILL_RING_STAGES > 0  # the CTA's 4 tiles read one key range
-    return AttentionLaunch("attention.cu", f"paged_attention_d{head_dim}_{kernel}_{suffix}", WARPS * 32,
-                           ring_bytes(head_dim, row_split, suffix.endswith("_fp8")),
+    return AttentionLaunch("attention.cu", f"paged_attention_d{head_dim}_{kernel}_{name_suffix}", WARPS * 32,
+                           ring_bytes(head_dim, row_split, fp8),
                            math.ceil(tiles / WARPS) if row_split else tiles,
-                           ROWS_PER_TILE * (WARPS if shared_range else 1))
+                           tile_rows * (WARPS if shared_range else 1))
 
 
 def prefill_shared_bytes(head_dim: int) -> int:
