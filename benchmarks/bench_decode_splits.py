@@ -85,7 +85,8 @@ def main() -> None:
     flops = 4 * h * d * int((lens * (lens + 1) // 2).sum())  # QK^T and PV over the causal triangle
     copy = copy_bandwidth_gbs()
     print(f"batch {args.batch}, contexts {args.min_context}..{args.max_context} (mean {lens.mean():.0f}), "
-          f"{'prefill' if args.prefill else 'decode'}, head dim {d}, {h}/{hkv} heads, {args.dtype}, {args.kv_cache_dtype} cache; "
+          f"{'prefill' if args.prefill else 'decode'}, head dim {d}, {h}/{hkv} heads, {args.dtype}, "
+          f"{args.kv_cache_dtype} cache; "
           f"K/V {kv_bytes / 1e9:.2f} GB; "
           f"copy {copy:,.0f} GB/s")
     rate = "TFLOP/s" if args.prefill else "GB/s"

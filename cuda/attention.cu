@@ -22,17 +22,20 @@
 //
 // Work decomposition. For one (sequence, kv head) the G = H / Hkv query heads and the q_len query tokens
 // form q_len * G "rows" (row f = query token f / G, head kvh * G + f % G): every row of a KV head reads the
-// same keys, so the rows are the M dimension of mma.m16n8k16 and K/V are loaded once for all of them.
-// A warp owns a tile of 16 rows and walks keys 16 at a time: S = Q K^T (two n8 tiles), an online softmax
-// in registers, O += P V. K/V reach the mma B fragments through a cp.async ring in shared memory
-// (decode at D = 64, and every ROW_SPLIT CTA) or straight from global memory into registers (decode at
-// D = 128); the head-dim permutations that make every lane load 16 contiguous bytes are explained at
-// load_keys / load_values, and read_stage takes the same fragments from the ring.
+// same keys, so they share the tensor-core products and K/V are loaded once for all of them.
+// A warp owns a tile of rows and walks keys 16 at a time: scores, an online softmax in registers, O += P V.
+// Two tile shapes (WideTile, NarrowTile): 16 rows as the M dimension of mma.m16n8k16 (S = Q K^T), or, for
+// the "decode" kernels, 8 rows as its N dimension (S^T = K Q^T, O^T += V^T P^T): one decode token's G <= 8
+// heads then fill the tile with half the products. K/V reach the mma fragments through a cp.async ring in
+// shared memory (decode at D = 64, and every ROW_SPLIT CTA) or straight from global memory into registers
+// (decode at D = 128); the head-dim permutations that make every lane load 16 contiguous bytes are explained
+// at load_keys / load_values, and read_stage takes the same fragments from the ring.
 //
-// Grid: x = row tile (KEY_SPLIT) or group of 4 row tiles (ROW_SPLIT), y = kv_head * num_splits + split,
+// Grid: x = row tile (KEY_SPLIT, decode) or group of 4 row tiles (ROW_SPLIT), y = kv_head * num_splits + split,
 //       z = sequence (launch_order[z] when the caller gives an order, else z). Block: 128 threads = 4 warps.
-//   KEY_SPLIT (decode and short queries): the 4 warps share one row tile and take interleaved 16-key
-//     chunks of the split's key range; the CTA merges their (max, sum, O) through shared memory.
+//   KEY_SPLIT (decode and short queries: the "decode" kernels with 8-row tiles, "keysplit" with 16): the 4
+//     warps share one row tile and take interleaved 16-key chunks of the split's key range; the CTA merges
+//     their (max, sum, O) through shared memory.
 //   ROW_SPLIT (long prefill chunks): each warp owns its own row tile and walks all keys of the split; the
 //     4 warps stage the keys of all 4 tiles into one shared ring, so each chunk is read once per CTA.
 // A split is a range of partition_size keys (a multiple of 64). With num_splits > 1 every CTA writes its
@@ -65,6 +68,9 @@ constexpr int DECODE_RING_STAGES = 3;
 constexpr int DECODE_RING_STAGES_FP8 = 3;
 #define FP8_D128_MIN_CTAS 3
 #define FP8_D64_MIN_CTAS 4  // the ring's 4 CTAs per SM (48 KiB of it each): at most 128 registers
+// The decode kernels (8-row tiles) need fewer registers: D = 128 fits 3 CTAs per SM in 16 bits (168 registers, no
+// spill; uncapped 182 and 2 CTAs, 0.298 against 0.270 ms) and 4 over FP8 (124-126; 3 CTAs 0.192, 4 CTAs 0.177 ms).
+// At D = 64 the ring's shared memory allows 4 CTAs, which 110-118 registers fit without a cap.
 #define DECODE_D64_MIN_CTAS 4
 #define DECODE_D128_MIN_CTAS 3
 #define DECODE_FP8_D64_MIN_CTAS 4
@@ -354,7 +360,7 @@ template <int D>
 struct WideTile {
   static constexpr int ROWS = 16;
   unsigned qa[D / 16][4];  // Q as mma A fragments (head dim permuted within 32-wide slices, as K is)
-  float o[D / 8][4];       // O: n8 tile j, accumulator e is row g (+8 for e >= 2), d = 64 (j / 8) + 8 (2t + e % 2) + j % 8
+  float o[D / 8][4];  // O: n8 tile j, accumulator e is row g (+8 for e >= 2), d = 64 (j / 8) + 8 (2t + e % 2) + j % 8
   float m_lo, m_hi, l_lo, l_hi;  // rows g and g + 8: max (log2 units) and this lane's part of the sum
   int pos_lo, pos_hi;            // their query positions
 
@@ -761,8 +767,8 @@ __device__ void attention_impl(const Params<T, C>& P) {
   st.stash(my_o, s_m + warp * ROWS_T, s_l + warp * ROWS_T, g, t);
   if (ROW_SPLIT) {
     __syncwarp();
-    finish_rows<D, ROWS_T, T, C>(P, my_o, s_m + warp * ROWS_T, s_l + warp * ROWS_T, 1, lane, 32, row0, num_rows, q_start, kvh,
-                   split);
+    finish_rows<D, ROWS_T, T, C>(P, my_o, s_m + warp * ROWS_T, s_l + warp * ROWS_T, 1, lane, 32, row0, num_rows,
+                                 q_start, kvh, split);
   } else {
     __syncthreads();
     finish_rows<D, ROWS_T, T, C>(P, s_o, s_m, s_l, WARPS, threadIdx.x, blockDim.x, row0, num_rows, q_start, kvh, split);
@@ -775,36 +781,36 @@ __device__ void attention_impl(const Params<T, C>& P) {
 // The _fp8 entry points read an FP8 cache (uint8 e4m3 bits) and take kv_scale [2] fp32 on the device =
 // (k_scale, v_scale), read at launch (so a CUDA graph replays whatever scales the buffer holds): the
 // scores use scale_log2 * k_scale, the output O * v_scale. The 16-bit entry points take no kv_scale.
-#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, TILE, T, SUFFIX, MIN_CTAS, FP8_MIN_CTAS)                                      \
-  extern "C" __global__ void __launch_bounds__(128, MIN_CTAS) paged_attention_d##D##_##MODE##_##SUFFIX(          \
-      const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_o, float* partial_ml,           \
-      const int* block_tables, const int* context_lens, const int* query_start_loc,                          \
-      const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                  \
-      int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,         \
-      int window) {                                                                                          \
-    const Params<T> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,           \
-                      query_start_loc, launch_order, num_tokens, num_kv_heads, group, block_size,            \
-                      max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window, 1.f}; \
-    attention_impl<D, ROW_SPLIT, T, T, TILE<D>>(p);                                                             \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(128, FP8_MIN_CTAS) paged_attention_d##D##_##MODE##_##SUFFIX##_fp8(\
-      const T* q, const fp8_e4m3_t* k_cache, const fp8_e4m3_t* v_cache, T* out, float* partial_o,            \
-      float* partial_ml, const int* block_tables, const int* context_lens, const int* query_start_loc,       \
-      const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                  \
-      int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,         \
-      int window, const float* kv_scale) {                                                                   \
-    const Params<T, fp8_e4m3_t> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables,             \
-                                  context_lens, query_start_loc, launch_order, num_tokens, num_kv_heads,     \
-                                  group, block_size, max_blocks_per_seq, partition_size, num_splits,         \
-                                  scale_log2 * kv_scale[0], block_shift, window, kv_scale[1]};               \
-    attention_impl<D, ROW_SPLIT, T, fp8_e4m3_t, TILE<D>>(p);                                                    \
+#define DEFINE_ATTENTION(D, MODE, ROW_SPLIT, TILE, T, SUFFIX, MIN_CTAS, FP8_MIN_CTAS)                             \
+  extern "C" __global__ void __launch_bounds__(128, MIN_CTAS) paged_attention_d##D##_##MODE##_##SUFFIX(           \
+      const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_o, float* partial_ml,                \
+      const int* block_tables, const int* context_lens, const int* query_start_loc,                               \
+      const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                       \
+      int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,              \
+      int window) {                                                                                               \
+    const Params<T> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,                \
+                      query_start_loc, launch_order, num_tokens, num_kv_heads, group, block_size,                 \
+                      max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window, 1.f};      \
+    attention_impl<D, ROW_SPLIT, T, T, TILE<D>>(p);                                                               \
+  }                                                                                                               \
+  extern "C" __global__ void __launch_bounds__(128, FP8_MIN_CTAS) paged_attention_d##D##_##MODE##_##SUFFIX##_fp8( \
+      const T* q, const fp8_e4m3_t* k_cache, const fp8_e4m3_t* v_cache, T* out, float* partial_o,                 \
+      float* partial_ml, const int* block_tables, const int* context_lens, const int* query_start_loc,            \
+      const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                       \
+      int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,              \
+      int window, const float* kv_scale) {                                                                        \
+    const Params<T, fp8_e4m3_t> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables,                  \
+                                  context_lens, query_start_loc, launch_order, num_tokens, num_kv_heads,          \
+                                  group, block_size, max_blocks_per_seq, partition_size, num_splits,              \
+                                  scale_log2 * kv_scale[0], block_shift, window, kv_scale[1]};                    \
+    attention_impl<D, ROW_SPLIT, T, fp8_e4m3_t, TILE<D>>(p);                                                      \
   }
-#define DEFINE_ATTENTION_ALL(T, SUFFIX)                                                                  \
-  DEFINE_ATTENTION(64, keysplit, false, WideTile, T, SUFFIX, 1, FP8_D64_MIN_CTAS)                          \
-  DEFINE_ATTENTION(64, rowsplit, true, WideTile, T, SUFFIX, 1, 1)                                          \
-  DEFINE_ATTENTION(128, keysplit, false, WideTile, T, SUFFIX, 1, FP8_D128_MIN_CTAS)                        \
-  DEFINE_ATTENTION(128, rowsplit, true, WideTile, T, SUFFIX, 1, 1)                                         \
-  DEFINE_ATTENTION(64, decode, false, NarrowTile, T, SUFFIX, DECODE_D64_MIN_CTAS, DECODE_FP8_D64_MIN_CTAS) \
+#define DEFINE_ATTENTION_ALL(T, SUFFIX)                                                                           \
+  DEFINE_ATTENTION(64, keysplit, false, WideTile, T, SUFFIX, 1, FP8_D64_MIN_CTAS)                                 \
+  DEFINE_ATTENTION(64, rowsplit, true, WideTile, T, SUFFIX, 1, 1)                                                 \
+  DEFINE_ATTENTION(128, keysplit, false, WideTile, T, SUFFIX, 1, FP8_D128_MIN_CTAS)                               \
+  DEFINE_ATTENTION(128, rowsplit, true, WideTile, T, SUFFIX, 1, 1)                                                \
+  DEFINE_ATTENTION(64, decode, false, NarrowTile, T, SUFFIX, DECODE_D64_MIN_CTAS, DECODE_FP8_D64_MIN_CTAS)        \
   DEFINE_ATTENTION(128, decode, false, NarrowTile, T, SUFFIX, DECODE_D128_MIN_CTAS, DECODE_FP8_D128_MIN_CTAS)
 DEFINE_ATTENTION_ALL(__half, f16)
 DEFINE_ATTENTION_ALL(bf16_t, bf16)
