@@ -7,7 +7,8 @@ the device equals Fp8Linear.quantize; the whole FP8 product (quantize -> cuBLASL
 equals NumPy's Fp8Linear on the same e4m3 weight within one rounding to the 16-bit dtype, at the Llama 3.2 1B and
 Llama 3.1 8B layer shapes for decode (1, 7, 256 rows) and prefill (2048 rows), and at widths that need padding;
 captured into a CUDA graph and replayed it equals the eager call bit for bit; `x @ layer` (the eager path) works;
-misuse is refused with ValueError.
+misuse is refused with ValueError. The scale epilogue rounds NumPy's float32 products once, bit for bit. The quantize
+and scale tests run both forms of those kernels (scalar, and 16-byte vectors where the shapes allow).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 import offline_paged.ops.cuda_fp8_linear as cuda_fp8_linear  # noqa: E402
+import offline_paged.ops.fp8_launcher as fp8_launcher  # noqa: E402
 from offline_paged.ops.cublaslt import TunedGemm  # noqa: E402
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear  # noqa: E402
 from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output  # noqa: E402
@@ -70,6 +72,14 @@ def scales_in_cublaslt(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[False, True], ids=["scalar-kernels", "vector-kernels"])
+def vector_kernels(request, monkeypatch):
+    """Both forms of the quantize and scale kernels (fp8_launcher.VECTOR_KERNELS): the same bytes either way; the
+    vector form falls back to the scalar one where a width or an address does not allow it."""
+    monkeypatch.setattr(fp8_launcher, "VECTOR_KERNELS", request.param)
+    return request.param
+
+
 def rel_error(actual, expected) -> float:
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     assert np.isfinite(actual).all(), "output has NaN/inf"
@@ -78,7 +88,7 @@ def rel_error(actual, expected) -> float:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows, width", [(1, 64), (7, 2048), (33, 4096), (5, 100), (300, 14336)])
-def test_quantize_kernel_stores_the_reference_bytes(num_rows, width, dtype):
+def test_quantize_kernel_stores_the_reference_bytes(num_rows, width, dtype, vector_kernels):
     rng = np.random.default_rng(num_rows * 7 + width)
     x = activations(rng, num_rows, width, dtype)
     xq, scales = quantize_rows_fp8(cupy.asarray(x))
@@ -92,7 +102,7 @@ def test_quantize_kernel_stores_the_reference_bytes(num_rows, width, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_static_scale_quantizes_as_quantize_static(dtype):
+def test_static_scale_quantizes_as_quantize_static(dtype, vector_kernels):
     """A checkpoint's input_scale: every row divided by it, values beyond 448 x scale saturate."""
     rng = np.random.default_rng(11)
     x = activations(rng, 9, 96, dtype)
@@ -103,7 +113,38 @@ def test_static_scale_quantizes_as_quantize_static(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_weight_quantized_on_the_device_equals_fp8_linear_quantize(dtype):
+@pytest.mark.parametrize("num_rows, num_out, padded_out", [(1, 64, 64), (7, 6144, 6144), (256, 28672, 28672),
+                                                           (5, 50, 64), (3, 132, 144)])
+def test_scale_kernel_rounds_the_reference_products_once(num_rows, num_out, padded_out, dtype, vector_kernels):
+    """(acc x x_scale) x w_scale in float32, rounded once to the dtype: bit for bit NumPy's float32 products."""
+    rng = np.random.default_rng(num_out)
+    acc = (rng.standard_normal((num_rows, padded_out)) * 1e4).astype(np.float32)  # [R, Np]
+    x_scale = (10.0 ** rng.uniform(-4, -1, num_rows)).astype(np.float32)  # [R]
+    w_scale = (10.0 ** rng.uniform(-4, -2, padded_out)).astype(np.float32)  # [Np]
+    out = scale_fp8_output(cupy.asarray(acc), cupy.asarray(x_scale), cupy.asarray(w_scale), num_out, dtype)
+    want = ((acc[:, :num_out] * x_scale[:, None]) * w_scale[None, :num_out]).astype(dtype)  # [R, N]
+    assert out.dtype == dtype and out.shape == (num_rows, num_out)
+    np.testing.assert_array_equal(out.get().view(np.uint16), want.view(np.uint16))
+
+
+def test_vector_kernels_run_where_widths_and_addresses_allow(monkeypatch):
+    """With VECTOR_KERNELS on, K % 8 == 0 and N % 4 == 0 take the vector kernels, other widths the scalar ones."""
+    launched = []
+    original = fp8_launcher._kernel
+    monkeypatch.setattr(fp8_launcher, "_kernel", lambda source, name: launched.append(name) or original(source, name))
+    monkeypatch.setattr(fp8_launcher, "VECTOR_KERNELS", True)
+    rng = np.random.default_rng(8)
+    acc, w_scale = cupy.ones((4, 64), dtype=cupy.float32), cupy.ones(64, dtype=cupy.float32)
+    _, x_scale = quantize_rows_fp8(cupy.asarray(activations(rng, 4, 4096, np.float16)))
+    scale_fp8_output(acc, x_scale, w_scale, 64, np.float16)
+    quantize_rows_fp8(cupy.asarray(activations(rng, 4, 100, np.float16)))  # K % 8 != 0
+    scale_fp8_output(acc, x_scale, w_scale, 62, np.float16)  # N % 4 != 0
+    assert launched == ["quantize_rows_fp8_vec_f16", "scale_fp8_output_vec_f16", "quantize_rows_fp8_f16",
+                        "scale_fp8_output_f16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_quantized_on_the_device_equals_fp8_linear_quantize(dtype, vector_kernels):
     rng = np.random.default_rng(5)
     w = (rng.standard_normal((200, 136)) * 10.0 ** rng.uniform(-3, 0, (200, 1))).astype(dtype)  # [out, in]
     w[3] = 0.0
@@ -119,7 +160,8 @@ def test_weight_quantized_on_the_device_equals_fp8_linear_quantize(dtype):
 @pytest.mark.parametrize("num_rows", [1, 7, 256, 2048])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", list(LAYER_SHAPES))
-def test_fp8_product_equals_numpy_fp8_linear_at_llama_shapes(model, dtype, num_rows, scales_in_cublaslt):
+def test_fp8_product_equals_numpy_fp8_linear_at_llama_shapes(model, dtype, num_rows, scales_in_cublaslt,
+                                                            vector_kernels):
     rng = np.random.default_rng(num_rows)
     stream = cupy.cuda.Stream(non_blocking=True)
     gemm = TunedGemm(stream)
@@ -167,7 +209,7 @@ def test_eager_matmul_operator_runs_the_fp8_product(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static-input-scale"])
-def test_fp8_product_captured_in_a_graph_equals_the_eager_call(dtype, static, scales_in_cublaslt):
+def test_fp8_product_captured_in_a_graph_equals_the_eager_call(dtype, static, scales_in_cublaslt, vector_kernels):
     """A decode graph's TunedGemm: the product captured once (tuned first, eagerly), replayed on new inputs at the
     same address, is bit for bit the eager product of those inputs."""
     rng = np.random.default_rng(4)

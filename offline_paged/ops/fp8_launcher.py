@@ -24,7 +24,14 @@ SOURCE = "fp8_linear.cu"
 KERNELS = (
     ("fp8_linear.cu", "quantize_rows_fp8_f16"), ("fp8_linear.cu", "quantize_rows_fp8_bf16"),
     ("fp8_linear.cu", "scale_fp8_output_f16"), ("fp8_linear.cu", "scale_fp8_output_bf16"),
+    ("fp8_linear.cu", "quantize_rows_fp8_vec_f16"), ("fp8_linear.cu", "quantize_rows_fp8_vec_bf16"),
+    ("fp8_linear.cu", "scale_fp8_output_vec_f16"), ("fp8_linear.cu", "scale_fp8_output_vec_bf16"),
 )
+# The 16-byte forms of both kernels (the same bytes and values; 8 elements a thread per load) where the shapes and
+# alignments allow. Off: written in session 29 without device time left, not yet run on a GPU. A profile of the FP8
+# 8B step put the scalar kernels at ~2.5 ms of its 11.4 (benchmarks/RESULTS.md, 2026-12-03). Switch it on once
+# tests/test_ops_cuda_fp8_linear.py passes with it on the device and benchmarks/bench_fp8_epilogue.py shows the gain.
+VECTOR_KERNELS = False
 QUANT_THREADS = 256  # fp8_linear.cu's QUANT_THREADS
 FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner dimension and leading dimensions multiples of 16
 MAX_ROW_BLOCKS = 65535  # both kernels stride over rows past this many blocks (CUDA's gridDim.y limit)
@@ -82,8 +89,13 @@ def quantize_rows_fp8(x, padded_width: int | None = None, static_scale: float | 
     _check("xq", xq, FP8_STORAGE, (num_rows, padded_width))
     _check("scales", scales, np.float32, (num_rows,))
     if num_rows:
-        quantize = (_kernel(SOURCE, "quantize_rows_fp8_f16") if suffix == "f16"
-                    else _kernel(SOURCE, "quantize_rows_fp8_bf16"))
+        vector = VECTOR_KERNELS and width % 8 == 0 and x.data.ptr % 16 == 0 and xq.data.ptr % 8 == 0
+        if vector:
+            quantize = (_kernel(SOURCE, "quantize_rows_fp8_vec_f16") if suffix == "f16"
+                        else _kernel(SOURCE, "quantize_rows_fp8_vec_bf16"))
+        else:
+            quantize = (_kernel(SOURCE, "quantize_rows_fp8_f16") if suffix == "f16"
+                        else _kernel(SOURCE, "quantize_rows_fp8_bf16"))
         quantize(
             (min(num_rows, MAX_ROW_BLOCKS),), (QUANT_THREADS,),
             (x, xq, scales, np.int64(num_rows), np.int32(width), np.int32(padded_width),
@@ -106,9 +118,16 @@ def scale_fp8_output(acc, x_scale, w_scale, num_out: int, dtype, out=None):
     suffix = _suffix("out", out)
     _check("out", out, out.dtype, (num_rows, num_out))
     if num_rows * num_out:
-        grid = (min(-(-num_out // 256), _COLUMN_BLOCKS), min(num_rows, MAX_ROW_BLOCKS))
-        scale = (_kernel(SOURCE, "scale_fp8_output_f16") if suffix == "f16"
-                 else _kernel(SOURCE, "scale_fp8_output_bf16"))
+        vector = (VECTOR_KERNELS and num_out % 4 == 0 and padded_out % 4 == 0 and acc.data.ptr % 16 == 0
+                  and w_scale.data.ptr % 16 == 0 and out.data.ptr % 8 == 0)
+        columns = num_out // 4 if vector else num_out  # a thread's unit: 4 columns, or one
+        grid = (min(-(-columns // 256), _COLUMN_BLOCKS), min(num_rows, MAX_ROW_BLOCKS))
+        if vector:
+            scale = (_kernel(SOURCE, "scale_fp8_output_vec_f16") if suffix == "f16"
+                     else _kernel(SOURCE, "scale_fp8_output_vec_bf16"))
+        else:
+            scale = (_kernel(SOURCE, "scale_fp8_output_f16") if suffix == "f16"
+                     else _kernel(SOURCE, "scale_fp8_output_bf16"))
         scale(
             grid, (256,), (acc, x_scale, w_scale, out, np.int64(num_rows), np.int32(num_out),
                                 np.int32(padded_out)))
