@@ -87,7 +87,7 @@ def rel_error(actual, expected) -> float:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_rows, width", [(1, 64), (7, 2048), (33, 4096), (5, 100), (300, 14336)])
+@pytest.mark.parametrize("num_rows, width", [(1, 64), (7, 2048), (33, 4096), (5, 100), (3, 40), (300, 14336)])
 def test_quantize_kernel_stores_the_reference_bytes(num_rows, width, dtype, vector_kernels):
     rng = np.random.default_rng(num_rows * 7 + width)
     x = activations(rng, num_rows, width, dtype)
