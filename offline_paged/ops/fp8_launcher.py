@@ -11,6 +11,7 @@ import numpy as np
 
 from offline_paged.ops.kernel_modules import kernel
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA as FP8_STORAGE
+from offline_paged.ops.launchers import _vector_path
 
 try:
     import ml_dtypes
@@ -89,7 +90,7 @@ def quantize_rows_fp8(x, padded_width: int | None = None, static_scale: float | 
     _check("xq", xq, FP8_STORAGE, (num_rows, padded_width))
     _check("scales", scales, np.float32, (num_rows,))
     if num_rows:
-        vector = VECTOR_KERNELS and width % 8 == 0 and x.data.ptr % 16 == 0 and xq.data.ptr % 8 == 0
+        vector = VECTOR_KERNELS and _vector_path(width, x, xq)  # rows of 8-element pieces, 16-byte aligned
         if vector:
             quantize = (_kernel(SOURCE, "quantize_rows_fp8_vec_f16") if suffix == "f16"
                         else _kernel(SOURCE, "quantize_rows_fp8_vec_bf16"))
