@@ -55,6 +55,8 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_vector_*.json")):
     forward = run["time_split"]["forward_device_ms"]
     print(f"{path.stem:<20}{run['output_tokens_per_s']:>10,.0f} out tok/s, forward {forward:.2f} ms")
 PY
+  # At most 8 files come back from the device: the records travel as one archive.
+  tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.json "$OUT"/bench_*.err
   exit 0
 fi
 
