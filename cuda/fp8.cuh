@@ -120,4 +120,13 @@ __device__ __forceinline__ uint2 float8_to_e4m3x8(const float (&f)[8]) {
   r.y = float_to_e4m3(f[4]) | float_to_e4m3(f[5]) << 8 | float_to_e4m3(f[6]) << 16 | float_to_e4m3(f[7]) << 24;
   return r;
 }
+// FP8 linear activations (fp8_linear.cu, and the rms_norm / silu_mul forms in layer.cu that quantize their output):
+// the larger of two |values|, keeping a NaN (NumPy's max does; fmaxf would drop it), and a row's scale from its
+// amax: static_scale when positive (a checkpoint's input_scale), else amax / 448 IEEE-rounded, 1 when amax is 0 or
+// NaN (offline_paged/ops/fp8_linear.py's fp8_scales).
+__device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a >= b) ? a : b; }
+__device__ __forceinline__ float fp8_row_scale(float amax, float static_scale) {
+  if (static_scale > 0.f) return static_scale;
+  return amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;  // NaN > 0 is false: 1
+}
 #endif  // OFFLINE_PAGED_FP8_CUH

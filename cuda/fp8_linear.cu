@@ -33,7 +33,6 @@ struct __align__(2) bf16_t {
 };
 
 #define QUANT_THREADS 256
-#define FP8_MAX 448.f
 
 namespace {
 
@@ -50,9 +49,6 @@ __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
   asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r.bits) : "f"(x));
   return r;
 }
-
-// max of |values| that keeps a NaN (NumPy's max does; fmaxf would drop it).
-__device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a >= b) ? a : b; }
 
 // The largest |x| of a block's values (every thread passes its own partial), broadcast to all threads.
 __device__ float block_max(float value) {
@@ -79,8 +75,7 @@ __device__ void quantize_rows(const T* __restrict__ x, unsigned char* __restrict
     if (!(static_scale > 0.f)) {
       float amax = 0.f;
       for (int c = threadIdx.x; c < width; c += QUANT_THREADS) amax = nan_max(amax, fabsf(to_float(in[c])));
-      amax = block_max(amax);
-      scale = amax > 0.f ? __fdiv_rn(amax, FP8_MAX) : 1.f;  // NaN > 0 is false: 1, as fp8_scales
+      scale = fp8_row_scale(block_max(amax), 0.f);
     }
     if (threadIdx.x == 0) scales[row] = scale;
     for (int c = threadIdx.x; c < padded_width; c += QUANT_THREADS)
@@ -145,8 +140,7 @@ __device__ void quantize_rows_vec(const T* __restrict__ x, unsigned char* __rest
 #pragma unroll
         for (int i = 0; i < 8; ++i) amax = nan_max(amax, fabsf(element<T>(piece, i)));
       }
-      amax = block_max(amax);
-      scale = amax > 0.f ? __fdiv_rn(amax, FP8_MAX) : 1.f;  // NaN > 0 is false: 1, as fp8_scales
+      scale = fp8_row_scale(block_max(amax), 0.f);
     }
     if (threadIdx.x == 0) scales[row] = scale;
     for (int v = threadIdx.x; v < padded_vectors; v += QUANT_THREADS) {

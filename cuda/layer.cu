@@ -163,14 +163,59 @@ __device__ __forceinline__ Pack8<T> rms_residual8(const T* x, const T* residual,
   return h;
 }
 
+// The normed output of 8 residual entries h, rounded to T (weight entries col..col+7).
 template <typename T>
-__device__ __forceinline__ void rms_out8(const Pack8<T>& h, const T* weight, T* out, size_t at, int col,
-                                         float inv_rms) {
+__device__ __forceinline__ Pack8<T> rms_normed8(const Pack8<T>& h, const T* weight, int col, float inv_rms) {
   const Pack8<T> w = load8(weight + col);
   Pack8<T> o;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h.v[i]) * inv_rms * to_float(w.v[i]));
-  store8(out + at, o);
+  return o;
+}
+
+// One entry of it (the scalar path), as a float.
+template <typename T>
+__device__ __forceinline__ float rms_normed1(T h, T w, float inv_rms) {
+  return to_float(from_float<T>(to_float(h) * inv_rms * to_float(w)));
+}
+
+// The vector path's first pass of a row (`row`: its first element): h = x (+ residual) rounded to T, written to
+// residual_out, the thread's first RMS_HELD chunks kept in `held`; returns 1 / rms of the row (block-wide).
+template <typename T>
+__device__ __forceinline__ float rms_first_pass8(const T* x, const T* residual, T* residual_out, size_t row,
+                                                 int hidden, float eps, Pack8<T> (&held)[RMS_HELD]) {
+  const int chunks = hidden / VEC;
+  float sum = 0.f;
+#pragma unroll
+  for (int n = 0; n < RMS_HELD; ++n) {  // all loads first (store8 is an asm barrier to reordering)
+    const int c = threadIdx.x + n * blockDim.x;
+    if (c < chunks) held[n] = rms_residual8(x, residual, row + (size_t)c * VEC, sum);
+  }
+#pragma unroll
+  for (int n = 0; n < RMS_HELD; ++n) {
+    const int c = threadIdx.x + n * blockDim.x;
+    if (c < chunks) store8(residual_out + row + (size_t)c * VEC, held[n]);
+  }
+  for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
+    store8(residual_out + row + (size_t)c * VEC, rms_residual8(x, residual, row + (size_t)c * VEC, sum));
+  }
+  return rsqrtf(block_sum(sum) / hidden + eps);
+}
+
+// The scalar path's first pass: as rms_first_pass8, one element per step (the output pass reads back the
+// residual_out entries the same thread wrote).
+template <typename T>
+__device__ __forceinline__ float rms_first_pass1(const T* x, const T* residual, T* residual_out, size_t row,
+                                                 int hidden, float eps) {
+  float sum = 0.f;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    T h = x[row + i];
+    if (residual != nullptr) h = add_rounded(h, residual[row + i]);  // the exact sum rounded once to T
+    residual_out[row + i] = h;
+    const float f = to_float(h);
+    sum += f * f;
+  }
+  return rsqrtf(block_sum(sum) / hidden + eps);
 }
 
 template <typename T>
@@ -179,42 +224,22 @@ __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T*
   const size_t row = (size_t)blockIdx.x * hidden;
   const bool vec = hidden % VEC == 0 && aligned16(x) && aligned16(residual) && aligned16(weight) &&
                    aligned16(out) && aligned16(residual_out);
-  float sum = 0.f;
   if (vec) {
     const int chunks = hidden / VEC;
     Pack8<T> held[RMS_HELD];
-#pragma unroll
-    for (int n = 0; n < RMS_HELD; ++n) {  // all loads first (store8 is an asm barrier to reordering)
-      const int c = threadIdx.x + n * blockDim.x;
-      if (c < chunks) held[n] = rms_residual8(x, residual, row + (size_t)c * VEC, sum);
-    }
+    const float inv_rms = rms_first_pass8(x, residual, residual_out, row, hidden, eps, held);
 #pragma unroll
     for (int n = 0; n < RMS_HELD; ++n) {
       const int c = threadIdx.x + n * blockDim.x;
-      if (c < chunks) store8(residual_out + row + (size_t)c * VEC, held[n]);
+      if (c < chunks) store8(out + row + (size_t)c * VEC, rms_normed8(held[n], weight, c * VEC, inv_rms));
     }
     for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
-      store8(residual_out + row + (size_t)c * VEC, rms_residual8(x, residual, row + (size_t)c * VEC, sum));
-    }
-    const float inv_rms = rsqrtf(block_sum(sum) / hidden + eps);
-#pragma unroll
-    for (int n = 0; n < RMS_HELD; ++n) {
-      const int c = threadIdx.x + n * blockDim.x;
-      if (c < chunks) rms_out8(held[n], weight, out, row + (size_t)c * VEC, c * VEC, inv_rms);
-    }
-    for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
-      rms_out8(load8(residual_out + row + (size_t)c * VEC), weight, out, row + (size_t)c * VEC, c * VEC, inv_rms);
+      const Pack8<T> h = load8(residual_out + row + (size_t)c * VEC);
+      store8(out + row + (size_t)c * VEC, rms_normed8(h, weight, c * VEC, inv_rms));
     }
     return;
   }
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    T h = x[row + i];
-    if (residual != nullptr) h = add_rounded(h, residual[row + i]);  // the exact sum rounded once to T
-    residual_out[row + i] = h;
-    const float f = to_float(h);
-    sum += f * f;
-  }
-  const float inv_rms = rsqrtf(block_sum(sum) / hidden + eps);
+  const float inv_rms = rms_first_pass1(x, residual, residual_out, row, hidden, eps);
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {  // each thread reads back what it wrote
     out[row + i] = from_float<T>(to_float(residual_out[row + i]) * inv_rms * to_float(weight[i]));
   }
@@ -442,6 +467,18 @@ __device__ void rope_write_kv_fp8_impl(const T* q, const T* k, const T* v, const
 
 __device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.f + __expf(-gate)) * up; }
 
+// silu(gate) * up of columns col..col+7, each rounded to T.
+template <typename T>
+__device__ __forceinline__ Pack8<T> silu_mul8(const T* gate_row, const T* up_row, int col) {
+  float gate[VEC], up[VEC];
+  load8_float(gate_row + col, gate);
+  load8_float(up_row + col, up);
+  Pack8<T> y;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) y.v[i] = from_float<T>(silu_times(gate[i], up[i]));
+  return y;
+}
+
 // Rows: blockIdx.y strided by gridDim.y; columns (8-element chunks on the vector path, elements
 // otherwise): blockIdx.x * blockDim.x + threadIdx.x strided by gridDim.x * blockDim.x.
 template <typename T>
@@ -454,17 +491,145 @@ __device__ void silu_mul_impl(const T* gate_up, T* out, long long num_tokens, in
     T* out_row = out + (size_t)t * inter;
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < columns; c += gridDim.x * blockDim.x) {
       if (vec) {
-        float gate[VEC], up[VEC], y[VEC];
-        load8_float(gate_row + c * VEC, gate);
-        load8_float(up_row + c * VEC, up);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) y[i] = silu_times(gate[i], up[i]);
-        store8_float(out_row + c * VEC, y);
+        store8(out_row + c * VEC, silu_mul8(gate_row, up_row, c * VEC));
       } else {
         out_row[c] = from_float<T>(silu_times(to_float(gate_row[c]), to_float(up_row[c])));
       }
     }
   }
+}
+
+// ---- The input of an FP8 linear made where its rows are made: rms_norm_fp8 and silu_mul_fp8 compute what
+// rms_norm / silu_mul compute, rounded to T, then quantize each row as fp8_linear.cu's quantize_rows_fp8 does
+// (amax over the rounded row, fp8_row_scale, e4m3 of value / scale), byte for byte that pair of launches.
+
+// Largest |value| over the block, NaN kept (blockDim.x a multiple of 32, at most 1024), returned to every thread.
+// Once per block (its shared array is not reused).
+__device__ __forceinline__ float block_amax(float value) {
+  __shared__ float warp_max[32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = nan_max(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  if (lane == 0) warp_max[warp] = value;
+  __syncthreads();
+  value = lane < num_warps ? warp_max[lane] : 0.f;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = nan_max(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+template <typename T>
+__device__ __forceinline__ float amax8(const Pack8<T>& y, float amax) {
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) amax = nan_max(amax, fabsf(to_float(y.v[i])));
+  return amax;
+}
+
+// 8 values of T / scale as 8 e4m3 bytes at p (8-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store8_e4m3(unsigned char* p, const Pack8<T>& y, float scale) {
+  float f[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) f[i] = __fdiv_rn(to_float(y.v[i]), scale);
+  *reinterpret_cast<uint2*>(p) = float8_to_e4m3x8(f);
+}
+
+// The block's row of xq: columns [width, padded_width) are zeros (they pad the GEMM's inner dimension).
+__device__ __forceinline__ void zero_padding(unsigned char* q_row, int width, int padded_width) {
+  for (int c = width + threadIdx.x; c < padded_width; c += blockDim.x) q_row[c] = 0;
+}
+
+template <typename T>
+__device__ void rms_norm_fp8_impl(const T* x, const T* residual, const T* weight, unsigned char* xq, float* x_scale,
+                                  T* residual_out, int hidden, int padded_width, float eps, float static_scale) {
+  const size_t row = (size_t)blockIdx.x * hidden;
+  unsigned char* q_row = xq + (size_t)blockIdx.x * padded_width;
+  const bool vec = hidden % VEC == 0 && aligned16(x) && aligned16(residual) && aligned16(weight) &&
+                   aligned16(residual_out) && aligned16(xq) && padded_width % 16 == 0;
+  float amax = 0.f;
+  if (vec) {
+    const int chunks = hidden / VEC;
+    Pack8<T> held[RMS_HELD];  // h, then the normed output
+    const float inv_rms = rms_first_pass8(x, residual, residual_out, row, hidden, eps, held);
+#pragma unroll
+    for (int n = 0; n < RMS_HELD; ++n) {
+      const int c = threadIdx.x + n * blockDim.x;
+      if (c < chunks) {
+        held[n] = rms_normed8(held[n], weight, c * VEC, inv_rms);
+        amax = amax8(held[n], amax);
+      }
+    }
+    for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
+      amax = amax8(rms_normed8(load8(residual_out + row + (size_t)c * VEC), weight, c * VEC, inv_rms), amax);
+    }
+    const float scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = scale;
+#pragma unroll
+    for (int n = 0; n < RMS_HELD; ++n) {
+      const int c = threadIdx.x + n * blockDim.x;
+      if (c < chunks) store8_e4m3(q_row + c * VEC, held[n], scale);
+    }
+    for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
+      const Pack8<T> h = load8(residual_out + row + (size_t)c * VEC);
+      store8_e4m3(q_row + c * VEC, rms_normed8(h, weight, c * VEC, inv_rms), scale);
+    }
+  } else {
+    const float inv_rms = rms_first_pass1(x, residual, residual_out, row, hidden, eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+      amax = nan_max(amax, fabsf(rms_normed1(residual_out[row + i], weight[i], inv_rms)));
+    const float scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = scale;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+      q_row[i] = (unsigned char)float_to_e4m3(__fdiv_rn(rms_normed1(residual_out[row + i], weight[i], inv_rms), scale));
+  }
+  zero_padding(q_row, hidden, padded_width);
+}
+
+// silu_mul's output chunks a thread keeps in registers between its amax and its quantize pass (later ones are
+// computed twice).
+constexpr int SILU_HELD = 4;
+
+template <typename T>
+__device__ void silu_mul_fp8_impl(const T* gate_up, unsigned char* xq, float* x_scale, int inter, int padded_width,
+                                  float static_scale) {
+  const T* gate_row = gate_up + (size_t)blockIdx.x * 2 * inter;
+  const T* up_row = gate_row + inter;
+  unsigned char* q_row = xq + (size_t)blockIdx.x * padded_width;
+  const bool vec = inter % VEC == 0 && aligned16(gate_up) && aligned16(xq) && padded_width % 16 == 0;
+  float amax = 0.f;
+  if (vec) {
+    const int chunks = inter / VEC;
+    Pack8<T> held[SILU_HELD];
+#pragma unroll
+    for (int n = 0; n < SILU_HELD; ++n) {
+      const int c = threadIdx.x + n * blockDim.x;
+      if (c < chunks) {
+        held[n] = silu_mul8(gate_row, up_row, c * VEC);
+        amax = amax8(held[n], amax);
+      }
+    }
+    for (int c = threadIdx.x + SILU_HELD * blockDim.x; c < chunks; c += blockDim.x)
+      amax = amax8(silu_mul8(gate_row, up_row, c * VEC), amax);
+    const float scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = scale;
+#pragma unroll
+    for (int n = 0; n < SILU_HELD; ++n) {
+      const int c = threadIdx.x + n * blockDim.x;
+      if (c < chunks) store8_e4m3(q_row + c * VEC, held[n], scale);
+    }
+    for (int c = threadIdx.x + SILU_HELD * blockDim.x; c < chunks; c += blockDim.x)
+      store8_e4m3(q_row + c * VEC, silu_mul8(gate_row, up_row, c * VEC), scale);
+  } else {
+    for (int i = threadIdx.x; i < inter; i += blockDim.x)
+      amax = nan_max(amax, fabsf(to_float(from_float<T>(silu_times(to_float(gate_row[i]), to_float(up_row[i]))))));
+    const float scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = scale;
+    for (int i = threadIdx.x; i < inter; i += blockDim.x) {
+      const float y = to_float(from_float<T>(silu_times(to_float(gate_row[i]), to_float(up_row[i]))));
+      q_row[i] = (unsigned char)float_to_e4m3(__fdiv_rn(y, scale));
+    }
+  }
+  zero_padding(q_row, inter, padded_width);
 }
 
 template <typename T>
@@ -531,6 +696,17 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
   }                                                                                                         \
   extern "C" __global__ void add_bias_##SUFFIX(T* x, const T* bias, long long total, int width) {           \
     add_bias_impl<T>(x, bias, total, width);                                                                \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(1024)                                                        \
+      rms_norm_fp8_##SUFFIX(const T* x, const T* residual, const T* weight, unsigned char* xq, float* x_scale, \
+                            T* residual_out, int hidden, int padded_width, float eps, float static_scale) {  \
+    rms_norm_fp8_impl<T>(x, residual, weight, xq, x_scale, residual_out, hidden, padded_width, eps,          \
+                         static_scale);                                                                     \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(1024)                                                        \
+      silu_mul_fp8_##SUFFIX(const T* gate_up, unsigned char* xq, float* x_scale, int inter, int padded_width, \
+                            float static_scale) {                                                           \
+    silu_mul_fp8_impl<T>(gate_up, xq, x_scale, inter, padded_width, static_scale);                          \
   }
 DEFINE_LAYER_KERNELS(__half, f16)
 DEFINE_LAYER_KERNELS(bf16_t, bf16)

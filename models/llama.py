@@ -205,10 +205,12 @@ class Llama:
         hidden = self._embed(input_ids)  # [T, E]
         residual = None
         for layer, layer_cache in zip(self.layers, kv_cache):
-            hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
+            # `feeds`: the one linear each output goes into (an FP8 layer's input may be quantized right there).
+            hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual, feeds=layer.qkv)
             hidden = self._attention(layer, hidden, positions, layer_cache, meta, matmul)
-            hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            hidden = self._all_reduce(matmul(ops.silu_mul(matmul(hidden, layer.gate_up)), layer.down))  # [T, E]
+            hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual, feeds=layer.gate_up)
+            activated = ops.silu_mul(matmul(hidden, layer.gate_up), feeds=layer.down)  # [T, I]
+            hidden = self._all_reduce(matmul(activated, layer.down))  # [T, E]
         if rows is not None:
             # The final norm is per row, so only the rows that are wanted go through it.
             hidden, residual = hidden[rows], residual[rows]  # [K, E]

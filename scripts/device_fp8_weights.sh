@@ -8,11 +8,13 @@
 #      shapes in bfloat16, CUDA graphs on. Records go to $OUT/bench_*.json (then one archive);
 #   3. a short table: out tok/s, ratio to the w=none kv=auto run, % of the roofline floor (bytes as stored).
 # If the tests fail, models/llama.py's FP8_WEIGHTS_ON_CUDA = False switches FP8 weights on CUDA off again.
-# `epilogue` instead: the FP8-linear kernel tests (both forms of the quantize and scale kernels), their kernel bench
-# (benchmarks/bench_fp8_epilogue.py) and the 8B bench (bf16, FP8 weights + FP8 KV) with fp8_launcher.VECTOR_KERNELS
-# off and on (a device-side edit, undone after), REPEATS times interleaved.
+# `epilogue` instead: the FP8-linear kernel tests (both forms of the quantize and scale kernels, the fused rms_norm /
+# silu_mul quantize, the FP8 engine), their kernel bench (benchmarks/bench_fp8_epilogue.py) and the 8B bench (bf16,
+# FP8 weights + FP8 KV) for each of VARIANTS (fp8_launcher.VECTOR_KERNELS x cuda_fp8_linear.FUSED_FP8_INPUTS, set
+# by device-side edits, undone after), REPEATS times interleaved.
 #
-# Usage: OUT=/tmp/out [RUNS="1b 8b"] [REPEATS=2] scripts/device_fp8_weights.sh [tests|bench|all|epilogue]
+# Usage: OUT=/tmp/out [RUNS="1b 8b"] [REPEATS=1] [VARIANTS="off:False:False both:True:True"]
+#        scripts/device_fp8_weights.sh [tests|bench|all|epilogue]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fp8w-out}
@@ -26,34 +28,39 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
 
 if [ "$WHAT" = epilogue ]; then
-  timeout ${FP8_TEST_LIMIT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_cuda_fp8_linear.py \
-    >"$OUT/fp8w_tests.log" 2>&1
+  timeout ${FP8_TEST_LIMIT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_cuda_fp8_linear.py \
+    tests/test_ops_cuda_fp8_fused.py tests/test_gpu_engine_fp8_weights.py >"$OUT/fp8w_tests.log" 2>&1
   echo "fp8 linear gpu tests: $(tail -1 "$OUT/fp8w_tests.log")"
   grep -E "^FAILED|^ERROR" "$OUT/fp8w_tests.log" | head -20
   timeout 150 env PYTHONPATH="benchmarks:${PYTHONPATH:-}" python3 benchmarks/bench_fp8_epilogue.py 2>&1 \
     || echo "bench_fp8_epilogue FAILED"
-  SWITCH="VECTOR_KERNELS = False"
-  grep -q "^$SWITCH" offline_paged/ops/fp8_launcher.py || { echo "fp8_launcher.py: the switch line moved"; exit 1; }
-  cp offline_paged/ops/fp8_launcher.py /tmp/fp8_launcher.py.orig  # (the device's git HEAD is not this tree)
-  for i in $(seq ${REPEATS:-2}); do
-    for vector in off on; do
-      [ $vector = on ] && sed -i "s/^$SWITCH/VECTOR_KERNELS = True/" offline_paged/ops/fp8_launcher.py
+  # Variants name:VECTOR_KERNELS:FUSED_FP8_INPUTS, set by device-side edits of the two switches (undone after).
+  VECTOR="offline_paged/ops/fp8_launcher.py" FUSED="offline_paged/ops/cuda_fp8_linear.py"
+  grep -q "^VECTOR_KERNELS = " $VECTOR && grep -q "^FUSED_FP8_INPUTS = " $FUSED \
+    || { echo "a switch line moved"; exit 1; }
+  cp $VECTOR /tmp/vector.orig; cp $FUSED /tmp/fused.orig  # (the device's git HEAD is not this tree)
+  for i in $(seq ${REPEATS:-1}); do
+    for variant in ${VARIANTS:-off:False:False vector:True:False fused:False:True both:True:True}; do
+      IFS=: read -r name vector fused <<<"$variant"
+      sed -i "s/^VECTOR_KERNELS = .*/VECTOR_KERNELS = $vector/" $VECTOR
+      sed -i "s/^FUSED_FP8_INPUTS = .*/FUSED_FP8_INPUTS = $fused/" $FUSED
       PYTHONFAULTHANDLER=1 timeout ${BENCH_LIMIT:-200} offline-paged bench --device cuda --json --cuda-graphs \
         --dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8 --dummy-weights llama-3.1-8b \
-        >"$OUT/bench_vector_${vector}_$i.json" 2>"$OUT/bench_vector_${vector}_$i.err" \
-        || { echo "bench vector $vector FAILED"; tail -5 "$OUT/bench_vector_${vector}_$i.err"; }
-      cp /tmp/fp8_launcher.py.orig offline_paged/ops/fp8_launcher.py
+        >"$OUT/bench_${name}_$i.json" 2>"$OUT/bench_${name}_$i.err" \
+        || { echo "bench $name FAILED"; tail -5 "$OUT/bench_${name}_$i.err"; }
+      cp /tmp/vector.orig $VECTOR; cp /tmp/fused.orig $FUSED
     done
   done
   python3 - "$OUT" <<'PY'
 import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_vector_*.json")):
+for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json"), key=lambda p: p.stat().st_mtime):
     try:
         run = json.loads(path.read_text().strip().splitlines()[-1])["runs"][0]
     except (ValueError, IndexError, KeyError):
         print(f"{path.stem}: no record"); continue
     forward = run["time_split"]["forward_device_ms"]
-    print(f"{path.stem:<20}{run['output_tokens_per_s']:>10,.0f} out tok/s, forward {forward:.2f} ms")
+    print(f"{path.stem:<20}{run['output_tokens_per_s']:>10,.0f} out tok/s, forward {forward:.2f} ms, "
+          f"{(run.get('roofline') or {}).get('fraction_of_floor', 0):.1%} of floor")
 PY
   # At most 8 files come back from the device: the records travel as one archive.
   tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.json "$OUT"/bench_*.err

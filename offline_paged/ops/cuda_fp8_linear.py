@@ -32,9 +32,30 @@ from offline_paged.ops.fp8_linear import Fp8Linear
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA
 
 
+# rms_norm and silu_mul quantize their output for the FP8 layer it feeds (CudaOps' `feeds`; Fp8Rows below), which
+# saves three of a layer's four quantize launches; False: they write 16 bits and `apply` quantizes (the same bytes).
+FUSED_FP8_INPUTS = True
+
 # Let cuBLASLt apply the scales itself where it can (TunedGemm.fp8_scaled: outer-vector scale modes, a 16-bit D, and
 # no float32 accumulator through memory); False: always steps 2-3 above. Either way the result is the same product.
 SCALES_IN_CUBLASLT = True
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Rows:
+    """An FP8 layer's input already quantized by the kernel that made it (CudaOps.rms_norm / silu_mul with
+    `feeds`): what `apply` would have made of the 16-bit rows [T, K] of `dtype`. `shape` is theirs."""
+
+    xq: Any  # [T, Kp] uint8 (e4m3fn bits; columns K..Kp-1 zero)
+    scales: Any  # [T] float32
+    width: int  # K
+    dtype: Any  # the rows' 16-bit dtype, which the product returns
+
+    __array_ufunc__ = None  # `rows @ layer` goes to CudaFp8Linear.__rmatmul__
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.xq.shape[0], self.width
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +112,18 @@ class CudaFp8Linear:
         return (values * self.weight_scale[:, None])[:self.out_features, :self.in_features].T
 
     def apply(self, x, gemm):
-        """x [T, K] float16 / bfloat16 -> [T, N] of x's dtype through `gemm` (a TunedGemm on the current stream)."""
-        if not isinstance(x, cupy.ndarray) or x.ndim != 2 or x.shape[1] != self.in_features:
+        """x [T, K] float16 / bfloat16 (or Fp8Rows made for this layer) -> [T, N] of x's dtype through `gemm` (a
+        TunedGemm on the current stream)."""
+        if isinstance(x, Fp8Rows):
+            if x.width != self.in_features or x.xq.shape[1] != self.weight.shape[1]:
+                raise ValueError(f"quantized rows of width {x.width} (padded {x.xq.shape[1]}) do not fit an FP8 "
+                                 f"weight of shape {self.shape} (padded {self.weight.shape[1]})")
+            xq, x_scale = x.xq, x.scales  # [T, Kp], [T]
+        elif not isinstance(x, cupy.ndarray) or x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"cannot multiply x of shape {getattr(x, 'shape', type(x).__name__)} by an FP8 weight "
                              f"of shape {self.shape}")
-        xq, x_scale = quantize_rows_fp8(cupy.ascontiguousarray(x), self.weight.shape[1], self.input_scale)  # [T, Kp]
+        else:
+            xq, x_scale = quantize_rows_fp8(cupy.ascontiguousarray(x), self.weight.shape[1], self.input_scale)
         if SCALES_IN_CUBLASLT and self.weight.shape[0] == self.out_features:
             out = cupy.empty((x.shape[0], self.out_features), dtype=x.dtype)  # [T, N]
             if gemm.fp8_scaled(xq, self.weight, x_scale, self.weight_scale, out):

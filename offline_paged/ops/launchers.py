@@ -66,6 +66,9 @@ KERNELS = (
     ("attention.cu", "paged_attention_d64_decode_bf16"), ("attention.cu", "paged_attention_d128_decode_bf16"),
     ("attention.cu", "paged_attention_d64_decode_f16_fp8"), ("attention.cu", "paged_attention_d128_decode_f16_fp8"),
     ("attention.cu", "paged_attention_d64_decode_bf16_fp8"), ("attention.cu", "paged_attention_d128_decode_bf16_fp8"),
+    # FP8 linears' inputs quantized where they are made (rms_norm, silu_mul):
+    ("layer.cu", "rms_norm_fp8_f16"), ("layer.cu", "rms_norm_fp8_bf16"),
+    ("layer.cu", "silu_mul_fp8_f16"), ("layer.cu", "silu_mul_fp8_bf16"),
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 DECODE_TILE_ROWS = 8  # the same for the "decode" kernels (attention.cu's NarrowTile)
@@ -414,6 +417,42 @@ def rms_norm(x, weight, eps: float, residual=None):
     return out, residual_out
 
 
+def _fp8_rows(num_rows: int, width: int, padded_width: int, static_scale: float | None):
+    """The outputs of an FP8-quantizing kernel: (xq [R, Kp] e4m3 bits, scales [R] float32), after checking
+    padded_width (a multiple of 16, at least `width`: cuBLASLt's FP8 rule) and static_scale."""
+    _require(padded_width >= width and padded_width % 16 == 0,
+             f"padded_width must be a multiple of 16 and >= {width}, got {padded_width}")
+    _require(static_scale is None or (math.isfinite(static_scale) and static_scale > 0),
+             f"static_scale must be a positive finite number, got {static_scale!r}")
+    return cupy.empty((num_rows, padded_width), dtype=FP8_STORAGE), cupy.empty(num_rows, dtype=cupy.float32)
+
+
+def rms_norm_fp8(x, weight, eps: float, residual=None, padded_width: int | None = None,
+                 static_scale: float | None = None):
+    """rms_norm whose normed output goes straight into an FP8 linear: (xq [T, Kp] uint8 e4m3 bits, scales [T]
+    float32, new residual [T, E]), byte for byte rms_norm then fp8_launcher.quantize_rows_fp8(normed,
+    padded_width, static_scale) (per row: scale max|normed| / 448, or static_scale). Kp = padded_width (default:
+    E rounded up to 16); columns E..Kp-1 of xq are 0."""
+    suffix = _element_suffix("x", x)
+    _check_array("x", x, x.dtype, 2)
+    _check_array("weight", weight, x.dtype, 1)
+    num_tokens, hidden = x.shape
+    _require(weight.shape[0] == hidden, f"weight has {weight.shape[0]} entries for hidden size {hidden}")
+    if residual is not None:
+        _check_array("residual", residual, x.dtype, 2)
+        _require(residual.shape == x.shape, f"residual shape {residual.shape} != x shape {x.shape}")
+    padded_width = -(-hidden // 16) * 16 if padded_width is None else int(padded_width)
+    xq, scales = _fp8_rows(num_tokens, hidden, padded_width, static_scale)
+    residual_out = cupy.empty_like(x)
+    if num_tokens:
+        units = hidden // VECTOR_WIDTH if _vector_path(hidden, x, residual, weight, residual_out, xq) else hidden
+        _kernel("layer.cu", f"rms_norm_fp8_{suffix}")(
+            (num_tokens,), (_block_threads(units, 1024),),
+            (x, residual if residual is not None else np.uint64(0), weight, xq, scales, residual_out,
+             np.int32(hidden), np.int32(padded_width), np.float32(eps), np.float32(static_scale or 0.0)))
+    return xq, scales, residual_out
+
+
 def _check_rope_inputs(q, k, positions, cos_sin) -> tuple[int, int]:
     """rope's and rope_write_kv's checks of q [T, H, D], k [T, Hkv, D] (q's dtype, row-strided views
     allowed), positions [T] int32 and cos_sin [P, D]; returns the row strides (q_stride, k_stride)."""
@@ -496,6 +535,24 @@ def silu_mul(gate_up):
         grid = (math.ceil(columns / threads), min(num_tokens, MAX_GRID_Y))
         _kernel("layer.cu", f"silu_mul_{suffix}")(grid, (threads,), (gate_up, out, np.int64(num_tokens), np.int32(inter)))
     return out
+
+
+def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float | None = None):
+    """silu_mul whose output goes straight into an FP8 linear: (xq [T, Kp] uint8 e4m3 bits, scales [T] float32),
+    byte for byte silu_mul then fp8_launcher.quantize_rows_fp8(out, padded_width, static_scale). Kp =
+    padded_width (default: I rounded up to 16); columns I..Kp-1 of xq are 0. One block per token row."""
+    suffix = _element_suffix("gate_up", gate_up)
+    _check_array("gate_up", gate_up, gate_up.dtype, 2)
+    _require(gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd")
+    num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    padded_width = -(-inter // 16) * 16 if padded_width is None else int(padded_width)
+    xq, scales = _fp8_rows(num_tokens, inter, padded_width, static_scale)
+    if num_tokens:
+        units = inter // VECTOR_WIDTH if _vector_path(inter, gate_up, xq) else inter
+        _kernel("layer.cu", f"silu_mul_fp8_{suffix}")(
+            (num_tokens,), (_block_threads(units, 1024),),
+            (gate_up, xq, scales, np.int32(inter), np.int32(padded_width), np.float32(static_scale or 0.0)))
+    return xq, scales
 
 
 def add_bias(x, bias):

@@ -39,9 +39,11 @@ class NumpyOps:
         """A pre-quantized checkpoint's Fp8Linear as this backend keeps it: unchanged."""
         return layer
 
-    def rms_norm(self, x, weight, eps: float, residual=None):
+    def rms_norm(self, x, weight, eps: float, residual=None, feeds=None):
         """RMSNorm with vLLM's residual convention: with a residual, x + residual is normalised and
-        also returned as the new residual; without, x itself is the residual. Returns (normed, residual)."""
+        also returned as the new residual; without, x itself is the residual. Returns (normed, residual).
+        `feeds`: the one linear the output goes into (CudaOps may hand an FP8 layer its quantized input
+        instead; here the product quantizes, so it changes nothing)."""
         if residual is not None:
             x = x + residual  # [T, hidden]
         acc = x.astype(np.promote_types(x.dtype, np.float32), copy=False)  # [T, hidden]
@@ -95,8 +97,9 @@ class NumpyOps:
         """x + bias over the last axis (x [T, N], bias [N]); CudaOps may update x in place."""
         return x + bias
 
-    def silu_mul(self, gate_up):
-        """SwiGLU activation: silu(gate) * up for gate_up = concat(gate, up); [T, 2I] -> [T, I]."""
+    def silu_mul(self, gate_up, feeds=None):
+        """SwiGLU activation: silu(gate) * up for gate_up = concat(gate, up); [T, 2I] -> [T, I]. `feeds`: as
+        rms_norm's."""
         inter = gate_up.shape[-1] // 2
         gate = gate_up[:, :inter]  # [T, I]
         with np.errstate(over="ignore"):  # exp(-gate) -> inf for very negative gate gives silu = -0

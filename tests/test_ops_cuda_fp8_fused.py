@@ -1,0 +1,180 @@
+"""An FP8 layer's input quantized by the kernel that makes it (layer.cu's rms_norm_fp8 / silu_mul_fp8, CudaOps'
+`feeds`): byte for byte the 16-bit kernel followed by fp8_launcher.quantize_rows_fp8, which
+tests/test_ops_cuda_fp8_linear.py checks against the NumPy reference. Needs a GPU.
+
+What is checked, in fp16 and bf16: the e4m3 bytes, the float32 row scales and (rms_norm) the new residual equal the
+two-launch path's, with and without a residual, with a static input scale, on the vector path (widths of 8k, with
+padding to 16, and rows longer than the registers hold) and the scalar one (odd widths, a misaligned array); a zero
+row; CudaOps hands an FP8 layer Fp8Rows that give the same product as its 16-bit rows, eagerly and replayed from a
+CUDA graph; rows made for another layer are refused.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+import offline_paged.ops.ops_cuda as ops_cuda  # noqa: E402
+from offline_paged.ops import launchers  # noqa: E402
+from offline_paged.ops.cublaslt import TunedGemm  # noqa: E402
+from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear, Fp8Rows  # noqa: E402
+from offline_paged.ops.fp8_launcher import quantize_rows_fp8  # noqa: E402
+from offline_paged.ops.graphs import gc_paused  # noqa: E402
+from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="bf16")]
+# (rows, width): decode and prefill rows at Llama widths (vector path), widths padded to 16 (40, 36: the second
+# takes the scalar path), and rows longer than the 4 x 1024 chunks of 8 a block keeps in registers.
+SHAPES = [(1, 2048), (7, 4096), (256, 4096), (5, 40), (3, 36), (2, 33_024)]
+SILU_SHAPES = [(1, 8192), (7, 14_336), (256, 14_336), (5, 40), (3, 36), (2, 33_000)]
+
+
+def rows(rng, num_rows: int, width: int, dtype):
+    """[R, K] of `dtype`, row magnitudes over three decades, row 1 zero (when there is one)."""
+    x = rng.standard_normal((num_rows, width)) * 10.0 ** rng.uniform(-2, 1, (num_rows, 1))
+    if num_rows > 1:
+        x[1] = 0.0
+    return cupy.asarray(x.astype(dtype))
+
+
+def misaligned(a):
+    """A C-contiguous copy of `a` whose data starts 2 bytes past a 16-byte boundary (the kernels' scalar path)."""
+    flat = cupy.empty(a.size + 1, dtype=a.dtype)[1:]
+    flat[...] = a.reshape(-1)
+    assert flat.data.ptr % 16 == 2
+    return flat.reshape(a.shape)
+
+
+def assert_same_fp8_rows(xq, scales, want_xq, want_scales):
+    assert xq.dtype == np.uint8 and xq.shape == want_xq.shape
+    np.testing.assert_array_equal(scales.get(), want_scales.get())
+    np.testing.assert_array_equal(xq.get(), want_xq.get())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows, hidden", SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["no-residual", "residual"])
+def test_rms_norm_fp8_stores_the_bytes_of_rms_norm_then_quantize(num_rows, hidden, with_residual, dtype):
+    rng = np.random.default_rng(num_rows * 13 + hidden)
+    x = rows(rng, num_rows, hidden, dtype)
+    residual = None
+    if with_residual:
+        residual = rows(rng, num_rows, hidden, dtype)
+        if num_rows > 1:
+            residual[1] = 0  # keeps the zero row zero: its scale is 1
+    weight = cupy.asarray((1 + 0.5 * rng.standard_normal(hidden)).astype(dtype))
+    normed, want_residual = launchers.rms_norm(x, weight, 1e-5, residual)
+    want_xq, want_scales = quantize_rows_fp8(normed)
+    xq, scales, residual_out = launchers.rms_norm_fp8(x, weight, 1e-5, residual)
+    assert_same_fp8_rows(xq, scales, want_xq, want_scales)
+    np.testing.assert_array_equal(residual_out.get().view(np.uint16), want_residual.get().view(np.uint16))
+    if num_rows > 1:
+        assert scales.get()[1] == 1.0 and not xq.get()[1].any()  # the zero row
+    assert np.abs(xq.get()[:, :hidden].view(ml_dtypes.float8_e4m3fn).astype(np.float32)).max() == 448.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_fp8_static_scale_wider_padding_and_scalar_path(dtype):
+    """A checkpoint's input_scale for every row; padding beyond the next multiple of 16 (a layer's Kp); a
+    misaligned x (the scalar path of a width the vector path would take)."""
+    rng = np.random.default_rng(5)
+    x, residual = rows(rng, 9, 256, dtype), rows(rng, 9, 256, dtype)
+    weight = cupy.asarray((1 + 0.5 * rng.standard_normal(256)).astype(dtype))
+    normed, want_residual = launchers.rms_norm(x, weight, 1e-6, residual)
+    for static_scale, padded_width in [(0.004, 256), (None, 288)]:
+        want_xq, want_scales = quantize_rows_fp8(normed, padded_width, static_scale)
+        for x_in in (x, misaligned(x)):
+            xq, scales, residual_out = launchers.rms_norm_fp8(x_in, weight, 1e-6, residual, padded_width,
+                                                              static_scale)
+            assert_same_fp8_rows(xq, scales, want_xq, want_scales)
+            np.testing.assert_array_equal(residual_out.get().view(np.uint16), want_residual.get().view(np.uint16))
+    assert (scales.get() != 1.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows, inter", SILU_SHAPES)
+def test_silu_mul_fp8_stores_the_bytes_of_silu_mul_then_quantize(num_rows, inter, dtype):
+    rng = np.random.default_rng(num_rows * 17 + inter)
+    gate_up = rows(rng, num_rows, 2 * inter, dtype)
+    want_xq, want_scales = quantize_rows_fp8(launchers.silu_mul(gate_up))
+    xq, scales = launchers.silu_mul_fp8(gate_up)
+    assert_same_fp8_rows(xq, scales, want_xq, want_scales)
+    if num_rows > 1:
+        assert scales.get()[1] == 1.0 and not xq.get()[1].any()  # silu(0) * 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_fp8_static_scale_wider_padding_and_scalar_path(dtype):
+    rng = np.random.default_rng(6)
+    gate_up = rows(rng, 11, 2 * 1024, dtype)
+    out = launchers.silu_mul(gate_up)
+    for static_scale, padded_width in [(0.01, 1024), (None, 1056)]:
+        want_xq, want_scales = quantize_rows_fp8(out, padded_width, static_scale)
+        for g in (gate_up, misaligned(gate_up)):
+            xq, scales = launchers.silu_mul_fp8(g, padded_width, static_scale)
+            assert_same_fp8_rows(xq, scales, want_xq, want_scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_ops_feed_fp8_rows_to_the_layer_with_the_same_product(dtype, monkeypatch):
+    """CudaOps.rms_norm / silu_mul with `feeds` an FP8 layer return Fp8Rows; the product of those equals the product
+    of the 16-bit rows bit for bit, eagerly and from a captured graph; a 16-bit `feeds` changes nothing."""
+    rng = np.random.default_rng(8)
+    ops = CudaOps()
+    qkv = ops.quantize_linear(cupy.asarray(rng.standard_normal((640, 512)).astype(dtype)))  # [out, in]
+    down = ops.quantize_linear(cupy.asarray(rng.standard_normal((512, 768)).astype(dtype)))
+    x, residual = rows(rng, 33, 512, dtype), rows(rng, 33, 512, dtype)
+    weight = cupy.asarray((1 + 0.5 * rng.standard_normal(512)).astype(dtype))
+    gate_up = rows(rng, 33, 2 * 768, dtype)
+
+    normed, residual_out = ops.rms_norm(x, weight, 1e-5, residual, feeds=qkv)
+    activated = ops.silu_mul(gate_up, feeds=down)
+    assert isinstance(normed, Fp8Rows) and normed.shape == (33, 512) and normed.dtype == dtype
+    assert isinstance(activated, Fp8Rows) and activated.shape == (33, 768)
+    plain_normed, plain_residual = ops.rms_norm(x, weight, 1e-5, residual)
+    plain_activated = ops.silu_mul(gate_up)
+    np.testing.assert_array_equal(residual_out.get().view(np.uint16), plain_residual.get().view(np.uint16))
+    for fused, plain, layer in [(normed, plain_normed, qkv), (activated, plain_activated, down)]:
+        np.testing.assert_array_equal((fused @ layer).get().view(np.uint16), (plain @ layer).get().view(np.uint16))
+
+    # A decode graph: the fused kernel and the product captured, replayed on new inputs.
+    stream = cupy.cuda.Stream(non_blocking=True)
+    gemm = TunedGemm(stream)
+    with stream:
+        gemm(ops.rms_norm(x, weight, 1e-5, residual, feeds=qkv)[0], qkv)  # tunes the shape outside the capture
+        stream.synchronize()
+        with gc_paused():
+            stream.begin_capture()
+            held = ops.rms_norm(x, weight, 1e-5, residual, feeds=qkv)  # kept alive: the replay writes into it
+            captured = gemm(held[0], qkv)
+            graph = stream.end_capture()
+    x[...] = rows(rng, 33, 512, dtype)
+    cupy.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(captured.get().view(np.uint16),
+                                  (ops.rms_norm(x, weight, 1e-5, residual)[0] @ qkv).get().view(np.uint16))
+
+    # Switched off, or a 16-bit layer: plain arrays.
+    monkeypatch.setattr(ops_cuda, "FUSED_FP8_INPUTS", False)
+    assert isinstance(ops.rms_norm(x, weight, 1e-5, residual, feeds=qkv)[0], cupy.ndarray)
+    monkeypatch.setattr(ops_cuda, "FUSED_FP8_INPUTS", True)
+    assert isinstance(ops.silu_mul(gate_up, feeds=cupy.zeros((768, 512), dtype)), cupy.ndarray)
+
+
+def test_rows_made_for_another_layer_are_refused():
+    ops = CudaOps()
+    layer = CudaFp8Linear.quantize(cupy.ones((64, 96), np.float16))  # in 96, padded 96
+    other = CudaFp8Linear.quantize(cupy.ones((64, 100), np.float16))  # in 100, padded 112
+    x, weight = cupy.ones((4, 100), np.float16), cupy.ones(100, np.float16)
+    fused, _ = ops.rms_norm(x, weight, 1e-5, feeds=other)
+    with pytest.raises(ValueError, match="do not fit an FP8 weight"):
+        layer.apply(fused, TunedGemm(cupy.cuda.Stream(non_blocking=True)))
+    with pytest.raises(ValueError, match="padded_width must be a multiple of 16"):
+        launchers.rms_norm_fp8(x, weight, 1e-5, padded_width=104)
+    with pytest.raises(ValueError, match="static_scale must be a positive finite number"):
+        launchers.silu_mul_fp8(cupy.ones((4, 64), np.float16), static_scale=float("nan"))
