@@ -29,10 +29,9 @@ KERNELS = (
     ("fp8_linear.cu", "scale_fp8_output_vec_f16"), ("fp8_linear.cu", "scale_fp8_output_vec_bf16"),
 )
 # The 16-byte forms of both kernels (the same bytes and values; 8 elements a thread per load) where the shapes and
-# alignments allow. Off: written in session 29 without device time left, not yet run on a GPU. A profile of the FP8
-# 8B step put the scalar kernels at ~2.5 ms of its 11.4 (benchmarks/RESULTS.md, 2026-12-03). Switch it on once
-# tests/test_ops_cuda_fp8_linear.py passes with it on the device and benchmarks/bench_fp8_epilogue.py shows the gain.
-VECTOR_KERNELS = False
+# alignments allow. On since session 30's device run (tests/test_ops_cuda_fp8_linear.py passed with both forms; at
+# the 8B shape, bf16, FP8 weights + KV: 12,749 against 12,052 out tok/s, benchmarks/RESULTS.md 2026-12-03 (30)).
+VECTOR_KERNELS = True
 QUANT_THREADS = 256  # fp8_linear.cu's QUANT_THREADS
 FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner dimension and leading dimensions multiples of 16
 MAX_ROW_BLOCKS = 65535  # both kernels stride over rows past this many blocks (CUDA's gridDim.y limit)
