@@ -142,14 +142,49 @@ __device__ __forceinline__ float block_sum(float value) {
   return value;
 }
 
+// Where a kernel reads its input row from (the block's row; `chunk` needs col % 8 == 0 and the source's vector
+// alignment, which `aligned` reports):
+// RowOf16: a 16-bit activation row.
+template <typename T>
+struct RowOf16 {
+  const T* p;
+  __device__ __forceinline__ Pack8<T> chunk(int col) const { return load8(p + col); }
+  __device__ __forceinline__ T one(int col) const { return p[col]; }
+  __device__ __forceinline__ bool aligned() const { return aligned16(p); }
+};
+
+// RowOfFp8Product: a row of an FP8 GEMM's product before its scale epilogue (offline_paged/ops/cuda_fp8_linear.py's
+// Fp8Product): acc [.., Np] float32, the row's x_scale, w_scale [Np]; element j is T((acc[j] x_scale) x w_scale[j])
+// rounded once, as fp8_linear.cu's scale_fp8_output writes it, bit for bit.
+template <typename T>
+struct RowOfFp8Product {
+  const float* acc;
+  float x_scale;
+  const float* w_scale;
+  __device__ __forceinline__ T scaled(float a, float w) const {
+    return from_float<T>(__fmul_rn(__fmul_rn(a, x_scale), w));
+  }
+  __device__ __forceinline__ Pack8<T> chunk(int col) const {
+    const float4 a0 = *reinterpret_cast<const float4*>(acc + col), a1 = *reinterpret_cast<const float4*>(acc + col + 4);
+    const float4 w0 = *reinterpret_cast<const float4*>(w_scale + col);
+    const float4 w1 = *reinterpret_cast<const float4*>(w_scale + col + 4);
+    Pack8<T> r;
+    r.v[0] = scaled(a0.x, w0.x), r.v[1] = scaled(a0.y, w0.y), r.v[2] = scaled(a0.z, w0.z), r.v[3] = scaled(a0.w, w0.w);
+    r.v[4] = scaled(a1.x, w1.x), r.v[5] = scaled(a1.y, w1.y), r.v[6] = scaled(a1.z, w1.z), r.v[7] = scaled(a1.w, w1.w);
+    return r;
+  }
+  __device__ __forceinline__ T one(int col) const { return scaled(acc[col], w_scale[col]); }
+  __device__ __forceinline__ bool aligned() const { return aligned16(acc) && aligned16(w_scale); }
+};
+
 // Vector chunks of a row each thread keeps in registers between the sum and the output pass
 // (RMS_HELD * blockDim.x * 8 elements: 32768 at 1024 threads); chunks past that are read back from
 // residual_out, which the same thread wrote.
 constexpr int RMS_HELD = 4;
 
-template <typename T>
-__device__ __forceinline__ Pack8<T> rms_residual8(const T* x, const T* residual, size_t at, float& sum) {
-  Pack8<T> h = load8(x + at);
+template <typename T, typename X>
+__device__ __forceinline__ Pack8<T> rms_residual8(const X& x, const T* residual, size_t at, int col, float& sum) {
+  Pack8<T> h = x.chunk(col);
   if (residual != nullptr) {
     const Pack8<T> r = load8(residual + at);
 #pragma unroll
@@ -179,17 +214,18 @@ __device__ __forceinline__ float rms_normed1(T h, T w, float inv_rms) {
   return to_float(from_float<T>(to_float(h) * inv_rms * to_float(w)));
 }
 
-// The vector path's first pass of a row (`row`: its first element): h = x (+ residual) rounded to T, written to
-// residual_out, the thread's first RMS_HELD chunks kept in `held`; returns 1 / rms of the row (block-wide).
-template <typename T>
-__device__ __forceinline__ float rms_first_pass8(const T* x, const T* residual, T* residual_out, size_t row,
+// The vector path's first pass of a row (x: the row's source; `row`: its first element's index in residual and
+// residual_out): h = x (+ residual) rounded to T, written to residual_out, the thread's first RMS_HELD chunks kept
+// in `held`; returns 1 / rms of the row (block-wide).
+template <typename T, typename X>
+__device__ __forceinline__ float rms_first_pass8(const X& x, const T* residual, T* residual_out, size_t row,
                                                  int hidden, float eps, Pack8<T> (&held)[RMS_HELD]) {
   const int chunks = hidden / VEC;
   float sum = 0.f;
 #pragma unroll
   for (int n = 0; n < RMS_HELD; ++n) {  // all loads first (store8 is an asm barrier to reordering)
     const int c = threadIdx.x + n * blockDim.x;
-    if (c < chunks) held[n] = rms_residual8(x, residual, row + (size_t)c * VEC, sum);
+    if (c < chunks) held[n] = rms_residual8(x, residual, row + (size_t)c * VEC, c * VEC, sum);
   }
 #pragma unroll
   for (int n = 0; n < RMS_HELD; ++n) {
@@ -197,19 +233,19 @@ __device__ __forceinline__ float rms_first_pass8(const T* x, const T* residual, 
     if (c < chunks) store8(residual_out + row + (size_t)c * VEC, held[n]);
   }
   for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
-    store8(residual_out + row + (size_t)c * VEC, rms_residual8(x, residual, row + (size_t)c * VEC, sum));
+    store8(residual_out + row + (size_t)c * VEC, rms_residual8(x, residual, row + (size_t)c * VEC, c * VEC, sum));
   }
   return rsqrtf(block_sum(sum) / hidden + eps);
 }
 
 // The scalar path's first pass: as rms_first_pass8, one element per step (the output pass reads back the
 // residual_out entries the same thread wrote).
-template <typename T>
-__device__ __forceinline__ float rms_first_pass1(const T* x, const T* residual, T* residual_out, size_t row,
+template <typename T, typename X>
+__device__ __forceinline__ float rms_first_pass1(const X& x, const T* residual, T* residual_out, size_t row,
                                                  int hidden, float eps) {
   float sum = 0.f;
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    T h = x[row + i];
+    T h = x.one(i);
     if (residual != nullptr) h = add_rounded(h, residual[row + i]);  // the exact sum rounded once to T
     residual_out[row + i] = h;
     const float f = to_float(h);
@@ -227,7 +263,7 @@ __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T*
   if (vec) {
     const int chunks = hidden / VEC;
     Pack8<T> held[RMS_HELD];
-    const float inv_rms = rms_first_pass8(x, residual, residual_out, row, hidden, eps, held);
+    const float inv_rms = rms_first_pass8(RowOf16<T>{x + row}, residual, residual_out, row, hidden, eps, held);
 #pragma unroll
     for (int n = 0; n < RMS_HELD; ++n) {
       const int c = threadIdx.x + n * blockDim.x;
@@ -239,7 +275,7 @@ __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T*
     }
     return;
   }
-  const float inv_rms = rms_first_pass1(x, residual, residual_out, row, hidden, eps);
+  const float inv_rms = rms_first_pass1(RowOf16<T>{x + row}, residual, residual_out, row, hidden, eps);
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {  // each thread reads back what it wrote
     out[row + i] = from_float<T>(to_float(residual_out[row + i]) * inv_rms * to_float(weight[i]));
   }
@@ -467,15 +503,14 @@ __device__ void rope_write_kv_fp8_impl(const T* q, const T* k, const T* v, const
 
 __device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.f + __expf(-gate)) * up; }
 
-// silu(gate) * up of columns col..col+7, each rounded to T.
-template <typename T>
-__device__ __forceinline__ Pack8<T> silu_mul8(const T* gate_row, const T* up_row, int col) {
-  float gate[VEC], up[VEC];
-  load8_float(gate_row + col, gate);
-  load8_float(up_row + col, up);
+// silu(gate) * up of columns col..col+7 of a gate_up row (x: its source; up starts at column `inter`), each
+// rounded to T.
+template <typename T, typename X>
+__device__ __forceinline__ Pack8<T> silu_mul8(const X& x, int inter, int col) {
+  const Pack8<T> gate = x.chunk(col), up = x.chunk(inter + col);
   Pack8<T> y;
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) y.v[i] = from_float<T>(silu_times(gate[i], up[i]));
+  for (int i = 0; i < VEC; ++i) y.v[i] = from_float<T>(silu_times(to_float(gate.v[i]), to_float(up.v[i])));
   return y;
 }
 
@@ -491,7 +526,7 @@ __device__ void silu_mul_impl(const T* gate_up, T* out, long long num_tokens, in
     T* out_row = out + (size_t)t * inter;
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < columns; c += gridDim.x * blockDim.x) {
       if (vec) {
-        store8(out_row + c * VEC, silu_mul8(gate_row, up_row, c * VEC));
+        store8(out_row + c * VEC, silu_mul8<T>(RowOf16<T>{gate_row}, inter, c * VEC));
       } else {
         out_row[c] = from_float<T>(silu_times(to_float(gate_row[c]), to_float(up_row[c])));
       }
@@ -539,12 +574,13 @@ __device__ __forceinline__ void zero_padding(unsigned char* q_row, int width, in
   for (int c = width + threadIdx.x; c < padded_width; c += blockDim.x) q_row[c] = 0;
 }
 
-template <typename T>
-__device__ void rms_norm_fp8_impl(const T* x, const T* residual, const T* weight, unsigned char* xq, float* x_scale,
+// x: the block's row of the input (RowOf16 or RowOfFp8Product).
+template <typename T, typename X>
+__device__ void rms_norm_fp8_impl(const X& x, const T* residual, const T* weight, unsigned char* xq, float* x_scale,
                                   T* residual_out, int hidden, int padded_width, float eps, float static_scale) {
   const size_t row = (size_t)blockIdx.x * hidden;
   unsigned char* q_row = xq + (size_t)blockIdx.x * padded_width;
-  const bool vec = hidden % VEC == 0 && aligned16(x) && aligned16(residual) && aligned16(weight) &&
+  const bool vec = hidden % VEC == 0 && x.aligned() && aligned16(residual) && aligned16(weight) &&
                    aligned16(residual_out) && aligned16(xq) && padded_width % 16 == 0;
   float amax = 0.f;
   if (vec) {
@@ -589,13 +625,12 @@ __device__ void rms_norm_fp8_impl(const T* x, const T* residual, const T* weight
 // computed twice).
 constexpr int SILU_HELD = 4;
 
-template <typename T>
-__device__ void silu_mul_fp8_impl(const T* gate_up, unsigned char* xq, float* x_scale, int inter, int padded_width,
+// x: the block's gate_up row (RowOf16 or RowOfFp8Product).
+template <typename T, typename X>
+__device__ void silu_mul_fp8_impl(const X& x, unsigned char* xq, float* x_scale, int inter, int padded_width,
                                   float static_scale) {
-  const T* gate_row = gate_up + (size_t)blockIdx.x * 2 * inter;
-  const T* up_row = gate_row + inter;
   unsigned char* q_row = xq + (size_t)blockIdx.x * padded_width;
-  const bool vec = inter % VEC == 0 && aligned16(gate_up) && aligned16(xq) && padded_width % 16 == 0;
+  const bool vec = inter % VEC == 0 && x.aligned() && aligned16(xq) && padded_width % 16 == 0;
   float amax = 0.f;
   if (vec) {
     const int chunks = inter / VEC;
@@ -604,12 +639,12 @@ __device__ void silu_mul_fp8_impl(const T* gate_up, unsigned char* xq, float* x_
     for (int n = 0; n < SILU_HELD; ++n) {
       const int c = threadIdx.x + n * blockDim.x;
       if (c < chunks) {
-        held[n] = silu_mul8(gate_row, up_row, c * VEC);
+        held[n] = silu_mul8<T>(x, inter, c * VEC);
         amax = amax8(held[n], amax);
       }
     }
     for (int c = threadIdx.x + SILU_HELD * blockDim.x; c < chunks; c += blockDim.x)
-      amax = amax8(silu_mul8(gate_row, up_row, c * VEC), amax);
+      amax = amax8(silu_mul8<T>(x, inter, c * VEC), amax);
     const float scale = fp8_row_scale(block_amax(amax), static_scale);
     if (threadIdx.x == 0) x_scale[blockIdx.x] = scale;
 #pragma unroll
@@ -618,14 +653,14 @@ __device__ void silu_mul_fp8_impl(const T* gate_up, unsigned char* xq, float* x_
       if (c < chunks) store8_e4m3(q_row + c * VEC, held[n], scale);
     }
     for (int c = threadIdx.x + SILU_HELD * blockDim.x; c < chunks; c += blockDim.x)
-      store8_e4m3(q_row + c * VEC, silu_mul8(gate_row, up_row, c * VEC), scale);
+      store8_e4m3(q_row + c * VEC, silu_mul8<T>(x, inter, c * VEC), scale);
   } else {
     for (int i = threadIdx.x; i < inter; i += blockDim.x)
-      amax = nan_max(amax, fabsf(to_float(from_float<T>(silu_times(to_float(gate_row[i]), to_float(up_row[i]))))));
+      amax = nan_max(amax, fabsf(to_float(from_float<T>(silu_times(to_float(x.one(i)), to_float(x.one(inter + i)))))));
     const float scale = fp8_row_scale(block_amax(amax), static_scale);
     if (threadIdx.x == 0) x_scale[blockIdx.x] = scale;
     for (int i = threadIdx.x; i < inter; i += blockDim.x) {
-      const float y = to_float(from_float<T>(silu_times(to_float(gate_row[i]), to_float(up_row[i]))));
+      const float y = to_float(from_float<T>(silu_times(to_float(x.one(i)), to_float(x.one(inter + i)))));
       q_row[i] = (unsigned char)float_to_e4m3(__fdiv_rn(y, scale));
     }
   }
@@ -700,13 +735,28 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
   extern "C" __global__ void __launch_bounds__(1024)                                                        \
       rms_norm_fp8_##SUFFIX(const T* x, const T* residual, const T* weight, unsigned char* xq, float* x_scale, \
                             T* residual_out, int hidden, int padded_width, float eps, float static_scale) {  \
+    rms_norm_fp8_impl<T>(RowOf16<T>{x + (size_t)blockIdx.x * hidden}, residual, weight, xq, x_scale,         \
+                         residual_out, hidden, padded_width, eps, static_scale);                            \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(1024) rms_norm_fp8_product_##SUFFIX(                         \
+      const float* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const T* residual, \
+      const T* weight, unsigned char* xq, float* x_scale, T* residual_out, int hidden, int padded_width,      \
+      float eps, float static_scale) {                                                                      \
+    const RowOfFp8Product<T> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale};   \
     rms_norm_fp8_impl<T>(x, residual, weight, xq, x_scale, residual_out, hidden, padded_width, eps,          \
                          static_scale);                                                                     \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(1024)                                                        \
       silu_mul_fp8_##SUFFIX(const T* gate_up, unsigned char* xq, float* x_scale, int inter, int padded_width, \
                             float static_scale) {                                                           \
-    silu_mul_fp8_impl<T>(gate_up, xq, x_scale, inter, padded_width, static_scale);                          \
+    silu_mul_fp8_impl<T>(RowOf16<T>{gate_up + (size_t)blockIdx.x * 2 * inter}, xq, x_scale, inter,           \
+                         padded_width, static_scale);                                                       \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(1024) silu_mul_fp8_product_##SUFFIX(                         \
+      const float* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, unsigned char* xq, \
+      float* x_scale, int inter, int padded_width, float static_scale) {                                    \
+    const RowOfFp8Product<T> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale};   \
+    silu_mul_fp8_impl<T>(x, xq, x_scale, inter, padded_width, static_scale);                                \
   }
 DEFINE_LAYER_KERNELS(__half, f16)
 DEFINE_LAYER_KERNELS(bf16_t, bf16)

@@ -204,13 +204,16 @@ class Llama:
         ops, eps = self.ops, self.config.rms_norm_eps
         hidden = self._embed(input_ids)  # [T, E]
         residual = None
-        for layer, layer_cache in zip(self.layers, kv_cache):
-            # `feeds`: the one linear each output goes into (an FP8 layer's input may be quantized right there).
+        # Between the kernels, FP8 layers may pass their input already quantized (`feeds`: the one linear an output
+        # goes into) and their output before its scale epilogue (`ops.deferred`: read in by rms_norm / silu_mul).
+        last = len(self.layers) - 1
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache)):
             hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual, feeds=layer.qkv)
             hidden = self._attention(layer, hidden, positions, layer_cache, meta, matmul)
             hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual, feeds=layer.gate_up)
-            activated = ops.silu_mul(matmul(hidden, layer.gate_up), feeds=layer.down)  # [T, I]
-            hidden = self._all_reduce(matmul(activated, layer.down))  # [T, E]
+            activated = ops.silu_mul(matmul(hidden, ops.deferred(layer.gate_up)), feeds=layer.down)  # [T, I]
+            down = layer.down if i == last else ops.deferred(layer.down)  # the last one's rows are picked next
+            hidden = self._all_reduce(matmul(activated, down))  # [T, E]
         if rows is not None:
             # The final norm is per row, so only the rows that are wanted go through it.
             hidden, residual = hidden[rows], residual[rows]  # [K, E]
@@ -265,7 +268,8 @@ class Llama:
                                    meta.slot_mapping, **fp8)  # [T, H, D]
         out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale,
                                  sliding_window=c.sliding_window, **fp8)  # [T, H, D]
-        return self._all_reduce(matmul(out.reshape(num_tokens, q_dim), layer.o_proj))  # [T, E]
+        o_proj = self.ops.deferred(layer.o_proj)  # its output goes into the post-attention rms_norm only
+        return self._all_reduce(matmul(out.reshape(num_tokens, q_dim), o_proj))  # [T, E]
 
     def _head_norm(self, x, weight):
         """RMSNorm of every head over D (Qwen3's q_norm / k_norm): [T, heads, D] -> [T, heads, D]."""

@@ -6,7 +6,9 @@ What is checked, in fp16 and bf16: the e4m3 bytes, the float32 row scales and (r
 two-launch path's, with and without a residual, with a static input scale, on the vector path (widths of 8k, with
 padding to 16, and rows longer than the registers hold) and the scalar one (odd widths, a misaligned array); a zero
 row; CudaOps hands an FP8 layer Fp8Rows that give the same product as its 16-bit rows, eagerly and replayed from a
-CUDA graph; rows made for another layer are refused.
+CUDA graph; rows made for another layer are refused. The product-reading forms (rms_norm_fp8_product,
+silu_mul_fp8_product: an FP8 GEMM's product read before its scale epilogue) equal scale_fp8_output followed by the
+16-bit-input form, and CudaOps.deferred layers hand them Fp8Product with the same final bytes.
 """
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-import offline_paged.ops.ops_cuda as ops_cuda  # noqa: E402
+import offline_paged.ops.cuda_fp8_linear as cuda_fp8_linear  # noqa: E402
 from offline_paged.ops import launchers  # noqa: E402
 from offline_paged.ops.cublaslt import TunedGemm  # noqa: E402
-from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear, Fp8Rows  # noqa: E402
-from offline_paged.ops.fp8_launcher import quantize_rows_fp8  # noqa: E402
+from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear, Fp8Product, Fp8Rows  # noqa: E402
+from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output  # noqa: E402
 from offline_paged.ops.graphs import gc_paused  # noqa: E402
 from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
 
@@ -160,10 +162,95 @@ def test_cuda_ops_feed_fp8_rows_to_the_layer_with_the_same_product(dtype, monkey
                                   (ops.rms_norm(x, weight, 1e-5, residual)[0] @ qkv).get().view(np.uint16))
 
     # Switched off, or a 16-bit layer: plain arrays.
-    monkeypatch.setattr(ops_cuda, "FUSED_FP8_INPUTS", False)
+    monkeypatch.setattr(cuda_fp8_linear, "FUSED_FP8_INPUTS", False)
     assert isinstance(ops.rms_norm(x, weight, 1e-5, residual, feeds=qkv)[0], cupy.ndarray)
-    monkeypatch.setattr(ops_cuda, "FUSED_FP8_INPUTS", True)
+    monkeypatch.setattr(cuda_fp8_linear, "FUSED_FP8_INPUTS", True)
     assert isinstance(ops.silu_mul(gate_up, feeds=cupy.zeros((768, 512), dtype)), cupy.ndarray)
+
+
+def product(rng, num_rows: int, width: int, padded: int, dtype):
+    """An FP8 GEMM's unscaled product (acc [R, Np] float32 at the magnitude e4m3 sums reach, x_scale [R], w_scale
+    [Np]) and its width; row 1 zero."""
+    acc = rng.standard_normal((num_rows, padded)) * 1e4
+    if num_rows > 1:
+        acc[1] = 0.0
+    x_scale = 10.0 ** rng.uniform(-4, -1, num_rows)
+    w_scale = 10.0 ** rng.uniform(-4, -2, padded)
+    return tuple(cupy.asarray(a.astype(np.float32)) for a in (acc, x_scale, w_scale)) + (width,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows, hidden, padded", [(256, 4096, 4096), (7, 2048, 2048), (5, 40, 48), (3, 36, 48),
+                                                      (2, 33_024, 33_024)])
+def test_rms_norm_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, hidden, padded, dtype):
+    rng = np.random.default_rng(hidden + num_rows)
+    args = product(rng, num_rows, hidden, padded, dtype)
+    residual = rows(rng, num_rows, hidden, dtype)
+    weight = cupy.asarray((1 + 0.5 * rng.standard_normal(hidden)).astype(dtype))
+    x = scale_fp8_output(*args[:3], hidden, dtype)
+    want_xq, want_scales, want_residual = launchers.rms_norm_fp8(x, weight, 1e-5, residual)
+    xq, scales, residual_out = launchers.rms_norm_fp8(None, weight, 1e-5, residual, product=args)
+    assert_same_fp8_rows(xq, scales, want_xq, want_scales)
+    np.testing.assert_array_equal(residual_out.get().view(np.uint16), want_residual.get().view(np.uint16))
+    assert (np.delete(scales.get(), 1) != 1.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows, inter, padded", [(256, 14_336, 28_672), (7, 8192, 16_384), (3, 36, 80),
+                                                     (5, 40, 96), (2, 33_000, 66_000)])
+def test_silu_mul_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, inter, padded, dtype):
+    rng = np.random.default_rng(inter + num_rows)
+    args = product(rng, num_rows, 2 * inter, padded, dtype)
+    gate_up = scale_fp8_output(*args[:3], 2 * inter, dtype)
+    want_xq, want_scales = launchers.silu_mul_fp8(gate_up)
+    xq, scales = launchers.silu_mul_fp8(None, product=args, dtype=dtype)
+    assert_same_fp8_rows(xq, scales, want_xq, want_scales)
+    if num_rows > 1:
+        assert scales.get()[1] == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_deferred_layers_hand_their_product_to_rms_norm_and_silu_mul(dtype, monkeypatch):
+    """CudaOps.deferred(layer) returns Fp8Product from `x @ layer` (eager and through a TunedGemm); rms_norm and
+    silu_mul read it into the same bytes as from the layer's 16-bit output; materialize() is that output."""
+    rng = np.random.default_rng(12)
+    ops = CudaOps()
+    o_proj = ops.quantize_linear(cupy.asarray(rng.standard_normal((512, 384)).astype(dtype)))  # [out, in]
+    gate_up = ops.quantize_linear(cupy.asarray(rng.standard_normal((2 * 640, 512)).astype(dtype)))
+    down = ops.quantize_linear(cupy.asarray(rng.standard_normal((512, 640)).astype(dtype)))
+    x, residual = rows(rng, 29, 384, dtype), rows(rng, 29, 512, dtype)
+    weight = cupy.asarray((1 + 0.5 * rng.standard_normal(512)).astype(dtype))
+    twin = ops.deferred(o_proj)
+    assert twin.deferred and not o_proj.deferred and ops.deferred(o_proj) is twin
+    deferred_out = x @ twin
+    plain_out = x @ o_proj
+    assert isinstance(deferred_out, Fp8Product) and deferred_out.shape == (29, 512)
+    np.testing.assert_array_equal(deferred_out.materialize().get().view(np.uint16), plain_out.get().view(np.uint16))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        through_gemm = TunedGemm(stream)(x, twin)  # the decode graphs' path
+        stream.synchronize()
+    assert isinstance(through_gemm, Fp8Product)
+    np.testing.assert_array_equal(through_gemm.materialize().get().view(np.uint16), plain_out.get().view(np.uint16))
+
+    fused, fused_residual = ops.rms_norm(deferred_out, weight, 1e-5, residual, feeds=gate_up)
+    plain, plain_residual = ops.rms_norm(plain_out, weight, 1e-5, residual, feeds=gate_up)
+    np.testing.assert_array_equal(fused.xq.get(), plain.xq.get())
+    np.testing.assert_array_equal(fused_residual.get().view(np.uint16), plain_residual.get().view(np.uint16))
+    up_deferred, up_plain = fused @ ops.deferred(gate_up), plain @ gate_up
+    activated = ops.silu_mul(up_deferred, feeds=down)
+    np.testing.assert_array_equal(activated.xq.get(), ops.silu_mul(up_plain, feeds=down).xq.get())
+    np.testing.assert_array_equal((activated @ down).get().view(np.uint16),
+                                  (ops.silu_mul(up_plain) @ down).get().view(np.uint16))
+    # A consumer without an FP8 layer after it materializes the product first.
+    np.testing.assert_array_equal(ops.silu_mul(up_deferred).get().view(np.uint16),
+                                  ops.silu_mul(up_plain).get().view(np.uint16))
+
+    monkeypatch.setattr(cuda_fp8_linear, "FUSED_FP8_INPUTS", False)
+    assert ops.deferred(o_proj) is o_proj
+    weight16 = cupy.zeros((384, 512), dtype)
+    monkeypatch.setattr(cuda_fp8_linear, "FUSED_FP8_INPUTS", True)
+    assert ops.deferred(weight16) is weight16
 
 
 def test_rows_made_for_another_layer_are_refused():

@@ -33,7 +33,9 @@ from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA
 
 
 # rms_norm and silu_mul quantize their output for the FP8 layer it feeds (CudaOps' `feeds`; Fp8Rows below), which
-# saves three of a layer's four quantize launches; False: they write 16 bits and `apply` quantizes (the same bytes).
+# saves three of a layer's four quantize launches, and read the o_proj, gate_up and down products before their scale
+# epilogue (CudaOps.deferred; Fp8Product below), which saves three of its four epilogue launches. False: 16-bit
+# arrays between the kernels, `apply` quantizing and scaling (the same bytes either way).
 FUSED_FP8_INPUTS = True
 
 # Let cuBLASLt apply the scales itself where it can (TunedGemm.fp8_scaled: outer-vector scale modes, a 16-bit D, and
@@ -59,6 +61,33 @@ class Fp8Rows:
 
 
 @dataclass(frozen=True, slots=True)
+class Fp8Product:
+    """An FP8 layer's product before its scale epilogue (a `deferred` layer's `apply`): the [T, N] output of `dtype`
+    is (acc[t, j] x_scale[t]) x w_scale[j] rounded once, which CudaOps.rms_norm and silu_mul read in directly
+    (`args` for launchers' `product=`); `materialize` writes it as scale_fp8_output does."""
+
+    acc: Any  # [T, Np] float32
+    x_scale: Any  # [T] float32
+    w_scale: Any  # [Np] float32
+    width: int  # N
+    dtype: Any  # the 16-bit dtype of the output
+
+    __array_ufunc__ = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.acc.shape[0], self.width
+
+    @property
+    def args(self) -> tuple:
+        return self.acc, self.x_scale, self.w_scale, self.width
+
+    def materialize(self):
+        """The [T, N] output of `dtype` (the scale epilogue's launch)."""
+        return scale_fp8_output(self.acc, self.x_scale, self.w_scale, self.width, self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
 class CudaFp8Linear:
     """e4m3 weight bits [Np, Kp] ([out, in], zero-padded) and per-output-channel float32 scales [Np] on the device.
     Immutable; `in_features` / `out_features` are the unpadded K and N."""
@@ -69,6 +98,9 @@ class CudaFp8Linear:
     out_features: int
     input_scale: float | None = None  # static per-tensor activation scale; None: dynamic, per token
     gemm_source: Callable[[], Any] | None = field(default=None, compare=False, repr=False)  # () -> TunedGemm
+    # `apply` returns an Fp8Product (the scale epilogue left to the output's consumer) instead of an array wherever
+    # our epilogue kernel would run; CudaOps.deferred makes this form for consumers that read products.
+    deferred: bool = False
 
     __array_ufunc__ = None  # CuPy and NumPy defer `x @ layer` to __rmatmul__
 
@@ -130,7 +162,8 @@ class CudaFp8Linear:
                 return out
         acc = cupy.empty((x.shape[0], self.weight.shape[0]), dtype=cupy.float32)  # [T, Np]
         gemm.fp8(xq, self.weight, acc)
-        return scale_fp8_output(acc, x_scale, self.weight_scale, self.out_features, x.dtype)  # [T, N]
+        product = Fp8Product(acc, x_scale, self.weight_scale, self.out_features, x.dtype)
+        return product if self.deferred else product.materialize()  # [T, N]
 
     def __rmatmul__(self, x):
         """x [T, K] @ this layer (the eager path): see the module docstring."""

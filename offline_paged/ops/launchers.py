@@ -69,6 +69,9 @@ KERNELS = (
     # FP8 linears' inputs quantized where they are made (rms_norm, silu_mul):
     ("layer.cu", "rms_norm_fp8_f16"), ("layer.cu", "rms_norm_fp8_bf16"),
     ("layer.cu", "silu_mul_fp8_f16"), ("layer.cu", "silu_mul_fp8_bf16"),
+    # ... reading an FP8 GEMM's product before its scale epilogue (the epilogue folded in):
+    ("layer.cu", "rms_norm_fp8_product_f16"), ("layer.cu", "rms_norm_fp8_product_bf16"),
+    ("layer.cu", "silu_mul_fp8_product_f16"), ("layer.cu", "silu_mul_fp8_product_bf16"),
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 DECODE_TILE_ROWS = 8  # the same for the "decode" kernels (attention.cu's NarrowTile)
@@ -417,6 +420,15 @@ def rms_norm(x, weight, eps: float, residual=None):
     return out, residual_out
 
 
+# rms_norm_fp8 / silu_mul_fp8: 8-element chunks of a row per thread (at most layer.cu's RMS_HELD / SILU_HELD = 4,
+# which stay in registers between the amax and the quantize pass). 1 spreads a row over up to 1024 threads.
+FP8_INPUT_CHUNKS_PER_THREAD = 1
+
+
+def _fp8_input_threads(units: int) -> int:
+    return _block_threads(math.ceil(units / FP8_INPUT_CHUNKS_PER_THREAD), 1024)
+
+
 def _fp8_rows(num_rows: int, width: int, padded_width: int, static_scale: float | None):
     """The outputs of an FP8-quantizing kernel: (xq [R, Kp] e4m3 bits, scales [R] float32), after checking
     padded_width (a multiple of 16, at least `width`: cuBLASLt's FP8 rule) and static_scale."""
@@ -428,29 +440,55 @@ def _fp8_rows(num_rows: int, width: int, padded_width: int, static_scale: float 
 
 
 def rms_norm_fp8(x, weight, eps: float, residual=None, padded_width: int | None = None,
-                 static_scale: float | None = None):
+                 static_scale: float | None = None, product=None):
     """rms_norm whose normed output goes straight into an FP8 linear: (xq [T, Kp] uint8 e4m3 bits, scales [T]
     float32, new residual [T, E]), byte for byte rms_norm then fp8_launcher.quantize_rows_fp8(normed,
     padded_width, static_scale) (per row: scale max|normed| / 448, or static_scale). Kp = padded_width (default:
-    E rounded up to 16); columns E..Kp-1 of xq are 0."""
-    suffix = _element_suffix("x", x)
-    _check_array("x", x, x.dtype, 2)
-    _check_array("weight", weight, x.dtype, 1)
-    num_tokens, hidden = x.shape
-    _require(weight.shape[0] == hidden, f"weight has {weight.shape[0]} entries for hidden size {hidden}")
+    E rounded up to 16); columns E..Kp-1 of xq are 0.
+    product = (acc [T, Np] float32, acc_x_scale [T], acc_w_scale [Np], E), with x None: x is an FP8 GEMM's product
+    before its scale epilogue, read in: byte for byte fp8_launcher.scale_fp8_output(acc, acc_x_scale, acc_w_scale,
+    E, weight's dtype) first."""
+    suffix = _element_suffix("weight", weight)
+    _check_array("weight", weight, weight.dtype, 1)
+    hidden = weight.shape[0]
+    if product is None:
+        _check_array("x", x, weight.dtype, 2)
+        _require(x.shape[1] == hidden, f"weight has {hidden} entries for hidden size {x.shape[1]}")
+        num_tokens, name, x_args = x.shape[0], f"rms_norm_fp8_{suffix}", (x,)
+    else:
+        num_tokens, width, x_args = _product_args(product)
+        _require(width == hidden, f"weight has {hidden} entries for a product {width} wide")
+        name = f"rms_norm_fp8_product_{suffix}"
     if residual is not None:
-        _check_array("residual", residual, x.dtype, 2)
-        _require(residual.shape == x.shape, f"residual shape {residual.shape} != x shape {x.shape}")
+        _check_array("residual", residual, weight.dtype, 2)
+        _require(residual.shape == (num_tokens, hidden),
+                 f"residual shape {residual.shape} != x shape {(num_tokens, hidden)}")
     padded_width = -(-hidden // 16) * 16 if padded_width is None else int(padded_width)
     xq, scales = _fp8_rows(num_tokens, hidden, padded_width, static_scale)
-    residual_out = cupy.empty_like(x)
+    residual_out = cupy.empty((num_tokens, hidden), dtype=weight.dtype)
     if num_tokens:
-        units = hidden // VECTOR_WIDTH if _vector_path(hidden, x, residual, weight, residual_out, xq) else hidden
-        _kernel("layer.cu", f"rms_norm_fp8_{suffix}")(
-            (num_tokens,), (_block_threads(units, 1024),),
-            (x, residual if residual is not None else np.uint64(0), weight, xq, scales, residual_out,
+        units = hidden // VECTOR_WIDTH if _vector_path(hidden, residual, weight, residual_out, xq) else hidden
+        _kernel("layer.cu", name)(
+            (num_tokens,), (_fp8_input_threads(units),),
+            (*x_args, residual if residual is not None else np.uint64(0), weight, xq, scales, residual_out,
              np.int32(hidden), np.int32(padded_width), np.float32(eps), np.float32(static_scale or 0.0)))
     return xq, scales, residual_out
+
+
+def _product_args(product) -> tuple:
+    """Checks an FP8 GEMM's unscaled product (acc [T, Np] float32, x_scale [T], w_scale [Np] float32, all
+    contiguous on the device; N its width, Np >= N a multiple of 4); returns (T, N, the kernel's product
+    arguments)."""
+    _require(isinstance(product, tuple) and len(product) == 4, "product must be (acc, x_scale, w_scale, width)")
+    acc, x_scale, w_scale, width = product
+    _check_array("acc", acc, np.float32, 2)
+    _check_array("x_scale", x_scale, np.float32, 1)
+    _check_array("w_scale", w_scale, np.float32, 1)
+    num_rows, padded = acc.shape
+    _require(padded >= width and padded % 4 == 0, f"acc is {padded} wide: not a multiple of 4 >= {width}")
+    _require(x_scale.shape[0] == num_rows and w_scale.shape[0] == padded,
+             f"scales of {x_scale.shape[0]} rows and {w_scale.shape[0]} columns for acc {acc.shape}")
+    return num_rows, int(width), (acc, x_scale, w_scale, np.int32(padded))
 
 
 def _check_rope_inputs(q, k, positions, cos_sin) -> tuple[int, int]:
@@ -537,21 +575,32 @@ def silu_mul(gate_up):
     return out
 
 
-def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float | None = None):
+def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float | None = None, product=None,
+                 dtype=None):
     """silu_mul whose output goes straight into an FP8 linear: (xq [T, Kp] uint8 e4m3 bits, scales [T] float32),
     byte for byte silu_mul then fp8_launcher.quantize_rows_fp8(out, padded_width, static_scale). Kp =
-    padded_width (default: I rounded up to 16); columns I..Kp-1 of xq are 0. One block per token row."""
-    suffix = _element_suffix("gate_up", gate_up)
-    _check_array("gate_up", gate_up, gate_up.dtype, 2)
-    _require(gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd")
-    num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    padded_width (default: I rounded up to 16); columns I..Kp-1 of xq are 0. One block per token row.
+    product = (acc [T, Np] float32, acc_x_scale [T], acc_w_scale [Np], 2I) with gate_up None and `dtype` (float16
+    / bfloat16): gate_up is an FP8 GEMM's product before its epilogue, read in (rms_norm_fp8's `product`)."""
+    if product is None:
+        suffix = _element_suffix("gate_up", gate_up)
+        _check_array("gate_up", gate_up, gate_up.dtype, 2)
+        num_tokens, width = gate_up.shape
+        name, x_args = f"silu_mul_fp8_{suffix}", (gate_up,)
+    else:
+        suffix = ELEMENT_SUFFIX.get(np.dtype(dtype))
+        _require(suffix is not None, f"dtype must be float16 or bfloat16, got {dtype}")
+        num_tokens, width, x_args = _product_args(product)
+        name = f"silu_mul_fp8_product_{suffix}"
+    _require(width % 2 == 0, f"gate_up width {width} is odd")
+    inter = width // 2
     padded_width = -(-inter // 16) * 16 if padded_width is None else int(padded_width)
     xq, scales = _fp8_rows(num_tokens, inter, padded_width, static_scale)
     if num_tokens:
-        units = inter // VECTOR_WIDTH if _vector_path(inter, gate_up, xq) else inter
-        _kernel("layer.cu", f"silu_mul_fp8_{suffix}")(
-            (num_tokens,), (_block_threads(units, 1024),),
-            (gate_up, xq, scales, np.int32(inter), np.int32(padded_width), np.float32(static_scale or 0.0)))
+        units = inter // VECTOR_WIDTH if (inter % VECTOR_WIDTH == 0 and xq.data.ptr % 16 == 0) else inter
+        _kernel("layer.cu", name)(
+            (num_tokens,), (_fp8_input_threads(units),),
+            (*x_args, xq, scales, np.int32(inter), np.int32(padded_width), np.float32(static_scale or 0.0)))
     return xq, scales
 
 

@@ -16,11 +16,14 @@ FP8 weights: `quantize_linear` / `upload_fp8_linear` build CudaFp8Linear layers 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import cupy
 import numpy as np
 
 from offline_paged.ops.attention import AttentionMetadata
-from offline_paged.ops.cuda_fp8_linear import FUSED_FP8_INPUTS, CudaFp8Linear, Fp8Rows
+from offline_paged.ops import cuda_fp8_linear
+from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear, Fp8Product, Fp8Rows
 from offline_paged.ops.fp8_linear import Fp8Linear
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA, KvScales, is_fp8
 
@@ -45,6 +48,7 @@ class CudaOps:
         # id(KvScales) -> (the KvScales, kept alive so its id stays unique; its [2] float32 device buffer)
         self._kv_scale_buffers: dict[int, tuple[KvScales, cupy.ndarray]] = {}
         self._fp8_gemms: dict[int, object] = {}  # stream pointer -> the TunedGemm of eager FP8 products on it
+        self._deferred: dict[int, tuple] = {}  # id(FP8 layer) -> (the layer, kept alive; its deferred twin)
 
     def quantize_linear(self, w) -> CudaFp8Linear:
         """w [out, in] (this backend's 16-bit dtype) -> its FP8 layer: e4m3, one scale per output channel."""
@@ -98,12 +102,14 @@ class CudaOps:
         """RMSNorm with vLLM's residual convention; returns (normed [T, E], residual [T, E]). When `feeds` (the
         one linear the output goes into) is an FP8 layer, normed is its quantized input instead (Fp8Rows), made
         by the same kernel: the same bytes as quantizing the 16-bit output, one launch fewer."""
-        x = cupy.ascontiguousarray(x)
         residual = None if residual is None else cupy.ascontiguousarray(residual)
         if _takes_fp8_rows(feeds):
+            product = x.args if isinstance(x, Fp8Product) else None
+            x = None if product else cupy.ascontiguousarray(x)
             xq, scales, residual_out = launchers.rms_norm_fp8(x, weight, eps, residual, feeds.weight.shape[1],
-                                                              feeds.input_scale)
-            return Fp8Rows(xq, scales, x.shape[1], x.dtype), residual_out
+                                                              feeds.input_scale, product=product)
+            return Fp8Rows(xq, scales, weight.shape[0], weight.dtype), residual_out
+        x = x.materialize() if isinstance(x, Fp8Product) else cupy.ascontiguousarray(x)
         return launchers.rms_norm(x, weight, eps, residual)
 
     def rope(self, q, k, positions, cos_sin_cache):
@@ -173,11 +179,28 @@ class CudaOps:
 
     def silu_mul(self, gate_up, feeds=None):
         """silu(gate) * up for gate_up = concat(gate, up); [T, 2I] -> [T, I]; into an FP8 `feeds` as rms_norm."""
-        gate_up = cupy.ascontiguousarray(gate_up)
         if _takes_fp8_rows(feeds):
-            xq, scales = launchers.silu_mul_fp8(gate_up, feeds.weight.shape[1], feeds.input_scale)
+            if isinstance(gate_up, Fp8Product):
+                xq, scales = launchers.silu_mul_fp8(None, feeds.weight.shape[1], feeds.input_scale,
+                                                    product=gate_up.args, dtype=gate_up.dtype)
+            else:
+                xq, scales = launchers.silu_mul_fp8(cupy.ascontiguousarray(gate_up), feeds.weight.shape[1],
+                                                    feeds.input_scale)
             return Fp8Rows(xq, scales, gate_up.shape[1] // 2, gate_up.dtype)
+        gate_up = gate_up.materialize() if isinstance(gate_up, Fp8Product) else cupy.ascontiguousarray(gate_up)
         return launchers.silu_mul(gate_up)
+
+    def deferred(self, linear):
+        """`linear` in the form whose product may come back before its scale epilogue (an FP8 layer, fusion on:
+        an Fp8Product, which only rms_norm and silu_mul read); any other linear as it is. For outputs that go
+        only into those two."""
+        if not _takes_fp8_rows(linear):
+            return linear
+        twin = self._deferred.get(id(linear))
+        if twin is None or twin[0] is not linear:
+            twin = (linear, dataclasses.replace(linear, deferred=True))
+            self._deferred[id(linear)] = twin
+        return twin[1]
 
     def copy_blocks(self, kv_cache, src_ids, dst_ids) -> None:
         """kv_cache[:, :, dst] = kv_cache[:, :, src] for all layers, K and V, as if all reads came first."""
@@ -197,7 +220,7 @@ class CudaOps:
 
 def _takes_fp8_rows(linear) -> bool:
     """Whether the kernel that makes `linear`'s input should quantize it for it (an FP8 layer, fusion on)."""
-    return FUSED_FP8_INPUTS and isinstance(linear, CudaFp8Linear)
+    return cuda_fp8_linear.FUSED_FP8_INPUTS and isinstance(linear, CudaFp8Linear)
 
 
 def _capturing() -> bool:

@@ -97,6 +97,10 @@ class NumpyOps:
         """x + bias over the last axis (x [T, N], bias [N]); CudaOps may update x in place."""
         return x + bias
 
+    def deferred(self, linear):
+        """`linear` in the form whose product may skip its scale epilogue (CudaOps: FP8 layers); here itself."""
+        return linear
+
     def silu_mul(self, gate_up, feeds=None):
         """SwiGLU activation: silu(gate) * up for gate_up = concat(gate, up); [T, 2I] -> [T, I]. `feeds`: as
         rms_norm's."""
