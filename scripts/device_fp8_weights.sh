@@ -14,7 +14,7 @@
 # by device-side edits, undone after), REPEATS times interleaved.
 #
 # Usage: OUT=/tmp/out [RUNS="1b 8b"] [REPEATS=1] [VARIANTS="off:False:False both:True:True"]
-#        scripts/device_fp8_weights.sh [tests|bench|all|epilogue]
+#        scripts/device_fp8_weights.sh [tests|bench|all|epilogue|fused]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fp8w-out}
@@ -26,6 +26,40 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks, carried
     && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+
+if [ "$WHAT" = fused ]; then  # the fused FP8 inputs / deferred epilogues: tests, kernel bench, 8B on vs off
+  timeout ${FP8_TEST_LIMIT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_cuda_fp8_fused.py \
+    tests/test_ops_cuda_fp8_linear.py tests/test_gpu_engine_fp8_weights.py tests/test_ops_cuda.py \
+    >"$OUT/fp8w_tests.log" 2>&1
+  echo "fp8 fused gpu tests: $(tail -1 "$OUT/fp8w_tests.log")"
+  grep -E "^FAILED|^ERROR" "$OUT/fp8w_tests.log" | head -20
+  timeout 90 env PYTHONPATH="benchmarks:${PYTHONPATH:-}" python3 benchmarks/bench_fp8_inputs.py 2>&1 \
+    || echo "bench_fp8_inputs FAILED"
+  FUSED="offline_paged/ops/cuda_fp8_linear.py"
+  cp $FUSED /tmp/fused.orig  # (the device's git HEAD is not this tree)
+  PYTHONFAULTHANDLER=1 timeout 220 offline-paged bench --device cuda --json --cuda-graphs --dtype bfloat16 \
+    --quantization none --quantization fp8 --kv-cache-dtype auto --kv-cache-dtype fp8 \
+    --dummy-weights llama-3.1-8b >"$OUT/bench_8b_fused.json" 2>"$OUT/bench_8b_fused.err" || echo "bench FAILED"
+  sed -i "s/^FUSED_FP8_INPUTS = .*/FUSED_FP8_INPUTS = False/" $FUSED
+  PYTHONFAULTHANDLER=1 timeout 100 offline-paged bench --device cuda --json --cuda-graphs --dtype bfloat16 \
+    --quantization fp8 --kv-cache-dtype fp8 --dummy-weights llama-3.1-8b \
+    >"$OUT/bench_8b_unfused.json" 2>"$OUT/bench_8b_unfused.err" || echo "bench unfused FAILED"
+  cp /tmp/fused.orig $FUSED
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json"), key=lambda p: p.stat().st_mtime):
+    try:
+        runs = json.loads(path.read_text().strip().splitlines()[-1])["runs"]
+    except (ValueError, IndexError, KeyError):
+        print(f"{path.stem}: no record"); continue
+    for run in runs:
+        print(f"{path.stem:<18}{run['label']:<28}{run['output_tokens_per_s']:>10,.0f} out tok/s, forward "
+              f"{run['time_split']['forward_device_ms']:.2f} ms, "
+              f"{(run.get('roofline') or {}).get('fraction_of_floor', 0):.1%} of floor")
+PY
+  tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.json "$OUT"/bench_*.err
+  exit 0
+fi
 
 if [ "$WHAT" = epilogue ]; then
   timeout ${FP8_TEST_LIMIT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_cuda_fp8_linear.py \
