@@ -113,11 +113,29 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(uint2 w) {
   return r;
 }
 
+// The vector writes below round on the hardware (1) or through float_to_e4m3 (0). The same bytes either way: the
+// FP8 KV-write and linear GPU tests compare both the vector and the scalar paths with NumPy's.
+#define FP8_HARDWARE_ROUNDING 1
+
+// Two floats -> two e4m3 bytes (lo in bits 0-7, hi in 8-15). On sm_89+ one cvt.rn.satfinite.e4m3x2.f32: round to
+// nearest even, saturating at +-448, as float_to_e4m3; a NaN takes float_to_e4m3's path, which keeps its sign (the
+// instruction's canonical NaN may not).
+__device__ __forceinline__ unsigned float2_to_e4m3x2(float lo, float hi) {
+#if FP8_HARDWARE_ROUNDING && __CUDA_ARCH__ >= 890
+  if (lo == lo && hi == hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));  // the first source: high byte
+    return r;
+  }
+#endif
+  return float_to_e4m3(lo) | float_to_e4m3(hi) << 8;
+}
+
 // Eight floats (already divided by the scale) -> eight e4m3 bytes, element i in byte i.
 __device__ __forceinline__ uint2 float8_to_e4m3x8(const float (&f)[8]) {
   uint2 r;
-  r.x = float_to_e4m3(f[0]) | float_to_e4m3(f[1]) << 8 | float_to_e4m3(f[2]) << 16 | float_to_e4m3(f[3]) << 24;
-  r.y = float_to_e4m3(f[4]) | float_to_e4m3(f[5]) << 8 | float_to_e4m3(f[6]) << 16 | float_to_e4m3(f[7]) << 24;
+  r.x = float2_to_e4m3x2(f[0], f[1]) | float2_to_e4m3x2(f[2], f[3]) << 16;
+  r.y = float2_to_e4m3x2(f[4], f[5]) | float2_to_e4m3x2(f[6], f[7]) << 16;
   return r;
 }
 // FP8 linear activations (fp8_linear.cu, and the rms_norm / silu_mul forms in layer.cu that quantize their output):

@@ -8,7 +8,9 @@ padding to 16, and rows longer than the registers hold) and the scalar one (odd 
 row; CudaOps hands an FP8 layer Fp8Rows that give the same product as its 16-bit rows, eagerly and replayed from a
 CUDA graph; rows made for another layer are refused. The product-reading forms (rms_norm_fp8_product,
 silu_mul_fp8_product: an FP8 GEMM's product read before its scale epilogue) equal scale_fp8_output followed by the
-16-bit-input form, and CudaOps.deferred layers hand them Fp8Product with the same final bytes.
+16-bit-input form, and CudaOps.deferred layers hand them Fp8Product with the same final bytes. The vector e4m3
+rounding every vector FP8 write goes through (fp8.cuh's float8_to_e4m3x8: the hardware cvt on sm_89+) equals
+ml_dtypes' on every fp16 and bf16 value, ties and saturation edges, and keeps a NaN's sign.
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from offline_paged.ops.cublaslt import TunedGemm  # noqa: E402
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear, Fp8Product, Fp8Rows  # noqa: E402
 from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output  # noqa: E402
 from offline_paged.ops.graphs import gc_paused  # noqa: E402
+from offline_paged.ops.kernel_modules import inline_headers  # noqa: E402
 from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
+from test_fp8_conversions import E4M3, _inputs  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="bf16")]
@@ -251,6 +255,34 @@ def test_deferred_layers_hand_their_product_to_rms_norm_and_silu_mul(dtype, monk
     weight16 = cupy.zeros((384, 512), dtype)
     monkeypatch.setattr(cuda_fp8_linear, "FUSED_FP8_INPUTS", True)
     assert ops.deferred(weight16) is weight16
+
+
+VECTOR_ROUNDING = r"""
+#include "fp8.cuh"
+extern "C" __global__ void to_e4m3x8(const float* x, uint2* out, long long num_vectors) {
+  for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < num_vectors;
+       v += (long long)gridDim.x * blockDim.x) {
+    float f[8];
+    for (int i = 0; i < 8; ++i) f[i] = x[v * 8 + i];
+    out[v] = float8_to_e4m3x8(f);
+  }
+}
+"""
+
+
+def test_vector_e4m3_rounding_equals_ml_dtypes():
+    x = _inputs()
+    x = np.concatenate([x, -x[np.isnan(x)], np.zeros(-x.size % 8, np.float32)])  # a negative NaN too
+    kernel = cupy.RawModule(code=inline_headers(VECTOR_ROUNDING), options=("--std=c++17",)).get_function("to_e4m3x8")
+    out = cupy.empty(x.size, dtype=np.uint8)
+    kernel((512,), (256,), (cupy.asarray(x), out, np.int64(x.size // 8)))
+    got = out.get()
+    finite_or_inf = ~np.isnan(x)
+    expected = np.clip(x, -448, 448).astype(E4M3).view(np.uint8)
+    wrong = finite_or_inf & (got != expected)
+    assert not wrong.any(), f"{wrong.sum()} inputs differ, e.g. {x[wrong][:5]}: {got[wrong][:5]} != {expected[wrong][:5]}"
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[nan], np.where(np.signbit(x[nan]), 0xFF, 0x7F))
 
 
 def test_rows_made_for_another_layer_are_refused():
