@@ -1,6 +1,8 @@
 """Llama forward vs transformers' LlamaForCausalLM on a tiny random model, through the paged cache."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -180,3 +182,63 @@ def test_all_rows_and_an_injected_matmul_equal_the_default_path(tiny):
     np.testing.assert_array_equal(injected, default)
     assert len(calls) == 4 * config.num_hidden_layers + 1  # qkv, o_proj, gate_up, down per layer + LM head
     assert calls[-1][0] == "lm_head"
+
+
+def test_each_linears_input_and_output_hooks_name_the_right_layers(tiny):
+    """The forward tells the backend where each output goes (CudaOps fuses an FP8 layer's quantize and scale
+    epilogue into those kernels; NumpyOps ignores it): input_norm feeds qkv, post_norm gate_up, silu_mul down;
+    o_proj, gate_up and every down but the last are deferred (their outputs go only into rms_norm / silu_mul;
+    the last down's rows are picked before the final norm). The final norm feeds nothing."""
+    _, config, weights = tiny
+
+    @dataclasses.dataclass(frozen=True)
+    class Deferred:
+        linear: np.ndarray
+
+    class RecordingOps(NumpyOps):
+        def __init__(self):
+            super().__init__()
+            self.feeds = []
+
+        def rms_norm(self, x, weight, eps, residual=None, feeds=None):
+            self.feeds.append(("rms_norm", feeds))
+            return super().rms_norm(x, weight, eps, residual)
+
+        def silu_mul(self, gate_up, feeds=None):
+            self.feeds.append(("silu_mul", feeds))
+            return super().silu_mul(gate_up)
+
+        def deferred(self, linear):
+            return Deferred(linear)
+
+    ops = RecordingOps()
+    model = Llama(config, weights, ops, dtype=np.float64)
+    reference = _ours(tiny, dtype=np.float64)
+    products = []
+
+    def matmul(x, w):
+        products.append(w)
+        return x @ (w.linear if isinstance(w, Deferred) else w)
+
+    prompt = [3, 1, 4, 1, 5, 9]
+    meta = build_metadata(np, [[0, 1]], [len(prompt)], [len(prompt)], list(range(len(prompt))))
+    args = (np.asarray(prompt, dtype=np.int32), np.arange(len(prompt), dtype=np.int32))
+    rows = np.asarray([len(prompt) - 1], dtype=np.int32)
+    got = model.forward(*args, model.allocate_kv_cache(4, 4), meta, rows, matmul=matmul)
+    np.testing.assert_array_equal(got, reference.forward(*args, reference.allocate_kv_cache(4, 4), meta, rows))
+
+    expected_feeds, expected_products = [], []
+    for i, layer in enumerate(model.layers):
+        expected_feeds += [("rms_norm", layer.qkv), ("rms_norm", layer.gate_up), ("silu_mul", layer.down)]
+        last = i == len(model.layers) - 1
+        expected_products += [layer.qkv, Deferred(layer.o_proj), Deferred(layer.gate_up),
+                              layer.down if last else Deferred(layer.down)]
+    expected_feeds.append(("rms_norm", None))  # the final norm
+    assert len(ops.feeds) == len(expected_feeds) and len(products) == len(expected_products)
+    for (kind, feeds), (want_kind, want) in zip(ops.feeds, expected_feeds):
+        assert kind == want_kind and feeds is want
+    for product, want in zip(products, expected_products):
+        if isinstance(want, Deferred):
+            assert isinstance(product, Deferred) and product.linear is want.linear
+        else:
+            assert product is want
