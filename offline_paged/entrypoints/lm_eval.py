@@ -24,9 +24,8 @@ from lm_eval.models.utils import (_add_special_kwargs, handle_stop_sequences, ha
                                   normalize_gen_kwargs, postprocess_generated_text)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from offline_paged.core.sampling_params import FIELD_NAMES, SamplingParams
-from offline_paged.entrypoints.inputs import TokensPrompt
 from offline_paged.entrypoints.llm import LLM
+from offline_paged.entrypoints.scoring import generate_texts, generation_params, score_continuations
 
 # lm-eval passes these to every backend; here every task is one generate call.
 _BATCHING_ARGS = ("batch_size", "max_batch_size")
@@ -97,27 +96,23 @@ class OfflinePagedLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """(sum of the continuation's logprobs, whether greedy decoding would produce it) per
         (cache key, context ids, continuation ids); all requests in one generate call."""
-        inputs, starts = [], []
+        scored = []  # (token ids, where the continuation starts)
         for _, context, continuation in requests:
             tokens = (context + continuation)[-(self.max_length + 1):]  # the hf backend's left truncation
             if len(tokens) <= len(continuation):
                 raise ValueError(f"a continuation of {len(continuation)} tokens does not fit max_length "
                                  f"{self.max_length} with at least one context token")
-            inputs.append(tokens)
-            starts.append(len(tokens) - len(continuation))
-        params = [SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=1, prompt_logprobs_start=start,
-                                 detokenize=False) for start in starts]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in inputs], params,
-                                    use_tqdm=not disable_tqdm)
-        results = []
-        for (cache_key, _, _), tokens, start, output in zip(requests, inputs, starts, outputs):
-            entries = output.prompt_logprobs[start:]
-            total = sum(entry[token].logprob for token, entry in zip(tokens[start:], entries))
-            greedy = all(next(iter(entry)) == token for token, entry in zip(tokens[start:], entries))
-            results.append((total, greedy))
+            scored.append((tokens, len(tokens) - len(continuation)))
+        results = self._score(scored, disable_tqdm)
+        for (cache_key, _, _), result in zip(requests, results):
             if cache_key is not None:
-                self.cache_hook.add_partial("loglikelihood", cache_key, (total, greedy))
+                self.cache_hook.add_partial("loglikelihood", cache_key, result)
         return results
+
+    def _score(self, requests: list[tuple[list[int], int]], disable_tqdm: bool) -> list[tuple[float, bool]]:
+        """The engine's part of the scoring requests (scoring.score_continuations); fp8_accuracy.py records it
+        on one machine and replays it from another's answers."""
+        return score_continuations(self.llm, requests, use_tqdm=not disable_tqdm)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Whole-text log-likelihood over disjoint windows of max_length tokens (lm-eval's rule, the
@@ -140,7 +135,7 @@ class OfflinePagedLM(TemplateLM):
     # ----------------------------------------------------------------- generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         eos = self.tokenizer.decode(self.eot_token_id)
-        prompts, params, stops = [], [], []
+        prompts, specs = [], []
         for context, gen_kwargs in (req.args for req in requests):
             kwargs = dict(normalize_gen_kwargs(gen_kwargs, default_max_gen_toks=self.max_gen_toks))
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
@@ -148,25 +143,20 @@ class OfflinePagedLM(TemplateLM):
             kwargs.pop("do_sample", None)
             tokens, max_gen_toks = maybe_truncate(self.tok_encode(context), max_gen_toks=max_gen_toks,
                                                   max_model_len=self.max_length, side=self.truncation_side)
-            prompts.append(TokensPrompt(prompt_token_ids=tokens))
-            params.append(_generation_params(max_gen_toks, until, kwargs))
-            stops.append(until)
-        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
+            generation_params(max_gen_toks, until, kwargs)  # refuses unsupported gen_kwargs before any work
+            prompts.append(tokens)
+            specs.append((max_gen_toks, until, kwargs))
         texts = []
-        for req, output, until in zip(requests, outputs, stops):
-            text = postprocess_generated_text(output.outputs[0].text, until, None)
+        for req, raw, (_, until, _) in zip(requests, self._generate(prompts, specs, disable_tqdm), specs):
+            text = postprocess_generated_text(raw, until, None)
             self.cache_hook.add_partial("generate_until", req.args, text)
             texts.append(text)
         return texts
 
-
-def _generation_params(max_gen_toks: int, until: list[str], kwargs: dict[str, Any]) -> SamplingParams:
-    """SamplingParams for one generate_until request; gen_kwargs we have no field for are refused."""
-    unsupported = sorted(set(kwargs) - set(FIELD_NAMES))
-    if unsupported:
-        raise ValueError(f"gen_kwargs {', '.join(unsupported)} not supported by offline-paged")
-    return SamplingParams(**kwargs, max_tokens=max_gen_toks,
-                          stop=[s for s in until if s])
+    def _generate(self, prompts: list[list[int]], specs: list[tuple[int, list[str], dict]],
+                  disable_tqdm: bool) -> list[str]:
+        """The engine's part of generate_until (scoring.generate_texts), recorded and replayed like _score."""
+        return generate_texts(self.llm, prompts, specs, use_tqdm=not disable_tqdm)
 
 
 def _device(device: str | None) -> str:
