@@ -14,6 +14,21 @@ per-item loglikelihood, so a later GPU run can be compared item by item) to benc
 
     .venv/bin/python benchmarks/fp8_accuracy.py [--model DIR] [--num-pairs 300] [--seed 0]
         [--configs fp32 bf16 fp8_kv ...] [--no-record]
+
+On the GPU the reference is bf16 and the FP8 configs run over bf16 (GPU_CONFIGS). The GPU machine has no
+lm-eval, so that run has three stages; the requests and answers travel as JSON files:
+
+    here:     .venv/bin/python benchmarks/fp8_accuracy.py --export-requests benchmarks/fp8_accuracy_requests.json
+    the GPU:  python3 benchmarks/fp8_accuracy.py --score-requests benchmarks/fp8_accuracy_requests.json \
+                  --answers $OUT/answers.json [--configs ...]       (scripts/device_fp8_accuracy.sh)
+    here:     .venv/bin/python benchmarks/fp8_accuracy.py --report-requests benchmarks/fp8_accuracy_requests.json \
+                  --answers answers.json
+
+Stage 1 runs the tasks through a backend that records the engine's work (token ids to score, prompts to
+generate from); stage 2 answers them with entrypoints/scoring.py once per config; stage 3 runs the tasks again
+through a backend that replays each config's answers (refusing any request that differs from the recorded one)
+and reports as above. tests/test_fp8_accuracy_script.py checks that the three stages report exactly what the
+direct run does.
 """
 from __future__ import annotations
 
@@ -61,6 +76,16 @@ CONFIGS = [
     Config("fp8_w_kv", "FP8 weights + FP8 KV", {"dtype": "float32", "quantization": "fp8", "kv_cache_dtype": "fp8"}),
 ]
 REFERENCE = "fp32"
+# On the GPU (16-bit only) the reference is bf16, the issue's baseline, and the FP8 configs run over bf16.
+GPU_CONFIGS = [
+    Config("bf16", "bfloat16 (reference)", {"dtype": "bfloat16"}),
+    Config("fp8_kv", "FP8 KV (scales 1.0)", {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}),
+    Config("fp8_kv_calc", "FP8 KV (calculated scales)",
+           {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "calculate_kv_scales": True}),
+    Config("fp8_w", "FP8 weights", {"dtype": "bfloat16", "quantization": "fp8"}),
+    Config("fp8_w_kv", "FP8 weights + FP8 KV", {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8"}),
+]
+GPU_REFERENCE = "bf16"
 
 
 @dataclass(slots=True)
@@ -141,12 +166,18 @@ def run_config(config: Config, model_dir: str, manager, pair_texts: list[str], n
                seed: int) -> tuple[ConfigResult, list]:
     """Evaluate the tasks and score the fixed requests with one engine; returns the requests too (built
     with this engine's tokenizer, the same for every config)."""
-    import lm_eval
-
     from offline_paged.entrypoints.lm_eval import OfflinePagedLM
 
     start = time.perf_counter()
     lm = OfflinePagedLM(pretrained=model_dir, device="cpu", **config.engine_args)
+    return evaluate(lm, config, manager, pair_texts, num_pairs, seed, start)
+
+
+def evaluate(lm, config: Config, manager, pair_texts: list[str], num_pairs: int, seed: int,
+             start: float) -> tuple[ConfigResult, list]:
+    """run_config's work on a given lm-eval backend (an engine, or one recording or replaying its answers)."""
+    import lm_eval
+
     result = lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=manager, log_samples=True)
     requests = pair_requests([lm.tok_encode(text) for text in pair_texts], num_pairs, seed)
     pairs = loglikelihoods(lm, requests)
@@ -154,6 +185,91 @@ def run_config(config: Config, model_dir: str, manager, pair_texts: list[str], n
     seconds = time.perf_counter() - start
     mc = [loglikelihood for loglikelihood, _ in responses(result, "offline_paged_mc")]
     return ConfigResult(config, scores, mc, pairs, responses(result, "offline_paged_gen"), seconds), requests
+
+
+# ----------------------------------------------------------------- lm-eval here, the engine on the GPU machine
+# The GPU machine has the engine but not lm-eval. So: `--export-requests` runs the tasks here through a backend
+# that records the engine's work (OfflinePagedLM._score / _generate: token ids in, numbers or raw texts out);
+# `--score-requests` answers those on the GPU with entrypoints/scoring.py, once per config; `--report-requests`
+# runs the tasks here again through a backend that replays each config's answers, checking that every request is
+# the recorded one, and reports as the CPU run does.
+def stage_backend(model_dir: str, recorded: dict | None = None, answers: dict | None = None):
+    """An OfflinePagedLM over the model's tokenizer (a float32 CPU engine that never runs) whose engine work is
+    recorded (recorded=None: into .recorded) or replayed from `answers` (which must meet `recorded` exactly)."""
+    from offline_paged.entrypoints.lm_eval import OfflinePagedLM
+
+    class StageLM(OfflinePagedLM):
+        def __init__(self):
+            super().__init__(pretrained=model_dir, device="cpu", dtype="float32")
+            self.recorded = {"scored": [], "generated": []}
+
+        def _score(self, requests, disable_tqdm):
+            batch = [[list(tokens), start] for tokens, start in requests]
+            return [tuple(answer) for answer in self._next("scored", batch, [(0.0, False)] * len(batch))]
+
+        def _generate(self, prompts, specs, disable_tqdm):
+            batch = {"prompts": [list(p) for p in prompts], "specs": [[m, list(u), dict(k)] for m, u, k in specs]}
+            return self._next("generated", batch, [""] * len(prompts))
+
+        def _next(self, kind: str, batch, placeholder):
+            index = len(self.recorded[kind])
+            self.recorded[kind].append(batch)
+            if recorded is None:
+                return placeholder
+            if index >= len(recorded[kind]) or json.loads(json.dumps(batch)) != recorded[kind][index]:
+                raise RuntimeError(f"{kind} call {index} differs from the recorded requests: were they exported "
+                                   f"with another model or another version of the tasks?")
+            return answers[kind][index]
+
+    return StageLM()
+
+
+def export_requests(model_dir: str, path: Path, num_pairs: int, seed: int) -> dict:
+    """Run the tasks and the pairs through a recording backend; write the requests to `path`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        lm = stage_backend(model_dir)
+        evaluate(lm, CONFIGS[0], task_manager(Path(tmp)), corpus_texts(), num_pairs, seed, time.perf_counter())
+    record = {"model": model_dir, "num_pairs": num_pairs, "seed": seed, "git_commit": git_commit(), **lm.recorded}
+    path.write_text(json.dumps(record) + "\n")
+    return record
+
+
+def score_requests(requests: dict, configs: list[Config], model_dir: str, device: str) -> dict:
+    """Each config's answers to the recorded requests, from an engine on `device` (no lm-eval needed):
+    {config name: {"scored": [[[logprob sum, greedy], ...] per call], "generated": [[text, ...] per call],
+    "seconds": s}}."""
+    import gc
+
+    from offline_paged import LLM
+    from offline_paged.entrypoints.scoring import generate_texts, score_continuations
+
+    answers = {}
+    for config in configs:
+        start = time.perf_counter()
+        llm = LLM(model=model_dir, device=device, seed=1234, **config.engine_args)  # OfflinePagedLM's seed
+        scored = [score_continuations(llm, [(tokens, begin) for tokens, begin in batch])
+                  for batch in requests["scored"]]
+        generated = [generate_texts(llm, batch["prompts"], [tuple(spec) for spec in batch["specs"]])
+                     for batch in requests["generated"]]
+        llm.close()
+        del llm
+        gc.collect()
+        answers[config.name] = {"scored": scored, "generated": generated, "seconds": time.perf_counter() - start}
+        print(f"{config.label}: {answers[config.name]['seconds']:.1f} s", flush=True)
+    return answers
+
+
+def report_requests(model_dir: str, requests: dict, answers: dict, configs: list[Config]) -> list[ConfigResult]:
+    """Each answered config's ConfigResult, lm-eval scoring the replayed answers (in `configs`' order)."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = task_manager(Path(tmp))
+        for config in configs:
+            lm = stage_backend(model_dir, requests, answers[config.name])
+            result, _ = evaluate(lm, config, manager, corpus_texts(), requests["num_pairs"], requests["seed"], 0.0)
+            result.seconds = answers[config.name]["seconds"]
+            results.append(result)
+    return results
 
 
 # ----------------------------------------------------------------- report
@@ -216,11 +332,12 @@ def git_commit() -> str:
     return commit + ("-dirty" if dirty else "")
 
 
-def write_record(results: list[ConfigResult], diffs: dict, args, num_mc: int) -> Path:
+def write_record(results: list[ConfigResult], diffs: dict, args, num_mc: int, machine: str = "CPU") -> Path:
     now = datetime.now(timezone.utc)
     commit = git_commit()
-    record = {"header": "FP8 accuracy on the CPU (ml_dtypes emulation), real SmolLM2-135M-Instruct",
-              "date": now.isoformat(timespec="seconds"), "git_commit": commit, "machine": "CPU",
+    where = "the CPU (ml_dtypes emulation)" if machine == "CPU" else f"{machine} (lm-eval scoring on the CPU)"
+    record = {"header": f"FP8 accuracy on {where}, real SmolLM2-135M-Instruct",
+              "date": now.isoformat(timespec="seconds"), "git_commit": commit, "machine": machine,
               "cpu": platform.processor() or platform.machine(), "model": args.model or "default",
               "reference": REFERENCE, "num_mc_requests": num_mc, "num_pairs": args.num_pairs, "seed": args.seed,
               "thresholds": {"points": POINT_THRESHOLD, "mean_abs_dll": DLL_THRESHOLDS},
@@ -230,7 +347,8 @@ def write_record(results: list[ConfigResult], diffs: dict, args, num_mc: int) ->
                                                "mc_loglikelihoods": r.mc_loglikelihoods,
                                                "pair_loglikelihoods": r.pair_loglikelihoods} for r in results]}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{now:%Y-%m-%d}_{commit.split('-')[0]}_smollm2_fp8_accuracy_cpu.json"
+    suffix = "cpu" if machine == "CPU" else "gpu"
+    path = RESULTS / f"{now:%Y-%m-%d}_{commit.split('-')[0]}_smollm2_fp8_accuracy_{suffix}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 
@@ -240,30 +358,62 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--num-pairs", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS],
-                        choices=[c.name for c in CONFIGS], help=f"which to run ({REFERENCE} always runs)")
+    names = sorted({c.name for c in CONFIGS + GPU_CONFIGS})
+    parser.add_argument("--configs", nargs="+", default=names, choices=names,
+                        help=f"which to run ({REFERENCE} always runs on the CPU, {GPU_REFERENCE} on the GPU)")
     parser.add_argument("--no-record", action="store_true", help="print only; write no JSON record")
+    stages = parser.add_mutually_exclusive_group()
+    stages.add_argument("--export-requests", type=Path, metavar="FILE",
+                        help="stage 1 (here, with lm-eval): record the tasks' and pairs' requests to FILE")
+    stages.add_argument("--score-requests", type=Path, metavar="FILE",
+                        help="stage 2 (the GPU machine, no lm-eval): answer FILE's requests per config into --answers")
+    stages.add_argument("--report-requests", type=Path, metavar="FILE",
+                        help="stage 3 (here, with lm-eval): score --answers for FILE's requests and report")
+    parser.add_argument("--answers", type=Path, metavar="FILE", help="the answers stage 2 writes and stage 3 reads")
+    parser.add_argument("--device", default="cuda", help="stage 2's engine device (default cuda)")
     args = parser.parse_args()
+    if (args.score_requests or args.report_requests) and args.answers is None:
+        parser.error("--score-requests and --report-requests need --answers FILE")
 
-    from offline_paged.models.default_model import ensure_default_model
-
-    model_dir = args.model or str(ensure_default_model())
-    chosen = [c for c in CONFIGS if c.name == REFERENCE or c.name in args.configs]
-    texts = corpus_texts()
-    results, requests = [], None
-    with tempfile.TemporaryDirectory() as tmp:
-        manager = task_manager(Path(tmp))
-        for config in chosen:
-            result, built = run_config(config, model_dir, manager, texts, args.num_pairs, args.seed)
-            if requests is not None and built != requests:
-                raise RuntimeError(f"{config.name} tokenized the pairs differently from {REFERENCE}")
-            requests = built
-            results.append(result)
-            print(f"{config.label}: {result.seconds:.1f} s", flush=True)
+    if args.score_requests:  # before any import of lm-eval or the default model's download
+        model_dir = args.model or str(_default_model())
+        requests = json.loads(args.score_requests.read_text())
+        configs = _chosen(GPU_CONFIGS if args.device != "cpu" else CONFIGS, args.configs, args.device)
+        answers = score_requests(requests, configs, model_dir, args.device)
+        args.answers.write_text(json.dumps({"device": _device_name(args.device), "git_commit": git_commit(),
+                                            "configs": [asdict(c) for c in configs], "answers": answers}) + "\n")
+        print(f"answers: {args.answers}")
+        return
+    model_dir = args.model or str(_default_model())
+    if args.export_requests:
+        record = export_requests(model_dir, args.export_requests, args.num_pairs, args.seed)
+        print(f"requests: {args.export_requests} ({sum(map(len, record['scored']))} scored, "
+              f"{sum(len(b['prompts']) for b in record['generated'])} generated)")
+        return
+    if args.report_requests:
+        answered = json.loads(args.answers.read_text())
+        configs = [Config(**c) for c in answered["configs"]]
+        results = report_requests(model_dir, json.loads(args.report_requests.read_text()), answered["answers"],
+                                  configs)
+        machine = answered["device"]
+    else:
+        chosen = _chosen(CONFIGS, args.configs, "cpu")
+        texts = corpus_texts()
+        results, requests = [], None
+        with tempfile.TemporaryDirectory() as tmp:
+            manager = task_manager(Path(tmp))
+            for config in chosen:
+                result, built = run_config(config, model_dir, manager, texts, args.num_pairs, args.seed)
+                if requests is not None and built != requests:
+                    raise RuntimeError(f"{config.name} tokenized the pairs differently from {REFERENCE}")
+                requests = built
+                results.append(result)
+                print(f"{config.label}: {result.seconds:.1f} s", flush=True)
+        machine = "CPU"
     reference = results[0]
     diffs = {r.config.name: comparison(reference, r) for r in results[1:]}
     num_mc = len(reference.mc_loglikelihoods)
-    print(f"\nmodel {model_dir}; CPU; reference {reference.config.label}; {num_mc} mc requests + "
+    print(f"\nmodel {model_dir}; {machine}; reference {reference.config.label}; {num_mc} mc requests + "
           f"{args.num_pairs} pairs (seed {args.seed}); differences against the reference in parentheses "
           f"(points for mc/gen)\n")
     print(table(results, diffs))
@@ -272,7 +422,27 @@ def main() -> None:
         if line:
             print(line)
     if not args.no_record:
-        print(f"record: {write_record(results, diffs, args, num_mc)}")
+        print(f"record: {write_record(results, diffs, args, num_mc, machine)}")
+
+
+def _default_model() -> Path:
+    from offline_paged.models.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def _chosen(configs: list[Config], names: list[str], device: str) -> list[Config]:
+    """The configs named (the reference first, always); names of the other device's list are skipped."""
+    reference = GPU_REFERENCE if device != "cpu" else REFERENCE
+    return [c for c in configs if c.name == reference or c.name in names]
+
+
+def _device_name(device: str) -> str:
+    if device == "cpu":
+        return "CPU"
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
 
 
 if __name__ == "__main__":

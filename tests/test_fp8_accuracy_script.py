@@ -5,7 +5,9 @@ SmolLM2 run is the script itself)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,32 @@ def test_the_report_compares_each_config_with_the_reference():
     assert fp8_accuracy.verdict("bf16", diff) is None
     text = fp8_accuracy.table([reference, other], {"fp8_kv": diff})
     assert "| FP8 KV | 52.0 (+2.0) |" in text and "| 1/2 |" in text
+
+
+def test_the_staged_run_reports_what_the_direct_run_does(tiny_dir, tmp_path):
+    """lm-eval here and the engine elsewhere (export -> score -> report, through JSON files as the GPU run
+    carries them) gives the direct run's task scores, per-item loglikelihoods and generations, bit for bit; a
+    replay whose requests differ from the recorded ones is refused."""
+    model = str(tiny_dir)
+    configs = [c for c in fp8_accuracy.CONFIGS if c.name in ("fp32", "fp8_kv")]
+    fp8_accuracy.export_requests(model, tmp_path / "requests.json", 20, 0)
+    requests_file = json.loads((tmp_path / "requests.json").read_text())
+    assert requests_file["scored"] and requests_file["generated"] and "logprob" not in json.dumps(requests_file)
+    answers = fp8_accuracy.score_requests(requests_file, configs, model, "cpu")
+    answers = json.loads(json.dumps(answers))  # as the answers file carries them
+    staged = fp8_accuracy.report_requests(model, requests_file, answers, configs)
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = fp8_accuracy.task_manager(Path(tmp))
+        direct = [fp8_accuracy.run_config(c, model, manager, fp8_accuracy.corpus_texts(), 20, 0)[0] for c in configs]
+    for got, want in zip(staged, direct, strict=True):
+        assert got.config == want.config and got.scores == want.scores
+        assert got.mc_loglikelihoods == want.mc_loglikelihoods and got.pair_loglikelihoods == want.pair_loglikelihoods
+        assert got.generations == want.generations
+    assert staged[0].pair_loglikelihoods != staged[1].pair_loglikelihoods  # the FP8 cache's answers, not fp32's
+
+    requests_file["scored"][0][0][0][-1] += 1  # one token of the first scored request
+    with pytest.raises(RuntimeError, match="scored call 0 differs from the recorded requests"):
+        fp8_accuracy.report_requests(model, requests_file, answers, configs[:1])
 
 
 def test_the_granularity_script_rounds_through_e4m3_at_each_scale():
