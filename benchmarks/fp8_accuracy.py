@@ -39,7 +39,7 @@ import random
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -77,14 +77,8 @@ CONFIGS = [
 ]
 REFERENCE = "fp32"
 # On the GPU (16-bit only) the reference is bf16, the baseline, and the FP8 configs run over bf16.
-GPU_CONFIGS = [
-    Config("bf16", "bfloat16 (reference)", {"dtype": "bfloat16"}),
-    Config("fp8_kv", "FP8 KV (scales 1.0)", {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}),
-    Config("fp8_kv_calc", "FP8 KV (calculated scales)",
-           {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "calculate_kv_scales": True}),
-    Config("fp8_w", "FP8 weights", {"dtype": "bfloat16", "quantization": "fp8"}),
-    Config("fp8_w_kv", "FP8 weights + FP8 KV", {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8"}),
-]
+GPU_CONFIGS = [Config("bf16", "bfloat16 (reference)", {"dtype": "bfloat16"})] + [
+    replace(c, engine_args=c.engine_args | {"dtype": "bfloat16"}) for c in CONFIGS if c.name.startswith("fp8")]
 GPU_REFERENCE = "bf16"
 
 
