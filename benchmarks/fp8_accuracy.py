@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import subprocess
@@ -323,6 +324,10 @@ def _score_cell(value: float, diff: float | None, heading: str) -> str:
 
 
 def git_commit() -> str:
+    """$OFFLINE_PAGED_GIT_COMMIT when set (a copied tree on the device, whose .git may be stale; as the bench),
+    else the checkout's commit, "-dirty" with uncommitted changes."""
+    if os.environ.get("OFFLINE_PAGED_GIT_COMMIT"):
+        return os.environ["OFFLINE_PAGED_GIT_COMMIT"]
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],

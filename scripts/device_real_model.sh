@@ -35,7 +35,7 @@ case "${1:-}" in
     install_model "$2"
     timeout 400 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_real_model.py 2>&1 \
       | tee "$OUT/real_model.log" | grep -E "greedy identical|logprob err|passed|failed|Error" ;;
-  fp8-accuracy)  # stage 2 of benchmarks/fp8_accuracy.py: the recorded requests answered per config (bf16, FP8)
+  fp8-accuracy)  # stage 2 of benchmarks/fp8_accuracy.py (set OFFLINE_PAGED_GIT_COMMIT: the device .git is stale)
     install_model "$2"
     timeout ${ACCURACY_LIMIT:-500} python3 benchmarks/fp8_accuracy.py --score-requests \
       benchmarks/fp8_accuracy_requests.json --answers "$OUT/fp8_accuracy_answers.json" --device cuda 2>&1 \
