@@ -242,10 +242,8 @@ def score_requests(requests: dict, configs: list[Config], model_dir: str, device
     for config in configs:
         start = time.perf_counter()
         llm = LLM(model=model_dir, device=device, seed=1234, **config.engine_args)  # OfflinePagedLM's seed
-        scored = [score_continuations(llm, [(tokens, begin) for tokens, begin in batch])
-                  for batch in requests["scored"]]
-        generated = [generate_texts(llm, batch["prompts"], [tuple(spec) for spec in batch["specs"]])
-                     for batch in requests["generated"]]
+        scored = [score_continuations(llm, batch) for batch in requests["scored"]]  # ([tokens, start] pairs)
+        generated = [generate_texts(llm, batch["prompts"], batch["specs"]) for batch in requests["generated"]]
         llm.close()
         del llm
         gc.collect()
