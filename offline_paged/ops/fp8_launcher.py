@@ -11,7 +11,7 @@ import numpy as np
 
 from offline_paged.ops.kernel_modules import kernel
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA as FP8_STORAGE
-from offline_paged.ops.launchers import _vector_path
+from offline_paged.ops.launchers import _vector_path, fp8_padded, fp8_rows
 
 try:
     import ml_dtypes
@@ -33,14 +33,11 @@ KERNELS = (
 # the 8B shape, bf16, FP8 weights + KV: 12,749 against 12,052 out tok/s, benchmarks/RESULTS.md 2026-12-03 (30)).
 VECTOR_KERNELS = True
 QUANT_THREADS = 256  # fp8_linear.cu's QUANT_THREADS
-FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner dimension and leading dimensions multiples of 16
 MAX_ROW_BLOCKS = 65535  # both kernels stride over rows past this many blocks (CUDA's gridDim.y limit)
 _COLUMN_BLOCKS = 64  # scale_fp8_output: blocks of 256 columns per row at most (they stride past it)
 
 
-def padded(width: int) -> int:
-    """`width` rounded up to a multiple of FP8_ALIGN."""
-    return -(-width // FP8_ALIGN) * FP8_ALIGN
+padded = fp8_padded  # the name the FP8 linear and its bench use
 
 
 def _kernel(filename: str, name: str):
@@ -79,13 +76,8 @@ def quantize_rows_fp8(x, padded_width: int | None = None, static_scale: float | 
     if x.ndim != 2 or not x.flags.c_contiguous:
         raise ValueError(f"x must be a C-contiguous 2-D array, got shape {x.shape}, strides {x.strides}")
     num_rows, width = x.shape
-    padded_width = padded(width) if padded_width is None else int(padded_width)
-    if padded_width < width or padded_width % FP8_ALIGN:
-        raise ValueError(f"padded_width must be a multiple of {FP8_ALIGN} and >= {width}, got {padded_width}")
-    if static_scale is not None and not (np.isfinite(static_scale) and static_scale > 0):
-        raise ValueError(f"static_scale must be a positive finite number, got {static_scale!r}")
-    xq = cupy.empty((num_rows, padded_width), dtype=FP8_STORAGE) if xq is None else xq  # [R, Kp]
-    scales = cupy.empty(num_rows, dtype=cupy.float32) if scales is None else scales  # [R]
+    padded_width = fp8_padded(width) if padded_width is None else int(padded_width)
+    xq, scales = fp8_rows(num_rows, width, padded_width, static_scale, xq, scales)  # [R, Kp], [R]
     _check("xq", xq, FP8_STORAGE, (num_rows, padded_width))
     _check("scales", scales, np.float32, (num_rows,))
     if num_rows:

@@ -429,14 +429,26 @@ def _fp8_input_threads(units: int) -> int:
     return _block_threads(math.ceil(units / FP8_INPUT_CHUNKS_PER_THREAD), 1024)
 
 
-def _fp8_rows(num_rows: int, width: int, padded_width: int, static_scale: float | None):
-    """The outputs of an FP8-quantizing kernel: (xq [R, Kp] e4m3 bits, scales [R] float32), after checking
-    padded_width (a multiple of 16, at least `width`: cuBLASLt's FP8 rule) and static_scale."""
-    _require(padded_width >= width and padded_width % 16 == 0,
-             f"padded_width must be a multiple of 16 and >= {width}, got {padded_width}")
+FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner dimension and leading dimensions multiples of 16
+
+
+def fp8_padded(width: int) -> int:
+    """`width` rounded up to a multiple of FP8_ALIGN."""
+    return -(-width // FP8_ALIGN) * FP8_ALIGN
+
+
+def fp8_rows(num_rows: int, width: int, padded_width: int | None, static_scale: float | None, xq=None, scales=None):
+    """The outputs of an FP8-quantizing kernel: (xq [R, Kp] e4m3 bits, scales [R] float32), allocated unless given,
+    after checking padded_width (default `width` rounded up to FP8_ALIGN; a multiple of it, at least `width`:
+    cuBLASLt's FP8 rule) and static_scale. A given xq / scales is checked by the caller."""
+    padded_width = fp8_padded(width) if padded_width is None else int(padded_width)
+    _require(padded_width >= width and padded_width % FP8_ALIGN == 0,
+             f"padded_width must be a multiple of {FP8_ALIGN} and >= {width}, got {padded_width}")
     _require(static_scale is None or (math.isfinite(static_scale) and static_scale > 0),
              f"static_scale must be a positive finite number, got {static_scale!r}")
-    return cupy.empty((num_rows, padded_width), dtype=FP8_STORAGE), cupy.empty(num_rows, dtype=cupy.float32)
+    xq = cupy.empty((num_rows, padded_width), dtype=FP8_STORAGE) if xq is None else xq
+    scales = cupy.empty(num_rows, dtype=cupy.float32) if scales is None else scales
+    return xq, scales
 
 
 def rms_norm_fp8(x, weight, eps: float, residual=None, padded_width: int | None = None,
@@ -463,8 +475,8 @@ def rms_norm_fp8(x, weight, eps: float, residual=None, padded_width: int | None 
         _check_array("residual", residual, weight.dtype, 2)
         _require(residual.shape == (num_tokens, hidden),
                  f"residual shape {residual.shape} != x shape {(num_tokens, hidden)}")
-    padded_width = -(-hidden // 16) * 16 if padded_width is None else int(padded_width)
-    xq, scales = _fp8_rows(num_tokens, hidden, padded_width, static_scale)
+    xq, scales = fp8_rows(num_tokens, hidden, padded_width, static_scale)
+    padded_width = xq.shape[1]
     residual_out = cupy.empty((num_tokens, hidden), dtype=weight.dtype)
     if num_tokens:
         units = hidden // VECTOR_WIDTH if _vector_path(hidden, residual, weight, residual_out, xq) else hidden
@@ -594,8 +606,8 @@ def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float |
         name = f"silu_mul_fp8_product_{suffix}"
     _require(width % 2 == 0, f"gate_up width {width} is odd")
     inter = width // 2
-    padded_width = -(-inter // 16) * 16 if padded_width is None else int(padded_width)
-    xq, scales = _fp8_rows(num_tokens, inter, padded_width, static_scale)
+    xq, scales = fp8_rows(num_tokens, inter, padded_width, static_scale)
+    padded_width = xq.shape[1]
     if num_tokens:
         units = inter // VECTOR_WIDTH if (inter % VECTOR_WIDTH == 0 and xq.data.ptr % 16 == 0) else inter
         _kernel("layer.cu", name)(
