@@ -20,6 +20,15 @@
 //   Grid: x = token; block threads stride over (H + Hkv) * D/2 pairs, or over (H + Hkv) * D/16 units of
 //   8 consecutive pairs when D/2 % 8 == 0, both strides % 8 == 0 and all pointers are 16-byte aligned.
 //
+// head_rms_norm_{f16,bf16} (Qwen3's q_norm and k_norm: RMSNorm of every head over D, q's and k's in one launch)
+//   q [T, H, D], k [T, Hkv, D] T, [heads, D] contiguous per token, token strides q_stride, k_stride
+//   q_weight, k_weight [D] T
+//   q_out [T, H, D], k_out [T, Hkv, D] T contiguous (new): each head x * rsqrt(mean(x^2) + eps) * weight,
+//   rounded once (rms_norm's arithmetic over a row of D)
+//   Grid: x = token; block: warps stride over the H + Hkv heads, one warp per head, warp-shuffle sum of
+//   squares; lanes stride over the head's 8-element chunks when D % 8 == 0, both strides % 8 == 0 and all
+//   pointers are 16-byte aligned, else over its elements. The second pass reads the head again (L1).
+//
 // rope_write_kv_{same,f32}_cache_{f16,bf16} (rope, then cache.cu's write_kv, in one kernel)
 //   q, positions, cos_sin as rope; k, v [T, Hkv, D] T, [Hkv, D] contiguous per token, token strides
 //   k_stride, v_stride (q, k, v are usually views into one fused qkv row)
@@ -128,18 +137,22 @@ __device__ __forceinline__ void store8_float(T* p, const float (&f)[VEC]) {
   store8(p, r);
 }
 
+// Sum of `value` over the warp, returned to every lane.
+__device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
 // Sum of `value` over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
 __device__ __forceinline__ float block_sum(float value) {
   __shared__ float warp_sums[32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  value = warp_sum(value);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   if (lane == 0) warp_sums[warp] = value;
   __syncthreads();
   value = lane < num_warps ? warp_sums[lane] : 0.f;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
+  return warp_sum(value);
 }
 
 // Where a kernel reads its input row from (the block's row; `chunk` needs col % 8 == 0 and the source's vector
@@ -339,6 +352,43 @@ __device__ __forceinline__ void store8_fp8(unsigned char* p, const float (&y)[VE
 #pragma unroll
   for (int i = 0; i < VEC; ++i) f[i] = to_float(from_float<T>(y[i])) / scale;
   *reinterpret_cast<uint2*>(p) = float8_to_e4m3x8(f);
+}
+
+template <typename T>
+__device__ void head_rms_norm_impl(const T* q, const T* k, const T* q_weight, const T* k_weight, T* q_out,
+                                   T* k_out, long long q_stride, long long k_stride, int num_heads,
+                                   int num_kv_heads, int head_dim, float eps) {
+  const int token = blockIdx.x;
+  const int lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  const bool vec = head_dim % VEC == 0 && q_stride % VEC == 0 && k_stride % VEC == 0 && aligned16(q) &&
+                   aligned16(k) && aligned16(q_weight) && aligned16(k_weight) && aligned16(q_out) &&
+                   aligned16(k_out);
+  for (int head = threadIdx.x / 32; head < num_heads + num_kv_heads; head += num_warps) {  // warp-uniform
+    const bool is_q = head < num_heads;
+    const int h = is_q ? head : head - num_heads;
+    const T* src = is_q ? q + token * q_stride + (size_t)h * head_dim : k + token * k_stride + (size_t)h * head_dim;
+    const T* weight = is_q ? q_weight : k_weight;
+    T* dst = is_q ? q_out + ((size_t)token * num_heads + h) * head_dim
+                  : k_out + ((size_t)token * num_kv_heads + h) * head_dim;
+    float sum = 0.f;
+    if (vec) {
+      for (int c = lane * VEC; c < head_dim; c += 32 * VEC) {
+        float x[VEC];
+        load8_float(src + c, x);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) sum += x[i] * x[i];
+      }
+      const float inv_rms = rsqrtf(warp_sum(sum) / head_dim + eps);
+      for (int c = lane * VEC; c < head_dim; c += 32 * VEC) store8(dst + c, rms_normed8(load8(src + c), weight, c, inv_rms));
+    } else {
+      for (int i = lane; i < head_dim; i += 32) {
+        const float x = to_float(src[i]);
+        sum += x * x;
+      }
+      const float inv_rms = rsqrtf(warp_sum(sum) / head_dim + eps);
+      for (int i = lane; i < head_dim; i += 32) dst[i] = from_float<T>(to_float(src[i]) * inv_rms * to_float(weight[i]));
+    }
+  }
 }
 
 template <typename T, typename CacheT>
@@ -726,6 +776,12 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
                                      v_cache, q_stride, k_stride, v_stride, num_heads, num_kv_heads,          \
                                      head_dim);                                                               \
   }                                                                                                           \
+  extern "C" __global__ void head_rms_norm_##SUFFIX(const T* q, const T* k, const T* q_weight, const T* k_weight,   \
+                                                     T* q_out, T* k_out, long long q_stride, long long k_stride, \
+                                                     int num_heads, int num_kv_heads, int head_dim, float eps) { \
+    head_rms_norm_impl<T>(q, k, q_weight, k_weight, q_out, k_out, q_stride, k_stride, num_heads, num_kv_heads,   \
+                          head_dim, eps);                                                                       \
+  }                                                                                                             \
   extern "C" __global__ void silu_mul_##SUFFIX(const T* gate_up, T* out, long long num_tokens, int inter) { \
     silu_mul_impl<T>(gate_up, out, num_tokens, inter);                                                      \
   }                                                                                                         \

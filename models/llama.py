@@ -259,7 +259,7 @@ class Llama:
         k = qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
         v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
         if layer.q_norm is not None:
-            q, k = self._head_norm(q, layer.q_norm), self._head_norm(k, layer.k_norm)
+            q, k = self.ops.head_rms_norm(q, k, layer.q_norm, layer.k_norm, c.rms_norm_eps)  # one kernel on the GPU
         # RoPE and the KV-cache write in one op (one kernel on the GPU): attention reads K/V from the
         # cache only, so the rotated k goes straight there.
         # An FP8 cache passes the layer's scales (only then: a 16-bit call keeps its plain signature).
@@ -270,9 +270,3 @@ class Llama:
                                  sliding_window=c.sliding_window, **fp8)  # [T, H, D]
         o_proj = self.ops.deferred(layer.o_proj)  # its output goes into the post-attention rms_norm only
         return self._all_reduce(matmul(out.reshape(num_tokens, q_dim), o_proj))  # [T, E]
-
-    def _head_norm(self, x, weight):
-        """RMSNorm of every head over D (Qwen3's q_norm / k_norm): [T, heads, D] -> [T, heads, D]."""
-        rows = x.reshape(-1, x.shape[-1])  # [T heads, D] (a copy when x is a strided slice of qkv)
-        normed, _ = self.ops.rms_norm(rows, weight, self.config.rms_norm_eps)  # [T heads, D]
-        return normed.reshape(x.shape)

@@ -351,6 +351,45 @@ def test_rms_norm_matches_numpy_ops(with_residual, hidden, offset, dtype):
     assert ulps.max() <= 1, f"rms_norm output {ulps.max()} ulps from h * inv_rms * weight rounded once"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+# D % 8 == 0: the vector path, else the scalar one; 40 + 8 heads: each warp of the block takes several.
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(128, 16, 8), (128, 40, 8), (64, 9, 3), (72, 9, 3),
+                                                             (36, 16, 8)])
+def test_head_rms_norm_matches_numpy_ops_on_strided_views(head_dim, num_heads, num_kv_heads, dtype):
+    rng = np.random.default_rng(head_dim + num_heads)
+    num_tokens = 23
+    # Heads of very different scales: a mix-up of one head's sum with another's shows in the output.
+    scales = np.exp(rng.uniform(-3, 3, num_heads + 2 * num_kv_heads)).repeat(head_dim)
+    qkv = (rng.standard_normal((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)) * scales).astype(dtype)
+    q_weight, k_weight = ((1 + 0.3 * rng.standard_normal(head_dim)).astype(dtype) for _ in range(2))
+    q_host, k_host, _ = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    q_ref, k_ref = NumpyOps().head_rms_norm(q_host.astype(np.float32), k_host.astype(np.float32),
+                                            q_weight.astype(np.float32), k_weight.astype(np.float32), 1e-6)
+    q, k, _ = split_qkv(cupy.asarray(qkv), num_heads, num_kv_heads, head_dim)
+    q_out, k_out = launchers.head_rms_norm(q, k, cupy.asarray(q_weight), cupy.asarray(k_weight), 1e-6)
+    assert q_out.dtype == k_out.dtype == dtype and q_out.flags.c_contiguous and k_out.flags.c_contiguous
+    for out, ref, src, weight in ((q_out, q_ref, q_host, q_weight), (k_out, k_ref, k_host, k_weight)):
+        assert out.shape == src.shape
+        # per head, relative to the head's own largest value (heads span six orders of magnitude)
+        for head in range(src.shape[1]):
+            assert_close(out[:, head].get(), ref[:, head], TOL[dtype])
+        # every output rounded once from fp32: only the sum-of-squares order may differ
+        x = src.astype(np.float64)
+        inv_rms = 1 / np.sqrt(np.mean(np.square(x), axis=2, keepdims=True) + 1e-6)
+        expected = round_once(x * inv_rms * weight.astype(np.float64), dtype)
+        ulps = np.abs(out.get().view(np.int16).astype(np.int32) - expected.view(np.int16).astype(np.int32))
+        assert ulps.max() <= 1, f"head_rms_norm output {ulps.max()} ulps from x * inv_rms * weight rounded once"
+
+
+def test_head_rms_norm_refuses_mismatched_weights():
+    q = cupy.ones((2, 4, 64), dtype=np.float16)
+    k = cupy.ones((2, 2, 64), dtype=np.float16)
+    with pytest.raises(ValueError, match="k_weight has 32 entries for head dim 64"):
+        launchers.head_rms_norm(q, k, cupy.ones(64, np.float16), cupy.ones(32, np.float16), 1e-6)
+    with pytest.raises(ValueError, match="q_weight must be"):
+        launchers.head_rms_norm(q, k, cupy.ones(64, np.float32), cupy.ones(64, np.float16), 1e-6)
+
+
 def round_once(values, dtype):
     """float64 -> dtype with one round-to-nearest-even (ml_dtypes goes through float32 for bfloat16,
     which rounds twice)."""

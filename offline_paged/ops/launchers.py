@@ -72,6 +72,8 @@ KERNELS = (
     # ... reading an FP8 GEMM's product before its scale epilogue (the epilogue folded in):
     ("layer.cu", "rms_norm_fp8_product_f16"), ("layer.cu", "rms_norm_fp8_product_bf16"),
     ("layer.cu", "silu_mul_fp8_product_f16"), ("layer.cu", "silu_mul_fp8_product_bf16"),
+    # Qwen3's per-head q_norm and k_norm in one launch:
+    ("layer.cu", "head_rms_norm_f16"), ("layer.cu", "head_rms_norm_bf16"),
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 DECODE_TILE_ROWS = 8  # the same for the "decode" kernels (attention.cu's NarrowTile)
@@ -418,6 +420,28 @@ def rms_norm(x, weight, eps: float, residual=None):
             (x, residual if residual is not None else np.uint64(0), weight, out, residual_out,
              np.int32(x.shape[1]), np.float32(eps)))
     return out, residual_out
+
+
+def head_rms_norm(q, k, q_weight, k_weight, eps: float):
+    """Qwen3's q_norm and k_norm in one kernel: new contiguous (q_out [T, H, D], k_out [T, Hkv, D]), every head
+    RMS-normed over D and times its weight (rms_norm's arithmetic, each head a row). q, k: float16 or bfloat16
+    (row-strided views of one qkv row are fine); q_weight, k_weight [D] of q's dtype."""
+    suffix = _element_suffix("q", q)
+    q_stride = _check_rows("q", q, 3, q.dtype)
+    k_stride = _check_rows("k", k, 3, q.dtype)
+    num_tokens, num_heads, head_dim = q.shape
+    _require(k.shape[0] == num_tokens and k.shape[2] == head_dim, f"k shape {k.shape} does not fit q shape {q.shape}")
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        _check_array(name, weight, q.dtype, 1)
+        _require(weight.shape[0] == head_dim, f"{name} has {weight.shape[0]} entries for head dim {head_dim}")
+    q_out = cupy.empty(q.shape, dtype=q.dtype)
+    k_out = cupy.empty(k.shape, dtype=q.dtype)
+    if num_tokens:
+        _kernel("layer.cu", f"head_rms_norm_{suffix}")(
+            (num_tokens,), (_block_threads(32 * (num_heads + k.shape[1]), 256),),
+            (q, k, q_weight, k_weight, q_out, k_out, np.int64(q_stride), np.int64(k_stride), np.int32(num_heads),
+             np.int32(k.shape[1]), np.int32(head_dim), np.float32(eps)))
+    return q_out, k_out
 
 
 # rms_norm_fp8 / silu_mul_fp8: 8-element chunks of a row per thread (at most layer.cu's RMS_HELD / SILU_HELD = 4,

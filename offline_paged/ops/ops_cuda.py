@@ -112,6 +112,11 @@ class CudaOps:
         x = x.materialize() if isinstance(x, Fp8Product) else cupy.ascontiguousarray(x)
         return launchers.rms_norm(x, weight, eps, residual)
 
+    def head_rms_norm(self, q, k, q_weight, k_weight, eps: float):
+        """Qwen3's q_norm / k_norm: every head of q [T, H, D] and k [T, Hkv, D] RMS-normed over D, in one kernel;
+        returns new (q, k). Row-strided views (slices of the qkv row) are read in place."""
+        return launchers.head_rms_norm(q, k, q_weight, k_weight, eps)
+
     def rope(self, q, k, positions, cos_sin_cache):
         """Rotate-half RoPE; q [T, H, D], k [T, Hkv, D] (row-strided views are fine); returns new arrays."""
         return launchers.rope(q, k, _int32(positions), cos_sin_cache)

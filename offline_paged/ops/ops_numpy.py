@@ -51,6 +51,15 @@ class NumpyOps:
         normed = (acc * (1.0 / np.sqrt(variance + eps)).astype(acc.dtype)).astype(x.dtype, copy=False)
         return normed * weight, x
 
+    def head_rms_norm(self, q, k, q_weight, k_weight, eps: float):
+        """Qwen3's q_norm / k_norm: every head of q [T, H, D] and k [T, Hkv, D] RMS-normed over D (rms_norm with
+        each head a row); returns new (q, k)."""
+        def per_head(x, weight):
+            normed, _ = self.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)  # [T heads, D]
+            return normed.reshape(x.shape)
+
+        return per_head(q, q_weight), per_head(k, k_weight)
+
     def rope(self, q, k, positions, cos_sin_cache):
         """Rotate-half RoPE (HF / neox pairing). q: [T, H, D], k: [T, Hkv, D]; returns new arrays."""
         half = cos_sin_cache.shape[1] // 2
