@@ -1,6 +1,7 @@
 """Kernel benchmark (GPU): an FP8 linear's input made by one kernel (layer.cu's rms_norm_fp8 / silu_mul_fp8) against
 the two launches it replaces (rms_norm or silu_mul, then fp8_launcher.quantize_rows_fp8), at the decode shapes of
-Llama-3.2-1B and Llama-3.1-8B in bf16, for launchers.FP8_INPUT_CHUNKS_PER_THREAD = 1, 2, 4 (threads per row).
+Llama-3.2-1B and Llama-3.1-8B in bf16, with the launchers' rule for threads per row (launchers.fp8_input_threads)
+and with launchers.FP8_INPUT_CHUNKS_PER_THREAD forced to 1, 2, 4.
 Timing as bench_layer_kernels.py (graph replays over input sets larger than L2; median us per call).
 
     python benchmarks/bench_fp8_inputs.py [--rows 256 64]
@@ -43,9 +44,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[256, 64])
     args = parser.parse_args()
-    chunk_choices = (1, 2, 4)
+    chunk_choices = (None, 1, 2, 4)  # None: the rule
     print(f"{'shape':<14}{'rows':>6}{'kernel':>10}{'two launches us':>17}"
-          + "".join(f"{f'fused k={k} us':>15}" for k in chunk_choices))
+          + "".join(f"{'fused ' + (f'k={k}' if k else 'rule') + ' us':>18}" for k in chunk_choices))
     for name, (hidden, inter, *_) in SHAPES.items():
         for rows in args.rows:
             for kernel, calls, width in (("rms_norm", rms_norm_calls, hidden), ("silu_mul", silu_mul_calls, inter)):
@@ -54,8 +55,8 @@ def main() -> None:
                 for k in chunk_choices:
                     launchers.FP8_INPUT_CHUNKS_PER_THREAD = k
                     fused.append(graph_us(calls(rows, width, True)))
-                launchers.FP8_INPUT_CHUNKS_PER_THREAD = 1
-                print(f"{name:<14}{rows:>6}{kernel:>10}{two:>17.1f}" + "".join(f"{us:>15.1f}" for us in fused))
+                launchers.FP8_INPUT_CHUNKS_PER_THREAD = None
+                print(f"{name:<14}{rows:>6}{kernel:>10}{two:>17.1f}" + "".join(f"{us:>18.1f}" for us in fused))
 
 
 if __name__ == "__main__":

@@ -34,9 +34,10 @@ from test_fp8_conversions import E4M3, _inputs  # noqa: E402
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="bf16")]
 # (rows, width): decode and prefill rows at Llama widths (vector path), widths padded to 16 (40, 36: the second
-# takes the scalar path), and rows longer than the 4 x 1024 chunks of 8 a block keeps in registers.
-SHAPES = [(1, 2048), (7, 4096), (256, 4096), (5, 40), (3, 36), (2, 33_024)]
-SILU_SHAPES = [(1, 8192), (7, 14_336), (256, 14_336), (5, 40), (3, 36), (2, 33_000)]
+# takes the scalar path), and rows longer than the 4 x 1024 chunks of 8 a block keeps in registers; with more rows
+# than SMs, blocks of at most 512 threads (launchers.fp8_input_threads), so rows past 4 x 512 chunks.
+SHAPES = [(1, 2048), (7, 4096), (256, 4096), (5, 40), (3, 36), (2, 33_024), (140, 17_408)]
+SILU_SHAPES = [(1, 8192), (7, 14_336), (256, 14_336), (5, 40), (3, 36), (2, 33_000), (140, 16_800)]
 
 
 def rows(rng, num_rows: int, width: int, dtype):
@@ -81,6 +82,20 @@ def test_rms_norm_fp8_stores_the_bytes_of_rms_norm_then_quantize(num_rows, hidde
     if num_rows > 1:  # the zero row: scale 1, zeros (-0 where a weight is negative)
         assert scales.get()[1] == 1.0 and not (xq.get()[1] & 0x7F).any()
     assert np.abs(xq.get()[:, :hidden].view(ml_dtypes.float8_e4m3fn).astype(np.float32)).max() == 448.0
+
+
+def test_fp8_input_threads_fit_two_blocks_an_sm_when_the_rows_outnumber_the_sms():
+    sms = launchers._num_sms()
+    assert launchers.fp8_input_threads(1792, sms + 1, sms) == 512  # 8B silu_mul, 256 rows: ~3.5 chunks a thread
+    assert launchers.fp8_input_threads(1792, sms, sms) == 1024  # fewer rows: spread wide
+    assert launchers.fp8_input_threads(256, 256, sms) == 256  # 1B rms_norm: one chunk a thread
+    assert launchers.fp8_input_threads(40, 256, sms) == 64  # the scalar path's elements, rounded up to a warp
+    with_k = launchers.FP8_INPUT_CHUNKS_PER_THREAD
+    try:
+        launchers.FP8_INPUT_CHUNKS_PER_THREAD = 4
+        assert launchers.fp8_input_threads(1792, 8, sms) == 448
+    finally:
+        launchers.FP8_INPUT_CHUNKS_PER_THREAD = with_k
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -185,7 +200,7 @@ def product(rng, num_rows: int, width: int, padded: int, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows, hidden, padded", [(256, 4096, 4096), (7, 2048, 2048), (5, 40, 48), (3, 36, 48),
-                                                      (2, 33_024, 33_024)])
+                                                      (2, 33_024, 33_024), (140, 17_408, 17_408)])
 def test_rms_norm_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, hidden, padded, dtype):
     rng = np.random.default_rng(hidden + num_rows)
     args = product(rng, num_rows, hidden, padded, dtype)
@@ -201,7 +216,7 @@ def test_rms_norm_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, hidden
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows, inter, padded", [(256, 14_336, 28_672), (7, 8192, 16_384), (3, 36, 80),
-                                                     (5, 40, 96), (2, 33_000, 66_000)])
+                                                     (5, 40, 96), (2, 33_000, 66_000), (140, 16_800, 33_600)])
 def test_silu_mul_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, inter, padded, dtype):
     rng = np.random.default_rng(inter + num_rows)
     args = product(rng, num_rows, 2 * inter, padded, dtype)
