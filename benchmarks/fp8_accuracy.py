@@ -20,7 +20,7 @@ lm-eval, so that run has three stages; the requests and answers travel as JSON f
 
     here:     .venv/bin/python benchmarks/fp8_accuracy.py --export-requests benchmarks/fp8_accuracy_requests.json
     the GPU:  python3 benchmarks/fp8_accuracy.py --score-requests benchmarks/fp8_accuracy_requests.json \
-                  --answers $OUT/answers.json [--configs ...]       (scripts/device_fp8_accuracy.sh)
+                  --answers $OUT/answers.json [--configs ...]    (scripts/device_real_model.sh fp8-accuracy)
     here:     .venv/bin/python benchmarks/fp8_accuracy.py --report-requests benchmarks/fp8_accuracy_requests.json \
                   --answers answers.json
 
