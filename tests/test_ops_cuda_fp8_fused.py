@@ -84,18 +84,15 @@ def test_rms_norm_fp8_stores_the_bytes_of_rms_norm_then_quantize(num_rows, hidde
     assert np.abs(xq.get()[:, :hidden].view(ml_dtypes.float8_e4m3fn).astype(np.float32)).max() == 448.0
 
 
-def test_fp8_input_threads_fit_two_blocks_an_sm_when_the_rows_outnumber_the_sms():
+def test_fp8_input_threads_fit_two_blocks_an_sm_when_the_rows_outnumber_the_sms(monkeypatch):
     sms = launchers._num_sms()
+    monkeypatch.setattr(launchers, "FP8_INPUT_CHUNKS_PER_THREAD", None)  # the rule
     assert launchers.fp8_input_threads(1792, sms + 1, sms) == 512  # 8B silu_mul, 256 rows: ~3.5 chunks a thread
     assert launchers.fp8_input_threads(1792, sms, sms) == 1024  # fewer rows: spread wide
     assert launchers.fp8_input_threads(256, 256, sms) == 256  # 1B rms_norm: one chunk a thread
     assert launchers.fp8_input_threads(40, 256, sms) == 64  # the scalar path's elements, rounded up to a warp
-    with_k = launchers.FP8_INPUT_CHUNKS_PER_THREAD
-    try:
-        launchers.FP8_INPUT_CHUNKS_PER_THREAD = 4
-        assert launchers.fp8_input_threads(1792, 8, sms) == 448
-    finally:
-        launchers.FP8_INPUT_CHUNKS_PER_THREAD = with_k
+    monkeypatch.setattr(launchers, "FP8_INPUT_CHUNKS_PER_THREAD", 4)  # forced
+    assert launchers.fp8_input_threads(1792, 8, sms) == 448
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
