@@ -91,6 +91,7 @@ def test_fp8_input_threads_fit_two_blocks_an_sm_when_the_rows_outnumber_the_sms(
     assert launchers.fp8_input_threads(1792, sms, sms) == 1024  # fewer rows: spread wide
     assert launchers.fp8_input_threads(256, 256, sms) == 256  # 1B rms_norm: one chunk a thread
     assert launchers.fp8_input_threads(40, 256, sms) == 64  # the scalar path's elements, rounded up to a warp
+    assert launchers.fp8_input_threads(2176, 256, sms, sums=True) == 1024  # rms_norm_fp8: rms_norm's threads
     monkeypatch.setattr(launchers, "FP8_INPUT_CHUNKS_PER_THREAD", 4)  # forced
     assert launchers.fp8_input_threads(1792, 8, sms) == 448
 

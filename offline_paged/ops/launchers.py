@@ -447,7 +447,9 @@ def head_rms_norm(q, k, q_weight, k_weight, eps: float):
 # rms_norm_fp8 / silu_mul_fp8 run a row per block, its threads over the row's 8-element chunks (the first RMS_HELD /
 # SILU_HELD = 4 a thread stay in registers between the amax and the quantize pass). Their ~60 registers a thread let
 # two blocks of up to 512 threads share an SM, but only one of 1024: with more rows than SMs (a 256-row decode step),
-# blocks of at most 512 threads run the rows in one wave instead of two; fewer rows spread over up to 1024 threads.
+# silu_mul_fp8's blocks of at most 512 threads run the rows in one wave instead of two; fewer rows spread over up to
+# 1024 threads. rms_norm_fp8 keeps rms_norm's threads (its bytes depend on the order of its sum; up to hidden 4096
+# that is at most 512 threads anyway).
 # (bench_fp8_inputs.py, bf16, 256 rows: 8B silu_mul 14.0 us at 4 chunks a thread against 16.4 at 1; 1B 9.0 at 2
 # against 11.4; rms_norm best at 1 chunk, which the 512 cap keeps for hidden sizes up to 4096.)
 # A number here forces that many chunks a thread instead (the benchmark's comparison).
@@ -455,11 +457,13 @@ FP8_INPUT_CHUNKS_PER_THREAD: int | None = None
 FP8_INPUT_THREADS_MANY_ROWS = 512
 
 
-def fp8_input_threads(units: int, num_rows: int, num_sms: int) -> int:
-    """Threads per block of rms_norm_fp8 / silu_mul_fp8 for rows of `units` 8-element chunks (the rule above)."""
+def fp8_input_threads(units: int, num_rows: int, num_sms: int, sums: bool = False) -> int:
+    """Threads per block of rms_norm_fp8 / silu_mul_fp8 for rows of `units` 8-element chunks (the rule above).
+    sums: the kernel sums over its row (rms_norm_fp8), so it keeps rms_norm's threads: the sum of squares then adds
+    up in rms_norm's order, and the bytes stay those of rms_norm then quantize. (A max, silu_mul's, has no order.)"""
     if FP8_INPUT_CHUNKS_PER_THREAD is not None:
         return _block_threads(math.ceil(units / FP8_INPUT_CHUNKS_PER_THREAD), 1024)
-    return _block_threads(units, FP8_INPUT_THREADS_MANY_ROWS if num_rows > num_sms else 1024)
+    return _block_threads(units, FP8_INPUT_THREADS_MANY_ROWS if num_rows > num_sms and not sums else 1024)
 
 
 FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner dimension and leading dimensions multiples of 16
@@ -514,7 +518,7 @@ def rms_norm_fp8(x, weight, eps: float, residual=None, padded_width: int | None 
     if num_tokens:
         units = hidden // VECTOR_WIDTH if _vector_path(hidden, residual, weight, residual_out, xq) else hidden
         _kernel("layer.cu", name)(
-            (num_tokens,), (fp8_input_threads(units, num_tokens, _num_sms()),),
+            (num_tokens,), (fp8_input_threads(units, num_tokens, _num_sms(), sums=True),),
             (*x_args, residual if residual is not None else np.uint64(0), weight, xq, scales, residual_out,
              np.int32(hidden), np.int32(padded_width), np.float32(eps), np.float32(static_scale or 0.0)))
     return xq, scales, residual_out
