@@ -450,8 +450,8 @@ def head_rms_norm(q, k, q_weight, k_weight, eps: float):
 # silu_mul_fp8's blocks of at most 512 threads run the rows in one wave instead of two; fewer rows spread over up to
 # 1024 threads. rms_norm_fp8 keeps rms_norm's threads (its bytes depend on the order of its sum; up to hidden 4096
 # that is at most 512 threads anyway).
-# (bench_fp8_inputs.py, bf16, 256 rows: 8B silu_mul 14.0 us at 4 chunks a thread against 16.4 at 1; 1B 9.0 at 2
-# against 11.4; rms_norm best at 1 chunk, which the 512 cap keeps for hidden sizes up to 4096.)
+# (bench_fp8_inputs.py --rows 256, bf16, 2026-12-03: silu_mul_fp8 8B 11.7 us under this rule against 13.9 at 1 chunk
+# a thread, 1B 7.7 against 9.9; rms_norm_fp8 is fastest at 1 chunk, which rms_norm's threads give up to hidden 4096.)
 # A number here forces that many chunks a thread instead (the benchmark's comparison).
 FP8_INPUT_CHUNKS_PER_THREAD: int | None = None
 FP8_INPUT_THREADS_MANY_ROWS = 512
