@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[256, 64])
     args = parser.parse_args()
     chunk_choices = (None, 1, 2, 4)  # None: the rule
+    default = launchers.FP8_INPUT_CHUNKS_PER_THREAD
     print(f"{'shape':<14}{'rows':>6}{'kernel':>10}{'two launches us':>17}"
           + "".join(f"{'fused ' + (f'k={k}' if k else 'rule') + ' us':>18}" for k in chunk_choices))
     for name, (hidden, inter, *_) in SHAPES.items():
@@ -55,7 +56,7 @@ def main() -> None:
                 for k in chunk_choices:
                     launchers.FP8_INPUT_CHUNKS_PER_THREAD = k
                     fused.append(graph_us(calls(rows, width, True)))
-                launchers.FP8_INPUT_CHUNKS_PER_THREAD = None
+                launchers.FP8_INPUT_CHUNKS_PER_THREAD = default
                 print(f"{name:<14}{rows:>6}{kernel:>10}{two:>17.1f}" + "".join(f"{us:>18.1f}" for us in fused))
 
 

@@ -452,8 +452,11 @@ def head_rms_norm(q, k, q_weight, k_weight, eps: float):
 # that is at most 512 threads anyway).
 # (bench_fp8_inputs.py --rows 256, bf16, 2026-12-03: silu_mul_fp8 8B 11.7 us under this rule against 13.9 at 1 chunk
 # a thread, 1B 7.7 against 9.9; rms_norm_fp8 is fastest at 1 chunk, which rms_norm's threads give up to hidden 4096.)
-# A number here forces that many chunks a thread instead (the benchmark's comparison).
-FP8_INPUT_CHUNKS_PER_THREAD: int | None = None
+# A number here forces that many chunks a thread instead (the benchmark's comparison); None takes the rule.
+# 1 for now: the launches every end-to-end device run so far used. The rule passed the kernel tests on the H200
+# (test_ops_cuda_fp8_fused.py, 59b3bd6) but has not yet run through the FP8 engine bench (graphs on and off) and
+# its A/B; switch it on (None) once it has (benchmarks/NOTES.md, session 31's next device calls).
+FP8_INPUT_CHUNKS_PER_THREAD: int | None = 1
 FP8_INPUT_THREADS_MANY_ROWS = 512
 
 
