@@ -12,9 +12,12 @@
 # silu_mul quantize, the FP8 engine), their kernel bench (benchmarks/bench_fp8_epilogue.py) and the 8B bench (bf16,
 # FP8 weights + FP8 KV) for each of VARIANTS (fp8_launcher.VECTOR_KERNELS x cuda_fp8_linear.FUSED_FP8_INPUTS, set
 # by device-side edits, undone after), REPEATS times interleaved.
+# `rule`: tests/test_gpu_engine_fp8_weights.py with the FP8 input kernels' thread rule on
+# (launchers.FP8_INPUT_CHUNKS_PER_THREAD = None), then the 8B bench in bf16 once and with FP8 weights + KV for the
+# rule off (1) and on (None), REPEATS (default 2) times interleaved.
 #
 # Usage: OUT=/tmp/out [RUNS="1b 8b"] [REPEATS=1] [VARIANTS="off:False:False both:True:True"]
-#        scripts/device_fp8_weights.sh [tests|bench|all|epilogue|fused]
+#        scripts/device_fp8_weights.sh [tests|bench|all|epilogue|fused|rule]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fp8w-out}
@@ -26,6 +29,22 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks, carried
     && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+
+report_runs() {  # one line per bench_*.json record (its first run), then the records as one archive
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json"), key=lambda p: p.stat().st_mtime):
+    try:
+        run = json.loads(path.read_text().strip().splitlines()[-1])["runs"][0]
+    except (ValueError, IndexError, KeyError):
+        print(f"{path.stem}: no record"); continue
+    forward = run["time_split"]["forward_device_ms"]
+    print(f"{path.stem:<20}{run['output_tokens_per_s']:>10,.0f} out tok/s, forward {forward:.2f} ms, "
+          f"{(run.get('roofline') or {}).get('fraction_of_floor', 0):.1%} of floor")
+PY
+  # At most 8 files come back from the device: the records travel as one archive.
+  tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.json "$OUT"/bench_*.err
+}
 
 if [ "$WHAT" = fused ]; then  # the fused FP8 inputs / deferred epilogues: tests, kernel bench, 8B on vs off
   timeout ${FP8_TEST_LIMIT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_cuda_fp8_fused.py \
@@ -61,6 +80,34 @@ PY
   exit 0
 fi
 
+if [ "$WHAT" = rule ]; then  # the FP8 input kernels' thread rule (launchers.FP8_INPUT_CHUNKS_PER_THREAD None) vs 1
+  RULE="offline_paged/ops/launchers.py"
+  grep -q "^FP8_INPUT_CHUNKS_PER_THREAD: int | None = " $RULE || { echo "the switch line moved"; exit 1; }
+  cp $RULE /tmp/rule.orig  # (the device's git HEAD is not this tree)
+  set_rule() { cp /tmp/rule.orig $RULE; sed -i "s/^FP8_INPUT_CHUNKS_PER_THREAD: int | None = .*/FP8_INPUT_CHUNKS_PER_THREAD: int | None = $1/" $RULE; }
+  set_rule None
+  timeout ${FP8_TEST_LIMIT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine_fp8_weights.py \
+    >"$OUT/fp8w_tests.log" 2>&1
+  echo "fp8 weights engine tests, rule on: $(tail -1 "$OUT/fp8w_tests.log")"
+  grep -E "^FAILED|^ERROR" "$OUT/fp8w_tests.log" | head -20
+  cp /tmp/rule.orig $RULE
+  PYTHONFAULTHANDLER=1 timeout ${BENCH_LIMIT:-200} offline-paged bench --device cuda --json --cuda-graphs \
+    --dtype bfloat16 --dummy-weights llama-3.1-8b >"$OUT/bench_bf16.json" 2>"$OUT/bench_bf16.err" || echo "bench bf16 FAILED"
+  for i in $(seq ${REPEATS:-2}); do
+    for variant in off:1 on:None; do
+      IFS=: read -r name value <<<"$variant"
+      set_rule $value
+      PYTHONFAULTHANDLER=1 timeout ${BENCH_LIMIT:-200} offline-paged bench --device cuda --json --cuda-graphs \
+        --dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8 --dummy-weights llama-3.1-8b \
+        >"$OUT/bench_rule_${name}_$i.json" 2>"$OUT/bench_rule_${name}_$i.err" \
+        || { echo "bench $name FAILED"; tail -5 "$OUT/bench_rule_${name}_$i.err"; }
+    done
+  done
+  cp /tmp/rule.orig $RULE
+  report_runs
+  exit 0
+fi
+
 if [ "$WHAT" = epilogue ]; then
   timeout ${FP8_TEST_LIMIT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_cuda_fp8_linear.py \
     tests/test_ops_cuda_fp8_fused.py tests/test_gpu_engine_fp8_weights.py >"$OUT/fp8w_tests.log" 2>&1
@@ -85,19 +132,7 @@ if [ "$WHAT" = epilogue ]; then
       cp /tmp/vector.orig $VECTOR; cp /tmp/fused.orig $FUSED
     done
   done
-  python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json"), key=lambda p: p.stat().st_mtime):
-    try:
-        run = json.loads(path.read_text().strip().splitlines()[-1])["runs"][0]
-    except (ValueError, IndexError, KeyError):
-        print(f"{path.stem}: no record"); continue
-    forward = run["time_split"]["forward_device_ms"]
-    print(f"{path.stem:<20}{run['output_tokens_per_s']:>10,.0f} out tok/s, forward {forward:.2f} ms, "
-          f"{(run.get('roofline') or {}).get('fraction_of_floor', 0):.1%} of floor")
-PY
-  # At most 8 files come back from the device: the records travel as one archive.
-  tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.json "$OUT"/bench_*.err
+  report_runs
   exit 0
 fi
 
