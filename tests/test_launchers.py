@@ -504,6 +504,76 @@ def test_rope_write_kv_equals_rope_then_write_kv_bit_for_bit(layout, num_tokens,
     np.testing.assert_array_equal(v_got.get().astype(np.float32), v_ref)
 
 
+# Qwen3's head norms folded into rope_write_kv: D = 128, 64, 256 and 16 (D / 8 = 16, 8, 32, 2 lanes a head), heads of
+# very different scales; 40 + 8 heads take more warps than the block has. D = 72 is refused by the launcher and takes
+# the two launches through CudaOps (the same bytes either way).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_kind", ["same", "float32"])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(128, 16, 8), (128, 40, 8), (64, 9, 3), (256, 8, 2),
+                                                             (16, 4, 2), (72, 9, 3)])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_norm_rope_write_kv_equals_head_rms_norm_then_rope_write_kv_bit_for_bit(num_tokens, head_dim, num_heads,
+                                                                                 num_kv_heads, cache_kind, dtype):
+    from offline_paged.ops.ops_cuda import CudaOps
+
+    rng = np.random.default_rng([num_tokens, head_dim, num_heads])
+    qkv, positions, table, slots, k_host, v_host = rope_write_kv_case(rng, num_tokens, head_dim, dtype, cache_kind,
+                                                                       num_heads, num_kv_heads)
+    scales = np.exp(rng.uniform(-3, 3, num_heads + 2 * num_kv_heads)).repeat(head_dim)
+    qkv = cupy.asarray((cupy.asnumpy(qkv).astype(np.float64) * scales).astype(dtype))  # each head its own scale
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    q_weight, k_weight = (cupy.asarray((1 + 0.3 * rng.standard_normal(head_dim)).astype(dtype)) for _ in range(2))
+    table_gpu, positions_gpu, slots_gpu = cupy.asarray(table), cupy.asarray(positions), cupy.asarray(slots)
+    qkv_before = bits(qkv)
+
+    q_normed, k_normed = launchers.head_rms_norm(q, k, q_weight, k_weight, 1e-6)  # the two-kernel path
+    k_want, v_want = cupy.asarray(k_host), cupy.asarray(v_host)
+    q_want = launchers.rope_write_kv(q_normed, k_normed, v, positions_gpu, table_gpu, k_want, v_want, slots_gpu)
+    fits = launchers.norm_rope_write_kv_fits(q, k, v, q_weight, k_weight, table_gpu, k_want, v_want)
+    assert fits == (head_dim != 72)
+    k_got, v_got = cupy.asarray(k_host), cupy.asarray(v_host)
+    q_got = CudaOps().rope_write_kv(q, k, v, positions, table_gpu, k_got, v_got, slots,
+                                    head_norms=(q_weight, k_weight, 1e-6))
+
+    assert q_got.dtype == dtype and q_got.shape == q.shape and q_got.flags.c_contiguous
+    np.testing.assert_array_equal(bits(q_got), bits(q_want))
+    np.testing.assert_array_equal(bits(k_got), bits(k_want))
+    np.testing.assert_array_equal(bits(v_got), bits(v_want))
+    np.testing.assert_array_equal(bits(qkv), qkv_before)  # the inputs are left alone
+    untouched = np.setdiff1d(np.arange(k_host.shape[0] * k_host.shape[1]), slots[slots >= 0])
+    rows = lambda a: a.reshape(-1, num_kv_heads, head_dim)  # noqa: E731
+    np.testing.assert_array_equal(rows(bits(k_got))[untouched], rows(k_host.view(np.uint16))[untouched])
+
+    # Against NumpyOps in fp32 (the same rounded inputs), per head (heads span six orders of magnitude).
+    k_ref, v_ref = k_host.astype(np.float32), v_host.astype(np.float32)
+    f32 = lambda a: cupy.asnumpy(a).astype(np.float32)  # noqa: E731
+    q_ref = NumpyOps().rope_write_kv(f32(q), f32(k), f32(v), positions, table.astype(np.float32), k_ref, v_ref, slots,
+                                     head_norms=(f32(q_weight), f32(k_weight), 1e-6))
+    for head in range(num_heads):
+        assert_close(q_got[:, head].get(), q_ref[:, head], TOL[dtype])
+    written = slots[slots >= 0]
+    for head in range(num_kv_heads):
+        assert_close(rows(k_got.get())[written, head], rows(k_ref)[written, head], TOL[dtype])
+    np.testing.assert_array_equal(v_got.get().astype(np.float32), v_ref)
+
+
+def test_norm_rope_write_kv_refuses_what_it_cannot_fold():
+    rng = np.random.default_rng(3)
+    for head_dim, why in ((72, "head dim 72"), (512, "head dim 512")):
+        qkv, positions, table, slots, k_host, v_host = rope_write_kv_case(rng, 5, head_dim, np.float16, "same")
+        q, k, v = split_qkv(qkv, 9, 3, head_dim)
+        weight = cupy.ones(head_dim, np.float16)
+        with pytest.raises(ValueError, match=f"norm_rope_write_kv needs .*{why}"):
+            launchers.norm_rope_write_kv(q, k, v, weight, weight, 1e-6, cupy.asarray(positions), cupy.asarray(table),
+                                         cupy.asarray(k_host), cupy.asarray(v_host), cupy.asarray(slots))
+    qkv, positions, table, slots, k_host, v_host = rope_write_kv_case(rng, 5, 64, np.float16, "same")
+    q, k, v = split_qkv(qkv, 9, 3, 64)
+    with pytest.raises(ValueError, match="k_weight has 32 entries for head dim 64"):
+        launchers.norm_rope_write_kv(q, k, v, cupy.ones(64, np.float16), cupy.ones(32, np.float16), 1e-6,
+                                     cupy.asarray(positions), cupy.asarray(table), cupy.asarray(k_host),
+                                     cupy.asarray(v_host), cupy.asarray(slots))
+
+
 def test_rope_write_kv_refuses_bad_input():
     rng = np.random.default_rng(7)
     qkv, positions, table, slots, k_host, v_host = rope_write_kv_case(rng, 7, 64, np.float16, "float32")
