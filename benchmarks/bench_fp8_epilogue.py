@@ -18,8 +18,8 @@ from bench_kernels import copy_bandwidth_gbs, graph_ms
 
 from offline_paged.models.dummy_weights import PRESETS
 from offline_paged.ops import fp8_launcher
-from offline_paged.ops.fp8_launcher import padded, quantize_rows_fp8, scale_fp8_output
-from offline_paged.ops.launchers import BFLOAT16
+from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output
+from offline_paged.ops.launchers import BFLOAT16, fp8_padded
 
 
 def linears(preset: str) -> list[tuple[str, int, int]]:
@@ -54,9 +54,9 @@ def main() -> None:
     for name, k, n in linears(args.preset):
         for rows in args.rows:
             x = cupy.asarray(rng.standard_normal((rows, k)).astype(dtype))  # [R, K]
-            acc = cupy.asarray((rng.standard_normal((rows, padded(n))) * 1e3).astype(np.float32))  # [R, Np]
+            acc = cupy.asarray((rng.standard_normal((rows, fp8_padded(n))) * 1e3).astype(np.float32))  # [R, Np]
             x_scale = cupy.full(rows, 1e-3, dtype=cupy.float32)  # [R]
-            w_scale = cupy.asarray(rng.uniform(1e-4, 1e-2, padded(n)).astype(np.float32))  # [Np]
+            w_scale = cupy.asarray(rng.uniform(1e-4, 1e-2, fp8_padded(n)).astype(np.float32))  # [Np]
             cases = [("quantize", lambda: quantize_rows_fp8(x)[0], rows * k * (dtype.itemsize + 1)),
                      ("scale", lambda: scale_fp8_output(acc, x_scale, w_scale, n, dtype),
                       rows * n * (4 + dtype.itemsize))]

@@ -31,6 +31,7 @@ import cupy
 import numpy as np
 
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear
+from offline_paged.ops.launchers import FP8_ALIGN  # cuBLASLt's FP8 GEMM: widths multiples of 16
 from offline_paged.ops.graphs import (_CUDA_R_16BF, _CUDA_R_16F, _OP_N, _OP_T, WORKSPACE_BYTES, _cuda_type,
                                       check_gemm_args, check_status, gc_paused, libcublas_paths)
 
@@ -39,7 +40,6 @@ _CUDA_R_8F_E4M3 = 28
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18  # cublasLtMatmulDescAttributes_t
 _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
 _SCALE_OUTER_VEC_32F = 3  # cublasLtMatmulMatrixScale_t: one float32 per row of op(A) / per column of op(B)
-FP8_ALIGN = 16  # cuBLASLt's FP8 GEMM: inner and leading dimensions multiples of 16
 _CUBLAS_COMPUTE_32F = 68
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t

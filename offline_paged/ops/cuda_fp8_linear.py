@@ -27,8 +27,9 @@ from typing import Any, Callable
 import cupy
 import numpy as np
 
-from offline_paged.ops.fp8_launcher import padded, quantize_rows_fp8, scale_fp8_output
+from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output
 from offline_paged.ops.fp8_linear import Fp8Linear
+from offline_paged.ops.launchers import fp8_padded
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA
 
 
@@ -112,8 +113,8 @@ class CudaFp8Linear:
             raise ValueError(f"an FP8 linear weight must be a 2-D cupy array [out, in], got "
                              f"{type(w).__name__} {getattr(w, 'shape', '')}")
         num_out, num_in = w.shape
-        weight = cupy.zeros((padded(num_out), padded(num_in)), dtype=FP8_STORAGE_CUDA)  # [Np, Kp]
-        weight_scale = cupy.ones(padded(num_out), dtype=cupy.float32)  # [Np]
+        weight = cupy.zeros((fp8_padded(num_out), fp8_padded(num_in)), dtype=FP8_STORAGE_CUDA)  # [Np, Kp]
+        weight_scale = cupy.ones(fp8_padded(num_out), dtype=cupy.float32)  # [Np]
         quantize_rows_fp8(cupy.ascontiguousarray(w), weight.shape[1], xq=weight[:num_out],
                           scales=weight_scale[:num_out])
         return cls(weight, weight_scale, num_in, num_out, None, gemm_source)
@@ -125,9 +126,9 @@ class CudaFp8Linear:
         if layer.input_scale is not None and not (np.isfinite(layer.input_scale) and layer.input_scale > 0):
             raise ValueError(f"an FP8 layer's static input_scale must be a positive finite number, got "
                              f"{layer.input_scale!r}")
-        bits = np.zeros((padded(num_out), padded(num_in)), dtype=np.uint8)  # [Np, Kp]
+        bits = np.zeros((fp8_padded(num_out), fp8_padded(num_in)), dtype=np.uint8)  # [Np, Kp]
         bits[:num_out, :num_in] = np.asarray(layer.weight).T.view(np.uint8)
-        scales = np.ones(padded(num_out), dtype=np.float32)  # [Np]
+        scales = np.ones(fp8_padded(num_out), dtype=np.float32)  # [Np]
         scales[:num_out] = layer.weight_scale
         return cls(cupy.asarray(bits), cupy.asarray(scales), num_in, num_out, layer.input_scale, gemm_source)
 

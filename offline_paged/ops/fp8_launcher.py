@@ -37,7 +37,6 @@ MAX_ROW_BLOCKS = 65535  # both kernels stride over rows past this many blocks (C
 _COLUMN_BLOCKS = 64  # scale_fp8_output: blocks of 256 columns per row at most (they stride past it)
 
 
-padded = fp8_padded  # the name the FP8 linear and its bench use
 
 
 def _kernel(filename: str, name: str):
