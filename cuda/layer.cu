@@ -39,13 +39,6 @@
 //   Hkv * D v elements; on the vector path (rope's condition, plus v_stride % 8 == 0 and v, k_cache, v_cache
 //   16-byte aligned) over H * D/16 q units, Hkv * D/16 k units (8 pairs each) and Hkv * D/8 v 16-byte copies.
 //
-// norm_rope_write_kv_{same,f32}_cache_{f16,bf16} (Qwen3: head_rms_norm, then rope_write_kv, in one kernel)
-//   as rope_write_kv (16-bit cache), plus q_weight, k_weight [D] T and eps: q and k are first RMS-normed per
-//   head as head_rms_norm does; q_out and the cache rows are bit for bit head_rms_norm then rope_write_kv.
-//   Grid: x = token; block: warps stride over the H + Hkv heads (H alone for a negative slot), lane l holding
-//   the head's elements 8l .. 8l+7, then threads stride over the Hkv * D/8 v copies. Only D/8 a power of two
-//   <= 32 (D = 16 .. 256) on the vector path's condition (D % 16 == 0, strides % 8 == 0, 16-byte aligned).
-//
 // rope_write_kv_fp8_{same,f32}_cache_{f16,bf16} (the FP8 KV cache; cuda/fp8.cuh)
 //   as rope_write_kv, but k_cache, v_cache [N, B, Hkv, D] are uint8 (e4m3fn bits) and kv_scale [2] fp32 on
 //   the device = (k_scale, v_scale): the rotated k and v are rounded to T, divided by their scale and
@@ -306,15 +299,6 @@ __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T*
 // arithmetic (and the compiler's contraction of it) is one and the same: their outputs agree bit for bit.
 // (The FP8 write rotates through rotate8_values / rotate1_values, the same arithmetic, then rounds to T
 // before it quantizes: its cache bytes are those of rope's k written by write_kv_fp8.)
-__device__ __forceinline__ void rotate8_pairs(const float (&x1)[VEC], const float (&x2)[VEC], const float (&c)[VEC],
-                                              const float (&s)[VEC], float (&y1)[VEC], float (&y2)[VEC]) {
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) {
-    y1[i] = x1[i] * c[i] - x2[i] * s[i];
-    y2[i] = x2[i] * c[i] + x1[i] * s[i];
-  }
-}
-
 template <typename T, typename CacheT>
 __device__ __forceinline__ void rotate8_values(const T* src, const CacheT* cs, int half_dim, float (&y1)[VEC],
                                                float (&y2)[VEC]) {
@@ -323,7 +307,11 @@ __device__ __forceinline__ void rotate8_values(const T* src, const CacheT* cs, i
   load8_float(src + half_dim, x2);
   load8_float(cs, c);
   load8_float(cs + half_dim, s);
-  rotate8_pairs(x1, x2, c, s, y1, y2);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    y1[i] = x1[i] * c[i] - x2[i] * s[i];
+    y2[i] = x2[i] * c[i] + x1[i] * s[i];
+  }
 }
 
 template <typename T, typename CacheT>
@@ -491,68 +479,6 @@ __device__ void rope_write_kv_impl(const T* q, const T* k, const T* v, const int
     } else {
       v_dst[i - rotations] = v_row[i - rotations];
     }
-  }
-}
-
-// Qwen3's head norms, then rope_write_kv (16-bit cache), in one kernel: one warp a head (q's, then k's), as in
-// head_rms_norm. Lane l holds the head's chunk l (elements 8l .. 8l+7) and norms it as head_rms_norm's vector path
-// does (the same lanes, sum and rounding to T); it then takes its rotate-half partner's chunk from lane l ^ D/16
-// and rotates through rotate8_pairs, rope's arithmetic. So q_out and the cache rows are bit for bit head_rms_norm
-// then rope_write_kv. Needs D / 8 lanes a power of two <= 32 and the vector path's strides and alignment (the
-// launcher checks). v is copied afterwards by every thread of the block.
-template <typename T, typename CacheT>
-__device__ void norm_rope_write_kv_impl(const T* q, const T* k, const T* v, const T* q_weight, const T* k_weight,
-                                        const int* positions, const CacheT* cos_sin, const int* slot_mapping,
-                                        T* q_out, T* k_cache, T* v_cache, long long q_stride, long long k_stride,
-                                        long long v_stride, int num_heads, int num_kv_heads, int head_dim,
-                                        float eps) {
-  const int token = blockIdx.x;
-  const int half_dim = head_dim / 2;
-  const int slot = slot_mapping[token];
-  const int kv_heads = slot < 0 ? 0 : num_kv_heads;  // KV heads this token writes
-  const CacheT* table = cos_sin + (size_t)positions[token] * head_dim;
-  const size_t cache_row = (size_t)(slot < 0 ? 0 : slot) * num_kv_heads * head_dim;
-  const int lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
-  const int chunks = head_dim / VEC, mate = chunks / 2;  // lanes holding a head; lane l's partner is l ^ mate
-  const bool holds = lane < chunks, first_half = (lane & mate) == 0;
-  const int col = lane * VEC, j = (first_half ? lane : lane - mate) * VEC;  // j: the pair index of its elements
-  for (int head = threadIdx.x / 32; head < num_heads + kv_heads; head += num_warps) {  // warp-uniform
-    const bool is_q = head < num_heads;
-    const int h = is_q ? head : head - num_heads;
-    const T* src = is_q ? q + token * q_stride + (size_t)h * head_dim : k + token * k_stride + (size_t)h * head_dim;
-    float x[VEC], sum = 0.f;
-    Pack8<T> normed;
-    normed.raw = make_uint4(0, 0, 0, 0);
-    if (holds) {
-      load8_float(src + col, x);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) sum += x[i] * x[i];
-    }
-    const float inv_rms = rsqrtf(warp_sum(sum) / head_dim + eps);
-    if (holds) normed = rms_normed8(load8(src + col), is_q ? q_weight : k_weight, col, inv_rms);
-    Pack8<T> other;
-    other.raw.x = __shfl_xor_sync(0xffffffffu, normed.raw.x, mate);
-    other.raw.y = __shfl_xor_sync(0xffffffffu, normed.raw.y, mate);
-    other.raw.z = __shfl_xor_sync(0xffffffffu, normed.raw.z, mate);
-    other.raw.w = __shfl_xor_sync(0xffffffffu, normed.raw.w, mate);
-    if (!holds) continue;
-    float own[VEC], partner[VEC], c[VEC], s[VEC], y1[VEC], y2[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) own[i] = to_float(normed.v[i]), partner[i] = to_float(other.v[i]);
-    load8_float(table + j, c);
-    load8_float(table + j + half_dim, s);
-    T* dst = is_q ? q_out + ((size_t)token * num_heads + h) * head_dim : k_cache + cache_row + (size_t)h * head_dim;
-    if (first_half) {  // own = x1: its y1 is ours
-      rotate8_pairs(own, partner, c, s, y1, y2);
-      store8_float(dst + col, y1);
-    } else {
-      rotate8_pairs(partner, own, c, s, y1, y2);
-      store8_float(dst + col, y2);
-    }
-  }
-  const T* v_row = v + token * v_stride;
-  for (int at = threadIdx.x * VEC; at < kv_heads * head_dim; at += blockDim.x * VEC) {
-    *reinterpret_cast<uint4*>(v_cache + cache_row + at) = *reinterpret_cast<const uint4*>(v_row + at);
   }
 }
 
@@ -834,22 +760,6 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
       int num_heads, int num_kv_heads, int head_dim) {                                                        \
     rope_write_kv_impl<T, float>(q, k, v, positions, cos_sin, slot_mapping, q_out, k_cache, v_cache, q_stride, \
                                  k_stride, v_stride, num_heads, num_kv_heads, head_dim);                      \
-  }                                                                                                           \
-  extern "C" __global__ void norm_rope_write_kv_same_cache_##SUFFIX(                                          \
-      const T* q, const T* k, const T* v, const T* q_weight, const T* k_weight, const int* positions,         \
-      const T* cos_sin, const int* slot_mapping, T* q_out, T* k_cache, T* v_cache, long long q_stride,        \
-      long long k_stride, long long v_stride, int num_heads, int num_kv_heads, int head_dim, float eps) {     \
-    norm_rope_write_kv_impl<T, T>(q, k, v, q_weight, k_weight, positions, cos_sin, slot_mapping, q_out,       \
-                                     k_cache, v_cache, q_stride, k_stride, v_stride, num_heads, num_kv_heads, \
-                                     head_dim, eps);                                                          \
-  }                                                                                                           \
-  extern "C" __global__ void norm_rope_write_kv_f32_cache_##SUFFIX(                                           \
-      const T* q, const T* k, const T* v, const T* q_weight, const T* k_weight, const int* positions,         \
-      const float* cos_sin, const int* slot_mapping, T* q_out, T* k_cache, T* v_cache, long long q_stride,    \
-      long long k_stride, long long v_stride, int num_heads, int num_kv_heads, int head_dim, float eps) {     \
-    norm_rope_write_kv_impl<T, float>(q, k, v, q_weight, k_weight, positions, cos_sin, slot_mapping, q_out,   \
-                                     k_cache, v_cache, q_stride, k_stride, v_stride, num_heads, num_kv_heads, \
-                                     head_dim, eps);                                                          \
   }                                                                                                           \
   extern "C" __global__ void rope_write_kv_fp8_same_cache_##SUFFIX(                                         \
       const T* q, const T* k, const T* v, const int* positions, const T* cos_sin, const int* slot_mapping,    \

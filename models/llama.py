@@ -258,14 +258,14 @@ class Llama:
         q = qkv[:, :q_dim].reshape(num_tokens, c.num_attention_heads, c.head_dim)  # [T, H, D]
         k = qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
         v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
+        if layer.q_norm is not None:
+            q, k = self.ops.head_rms_norm(q, k, layer.q_norm, layer.k_norm, c.rms_norm_eps)  # one kernel on the GPU
         # RoPE and the KV-cache write in one op (one kernel on the GPU): attention reads K/V from the
-        # cache only, so the rotated k goes straight there. Qwen3's per-head q_norm / k_norm come first, in the
-        # same kernel on the GPU (a 16-bit cache).
+        # cache only, so the rotated k goes straight there.
         # An FP8 cache passes the layer's scales (only then: a 16-bit call keeps its plain signature).
         fp8 = {} if layer.kv_scales is None else {"kv_scales": layer.kv_scales}
-        norms = {} if layer.q_norm is None else {"head_norms": (layer.q_norm, layer.k_norm, c.rms_norm_eps)}
         q = self.ops.rope_write_kv(q, k, v, positions, self.cos_sin_cache, layer_cache[0], layer_cache[1],
-                                   meta.slot_mapping, **fp8, **norms)  # [T, H, D]
+                                   meta.slot_mapping, **fp8)  # [T, H, D]
         out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale,
                                  sliding_window=c.sliding_window, **fp8)  # [T, H, D]
         o_proj = self.ops.deferred(layer.o_proj)  # its output goes into the post-attention rms_norm only

@@ -90,28 +90,6 @@ def test_rope_write_kv_is_rope_then_write_kv():
     np.testing.assert_array_equal(rows[untouched], k_fill.reshape(16, HKV, d)[untouched])
 
 
-def test_rope_write_kv_with_head_norms_is_head_rms_norm_first():
-    """Qwen3's q_norm / k_norm passed as head_norms: the same as head_rms_norm, then rope_write_kv."""
-    rng = np.random.default_rng(9)
-    num_tokens, num_heads, d = 5, 4, 8
-    q = (rng.standard_normal((num_tokens, num_heads, d)) * 5).astype(np.float32)  # [T, H, D]
-    k, v = (rng.standard_normal((2, num_tokens, HKV, d)) * 3).astype(np.float32)  # [T, Hkv, D] each
-    q_weight, k_weight = (1 + 0.3 * rng.standard_normal((2, d))).astype(np.float32)
-    angles = np.arange(20)[:, None] * 0.3 ** np.arange(d // 2)  # [P, D/2]
-    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)  # [P, D]
-    positions, slots = np.array([3, 19, 7, 1, 12]), np.array([9, -1, 2, 14, 0], np.int32)
-    ops = NumpyOps()
-    caches = np.repeat(rng.standard_normal((1, 2, 4, 4, HKV, d)).astype(np.float32), 2, axis=0)  # (want, got) x (k, v)
-    q_normed, k_normed = ops.head_rms_norm(q, k, q_weight, k_weight, 1e-6)
-    q_want = ops.rope_write_kv(q_normed, k_normed, v, positions, table, caches[0, 0], caches[0, 1], slots)
-    q_got = ops.rope_write_kv(q, k, v, positions, table, caches[1, 0], caches[1, 1], slots,
-                              head_norms=(q_weight, k_weight, 1e-6))
-    np.testing.assert_array_equal(q_got, q_want)
-    np.testing.assert_array_equal(caches[1], caches[0])
-    plain = ops.rope_write_kv(q, k, v, positions, table, caches[0, 0].copy(), caches[0, 1].copy(), slots)
-    assert not np.allclose(q_got, plain, rtol=0.1)  # the norms were applied (q's heads have RMS ~5, not 1)
-
-
 def test_silu_mul_is_silu_of_the_first_half_times_the_second():
     rng = np.random.default_rng(5)
     gate_up = (rng.standard_normal((3, 2 * 6)) * 4).astype(np.float32)  # [T, 2I]

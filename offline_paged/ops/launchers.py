@@ -74,9 +74,6 @@ KERNELS = (
     ("layer.cu", "silu_mul_fp8_product_f16"), ("layer.cu", "silu_mul_fp8_product_bf16"),
     # Qwen3's per-head q_norm and k_norm in one launch:
     ("layer.cu", "head_rms_norm_f16"), ("layer.cu", "head_rms_norm_bf16"),
-    # ... and those norms folded into rope_write_kv (16-bit caches):
-    ("layer.cu", "norm_rope_write_kv_same_cache_f16"), ("layer.cu", "norm_rope_write_kv_f32_cache_f16"),
-    ("layer.cu", "norm_rope_write_kv_same_cache_bf16"), ("layer.cu", "norm_rope_write_kv_f32_cache_bf16"),
 )
 ROWS_PER_TILE = 16  # (query token, head) rows per warp tile; see attention.cu
 DECODE_TILE_ROWS = 8  # the same for the "decode" kernels (attention.cu's NarrowTile)
@@ -612,48 +609,6 @@ def rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k
              np.int64(q_stride),
              np.int64(k_stride), np.int64(v_stride), np.int32(num_heads), np.int32(num_kv_heads),
              np.int32(head_dim)))
-    return q_out
-
-
-def norm_rope_write_kv_fits(q, k, v, q_weight, k_weight, cos_sin, k_cache, v_cache) -> bool:
-    """Whether norm_rope_write_kv takes these arrays: a 16-bit cache, a head of D = 16 .. 256 elements with D / 8 a
-    power of two (lane l of a warp holds elements 8l .. 8l+7, its rotate-half partner lane l ^ D/16), and
-    rope_write_kv's vector path (row strides multiples of 8, every array 16-byte aligned). Otherwise
-    head_rms_norm then rope_write_kv compute the same bytes in two launches."""
-    head_dim = q.shape[-1]
-    chunks = head_dim // VECTOR_WIDTH
-    return (k_cache.dtype == q.dtype and head_dim % (2 * VECTOR_WIDTH) == 0 and 2 <= chunks <= 32
-            and chunks & (chunks - 1) == 0
-            and _vector_path(head_dim // 2, q, k, v, q_weight, k_weight, cos_sin, k_cache, v_cache)
-            and all(x.strides[0] // x.itemsize % VECTOR_WIDTH == 0 for x in (q, k, v)))
-
-
-def norm_rope_write_kv(q, k, v, q_weight, k_weight, eps: float, positions, cos_sin, k_cache, v_cache, slot_mapping):
-    """Qwen3's head_rms_norm, then rope_write_kv, in one kernel: returns the normed and rotated q as a new
-    contiguous [T, H, D] array; the normed, rotated k and v as is go into k_cache / v_cache row slot_mapping[t]
-    (negative: no write). Bit for bit head_rms_norm then rope_write_kv. Takes what norm_rope_write_kv_fits
-    accepts (a 16-bit cache; FP8 pools take the two launches)."""
-    suffix = _element_suffix("q", q)
-    _require(not _cache_is_fp8(k_cache, None), "norm_rope_write_kv writes a 16-bit cache")
-    q_stride, k_stride = _check_rope_inputs(q, k, positions, cos_sin)
-    _check_array("k_cache", k_cache, q.dtype, 4)
-    v_stride = _check_kv_write(k, v, k_cache, v_cache, slot_mapping)
-    num_tokens, num_heads, head_dim = q.shape
-    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
-        _check_array(name, weight, q.dtype, 1)
-        _require(weight.shape[0] == head_dim, f"{name} has {weight.shape[0]} entries for head dim {head_dim}")
-    _require(norm_rope_write_kv_fits(q, k, v, q_weight, k_weight, cos_sin, k_cache, v_cache),
-             f"norm_rope_write_kv needs head dim 16..256 with head dim / 8 a power of two, row strides multiples of "
-             f"{VECTOR_WIDTH} and 16-byte aligned arrays (head dim {head_dim}, strides {q_stride}, {k_stride}, "
-             f"{v_stride}): use head_rms_norm then rope_write_kv")
-    q_out = cupy.empty(q.shape, dtype=q.dtype)
-    if num_tokens:
-        num_kv_heads = k.shape[1]
-        _kernel("layer.cu", f"norm_rope_write_kv_{'f32' if cos_sin.dtype == np.float32 else 'same'}_cache_{suffix}")(
-            (num_tokens,), (_block_threads(32 * (num_heads + num_kv_heads), 1024),),
-            (q, k, v, q_weight, k_weight, positions, cos_sin, slot_mapping, q_out, k_cache, v_cache,
-             np.int64(q_stride), np.int64(k_stride), np.int64(v_stride), np.int32(num_heads), np.int32(num_kv_heads),
-             np.int32(head_dim), np.float32(eps)))
     return q_out
 
 

@@ -130,20 +130,11 @@ class CudaOps:
         launchers.write_kv(k, v, k_cache, v_cache, slots, kv_scale=self.kv_scale_buffer(kv_scales))
 
     def rope_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                      kv_scales: KvScales | None = None, head_norms=None):
+                      kv_scales: KvScales | None = None):
         """rope then write_kv in one kernel: returns the rotated q [T, H, D]; the rotated k and v go
         straight into the cache rows slot_mapping[t] (negative: skipped). Bit for bit rope + write_kv.
-        A KvScales still to calculate runs rope, then write_kv (its scales come from the rotated k).
-        head_norms = (q_weight, k_weight, eps): head_rms_norm of q and k first (Qwen3), folded into the same
-        kernel where launchers.norm_rope_write_kv_fits (a 16-bit cache), else a launch of its own."""
+        A KvScales still to calculate runs rope, then write_kv (its scales come from the rotated k)."""
         positions, slots = _int32(positions), _int32(slot_mapping)
-        if head_norms is not None:
-            q_weight, k_weight, eps = head_norms
-            if kv_scales is None and launchers.norm_rope_write_kv_fits(q, k, v, q_weight, k_weight, cos_sin_cache,
-                                                                        k_cache, v_cache):
-                return launchers.norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin_cache,
-                                                    k_cache, v_cache, slots)
-            q, k = launchers.head_rms_norm(q, k, q_weight, k_weight, eps)
         if kv_scales is not None and kv_scales.calculate and not _capturing():
             q, k = launchers.rope(q, k, positions, cos_sin_cache)
             self.write_kv(k, v, k_cache, v_cache, slots, kv_scales)

@@ -81,12 +81,9 @@ class NumpyOps:
         write_kv_reference(np, k, v, k_cache, v_cache, slot_mapping, kv_scales.k_scale, kv_scales.v_scale)
 
     def rope_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                      kv_scales: KvScales | None = None, head_norms=None):
+                      kv_scales: KvScales | None = None):
         """rope, then write_kv of the rotated k and of v (negative slots skipped); returns the rotated q
-        [T, H, D]. head_norms = (q_weight, k_weight, eps): head_rms_norm of q and k first (Qwen3). The
-        definition CudaOps' one-kernel version must equal."""
-        if head_norms is not None:
-            q, k = self.head_rms_norm(q, k, *head_norms)
+        [T, H, D]. The definition CudaOps' one-kernel version must equal."""
         q, k = self.rope(q, k, positions, cos_sin_cache)
         self.write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
         return q
