@@ -36,7 +36,7 @@ DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="
 # (rows, width): decode and prefill rows at Llama widths (vector path), widths padded to 16 (40, 36: the second
 # takes the scalar path), and rows longer than the 4 x 1024 chunks of 8 a block keeps in registers; with more rows
 # than SMs, the rule of launchers.fp8_input_threads takes blocks of at most 512 threads, so rows past 4 x 512 chunks
-# (they ran under the rule on the H200 at 59b3bd6; FP8_INPUT_CHUNKS_PER_THREAD = 1 is the default until its engine A/B).
+# (the rule is the default, FP8_INPUT_CHUNKS_PER_THREAD = None; these shapes ran under it on the H200 at 59b3bd6).
 SHAPES = [(1, 2048), (7, 4096), (256, 4096), (5, 40), (3, 36), (2, 33_024), (140, 17_408)]
 SILU_SHAPES = [(1, 8192), (7, 14_336), (256, 14_336), (5, 40), (3, 36), (2, 33_000), (140, 16_800)]
 

@@ -452,11 +452,10 @@ def head_rms_norm(q, k, q_weight, k_weight, eps: float):
 # that is at most 512 threads anyway).
 # (bench_fp8_inputs.py --rows 256, bf16, 2026-12-03: silu_mul_fp8 8B 11.7 us under this rule against 13.9 at 1 chunk
 # a thread, 1B 7.7 against 9.9; rms_norm_fp8 is fastest at 1 chunk, which rms_norm's threads give up to hidden 4096.)
+# Engine A/B (8B, FP8 weights + KV, bf16, two interleaved pairs in one call, 2026-12-03): 13,625 / 13,616 out tok/s
+# under the rule against 13,521 / 13,523 at 1 chunk a thread (+0.7%; forward 9.86 against 9.91 ms).
 # A number here forces that many chunks a thread instead (the benchmark's comparison); None takes the rule.
-# 1 for now: the launches every end-to-end device run so far used. The rule passed the kernel tests on the H200
-# (test_ops_cuda_fp8_fused.py, 59b3bd6) but has not yet run through the FP8 engine bench (graphs on and off) and
-# its A/B; switch it on (None) once it has (benchmarks/NOTES.md, session 31's next device calls).
-FP8_INPUT_CHUNKS_PER_THREAD: int | None = 1
+FP8_INPUT_CHUNKS_PER_THREAD: int | None = None
 FP8_INPUT_THREADS_MANY_ROWS = 512
 
 
