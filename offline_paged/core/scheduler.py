@@ -204,8 +204,8 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         decoding, prefilling = [], []
-        for seq in self.running:
-            num_uncomputed = seq.num_uncomputed_tokens
+        for seq in self.running:  # (Sequence.num_uncomputed_tokens inline: this runs for every sequence every step)
+            num_uncomputed = len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens
             if num_uncomputed == 1:
                 decoding.append(seq)
             elif num_uncomputed > 1:
@@ -220,7 +220,7 @@ class Scheduler:
 
     def _ends_with_pending_token(self, seq: Sequence) -> bool:
         """Whether the token still pending will make seq stop by length (max_tokens, max_model_len)."""
-        num_tokens = seq.num_tokens
+        num_tokens = len(seq.token_ids) + seq.num_pending_tokens  # seq.num_tokens
         return (num_tokens - seq.num_prompt_tokens >= seq.group.params.max_tokens  # num_output_tokens
                 or (self.max_model_len is not None and num_tokens >= self.max_model_len))
 
@@ -262,7 +262,7 @@ class Scheduler:
 
     def _try_append(self, seq: Sequence, plan: _StepPlan) -> bool:
         """Reserve seq's missing slots without preempting anyone; False if they do not fit now."""
-        needed = seq.num_tokens - seq.num_slots
+        needed = len(seq.token_ids) + seq.num_pending_tokens - seq.num_slots  # seq.num_tokens - seq.num_slots
         if needed == 0:
             return True
         copies = self.block_manager.try_append_slots(seq.seq_id, needed)
@@ -320,7 +320,9 @@ class Scheduler:
         self.running.insert(seq)
 
     def _schedule(self, seq: Sequence, plan: _StepPlan) -> None:
-        start, num_tokens = seq.num_computed_tokens, seq.num_tokens
+        # (Sequence / SequenceGroup properties read inline where cheap: this runs for every sequence every step.)
+        start, num_known = seq.num_computed_tokens, len(seq.token_ids)
+        num_tokens = num_known + seq.num_pending_tokens  # seq.num_tokens
         num_new = min(num_tokens - start, plan.budget)
         plan.budget -= num_new
         end = start + num_new
@@ -329,10 +331,10 @@ class Scheduler:
         if end == num_tokens:
             num_samples = group.num_samples if group.needs_fork else 1
         prompt_logprobs = None
-        if group.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
+        if group.prompt_logprobs is not None and group.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
             prompt_logprobs = group.params.prompt_logprobs
         plan.scheduled_ids.add(seq.seq_id)
-        registered_end = min(end, len(seq.token_ids))  # positions whose tokens are known
+        registered_end = min(end, num_known)  # positions whose tokens are known
         plan.scheduled.append(ScheduledSequence(  # positional: a keyword call costs twice as much here
             seq, start, num_new, self.block_manager.block_table(seq.seq_id), num_samples, prompt_logprobs,
             num_tokens - seq.num_prompt_tokens, registered_end,  # sample_position (= num_output_tokens)
