@@ -4,6 +4,7 @@ sampler's kernels are stubbed out, so what is timed is the Python the GPU path r
 
     python benchmarks/bench_host_step.py [--num-requests 256] [--output-len 128] [--graphs] [--profile]
                                          [--repeat 3] [--clock wall|cpu] [--structured json --mask-processes K]
+                                         [--swap-from REF --swap MODULE.CLASS.METHOD ...]
 
 The workload is the `bench` random one scaled down in output length: prompts 100..1024, every request
 decodes exactly --output-len tokens, max_num_batched_tokens 8192, so most steps are 256-sequence
@@ -20,14 +21,22 @@ samples are unpacked by gpu_sampler._results, as PendingSamples.of_graph's are.
 the matchers ahead, dispatch the mask fill to --mask-processes worker processes, read their outcomes, sample
 masked in the "graph"). The stand-in samplers draw a random allowed token from each row's mask; that draw
 is not engine work, so it is timed apart ("stub token draw") and left out of "engine step".
+--swap-from REF --swap offline_paged.core.scheduler.Scheduler._schedule (repeatable) measures a host change
+against git revision REF in one process: every other step runs REF's version of each named method (its module
+loaded from `git show`), and each figure is printed for both halves ("tree" / "ref"). Separate runs on a shared
+2-core machine spread by +-30%; steps interleaved in one process see the same machine.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import cProfile
+import importlib
+import importlib.util
 import pstats
+import random
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -234,6 +243,11 @@ class Timer:
     def __init__(self, clock=time.perf_counter) -> None:
         self.clock = clock
         self.totals: dict[str, float] = {}
+        self.suffix = ""  # " (tree)" / " (ref)" while --swap alternates the steps
+
+    def add(self, label: str, seconds: float) -> None:
+        label += self.suffix
+        self.totals[label] = self.totals.get(label, 0.0) + seconds
 
     def wrap(self, obj, name: str, label: str) -> None:
         original, clock = getattr(obj, name), self.clock
@@ -243,9 +257,29 @@ class Timer:
             try:
                 return original(*args, **kwargs)
             finally:
-                self.totals[label] = self.totals.get(label, 0.0) + clock() - t0
+                self.add(label, clock() - t0)
 
         setattr(obj, name, timed)
+
+
+def load_swaps(ref: str, specs: list[str]) -> list[tuple[type, str, object, object]]:
+    """(class, method name, this tree's function, REF's function) for each MODULE.CLASS.METHOD of specs; REF's
+    module is read with `git show` and loaded under a name of its own (its imports are this tree's)."""
+    swaps, loaded = [], {}
+    for spec in specs:
+        module_name, class_name, method = spec.rsplit(".", 2)
+        if module_name not in loaded:
+            path = importlib.import_module(module_name).__file__
+            relative = subprocess.run(["git", "ls-files", "--full-name", path], capture_output=True, text=True,
+                                      check=True).stdout.strip()
+            source = subprocess.run(["git", "show", f"{ref}:{relative}"], capture_output=True, text=True, check=True)
+            module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"_ref_{module_name}", None))
+            sys.modules[module.__name__] = module  # (dataclasses look their module up)
+            exec(compile(source.stdout, f"{ref}:{relative}", "exec"), module.__dict__)  # noqa: S102 - our own file
+            loaded[module_name] = module
+        cls = getattr(importlib.import_module(module_name), class_name)
+        swaps.append((cls, method, cls.__dict__[method], getattr(loaded[module_name], class_name).__dict__[method]))
+    return swaps
 
 
 def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[str, float]]:
@@ -282,18 +316,39 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     if profiler:
         profiler.enable()
     failed = []
+    swaps = load_swaps(args.swap_from, args.swap) if args.swap else []
+    coin, swapping = random.Random(0), False
     try:
         while engine.has_unfinished_requests():
+            # With --swap, once every prompt is in (the prefill steps, few and long, would weigh on whichever side
+            # drew them), a seeded coin picks each step's side (a fixed alternation would meet periodic work in step).
+            swapping = swapping or bool(swaps) and not engine.scheduler.waiting and all(
+                len(seq.token_ids) > seq.num_prompt_tokens for seq in engine.scheduler.running)
+            if swapping:
+                use_ref = coin.random() < 0.5
+                timer.suffix = " (ref)" if use_ref else " (tree)"
+                timer.add("steps", 1.0)
+                for cls, method, tree_fn, ref_fn in swaps:
+                    setattr(cls, method, ref_fn if use_ref else tree_fn)
+                t0 = clock()
+            elif swaps:
+                timer.suffix = " (warm-up)"
+                for cls, method, tree_fn, _ in swaps:
+                    setattr(cls, method, tree_fn)
             failed += [out for out in engine.step() if isinstance(out, RequestError)]
             engine.stats  # the bench probe snapshots the stats every step
+            if swapping:
+                timer.add("whole step", clock() - t0)
             num_steps += 1
     finally:
         if profiler:
             profiler.disable()
+        for cls, method, tree_fn, _ in swaps:
+            setattr(cls, method, tree_fn)
     if failed:  # a stand-in that draws refused tokens measures error paths, not the engine's step
         raise RuntimeError(f"{len(failed)} requests ended with an error, e.g. {failed[0].message}")
     whole, drawn = clock() - start, draw.seconds - drawn
-    totals = {"whole step": whole}
+    totals = {} if swaps else {"whole step": whole}
     if args.structured:
         totals.update({"stub token draw": drawn, "engine step": whole - drawn})
     engine.close()
@@ -316,15 +371,24 @@ def main() -> None:
                         help="constrain every request like `bench --structured` (with --graphs: the graph's masked path)")
     parser.add_argument("--mask-processes", type=int, default=0,
                         help="grammar mask worker processes (EngineConfig.grammar_mask_processes)")
+    parser.add_argument("--swap-from", default=None, help="git revision whose methods every other step runs")
+    parser.add_argument("--swap", action="append", default=[], metavar="MODULE.CLASS.METHOD",
+                        help="a method to take from --swap-from (repeatable)")
     args = parser.parse_args()
+    if bool(args.swap) != bool(args.swap_from):
+        parser.error("--swap and --swap-from go together")
     profiler = cProfile.Profile() if args.profile else None
     runs = [run_once(args, profiler) for _ in range(args.repeat)]
     num_steps = runs[0][0]
     print(f"{num_steps} steps, {args.num_requests} requests x {args.output_len} output tokens, "
           f"{args.clock} clock, median of {args.repeat} run(s)")
-    for label in runs[0][1]:
-        per_step = sorted(1e3 * totals.get(label, 0.0) / steps for steps, totals in runs)
-        print(f"{label:<24}{statistics.median(per_step):8.3f} ms")
+    for label in sorted(runs[0][1]) if args.swap else runs[0][1]:
+        if label.startswith("steps") or label.endswith("(warm-up)"):
+            continue
+        side = label[label.rfind("("):] if args.swap else None  # its steps: the side's, or all of them
+        per_step = sorted(1e3 * totals.get(label, 0.0) / (totals[f"steps {side}"] if side else steps)
+                          for steps, totals in runs)
+        print(f"{label:<31}{statistics.median(per_step):8.3f} ms")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
