@@ -33,6 +33,7 @@ import dataclasses
 import cProfile
 import importlib
 import importlib.util
+import os
 import pstats
 import random
 import statistics
@@ -270,9 +271,9 @@ def load_swaps(ref: str, specs: list[str]) -> list[tuple[type, str, object, obje
         module_name, class_name, method = spec.rsplit(".", 2)
         if module_name not in loaded:
             path = importlib.import_module(module_name).__file__
-            relative = subprocess.run(["git", "ls-files", "--full-name", path], capture_output=True, text=True,
-                                      check=True).stdout.strip()
-            source = subprocess.run(["git", "show", f"{ref}:{relative}"], capture_output=True, text=True, check=True)
+            git = dict(capture_output=True, text=True, check=True, cwd=os.path.dirname(path))
+            relative = subprocess.run(["git", "ls-files", "--full-name", path], **git).stdout.strip()
+            source = subprocess.run(["git", "show", f"{ref}:{relative}"], **git)
             module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"_ref_{module_name}", None))
             sys.modules[module.__name__] = module  # (dataclasses look their module up)
             exec(compile(source.stdout, f"{ref}:{relative}", "exec"), module.__dict__)  # noqa: S102 - our own file

@@ -24,10 +24,28 @@ def bench():
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_the_host_step_bench_runs_a_small_workload(bench, structured, graphs):
     args = argparse.Namespace(num_requests=12, output_len=6, graphs=graphs, profile=False, sync=False, repeat=1,
-                              clock="wall", structured=structured, mask_processes=0)
+                              clock="wall", structured=structured, mask_processes=0, swap_from=None, swap=[])
     num_steps, totals = bench.run_once(args)
     assert num_steps >= 6 and totals["whole step"] > 0 and totals["postprocess"] > 0
     if structured:  # every constrained token was drawn from a mask, and the draw is kept out of the engine's time
         assert totals["stub token draw"] > 0
         assert totals["engine step"] == pytest.approx(totals["whole step"] - totals["stub token draw"])
         assert totals["feed matchers ahead"] > 0 and totals["mask dispatch"] > 0
+
+
+def test_swap_runs_the_named_methods_of_a_git_revision_on_part_of_the_steps(bench):
+    """--swap-from HEAD --swap ...: the steady steps split between this tree's methods and HEAD's (loaded from git),
+    each figure reported for both sides; the methods are this tree's again afterwards."""
+    from offline_paged.core.scheduler import Scheduler
+
+    mine = Scheduler.__dict__["_schedule"]
+    args = argparse.Namespace(num_requests=12, output_len=40, graphs=True, profile=False, sync=False, repeat=1,
+                              clock="wall", structured=None, mask_processes=0, swap_from="HEAD",
+                              swap=["offline_paged.core.scheduler.Scheduler._schedule"])
+    num_steps, totals = bench.run_once(args)
+    assert totals["steps (tree)"] + totals["steps (ref)"] < num_steps  # the prefill steps are left out
+    assert totals["steps (tree)"] >= 5 and totals["steps (ref)"] >= 5
+    assert totals["schedule (tree)"] > 0 and totals["schedule (ref)"] > 0 and totals["whole step (ref)"] > 0
+    assert Scheduler.__dict__["_schedule"] is mine
+    swapped = bench.load_swaps("HEAD", ["offline_paged.core.scheduler.Scheduler._schedule"])
+    assert swapped[0][3] is not mine and swapped[0][3].__code__.co_filename.startswith("HEAD:")
