@@ -33,8 +33,10 @@ class StopChecker:
         computing (fed ahead, `StructuredMatcher.outcome_pending`); it is checked for everything else now,
         and `settle` applies the outcomes once the caller has seen the whole step. None: wait for it here."""
         params = seq.group.params
-        token_id = seq.token_ids[-1]
-        num_outputs = seq.num_known_output_tokens  # a lookahead step's pending token does not count
+        token_ids = seq.token_ids
+        token_id = token_ids[-1]
+        num_known = len(token_ids)  # seq.num_known_tokens (read inline: this runs for every sequence every step)
+        num_outputs = num_known - seq.num_prompt_tokens  # a lookahead step's pending token does not count
         matcher = seq.matcher
         if matcher is not None:
             if pending is not None and matcher.outcome_pending:
@@ -56,7 +58,7 @@ class StopChecker:
                     return FinishReason.STOP, hit
         elif params.stop:
             self._detokenizer(seq).push([token_id])  # keep the text current for later checks
-        if num_outputs >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
+        if num_outputs >= params.max_tokens or num_known >= self.max_model_len:
             return FinishReason.LENGTH, None
         if matcher is not None and matcher.is_finished:
             return FinishReason.STOP, None
