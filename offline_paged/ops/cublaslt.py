@@ -31,9 +31,9 @@ import cupy
 import numpy as np
 
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear
-from offline_paged.ops.launchers import FP8_ALIGN  # cuBLASLt's FP8 GEMM: widths multiples of 16
 from offline_paged.ops.graphs import (_CUDA_R_16BF, _CUDA_R_16F, _OP_N, _OP_T, WORKSPACE_BYTES, _cuda_type,
                                       check_gemm_args, check_status, gc_paused, libcublas_paths)
+from offline_paged.ops.launchers import FP8_ALIGN  # cuBLASLt's FP8 GEMM: widths multiples of 16
 
 _CUDA_R_32F = 0
 _CUDA_R_8F_E4M3 = 28

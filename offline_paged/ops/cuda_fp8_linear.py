@@ -29,8 +29,8 @@ import numpy as np
 
 from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output
 from offline_paged.ops.fp8_linear import Fp8Linear
-from offline_paged.ops.launchers import fp8_padded
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA
+from offline_paged.ops.launchers import fp8_padded
 
 
 # rms_norm and silu_mul quantize their output for the FP8 layer it feeds (CudaOps' `feeds`; Fp8Rows below), which
