@@ -22,9 +22,11 @@ the matchers ahead, dispatch the mask fill to --mask-processes worker processes,
 masked in the "graph"). The stand-in samplers draw a random allowed token from each row's mask; that draw
 is not engine work, so it is timed apart ("stub token draw") and left out of "engine step".
 --swap-from REF --swap offline_paged.core.scheduler.Scheduler._schedule (repeatable) measures a host change
-against git revision REF in one process: every other step runs REF's version of each named method (its module
-loaded from `git show`), and each figure is printed for both halves ("tree" / "ref"). Separate runs on a shared
-2-core machine spread by +-30%; steps interleaved in one process see the same machine.
+against git revision REF in one process: once every prompt is in, a seeded coin gives each step REF's version of
+each named method (its module loaded from `git show`) or this tree's, and each figure is printed for both sides
+("tree" / "ref"), per step of that side; the prefill steps before are left out. (With --structured the stub
+draw is then not split out: both sides include it.) Separate runs on a shared 2-core machine spread by +-30%;
+steps interleaved in one process see the same machine.
 """
 from __future__ import annotations
 
@@ -350,7 +352,7 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
         raise RuntimeError(f"{len(failed)} requests ended with an error, e.g. {failed[0].message}")
     whole, drawn = clock() - start, draw.seconds - drawn
     totals = {} if swaps else {"whole step": whole}
-    if args.structured:
+    if args.structured and not swaps:
         totals.update({"stub token draw": drawn, "engine step": whole - drawn})
     engine.close()
     return num_steps, {**totals, **timer.totals}
@@ -372,7 +374,8 @@ def main() -> None:
                         help="constrain every request like `bench --structured` (with --graphs: the graph's masked path)")
     parser.add_argument("--mask-processes", type=int, default=0,
                         help="grammar mask worker processes (EngineConfig.grammar_mask_processes)")
-    parser.add_argument("--swap-from", default=None, help="git revision whose methods every other step runs")
+    parser.add_argument("--swap-from", default=None,
+                        help="git revision whose --swap methods a seeded coin's half of the steady steps runs")
     parser.add_argument("--swap", action="append", default=[], metavar="MODULE.CLASS.METHOD",
                         help="a method to take from --swap-from (repeatable)")
     args = parser.parse_args()
@@ -384,9 +387,9 @@ def main() -> None:
     print(f"{num_steps} steps, {args.num_requests} requests x {args.output_len} output tokens, "
           f"{args.clock} clock, median of {args.repeat} run(s)")
     for label in sorted(runs[0][1]) if args.swap else runs[0][1]:
-        if label.startswith("steps") or label.endswith("(warm-up)"):
+        side = next((side for side in ("(tree)", "(ref)") if label.endswith(side)), None)  # its steps: the side's
+        if label.startswith("steps") or args.swap and side is None:  # (with --swap: the warm-up's are left out)
             continue
-        side = label[label.rfind("("):] if args.swap else None  # its steps: the side's, or all of them
         per_step = sorted(1e3 * totals.get(label, 0.0) / (totals[f"steps {side}"] if side else steps)
                           for steps, totals in runs)
         print(f"{label:<31}{statistics.median(per_step):8.3f} ms")
