@@ -30,20 +30,24 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks, carried
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
 
-report_runs() {  # one line per bench_*.json record (its first run), then the records as one archive
+archive_records() {  # at most 8 files come back from the device: the records travel as one archive
+  tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.json "$OUT"/bench_*.err
+}
+
+report_runs() {  # one line per run of each bench_*.json record (oldest record first), then archive_records
   python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json"), key=lambda p: p.stat().st_mtime):
     try:
-        run = json.loads(path.read_text().strip().splitlines()[-1])["runs"][0]
+        runs = json.loads(path.read_text().strip().splitlines()[-1])["runs"]
     except (ValueError, IndexError, KeyError):
         print(f"{path.stem}: no record"); continue
-    forward = run["time_split"]["forward_device_ms"]
-    print(f"{path.stem:<20}{run['output_tokens_per_s']:>10,.0f} out tok/s, forward {forward:.2f} ms, "
-          f"{(run.get('roofline') or {}).get('fraction_of_floor', 0):.1%} of floor")
+    for run in runs:
+        print(f"{path.stem:<20}{run['label']:<28}{run['output_tokens_per_s']:>10,.0f} out tok/s, forward "
+              f"{run['time_split']['forward_device_ms']:.2f} ms, "
+              f"{(run.get('roofline') or {}).get('fraction_of_floor', 0):.1%} of floor")
 PY
-  # At most 8 files come back from the device: the records travel as one archive.
-  tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.json "$OUT"/bench_*.err
+  archive_records
 }
 
 if [ "$WHAT" = fused ]; then  # the fused FP8 inputs / deferred epilogues: tests, kernel bench, 8B on vs off
@@ -64,19 +68,7 @@ if [ "$WHAT" = fused ]; then  # the fused FP8 inputs / deferred epilogues: tests
     --quantization fp8 --kv-cache-dtype fp8 --dummy-weights llama-3.1-8b \
     >"$OUT/bench_8b_unfused.json" 2>"$OUT/bench_8b_unfused.err" || echo "bench unfused FAILED"
   cp /tmp/fused.orig $FUSED
-  python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json"), key=lambda p: p.stat().st_mtime):
-    try:
-        runs = json.loads(path.read_text().strip().splitlines()[-1])["runs"]
-    except (ValueError, IndexError, KeyError):
-        print(f"{path.stem}: no record"); continue
-    for run in runs:
-        print(f"{path.stem:<18}{run['label']:<28}{run['output_tokens_per_s']:>10,.0f} out tok/s, forward "
-              f"{run['time_split']['forward_device_ms']:.2f} ms, "
-              f"{(run.get('roofline') or {}).get('fraction_of_floor', 0):.1%} of floor")
-PY
-  tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.json "$OUT"/bench_*.err
+  report_runs
   exit 0
 fi
 
@@ -182,5 +174,4 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json")):
               f"{r['num_gpu_blocks']:>10}")
 print("commit", record.get("git_commit"), "device", record.get("device"))
 PY
-# At most 8 files come back from the device: the records travel as one archive.
-tar czf "$OUT/bench_records.tgz" -C "$OUT" $(cd "$OUT" && ls bench_*.json bench_*.err) && rm -f "$OUT"/bench_*.json "$OUT"/bench_*.err
+archive_records
