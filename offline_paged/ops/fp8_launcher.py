@@ -37,6 +37,8 @@ MAX_ROW_BLOCKS = 65535  # both kernels stride over rows past this many blocks (C
 _COLUMN_BLOCKS = 64  # scale_fp8_output: blocks of 256 columns per row at most (they stride past it)
 
 
+
+
 def _kernel(filename: str, name: str):
     if (filename, name) not in KERNELS:
         raise RuntimeError(f"{filename}:{name} is not declared in fp8_launcher.KERNELS")
