@@ -314,6 +314,16 @@ def _engine_config(options: dict, device: str, layout: str, block_size: int, max
                          async_scheduling=options["async_scheduling"] if tensor_parallel_size == 1 else False)
 
 
+def _graphs_label(options: dict, backend) -> str:
+    """The header's words on CUDA graphs (CUDA only): off, or how large a prefilling step replays them."""
+    if backend.name != "cuda":
+        return ""
+    if not options["cuda_graphs"]:
+        return ", CUDA graphs off"
+    tokens = min(options["mixed_graph_tokens"], options["max_num_batched_tokens"])
+    return f", mixed-step graphs up to {tokens} tokens" if tokens else ", mixed-step graphs off"
+
+
 def _vocab_and_tokenizer(options: dict):
     if options["dummy_preset"]:
         from offline_paged.models.dummy_weights import DummyTokenizer, preset_config
@@ -371,7 +381,7 @@ def _emit(options: dict, results: list, backend, dtype_names: str | None = None)
     quantization = "/".join(q or "none" for q in quantizations) if len(quantizations) > 1 else quantizations[0]
     header = (f"offline-paged bench: {source}, {backend.name} {dtype_names or backend.dtype.name}, kv cache "
               f"{'/'.join(kv_dtypes)}, quantization {quantization or 'none'}, workload {options['workload']}"
-              + _workload_label(options))
+              + _workload_label(options) + _graphs_label(options, backend))
     if options["as_json"]:
         runs = [json.loads(r.to_json(with_steps=options["json_steps"])) for r in results]
         click.echo(json.dumps({"header": header, "git_commit": _git_commit(), "device": _device_name(backend),

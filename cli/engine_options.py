@@ -132,6 +132,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             help="Reuse the KV blocks of prompt prefixes computed before."),
     _option("cuda_graphs", "--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
             help="Replay decode-only steps from CUDA graphs (CUDA)."),
+    _option("mixed_graph_tokens", "--mixed-graph-tokens", type=click.IntRange(min=0), default=2048,
+            show_default=True, help="With CUDA graphs: steps that prefill, of up to this many tokens, replay "
+            "piecewise graphs (attention runs between the pieces); 0 runs them eagerly."),
     _option("async_scheduling", "--async-scheduling/--sync-scheduling", default=None,
             help="Overlap scheduling with the device step (default: on for CUDA, off on the CPU)."),
     _option("admission_batch", "--admission-batch", type=_POSITIVE, default=None,

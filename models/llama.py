@@ -192,16 +192,22 @@ class Llama:
         `logits_matmul(x, lm_head)` the LM head, returning float32 (None: ops.logits, which on CUDA
         writes the fp32 accumulator instead of rounding logits to fp16). Returns float32 logits [K, V]."""
         hidden = self.final_hidden(input_ids, positions, kv_cache, meta, logits_indices, matmul)  # [K, E]
-        ops = self.ops
+        return self.logits(hidden, logits_matmul)
+
+    def logits(self, hidden, logits_matmul=None):
+        """float32 logits [K, V] of final-normed hidden states [K, E] (`logits_matmul` as in `forward`)."""
         if logits_matmul is None:
-            return self._gather_logits(ops.logits(hidden, self.lm_head))  # [K, V] float32
+            return self._gather_logits(self.ops.logits(hidden, self.lm_head))  # [K, V] float32
         return self._gather_logits(logits_matmul(hidden, self.lm_head))  # [K, V] float32
 
     def final_hidden(self, input_ids, positions, kv_cache, meta: AttentionMetadata, rows=None,
-                     matmul=operator.matmul):
+                     matmul=operator.matmul, attention=None):
         """The final-normed hidden states [K, E] of `rows` [K] of the batch (None: all T rows): what
-        the LM head reads, and what pooling (embeddings) reads. Arguments as in `forward`."""
+        the LM head reads, and what pooling (embeddings) reads. Arguments as in `forward`.
+        `attention` replaces ops.attention (same arguments and result): the mixed-step graphs cut their
+        captures there (offline_paged/worker/mixed_graphs.py)."""
         ops, eps = self.ops, self.config.rms_norm_eps
+        attention = attention or ops.attention
         hidden = self._embed(input_ids)  # [T, E]
         residual = None
         # Between the kernels, FP8 layers may pass their input already quantized (`feeds`: the one linear an output
@@ -209,7 +215,7 @@ class Llama:
         last = len(self.layers) - 1
         for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache)):
             hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual, feeds=layer.qkv)
-            hidden = self._attention(layer, hidden, positions, layer_cache, meta, matmul)
+            hidden = self._attention(layer, hidden, positions, layer_cache, meta, matmul, attention)
             hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual, feeds=layer.gate_up)
             activated = ops.silu_mul(matmul(hidden, ops.deferred(layer.gate_up)), feeds=layer.down)  # [T, I]
             down = layer.down if i == last else ops.deferred(layer.down)  # the last one's rows are picked next
@@ -247,7 +253,7 @@ class Llama:
         return self.ops.xp.ascontiguousarray(full[:, :self.tp.vocab_size])  # [K, V]
 
     def _attention(self, layer: LlamaLayer, hidden, positions, layer_cache, meta: AttentionMetadata,
-                   matmul):
+                   matmul, attention):
         c = self.config
         num_tokens = hidden.shape[0]
         q_dim = c.num_attention_heads * c.head_dim
@@ -266,7 +272,7 @@ class Llama:
         fp8 = {} if layer.kv_scales is None else {"kv_scales": layer.kv_scales}
         q = self.ops.rope_write_kv(q, k, v, positions, self.cos_sin_cache, layer_cache[0], layer_cache[1],
                                    meta.slot_mapping, **fp8)  # [T, H, D]
-        out = self.ops.attention(q, layer_cache[0], layer_cache[1], meta, self.scale,
-                                 sliding_window=c.sliding_window, **fp8)  # [T, H, D]
+        out = attention(q, layer_cache[0], layer_cache[1], meta, self.scale,
+                        sliding_window=c.sliding_window, **fp8)  # [T, H, D]
         o_proj = self.ops.deferred(layer.o_proj)  # its output goes into the post-attention rms_norm only
         return self._all_reduce(matmul(out.reshape(num_tokens, q_dim), o_proj))  # [T, E]

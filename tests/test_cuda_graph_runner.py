@@ -170,16 +170,3 @@ def test_engine_with_cuda_graphs_matches_engine_without(dtype):
         chosen_a = [entry[t] for entry, t in zip(a.logprobs, a.token_ids)]
         chosen_b = [entry[t] for entry, t in zip(b.logprobs, b.token_ids)]
         np.testing.assert_allclose(chosen_a, chosen_b, atol=5e-2 if dtype == "float16" else 2e-1)
-
-
-def test_decode_buckets_end_at_the_first_bucket_holding_max_num_seqs():
-    from offline_paged.worker.cuda_graph_runner import BUCKETS, decode_buckets
-
-    assert decode_buckets(256)[-1] == 256 and decode_buckets(256)[:5] == (1, 2, 4, 8, 16)
-    assert decode_buckets(200)[-1] == 208 and max(decode_buckets(200)) == 208
-    assert decode_buckets(1) == (1,) and decode_buckets(3) == (1, 2, 4)
-    assert decode_buckets(10_000) == BUCKETS
-    steps = np.diff([b for b in BUCKETS if 64 <= b <= 256])
-    assert steps.max() == 16  # padding below 16 rows from 64 to 256 sequences
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        decode_buckets(0)

@@ -96,3 +96,32 @@ def test_pack_eager_counts_the_leading_decodes(query_lens, expected):
     packed, layout = pack_eager(items, table_rows, rows)
     assert layout.num_leading_decodes == expected
     assert layout.max_query_len == max(query_lens)
+
+
+@pytest.mark.parametrize("query_lens, pad_to", [([1, 1, 5], 16), ([3], 3), ([1, 6, 1, 3], 32)])
+def test_pack_eager_pads_ids_positions_and_slots_for_a_graph_bucket(query_lens, pad_to):
+    """pad_to: input ids, positions and slots grow to the bucket with token 0 at position 0 and slot -1 (no KV
+    write); every other part, and the real rows, are those of the unpadded step."""
+    from offline_paged.worker.block_table_rows import BlockTableRows
+    from offline_paged.worker.step_inputs import pack_eager, unpack_eager
+
+    items = [_chunk(i, 20, 20 - n, n) for i, n in enumerate(query_lens)]
+    table_rows = BlockTableRows(4, max_blocks=8)
+    rows = table_rows.sync(items)
+    plain = unpack_eager(*pack_eager(items, table_rows, rows), lambda host: host)
+    padded = unpack_eager(*pack_eager(items, table_rows, rows, pad_to=pad_to), lambda host: host)
+    num_tokens = sum(query_lens)
+    for name in ("input_ids", "positions"):
+        got, want = getattr(padded, name), getattr(plain, name)
+        assert got.shape == (pad_to,)
+        np.testing.assert_array_equal(got[:num_tokens], want)
+        assert not got[num_tokens:].any()
+    slots = padded.meta.slot_mapping
+    np.testing.assert_array_equal(slots[:num_tokens], plain.meta.slot_mapping)
+    assert (slots[num_tokens:] == -1).all() and (slots[:num_tokens] >= 0).all()
+    for name in ("block_tables", "context_lens", "query_start_loc"):
+        np.testing.assert_array_equal(getattr(padded.meta, name), getattr(plain.meta, name))
+    np.testing.assert_array_equal(padded.logits_indices, plain.logits_indices)
+    assert padded.meta.max_query_len == plain.meta.max_query_len
+    with pytest.raises(ValueError, match="pad_to"):
+        pack_eager(items, table_rows, rows, pad_to=num_tokens - 1)

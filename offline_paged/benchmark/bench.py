@@ -300,7 +300,7 @@ class StepRecord:
     execute_s: float
     postprocess_s: float
     forward_s: float | None  # device time of the forward (CUDA events); None on the CPU
-    cuda_graph: bool  # the forward replayed a decode CUDA graph
+    cuda_graph: bool  # the forward replayed CUDA graphs (a decode graph, or a mixed step's pieces)
     num_seqs: int
     num_tokens: int
     blocks_held: int
@@ -372,6 +372,8 @@ class BenchResult:
             "token_wait_ms": 1e3 * total["token_wait_s"] / n,  # (parts of postprocess_ms)
             "mask_dispatch_ms": 1e3 * total["mask_dispatch_s"] / n,
             "num_cuda_graph_steps": sum(s.cuda_graph for s in self.steps),
+            # graph steps with more tokens than sequences: some sequence prefilled (mixed_graphs.py)
+            "num_prefill_graph_steps": sum(s.cuda_graph and s.num_tokens > s.num_seqs for s in self.steps),
             "forward_device_ms": None if forward is None else 1e3 * forward / n,
             "host_ms": 1e3 * (total["wall_s"] - (forward if forward is not None else total["execute_s"])) / n,
             "device_idle_ms": None if forward is None else

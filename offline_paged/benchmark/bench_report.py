@@ -103,7 +103,9 @@ def format_details(r: BenchResult) -> list[str]:
 
 def _format_split(split: dict) -> str:
     rest = split['step_ms'] - split['schedule_ms'] - split['execute_ms'] - split['postprocess_ms']
-    text = (f"per step ({split['num_steps']} steps, {split['num_cuda_graph_steps']} from CUDA graphs): "
+    prefill = split.get("num_prefill_graph_steps")
+    text = (f"per step ({split['num_steps']} steps, {split['num_cuda_graph_steps']} from CUDA graphs"
+            + (f", {prefill} of them prefilling" if prefill else "") + "): "
             f"{split['step_ms']:.2f} ms = schedule {split['schedule_ms']:.2f} + execute "
             f"{split['execute_ms']:.2f} + postprocess {split['postprocess_ms']:.2f} + rest {rest:.2f}")
     if split["forward_device_ms"] is not None:

@@ -69,6 +69,10 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
     kv_layout: str = "paged"  # "paged" | "contiguous" (reserve max_model_len at admission)
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
+    # With cuda_graphs: steps that prefill, of up to this many tokens (and max_num_batched_tokens), replay
+    # piecewise graphs with attention run between the pieces (offline_paged/worker/mixed_graphs.py); 0 = off.
+    # Larger steps are bound by the device, so launching them eagerly costs nothing.
+    mixed_graph_tokens: int = 2048
     # Schedule and launch step N+1 while step N runs on the device; N's sampled ids reach N+1's inputs
     # on the device and its outputs are processed one step late. None = on for CUDA, off on the CPU.
     async_scheduling: bool | None = None
@@ -101,6 +105,9 @@ class EngineConfig:
                 require_positive(name, value)
         if self.max_model_len == 1:  # the engine needs room for a prompt token and one more
             raise ValueError("max_model_len must be at least 2 (a prompt token and one more), got 1")
+        if not isinstance(self.mixed_graph_tokens, int) or self.mixed_graph_tokens < 0:
+            raise ValueError(f"mixed_graph_tokens must be a non-negative integer (0: off), got "
+                             f"{self.mixed_graph_tokens!r}")
         for name in ("swap_space", "num_cpu_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

@@ -66,7 +66,8 @@ class Executor:
         config = self.config
         return ModelRunner(self.model, self.backend, num_gpu_blocks, num_cpu_blocks, config.block_size, sampler,
                            cuda_graphs=config.cuda_graphs, max_model_len=max_model_len, mirror=mirror,
-                           max_num_seqs=config.max_num_seqs)
+                           max_num_seqs=config.max_num_seqs,
+                           mixed_graph_tokens=min(config.mixed_graph_tokens, config.max_num_batched_tokens))
 
     def execute(self, output, in_flight: LaunchedStep | None = None,
                 defer_grammar_sampling: bool = False) -> LaunchedStep:

@@ -34,8 +34,10 @@ class LocalExecutor(Executor):
 
     def init_runner(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int,
                     sampler: Sampler) -> ModelRunner:
-        """The runner, its decode graphs (if any) captured now, before the first step."""
+        """The runner, its decode and mixed-step graphs (if any) captured now, before the first step."""
         runner = super().init_runner(num_gpu_blocks, num_cpu_blocks, max_model_len, sampler)
         if runner.decode_graphs is not None:
             runner.decode_graphs.capture_all()
+        if runner.mixed_graphs is not None:
+            runner.mixed_graphs.capture_all()
         return runner

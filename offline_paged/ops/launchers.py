@@ -206,7 +206,7 @@ def choose_attention_kernel(max_query_len: int, group: int) -> str:
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                     max_query_len: int, max_context_len: int, scale: float, num_splits: int | None = None,
                     window: int = 0, zero_fill: bool = True, launch_order=None, kernel: str | None = None,
-                    kv_scale=None):
+                    kv_scale=None, out=None):
     """Causal GQA attention of q [T, H, D] against paged K/V [N, B, Hkv, D]; returns out [T, H, D].
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1] and has context_lens[s] cached tokens
@@ -223,6 +223,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     lets choose_attention_kernel pick by the longest query. Every kernel gives the same result up to
     rounding; the semantics above hold for each. FP8 KV cache: k_cache / v_cache uint8 (e4m3fn bits) and
     kv_scale [2] float32 on the device; attention reads cached K x k_scale and cached V x v_scale.
+    out: a C-contiguous array like q to write into and return (the mixed-step graphs' persistent buffer); None:
+    a new one.
     """
     suffix = _element_suffix("q", q)
     fp8 = _cache_is_fp8(k_cache, kv_scale)
@@ -234,6 +236,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     _check_array("query_start_loc", query_start_loc, np.int32, 1)
     if launch_order is not None:
         _check_array("launch_order", launch_order, np.int32, 1)
+    if out is not None:
+        _check_array("out", out, q.dtype, 3)
+        _require(out.shape == q.shape, f"out shape {out.shape} != q shape {q.shape}")
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     num_seqs = context_lens.shape[0]
@@ -253,7 +258,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     _require(kernel is None or kernel in ATTENTION_KERNELS,
              f"kernel must be None or one of {ATTENTION_KERNELS}, got {kernel!r}")
     if num_seqs == 0 or num_tokens == 0 or max_query_len == 0:
-        return cupy.zeros(q.shape, dtype=q.dtype)
+        return cupy.zeros(q.shape, dtype=q.dtype) if out is None else _zeroed(out)
     group = num_heads // num_kv_heads
     kernel = kernel or choose_attention_kernel(max_query_len, group)
     launch = _attention_launch(kernel, head_dim, max_query_len * group, suffix, fp8)
@@ -264,7 +269,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     else:
         partition = math.ceil(max(span, 1) / num_splits / KEYS_PER_ROUND) * KEYS_PER_ROUND
     # One split writes rows in place (rows of no sequence must read 0); with several, the merge writes all.
-    out = cupy.zeros(q.shape, dtype=q.dtype) if num_splits == 1 and zero_fill else cupy.empty(q.shape, dtype=q.dtype)
+    if out is None:
+        out = cupy.empty(q.shape, dtype=q.dtype)
+    if num_splits == 1 and zero_fill:
+        _zeroed(out)
     if num_splits > 1:
         partial_o = cupy.empty((num_splits, num_tokens, num_heads, head_dim), dtype=cupy.float32)
         partial_ml = cupy.zeros((num_splits, num_tokens, num_heads, 2), dtype=cupy.float32)
@@ -288,6 +296,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
             (num_tokens * num_heads,), (head_dim,),
             (partial_o, partial_ml, out, np.int32(num_splits), np.int32(num_tokens * num_heads), np.int32(head_dim)))
     return out
+
+
+def _zeroed(array):
+    """`array` filled with zeros in place (a memset on the current stream)."""
+    array.fill(0)
+    return array
 
 
 @dataclass(frozen=True, slots=True)

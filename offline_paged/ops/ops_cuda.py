@@ -143,29 +143,32 @@ class CudaOps:
                                        kv_scale=self.kv_scale_buffer(kv_scales))
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                  sliding_window: int | None = None, kv_scales: KvScales | None = None):
+                  sliding_window: int | None = None, kv_scales: KvScales | None = None, out=None):
         """Paged causal GQA attention; [T, H, D] -> [T, H, D]. sliding_window: a query at position p
         sees only keys at positions > p - sliding_window (None or 0: the whole causal context).
         With meta.num_leading_decodes = d (0 < d < S, a longer query after them), rows [0, d) go through
-        the decode kernel and the rest through the kernel of their longest query, in two launches.
-        With `kv_scales` (an FP8 pool) cached K and V are read times its scales."""
+        the decode kernel and the rest through the kernel of their longest query, in two launches writing
+        one output. With `kv_scales` (an FP8 pool) cached K and V are read times its scales.
+        out: a C-contiguous [T, H, D] array to write the result into (None: a new one)."""
         q = cupy.ascontiguousarray(q)
         kv_scale = self.kv_scale_buffer(kv_scales)
         tables, lens, starts = _int32(meta.block_tables), _int32(meta.context_lens), _int32(meta.query_start_loc)
         window = int(sliding_window or 0)
         d = meta.num_leading_decodes
         if 0 < d < lens.shape[0] and meta.launch_order is None and meta.max_query_len > 1:
-            decodes = launchers.paged_attention(q[:d], k_cache, v_cache, tables[:d], lens[:d], starts[:d + 1], 1,
-                                                int(meta.max_context_len), scale, window=window, zero_fill=False,
-                                                kv_scale=kv_scale)
-            rest = launchers.paged_attention(q[d:], k_cache, v_cache, tables[d:], lens[d:], starts[d:] - d,
-                                             int(meta.max_query_len), int(meta.max_context_len), scale,
-                                             window=window, zero_fill=meta.unqueried_rows, kv_scale=kv_scale)
-            return cupy.concatenate([decodes, rest])  # [T, H, D]
+            out = cupy.empty(q.shape, dtype=q.dtype) if out is None else out
+            launchers.paged_attention(q[:d], k_cache, v_cache, tables[:d], lens[:d], starts[:d + 1], 1,
+                                      int(meta.max_context_len), scale, window=window, zero_fill=False,
+                                      kv_scale=kv_scale, out=out[:d])
+            launchers.paged_attention(q[d:], k_cache, v_cache, tables[d:], lens[d:], starts[d:] - d,
+                                      int(meta.max_query_len), int(meta.max_context_len), scale,
+                                      window=window, zero_fill=meta.unqueried_rows, kv_scale=kv_scale, out=out[d:])
+            return out  # [T, H, D]
         return launchers.paged_attention(
             q, k_cache, v_cache, tables, lens, starts, int(meta.max_query_len), int(meta.max_context_len), scale,
             window=window, zero_fill=meta.unqueried_rows,
-            launch_order=None if meta.launch_order is None else _int32(meta.launch_order), kv_scale=kv_scale)
+            launch_order=None if meta.launch_order is None else _int32(meta.launch_order), kv_scale=kv_scale,
+            out=out)
 
     def logits(self, hidden, lm_head):
         """hidden [K, E] @ lm_head [E, V] -> [K, V] float32: for fp16 and bf16 the GEMM writes its fp32

@@ -49,19 +49,7 @@ from offline_paged.ops.cublaslt import TunedGemm
 from offline_paged.ops.graphs import gc_paused
 from offline_paged.ops.pinned import PinnedUpload, pin_in_place
 from offline_paged.ops.swap import pinned_empty
-
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, *range(64, 257, 16), *range(288, 513, 32))  # batch sizes with a graph
-
-
-def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """The bucket sizes worth capturing for batches of up to max_num_seqs sequences: BUCKETS up to the
-    first that holds max_num_seqs. Fine steps above 64 keep the padding (whose GEMM rows, LM head rows and
-    sampled rows cost as much as real ones) below 16 rows up to 256 sequences."""
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    if max_num_seqs >= BUCKETS[-1]:
-        return BUCKETS
-    return tuple(b for b in BUCKETS if b < max_num_seqs) + (next(b for b in BUCKETS if b >= max_num_seqs),)
+from offline_paged.worker.graph_buckets import DECODE_BUCKETS
 
 
 class _Bucket:
@@ -120,7 +108,7 @@ class DecodeGraphs:
     model: a Llama on CudaOps in float16 or bfloat16; kv_cache [L, 2, N, B, Hkv, D] (its address is
     captured)."""
 
-    def __init__(self, model, kv_cache, block_size: int, max_model_len: int, buckets=BUCKETS) -> None:
+    def __init__(self, model, kv_cache, block_size: int, max_model_len: int, buckets=DECODE_BUCKETS) -> None:
         if np.dtype(model.dtype).name not in GRAPH_DTYPES:
             raise ValueError(f"CUDA graphs need a float16 or bfloat16 model, got {model.dtype}")
         self.model = model

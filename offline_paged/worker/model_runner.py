@@ -50,12 +50,14 @@ class ModelRunner:
     def __init__(self, model, backend, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  sampler: Sampler | None = None, device_sampling: bool | None = None,
                  cuda_graphs: bool = False, max_model_len: int | None = None, mirror=None,
-                 max_num_seqs: int = 256) -> None:
+                 max_num_seqs: int = 256, mixed_graph_tokens: int = 0) -> None:
         """device_sampling: sample on the GPU (None: whenever the backend is CUDA; False: on the host with
         `sampler`, the reference; True on the CPU backend is a ValueError).
         cuda_graphs: replay decode-only steps from CUDA graphs (offline_paged/worker/cuda_graph_runner.py) where
         the backend is CUDA and the model float16 or bfloat16; needs max_model_len (the attention's static bound).
         Ignored on the CPU. max_num_seqs: the largest batch, which picks the graphs' batch sizes.
+        mixed_graph_tokens: with cuda_graphs, steps that prefill, of up to this many tokens, replay piecewise
+        graphs (offline_paged/worker/mixed_graphs.py); 0: they run eagerly. Not with tensor parallelism.
         mirror: tensor parallel, rank 0 only: `mirror.send_step(MirroredStep)` gets every step's
         inputs before the forward (see run_mirrored)."""
         self.model = model
@@ -80,16 +82,22 @@ class ModelRunner:
         self.table_rows.track_mirror = mirror is not None  # rank 0 sends the rows' diffs to the other ranks
         self._mirror_rows = None  # ranks > 0: MirroredRows, rank 0's rows kept by its diffs
         self.decode_graphs = None
+        self.mixed_graphs = None
         self.sampling_rows = None
         self._mask_thread = None  # a one-thread pool, made on the first late mask fill
         if cuda_graphs and backend.name == "cuda" and np.dtype(model.dtype).name in ("float16", "bfloat16"):
             if max_model_len is None:
                 raise ValueError("cuda_graphs needs max_model_len (the static attention bound)")
-            from offline_paged.worker.cuda_graph_runner import DecodeGraphs, decode_buckets
+            from offline_paged.worker.cuda_graph_runner import DecodeGraphs
+            from offline_paged.worker.graph_buckets import decode_buckets, mixed_buckets
 
             self.attach_decode_graphs(DecodeGraphs(model, self.kv_cache, block_size, max_model_len,
                                                    decode_buckets(max_num_seqs)),
                                       sample_in_graph=self.gpu_sampler is not None)
+            if mixed_graph_tokens and mirror is None and model.tp is None:
+                from offline_paged.worker.mixed_graphs import MixedGraphs
+
+                self.mixed_graphs = MixedGraphs(model, self.kv_cache, mixed_buckets(mixed_graph_tokens))
 
     def attach_decode_graphs(self, graphs, sample_in_graph: bool = True) -> None:
         """Replay decode-only steps through `graphs` (DecodeGraphs' interface: fits, run, run_and_sample),
@@ -163,8 +171,11 @@ class ModelRunner:
                                      launched.used_cuda_graph, masked_in_graph, late=True)
 
     def _launch_eager(self, output, rows: np.ndarray, moves: BlockMoves, fill, timer, defer: bool) -> LaunchedStep:
-        """Any step (prefill chunks and decodes mixed): the eager forward, then the eager sampler."""
-        packed, layout = pack_eager(output.scheduled, self.table_rows, rows)
+        """Any step (prefill chunks and decodes mixed): the forward from the mixed-step graphs where a bucket
+        holds the step, else eager; then the eager sampler."""
+        num_tokens = sum(item.num_new_tokens for item in output.scheduled)
+        size = None if self.mixed_graphs is None else self.mixed_graphs.bucket_for(num_tokens)
+        packed, layout = pack_eager(output.scheduled, self.table_rows, rows, pad_to=size)
         if self.mirror is not None:  # the other ranks rebuild the block tables from their row mirrors
             self._send_mirror(moves, EagerForward(packed[:packed.size - layout.num_table_entries], layout,
                                                   rows, self.table_rows.lens[rows]))
@@ -173,11 +184,14 @@ class ModelRunner:
             fill(batch.input_ids)
         if timer is not None:
             timer.start()
-        logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
-                                    batch.logits_indices)  # [K, V] float32 (device)
+        if size is None:
+            logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
+                                        batch.logits_indices)  # [K, V] float32 (device)
+        else:
+            logits = self.mixed_graphs.run(batch, num_tokens, size)  # [K, V] float32 (device)
         _stop(timer)
         return self._sample_or_defer(output, self._sampler_logits(logits), batch.logits_offsets, timer,
-                                     used_graph=False, defer=defer)
+                                     used_graph=size is not None, defer=defer)
 
     def _launch_graph(self, output, decode: _GraphDecode, moves: BlockMoves, fill, timer, defer: bool) -> LaunchedStep:
         """A decode-only step replayed from its bucket's graph; the eager sampler samples its logits (some

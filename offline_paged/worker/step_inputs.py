@@ -87,9 +87,11 @@ def eager_batch(scheduled, table_rows, rows: np.ndarray, upload) -> EagerBatch:
     return unpack_eager(*pack_eager(scheduled, table_rows, rows), upload)
 
 
-def pack_eager(scheduled, table_rows, rows: np.ndarray) -> tuple[np.ndarray, EagerLayout]:
+def pack_eager(scheduled, table_rows, rows: np.ndarray,
+               pad_to: int | None = None) -> tuple[np.ndarray, EagerLayout]:
     """The eager step's index arrays packed into one int32 host array, and its EagerLayout. Per-sequence Python is limited to reading each item's fields once; the
-    rest is numpy."""
+    rest is numpy. pad_to >= T: input ids, positions and slots padded to that many rows (token 0 at position 0,
+    slot -1: no KV write), as a mixed-step graph bucket reads them; the other parts are the real sequences'."""
     block_size, num_seqs = table_rows.block_size, len(scheduled)
     starts = np.fromiter((item.start for item in scheduled), np.int64, num_seqs)  # [S]
     query_lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, num_seqs)  # [S]
@@ -105,6 +107,12 @@ def pack_eager(scheduled, table_rows, rows: np.ndarray) -> tuple[np.ndarray, Eag
     owner = np.repeat(np.arange(num_seqs), query_lens)  # [T] sequence of each token
     positions = np.arange(num_tokens) - query_start_loc[owner] + starts[owner]  # [T]
     slots = slot_mapping(block_tables, owner, positions, skips[owner], block_size)  # [T]
+    if pad_to is not None:
+        if pad_to < num_tokens:
+            raise ValueError(f"pad_to={pad_to} is below the step's {num_tokens} tokens")
+        padding = pad_to - num_tokens
+        input_ids, positions = np.pad(input_ids, (0, padding)), np.pad(positions, (0, padding))  # [pad_to]
+        slots = np.pad(slots, (0, padding), constant_values=-1)  # [pad_to]
     parts = [input_ids, positions, slots, context_lens, query_start_loc, rows_needed, block_tables.ravel()]
     longer = np.flatnonzero(query_lens != 1)
     num_leading_decodes = int(longer[0]) if longer.size else 0  # 0 when all decode: no split
