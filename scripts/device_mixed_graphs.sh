@@ -5,8 +5,10 @@
 #          interleaved, for each admission batch in ADMISSIONS (default "1 default": one admits a prompt as soon as
 #          a slot frees, so many small prefilling steps; the other the engine's default batch); then per kind of
 #          prefilling step (graph or eager) the mean host launch (execute), device forward and step wall time.
+#   profile: cProfile of the main thread over one such bench (mixed-step graphs on, the first admission batch of
+#          ADMISSIONS): the runner's calls by cumulative time, then the top functions by own time.
 # Usage: OUT=/tmp/out [N=1024] [PRESET=llama-3.2-1b] [ADMISSIONS="1 default"] [REPEATS=1] \
-#        scripts/device_mixed_graphs.sh [tests|ab|all]
+#        scripts/device_mixed_graphs.sh [tests|ab|profile|all]  (all: tests, then ab)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mixed-out}
@@ -44,4 +46,22 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("ab_*.json")):
 PY
     rm -f "$OUT/adm_$admission"/ab_*.json "$OUT/adm_$admission"/ab_*.err
   done
+fi
+if [ "$MODE" = profile ]; then
+  admission=$(echo ${ADMISSIONS:-1} | cut -d' ' -f1)
+  flag=""; [ "$admission" != default ] && flag="--admission-batch $admission"
+  timeout ${BENCH_LIMIT:-150} python3 -m cProfile -o "$OUT/bench.prof" "$(command -v offline-paged)" bench --device cuda \
+    --dummy-weights ${PRESET:-llama-3.2-1b} --num-requests ${N:-1024} $flag ${EXTRA:-} 2>"$OUT/profile.err" | tail -4
+  python3 - "$OUT/bench.prof" <<'PY'
+import pstats, sys
+stats = pstats.Stats(sys.argv[1])
+wanted = ("launch", "_launch_eager", "_launch_graph_sampled", "run", "pack_eager", "unpack_eager", "attention",
+          "paged_attention", "_launch_sampling", "sample_async", "logits", "step_with_report", "schedule", "postprocess")
+rows = [(ct, nc, f"{func[0].split('/')[-1]}:{func[2]}") for func, (cc, nc, tt, ct, callers) in stats.stats.items()
+        if func[2] in wanted and ("offline_paged" in func[0] or "models" in func[0])]
+print("cumulative s  calls  function")
+for ct, nc, name in sorted(rows, reverse=True)[:25]:
+    print(f"{ct:10.2f} {nc:7d}  {name}")
+stats.sort_stats("tottime").print_stats(25)
+PY
 fi
