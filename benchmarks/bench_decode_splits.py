@@ -99,6 +99,7 @@ def main() -> None:
         for name, value in zip(_STAGE_CONSTANTS, VARIANTS[variant][1]):
             setattr(launchers, name, value)
         modules.clear_cache()
+        launchers.clear_plans()
         for kernel, splits in [(k, n) for k in args.kernels for n in args.splits]:
             def run(splits=splits, kernel=None if kernel == "auto" else kernel):
                 return launchers.paged_attention(q, k_cache, v_cache, tables_d, lens_d, qsl, int(q_lens.max()),
@@ -115,6 +116,7 @@ def main() -> None:
     for name, value in stages.items():
         setattr(launchers, name, value)
     modules.clear_cache()
+    launchers.clear_plans()
 
 
 # Source variants of cuda/attention.cu, compared in one process (the first is the reference output): a

@@ -117,12 +117,14 @@ def main() -> None:
                     if name == "prefill_attention.cu" else original(name)
                 launchers.PREFILL_STAGES = VARIANTS[variant][1]
                 modules.clear_cache()
+                launchers.clear_plans()
                 out = launchers.paged_attention(*call, kernel="prefill").astype(cupy.float32)
                 ms = event_ms(lambda: launchers.paged_attention(*call, kernel="prefill"), args.repeats)
                 rel = float(cupy.abs(out - row_split).max()) / float(cupy.abs(row_split).max())
                 rows.append((shape_name, dtype_name, variant, ms, rs_ms, flops, rel))
             modules.read_source, launchers.PREFILL_STAGES = original, stages
             modules.clear_cache()
+            launchers.clear_plans()
     print(f"{'shape':>6}{'dtype':>6}{'variant':>13}{'prefill ms':>12}{'TFLOP/s':>9}{'rowsplit ms':>13}{'TFLOP/s':>9}"
           f"{'ratio':>7}{'max|diff|/max':>15}")
     for shape_name, dtype_name, variant, fa_ms, rs_ms, flops, rel in rows:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import cupy
 import numpy as np
@@ -238,64 +239,103 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         _check_array("launch_order", launch_order, np.int32, 1)
     if out is not None:
         _check_array("out", out, q.dtype, 3)
-        _require(out.shape == q.shape, f"out shape {out.shape} != q shape {q.shape}")
-    num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
-    num_seqs = context_lens.shape[0]
-    _require(v_cache.shape == k_cache.shape, f"v_cache shape {v_cache.shape} != k_cache shape {k_cache.shape}")
-    _require(head_dim == cache_dim, f"q head dim {head_dim} != cache head dim {cache_dim}")
-    _require(head_dim in HEAD_DIMS, f"head dim {head_dim} not supported (kernels exist for {HEAD_DIMS})")
-    _require(num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    _require(block_tables.shape[0] == num_seqs, f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
-    _require(query_start_loc.shape[0] == num_seqs + 1,
-             f"query_start_loc must have {num_seqs + 1} entries, got {query_start_loc.shape[0]}")
-    _require(launch_order is None or launch_order.shape[0] == num_seqs,
-             f"launch_order must have {num_seqs} entries (one per sequence), got "
-             f"{None if launch_order is None else launch_order.shape[0]}")
-    _require(max_query_len >= 0 and max_context_len >= 0, "max_query_len / max_context_len must be >= 0")
-    _require(isinstance(window, (int, np.integer)) and 0 <= window < 2**30,
-             f"window must be an integer in [0, 2**30) (0 = no sliding window), got {window!r}")
-    _require(kernel is None or kernel in ATTENTION_KERNELS,
-             f"kernel must be None or one of {ATTENTION_KERNELS}, got {kernel!r}")
-    if num_seqs == 0 or num_tokens == 0 or max_query_len == 0:
+        if out.shape != q.shape:
+            raise ValueError(f"out shape {out.shape} != q shape {q.shape}")
+    if not (isinstance(window, (int, np.integer)) and 0 <= window < 2**30):  # (formatted only on failure)
+        raise ValueError(f"window must be an integer in [0, 2**30) (0 = no sliding window), got {window!r}")
+    plan = _plan_attention(q.shape, k_cache.shape, v_cache.shape, block_tables.shape, context_lens.shape[0],
+                           query_start_loc.shape[0], None if launch_order is None else launch_order.shape[0],
+                           int(max_query_len), int(max_context_len), num_splits, int(window), kernel, suffix, fp8)
+    if plan is None:
         return cupy.zeros(q.shape, dtype=q.dtype) if out is None else _zeroed(out)
-    group = num_heads // num_kv_heads
-    kernel = kernel or choose_attention_kernel(max_query_len, group)
-    launch = _attention_launch(kernel, head_dim, max_query_len * group, suffix, fp8)
-    row_bytes = num_tokens * num_heads * head_dim * 4
-    span = key_span(max_context_len, int(window), launch.rows_per_range)
-    if num_splits is None:
-        num_splits, partition = plan_splits(num_seqs * num_kv_heads * launch.row_tiles, span, row_bytes)
-    else:
-        partition = math.ceil(max(span, 1) / num_splits / KEYS_PER_ROUND) * KEYS_PER_ROUND
     # One split writes rows in place (rows of no sequence must read 0); with several, the merge writes all.
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)
-    if num_splits == 1 and zero_fill:
+    if plan.num_splits == 1 and zero_fill:
         _zeroed(out)
-    if num_splits > 1:
-        partial_o = cupy.empty((num_splits, num_tokens, num_heads, head_dim), dtype=cupy.float32)
-        partial_ml = cupy.zeros((num_splits, num_tokens, num_heads, 2), dtype=cupy.float32)
+    if plan.num_splits > 1:
+        partial_o = cupy.empty((plan.num_splits, *q.shape), dtype=cupy.float32)  # [splits, T, H, D]
+        partial_ml = cupy.zeros((plan.num_splits, *q.shape[:2], 2), dtype=cupy.float32)  # [splits, T, H, 2]
     else:
         partial_o = partial_ml = out  # never read or written with one split
+    plan.function(plan.grid, (plan.threads,),
+                  (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
+                   np.uint64(0) if launch_order is None else launch_order,  # a null pointer: index order
+                   *plan.sizes, np.float32(scale * LOG2_E), *plan.tail, *((kv_scale,) if fp8 else ())),
+                  shared_mem=plan.shared_bytes)
+    if plan.num_splits > 1:
+        plan.merge((plan.merge_rows,), (q.shape[2],), (partial_o, partial_ml, out, *plan.merge_sizes))
+    return out
+
+
+LOG2_E = math.log2(math.e)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """What paged_attention launches for one set of shapes and bounds: the kernel and its merge, the grid, the
+    key splits and the launch's integer arguments. The same for every layer of a step, so it is planned once
+    (`_plan_attention` is cached) and each layer only launches."""
+
+    function: Any  # the attention kernel (its dynamic shared memory allowed)
+    merge: Any  # merge_partials of the element type
+    grid: tuple[int, int, int]
+    threads: int
+    shared_bytes: int
+    num_splits: int
+    sizes: tuple  # int32 (num_tokens, num_kv_heads, group, block_size, table width, partition, num_splits)
+    tail: tuple  # int32 (log2 of block_size or -1, window)
+    merge_rows: int  # T x H
+    merge_sizes: tuple  # int32 (num_splits, T x H, D)
+
+
+def clear_plans() -> None:
+    """Forget the cached attention plans: after a change to the kernels' sources or to the stage constants that
+    size their shared memory (benchmarks comparing variants in one process; with kernel_modules.clear_cache)."""
+    _plan_attention.cache_clear()
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_attention(q_shape, k_shape, v_shape, table_shape, num_seqs: int, num_starts: int, num_ordered,
+                    max_query_len: int, max_context_len: int, num_splits, window: int, kernel, suffix: str,
+                    fp8: bool) -> AttentionPlan | None:
+    """paged_attention's checks of shapes and bounds and its plan (None: nothing to compute, zeros)."""
+    num_tokens, num_heads, head_dim = q_shape
+    num_blocks, block_size, num_kv_heads, cache_dim = k_shape
+    _require(v_shape == k_shape, f"v_cache shape {v_shape} != k_cache shape {k_shape}")
+    _require(head_dim == cache_dim, f"q head dim {head_dim} != cache head dim {cache_dim}")
+    _require(head_dim in HEAD_DIMS, f"head dim {head_dim} not supported (kernels exist for {HEAD_DIMS})")
+    _require(num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    _require(table_shape[0] == num_seqs, f"block_tables has {table_shape[0]} rows for {num_seqs} sequences")
+    _require(num_starts == num_seqs + 1, f"query_start_loc must have {num_seqs + 1} entries, got {num_starts}")
+    _require(num_ordered is None or num_ordered == num_seqs,
+             f"launch_order must have {num_seqs} entries (one per sequence), got {num_ordered}")
+    _require(max_query_len >= 0 and max_context_len >= 0, "max_query_len / max_context_len must be >= 0")
+    _require(kernel is None or kernel in ATTENTION_KERNELS,
+             f"kernel must be None or one of {ATTENTION_KERNELS}, got {kernel!r}")
+    if num_seqs == 0 or num_tokens == 0 or max_query_len == 0:
+        return None
+    group = num_heads // num_kv_heads
+    kernel = kernel or choose_attention_kernel(max_query_len, group)
+    launch = _attention_launch(kernel, head_dim, max_query_len * group, suffix, fp8)
+    span = key_span(max_context_len, window, launch.rows_per_range)
+    if num_splits is None:
+        num_splits, partition = plan_splits(num_seqs * num_kv_heads * launch.row_tiles, span,
+                                            num_tokens * num_heads * head_dim * 4)
+    else:
+        partition = math.ceil(max(span, 1) / num_splits / KEYS_PER_ROUND) * KEYS_PER_ROUND
     heads_and_splits = num_kv_heads * num_splits
     grid = ((heads_and_splits, launch.row_tiles, num_seqs) if kernel == "prefill"
             else (launch.row_tiles, heads_and_splits, num_seqs))
     _require(grid[1] <= MAX_GRID_Y_TILES, f"{grid[1]} row tiles or kv heads x splits exceed the grid's y limit")
-    _shared_memory_kernel(launch.source, launch.name, launch.shared_bytes)(
-        grid, (launch.threads,),
-        (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
-         np.uint64(0) if launch_order is None else launch_order,  # a null pointer: index order
-         np.int32(num_tokens), np.int32(num_kv_heads), np.int32(group), np.int32(block_size),
-         np.int32(block_tables.shape[1]), np.int32(partition), np.int32(num_splits),
-         np.float32(scale * math.log2(math.e)),
-         np.int32(block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1),
-         np.int32(window), *((kv_scale,) if fp8 else ())), shared_mem=launch.shared_bytes)
-    if num_splits > 1:
-        _kernel("attention.cu", f"merge_partials_{suffix}")(
-            (num_tokens * num_heads,), (head_dim,),
-            (partial_o, partial_ml, out, np.int32(num_splits), np.int32(num_tokens * num_heads), np.int32(head_dim)))
-    return out
+    sizes = (num_tokens, num_kv_heads, group, block_size, table_shape[1], partition, num_splits)
+    shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+    return AttentionPlan(
+        function=_shared_memory_kernel(launch.source, launch.name, launch.shared_bytes),
+        merge=_kernel("attention.cu", f"merge_partials_{suffix}"), grid=grid, threads=launch.threads,
+        shared_bytes=launch.shared_bytes, num_splits=num_splits, sizes=tuple(np.int32(v) for v in sizes),
+        tail=(np.int32(shift), np.int32(window)), merge_rows=num_tokens * num_heads,
+        merge_sizes=(np.int32(num_splits), np.int32(num_tokens * num_heads), np.int32(head_dim)))
 
 
 def _zeroed(array):

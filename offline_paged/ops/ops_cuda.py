@@ -49,6 +49,7 @@ class CudaOps:
         self._kv_scale_buffers: dict[int, tuple[KvScales, cupy.ndarray]] = {}
         self._fp8_gemms: dict[int, object] = {}  # stream pointer -> the TunedGemm of eager FP8 products on it
         self._deferred: dict[int, tuple] = {}  # id(FP8 layer) -> (the layer, kept alive; its deferred twin)
+        self._split_meta = None  # (the AttentionMetadata, kept alive; its decode and rest parts): `_split`
 
     def quantize_linear(self, w) -> CudaFp8Linear:
         """w [out, in] (this backend's 16-bit dtype) -> its FP8 layer: e4m3, one scale per output channel."""
@@ -152,23 +153,33 @@ class CudaOps:
         out: a C-contiguous [T, H, D] array to write the result into (None: a new one)."""
         q = cupy.ascontiguousarray(q)
         kv_scale = self.kv_scale_buffer(kv_scales)
-        tables, lens, starts = _int32(meta.block_tables), _int32(meta.context_lens), _int32(meta.query_start_loc)
         window = int(sliding_window or 0)
         d = meta.num_leading_decodes
-        if 0 < d < lens.shape[0] and meta.launch_order is None and meta.max_query_len > 1:
+        if 0 < d < meta.context_lens.shape[0] and meta.launch_order is None and meta.max_query_len > 1:
             out = cupy.empty(q.shape, dtype=q.dtype) if out is None else out
-            launchers.paged_attention(q[:d], k_cache, v_cache, tables[:d], lens[:d], starts[:d + 1], 1,
-                                      int(meta.max_context_len), scale, window=window, zero_fill=False,
-                                      kv_scale=kv_scale, out=out[:d])
-            launchers.paged_attention(q[d:], k_cache, v_cache, tables[d:], lens[d:], starts[d:] - d,
-                                      int(meta.max_query_len), int(meta.max_context_len), scale,
-                                      window=window, zero_fill=meta.unqueried_rows, kv_scale=kv_scale, out=out[d:])
+            (tables, lens, starts), rest = self._split(meta)
+            launchers.paged_attention(q[:d], k_cache, v_cache, tables, lens, starts, 1, int(meta.max_context_len),
+                                      scale, window=window, zero_fill=False, kv_scale=kv_scale, out=out[:d])
+            tables, lens, starts = rest
+            launchers.paged_attention(q[d:], k_cache, v_cache, tables, lens, starts, int(meta.max_query_len),
+                                      int(meta.max_context_len), scale, window=window, zero_fill=meta.unqueried_rows,
+                                      kv_scale=kv_scale, out=out[d:])
             return out  # [T, H, D]
         return launchers.paged_attention(
-            q, k_cache, v_cache, tables, lens, starts, int(meta.max_query_len), int(meta.max_context_len), scale,
-            window=window, zero_fill=meta.unqueried_rows,
+            q, k_cache, v_cache, _int32(meta.block_tables), _int32(meta.context_lens), _int32(meta.query_start_loc),
+            int(meta.max_query_len), int(meta.max_context_len), scale, window=window, zero_fill=meta.unqueried_rows,
             launch_order=None if meta.launch_order is None else _int32(meta.launch_order), kv_scale=kv_scale,
             out=out)
+
+    def _split(self, meta: AttentionMetadata):
+        """((block tables, context lens, query_start_loc) of meta's d = num_leading_decodes decodes, the same of
+        the rest, its query_start_loc shifted to start at 0): made once per step (meta) for all its layers."""
+        if self._split_meta is None or self._split_meta[0] is not meta:
+            d = meta.num_leading_decodes
+            tables, lens = _int32(meta.block_tables), _int32(meta.context_lens)
+            starts = _int32(meta.query_start_loc)
+            self._split_meta = (meta, (tables[:d], lens[:d], starts[:d + 1]), (tables[d:], lens[d:], starts[d:] - d))
+        return self._split_meta[1:]
 
     def logits(self, hidden, lm_head):
         """hidden [K, E] @ lm_head [E, V] -> [K, V] float32: for fp16 and bf16 the GEMM writes its fp32
