@@ -38,9 +38,8 @@ import numpy as np
 from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.ops.cublaslt import TunedGemm
 from offline_paged.ops.graphs import gc_paused
+from offline_paged.worker.cuda_graph_runner import GRAPH_DTYPES
 from offline_paged.worker.graph_buckets import MIXED_BUCKETS, bucket_for
-
-GRAPH_DTYPES = ("float16", "bfloat16")
 
 
 @dataclass(slots=True)
