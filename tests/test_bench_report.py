@@ -88,3 +88,16 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "kv.png"
     plot_kv([_result("a", 7), _result("b", 8)], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_graph_steps_that_prefill_are_counted_apart():
+    """A graph step with more tokens than sequences prefilled (mixed-step graphs); a decode graph step has one
+    token per sequence; eager steps count in neither."""
+    r = _result("cuda", 4, device=True)
+    kinds = [(True, 5, 5), (True, 3, 40), (False, 2, 30), (True, 7, 7), (True, 1, 16)]  # (graph, seqs, tokens)
+    for step, (graph, seqs, tokens) in zip(r.steps, kinds):
+        step.cuda_graph, step.num_seqs, step.num_tokens = graph, seqs, tokens
+    r.steps = r.steps[:len(kinds)]
+    split = r.time_split()
+    assert split["num_cuda_graph_steps"] == 4 and split["num_prefill_graph_steps"] == 2
+    assert format_details(r)[4].startswith("per step (5 steps, 4 from CUDA graphs, 2 of them prefilling):")
