@@ -4,7 +4,8 @@
 #   ab:    1B bench, N requests (default 1024), mixed-step graphs on (a) / off (b: --mixed-graph-tokens 0),
 #          interleaved, for each admission batch in ADMISSIONS (default "1 default": one admits a prompt as soon as
 #          a slot frees, so many small prefilling steps; the other the engine's default batch); then per kind of
-#          prefilling step (graph or eager) the mean host launch (execute), device forward and step wall time.
+#          kind of step (decode graph, prefill graph, eager; the bench's step_kinds) the mean host launch (execute),
+#          device forward and step wall time.
 #   profile: cProfile of the main thread over one such bench (mixed-step graphs on, the first admission batch of
 #          ADMISSIONS): the runner's calls by cumulative time, then the top functions by own time.
 # Usage: OUT=/tmp/out [N=1024] [PRESET=llama-3.2-1b] [ADMISSIONS="1 default"] [REPEATS=1] \
@@ -25,24 +26,19 @@ if [ "$MODE" = ab ] || [ "$MODE" = all ]; then
     mkdir -p "$OUT/adm_$admission"
     echo "== admission batch $admission"
     OUT="$OUT/adm_$admission" PRESET=${PRESET:-llama-3.2-1b} B_FLAGS="--mixed-graph-tokens 0" REPEATS=${REPEATS:-1} \
-      EXTRA="--num-requests ${N:-1024} --json-steps $flag" BENCH_LIMIT=${BENCH_LIMIT:-150} bash scripts/device_ab.sh
+      EXTRA="--num-requests ${N:-1024} $flag" BENCH_LIMIT=${BENCH_LIMIT:-150} bash scripts/device_ab.sh
     tar xzf "$OUT/adm_$admission/ab_records.tgz" -C "$OUT/adm_$admission"
     python3 - "$OUT/adm_$admission" <<'PY'
-import json, pathlib, statistics, sys
+import json, pathlib, sys
 for path in sorted(pathlib.Path(sys.argv[1]).glob("ab_*.json")):
     try:
-        steps = json.loads(path.read_text().strip().splitlines()[-1])["runs"][0]["steps"]
+        kinds = json.loads(path.read_text().strip().splitlines()[-1])["runs"][0]["step_kinds"]
     except (ValueError, IndexError, KeyError):
         continue
-    for kind, chosen in (("prefill, graph", [s for s in steps if s["num_tokens"] > s["num_seqs"] and s["cuda_graph"]]),
-                         ("prefill, eager", [s for s in steps if s["num_tokens"] > s["num_seqs"] and not s["cuda_graph"]])):
-        if not chosen:
-            continue
-        mean = lambda key: 1e3 * statistics.mean(s[key] or 0.0 for s in chosen)  # noqa: E731
-        wall = mean("wall_s")
-        print(f"{path.stem:<8}{kind}: {len(chosen)} steps, {statistics.mean(s['num_tokens'] for s in chosen):.0f} tokens, "
-              f"wall {wall:.2f} ms, execute (host launch) {mean('execute_s'):.2f} ms, forward {mean('forward_s'):.2f} ms, "
-              f"host-only {(wall - mean('forward_s')) / wall:.0%}, idle before {mean('idle_before_s'):.3f} ms")
+    for kind, k in kinds.items():
+        print(f"{path.stem:<8}{kind}: {k['num_steps']} steps, {k['tokens']:.0f} tokens, wall {k['wall_ms']:.2f} ms, "
+              f"execute (host launch) {k['execute_ms']:.2f} ms, forward {k['forward_device_ms']:.2f} ms, "
+              f"host-only {k['host_only_share']:.0%}")
 PY
     rm -f "$OUT/adm_$admission"/ab_*.json "$OUT/adm_$admission"/ab_*.err
   done

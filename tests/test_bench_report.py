@@ -101,3 +101,18 @@ def test_graph_steps_that_prefill_are_counted_apart():
     split = r.time_split()
     assert split["num_cuda_graph_steps"] == 4 and split["num_prefill_graph_steps"] == 2
     assert format_details(r)[4].startswith("per step (5 steps, 4 from CUDA graphs, 2 of them prefilling):")
+    kinds = r.step_kinds()
+    assert {kind: k["num_steps"] for kind, k in kinds.items()} == {"decode graph": 2, "prefill graph": 2, "eager": 1}
+    prefill = [s for s in r.steps if s.cuda_graph and s.num_tokens > s.num_seqs]
+    assert kinds["prefill graph"]["tokens"] == 28
+    wall, forward = np.mean([s.wall_s for s in prefill]), np.mean([s.forward_s for s in prefill])
+    assert kinds["prefill graph"]["host_only_share"] == pytest.approx(1 - forward / wall)
+    assert kinds["prefill graph"]["execute_ms"] == pytest.approx(1e3 * np.mean([s.execute_s for s in prefill]))
+    assert any(line.startswith("steps by kind: decode graph 2 (") and "prefill graph 2 (28 tokens" in line
+               for line in format_details(r))
+
+
+def test_step_kinds_on_the_cpu_have_no_forward_and_print_no_line():
+    r = _result("cpu", 5)
+    assert set(r.step_kinds()) == {"eager"} and r.step_kinds()["eager"]["host_only_share"] is None
+    assert not any(line.startswith("steps by kind") for line in format_details(r))

@@ -356,6 +356,25 @@ class BenchResult:
         """Blocks held / pool, averaged over steps."""
         return float(np.mean([s.blocks_held / self.num_gpu_blocks for s in self.steps])) if self.steps else 0.0
 
+    def step_kinds(self) -> dict[str, dict]:
+        """Per kind of step: "decode graph" (one token per sequence, replayed), "prefill graph" (more tokens than
+        sequences, replayed piecewise) and "eager": how many, their mean tokens and mean ms of wall, host launch
+        (execute) and device forward, and the host-only share of their wall, 1 - forward / wall (forward None on
+        the CPU). Kinds without a step are left out."""
+        kinds: dict[str, list[StepRecord]] = {}
+        for s in self.steps:
+            kind = "eager" if not s.cuda_graph else "prefill graph" if s.num_tokens > s.num_seqs else "decode graph"
+            kinds.setdefault(kind, []).append(s)
+        result = {}
+        for kind, steps in kinds.items():
+            wall = float(np.mean([s.wall_s for s in steps]))
+            forward = None if steps[0].forward_s is None else float(np.mean([s.forward_s for s in steps]))
+            result[kind] = {"num_steps": len(steps), "tokens": float(np.mean([s.num_tokens for s in steps])),
+                            "wall_ms": 1e3 * wall, "execute_ms": 1e3 * float(np.mean([s.execute_s for s in steps])),
+                            "forward_device_ms": None if forward is None else 1e3 * forward,
+                            "host_only_share": None if forward is None or wall <= 0 else 1 - forward / wall}
+        return result
+
     def time_split(self) -> dict[str, float | None]:
         """Mean milliseconds per step: wall, schedule, execute, device forward, and the rest."""
         n = max(len(self.steps), 1)
@@ -402,7 +421,7 @@ class BenchResult:
             "peak_device_memory_bytes": self.peak_device_memory, "num_gpu_blocks": self.num_gpu_blocks,
             "max_model_len": self.max_model_len, "kv_utilization": self.kv_utilization,
             "kv_block_usage": self.kv_block_usage, "max_concurrent_seqs": self.max_concurrent_seqs,
-            "num_preemptions": self.num_preemptions, "time_split": self.time_split(),
+            "num_preemptions": self.num_preemptions, "time_split": self.time_split(), "step_kinds": self.step_kinds(),
             "roofline": self.roofline(), "mask_server": self.mask_server, "num_errors": len(self.errors),
             "errors": self.errors[:10],
         }

@@ -90,6 +90,8 @@ def format_details(r: BenchResult) -> list[str]:
         f"preemptions {r.num_preemptions}",
         _format_split(split) if r.steps else "per step: not recorded (the steps ran in worker processes)",
     ]
+    if r.steps and r.steps[0].forward_s is not None:  # measured on the device
+        out.append(_format_kinds(r.step_kinds()))
     if r.errors:
         out.append(f"{len(r.errors)} request(s) ended with an error (not counted in the tokens), first: {r.errors[0]}")
     roof = r.roofline()
@@ -114,6 +116,14 @@ def _format_split(split: dict) -> str:
     if split.get("device_idle_ms") is not None:
         text += f", device idle between forwards {split['device_idle_ms']:.3f} ms"
     return text
+
+
+def _format_kinds(kinds: dict) -> str:
+    parts = [f"{kind} {k['num_steps']} ({k['tokens']:.0f} tokens, wall {k['wall_ms']:.2f} ms, launch "
+             f"{k['execute_ms']:.2f}, forward {k['forward_device_ms']:.2f}, host-only "
+             + ("n/a" if k["host_only_share"] is None else f"{k['host_only_share']:.0%}") + ")"
+             for kind, k in kinds.items()]
+    return "steps by kind: " + "; ".join(parts)
 
 
 def plot_kv(results: list[BenchResult], path: str) -> None:
