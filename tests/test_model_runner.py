@@ -2,6 +2,7 @@
 and sampling follow the scheduled sequences."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -149,3 +150,41 @@ def test_token_window_reads_like_the_slice():
     assert len(window) == 5 and list(window) == ids[3:8] and window[-1] == 107 and window[1:3] == [104, 105]
     assert np.asarray(window, dtype=np.int64).tolist() == ids[3:8]
     assert list(_TokenWindow(ids, 4, 4)) == []
+
+
+class PaddedForward:
+    """A stand-in for MixedGraphs on the CPU (the real one needs CUDA; tests/test_mixed_graphs.py runs it): its
+    buckets are multiples of 8 tokens; `run` checks the padded inputs a bucket reads, then runs the model's eager
+    forward on the step's real rows."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.calls = []  # (num_tokens, size) of every run
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // 8) * 8
+
+    def run(self, batch, num_tokens: int, size: int):
+        assert batch.input_ids.shape == batch.positions.shape == batch.meta.slot_mapping.shape == (size,)
+        assert (batch.meta.slot_mapping[num_tokens:] == -1).all() and not batch.input_ids[num_tokens:].any()
+        assert batch.meta.query_start_loc[-1] == num_tokens  # the metadata is the real sequences'
+        self.calls.append((num_tokens, size))
+        meta = dataclasses.replace(batch.meta, slot_mapping=batch.meta.slot_mapping[:num_tokens])
+        return self.runner.model.forward(batch.input_ids[:num_tokens], batch.positions[:num_tokens],
+                                         self.runner.kv_cache, meta, batch.logits_indices)
+
+
+def test_prefilling_steps_go_through_the_mixed_graphs_padded_to_their_bucket():
+    """The runner hands a prefilling step to its mixed-step graphs with ids, positions and slots padded to the
+    bucket and the real metadata; the sampled tokens and the KV written equal the eager runner's."""
+    runners = [make_runner(), make_runner()]
+    graphs = runners[0].mixed_graphs = PaddedForward(runners[0])
+    outputs = []
+    for runner in runners:
+        items = [scheduled(range(10, 20), 0, 10, [4, 9, 2], seq_id=100),  # a 10-token prompt
+                 scheduled(range(30, 36), 5, 1, [6, 1], seq_id=101)]  # beside a decode
+        step = runner.execute(SchedulerOutput(items))
+        outputs.append(([r.samples for r in step], runner.kv_cache.copy()))
+    assert graphs.calls == [(11, 16)]
+    assert outputs[0][0] == outputs[1][0]
+    np.testing.assert_array_equal(outputs[0][1], outputs[1][1])
