@@ -119,3 +119,17 @@ def test_max_model_len_needs_room_for_a_prompt_token_and_one_more():
     for bad in (1, 0, -3):
         with pytest.raises(ValueError, match="max_model_len must be"):
             EngineConfig(max_model_len=bad)
+
+
+def test_mixed_graph_tokens_is_a_non_negative_integer_zero_meaning_off():
+    from click.testing import CliRunner
+
+    from offline_paged.cli.main import cli
+    from offline_paged.core.config import EngineConfig
+
+    assert EngineConfig().mixed_graph_tokens == 2048 and EngineConfig(mixed_graph_tokens=0).mixed_graph_tokens == 0
+    for bad in (-1, 2.5, "big", None):
+        with pytest.raises(ValueError, match="mixed_graph_tokens must be a non-negative integer"):
+            EngineConfig(mixed_graph_tokens=bad)
+    result = CliRunner().invoke(cli, ["generate", "--mixed-graph-tokens", "-5", "in.jsonl"])
+    assert result.exit_code == 2 and "--mixed-graph-tokens" in result.output
