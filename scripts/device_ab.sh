@@ -4,7 +4,8 @@
 # interleaved (a b a b ...), then one line per run and the ratio of the medians b / a.
 # Usage: OUT=/tmp/out PRESET=qwen3-0.6b FILE=offline_paged/ops/ops_cuda.py EDIT='s/old/new/' [REPEATS=2]
 #        [EXTRA="--dtype bfloat16"] [BENCH_LIMIT=120] scripts/device_ab.sh
-# Or b = the same tree with bench flags added: B_FLAGS="--mixed-graph-tokens 0" in place of FILE and EDIT.
+# Or b = the same tree with bench flags added: B_FLAGS="--mixed-graph-tokens 0" in place of FILE and EDIT (and
+# A_FLAGS for a's own, e.g. A_FLAGS="--mixed-graph-tokens 8192" B_FLAGS="--mixed-graph-tokens 2048").
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ab-out}
@@ -17,7 +18,7 @@ if [ -z "${B_FLAGS:-}" ]; then
 fi
 for i in $(seq ${REPEATS:-2}); do
   for side in a b; do
-    flags=""
+    flags=${A_FLAGS:-}
     if [ $side = b ]; then
       if [ -n "${B_FLAGS:-}" ]; then flags=$B_FLAGS; else cp /tmp/ab.edited "$FILE"; fi
     fi

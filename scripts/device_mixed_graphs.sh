@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Mixed-step CUDA graphs (offline_paged/worker/mixed_graphs.py, issue 23 item 1) on the device.
 #   tests: their GPU tests and the decode graphs' (-x, stops at the first failure)
-#   ab:    1B bench, N requests (default 1024), mixed-step graphs on (a) / off (b: --mixed-graph-tokens 0),
+#   ab:    1B bench, N requests (default 1024), mixed-step graphs on (a) / off (b: --mixed-graph-tokens 0; or
+#          A_FLAGS / B_FLAGS of your own, e.g. A_FLAGS="--mixed-graph-tokens 8192" B_FLAGS="--mixed-graph-tokens 2048"),
 #          interleaved, for each admission batch in ADMISSIONS (default "1 default": one admits a prompt as soon as
 #          a slot frees, so many small prefilling steps; the other the engine's default batch); then per kind of
 #          kind of step (decode graph, prefill graph, eager; the bench's step_kinds) the mean host launch (execute),
@@ -25,7 +26,8 @@ if [ "$MODE" = ab ] || [ "$MODE" = all ]; then
     flag=""; [ "$admission" != default ] && flag="--admission-batch $admission"
     mkdir -p "$OUT/adm_$admission"
     echo "== admission batch $admission"
-    OUT="$OUT/adm_$admission" PRESET=${PRESET:-llama-3.2-1b} B_FLAGS="--mixed-graph-tokens 0" REPEATS=${REPEATS:-1} \
+    OUT="$OUT/adm_$admission" PRESET=${PRESET:-llama-3.2-1b} A_FLAGS=${A_FLAGS:-} \
+      B_FLAGS=${B_FLAGS:---mixed-graph-tokens 0} REPEATS=${REPEATS:-1} \
       EXTRA="--num-requests ${N:-1024} $flag" BENCH_LIMIT=${BENCH_LIMIT:-150} bash scripts/device_ab.sh
     tar xzf "$OUT/adm_$admission/ab_records.tgz" -C "$OUT/adm_$admission"
     python3 - "$OUT/adm_$admission" <<'PY'
