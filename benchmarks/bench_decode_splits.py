@@ -96,6 +96,8 @@ def main() -> None:
     reference = None
     for variant in args.variants:
         modules.read_source = lambda name, v=variant: _patched(original(name), v)
+        for name in _STAGE_CONSTANTS:  # a variant's tuple may stop early: the rest keep the tree's values
+            setattr(launchers, name, stages[name])
         for name, value in zip(_STAGE_CONSTANTS, VARIANTS[variant][1]):
             setattr(launchers, name, value)
         modules.clear_cache()
@@ -137,7 +139,11 @@ _DECODE_FP8_CAP = "#define DECODE_FP8_D128_MIN_CTAS 4"
 _BIT_DEQUANT = ("#if __CUDA_ARCH__ >= 890", "#if 0")  # e4m3 -> fp16 by the bit path on every arch
 _PV_IN_T = ("struct PvElement<T, fp8_e4m3_t> {\n  using type = __half;",
             "struct PvElement<T, fp8_e4m3_t> {\n  using type = T;")
-_STAGE_CONSTANTS = ("DECODE_RING_STAGES", "DECODE_RING_STAGES_FP8", "PREFILL_RING_STAGES")
+_STAGE_CONSTANTS = ("DECODE_RING_STAGES", "DECODE_RING_STAGES_FP8", "PREFILL_RING_STAGES",
+                    "DECODE_RING_STAGES_DENSE", "FP8_WIDE_DECODE")
+_WIDE_OFF = ("constexpr int FP8_WIDE_DECODE = 1;", "constexpr int FP8_WIDE_DECODE = 0;")
+_QK_IN_T = ("#define FP8_QK_IN_HALF 1", "#define FP8_QK_IN_HALF 0")
+_DENSE = "constexpr int DECODE_RING_STAGES_DENSE = 3;"
 VARIANTS = {
     "default": ([], (3, 3, 2)),
     "decode2": ([(_DECODE, _DECODE.replace("3", "2"))], (2, 3, 2)),
@@ -167,6 +173,13 @@ VARIANTS = {
     "fp8bitdequant": ([_BIT_DEQUANT], (3, 3, 2)),
     "fp8pv_t": ([_PV_IN_T], (3, 3, 2)),
     "fp8before": ([_BIT_DEQUANT, _PV_IN_T, ("#define FP8_D64_MIN_CTAS 4", "#define FP8_D64_MIN_CTAS 1")], (3, 3, 2)),
+    # FP8 decode tiles (--kv-cache-dtype fp8): 8-byte loads in the 16-bit layout (the ring's too) as before
+    # 2026-12-04, with QK^T in T or in fp16; the dense ring of 16-byte copies with 4 or 6 slots.
+    "fp8narrow8": ([_WIDE_OFF, _QK_IN_T], (3, 3, 2, 3, 0)),
+    "fp8narrow8_qkhalf": ([_WIDE_OFF], (3, 3, 2, 3, 0)),
+    "fp8qk_t": ([_QK_IN_T], (3, 3, 2, 3, 1)),
+    "fp8dense4": ([(_DENSE, _DENSE.replace("3", "4"))], (3, 3, 2, 4, 1)),
+    "fp8dense6": ([(_DENSE, _DENSE.replace("3", "6"))], (3, 3, 2, 6, 1)),
     "fp8depth2": ([(_FP8_CAP, _FP8_CAP.replace("3", "1")),
                    ("constexpr bool PREFETCH_V = D == 64;", "constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;")],
                   (3, 3, 2)),

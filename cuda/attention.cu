@@ -66,6 +66,12 @@ constexpr int DECODE_RING_STAGES = 3;
 // (FP8_D128_MIN_CTAS; 167 registers, no spill, one chunk of keys ahead) beats 2 CTAs (0.216-0.217 against
 // 0.271 ms, or 0.253-0.255 with two chunks of K and V ahead). A 16-bit D = 128 kernel capped alike spills (0.43 ms).
 constexpr int DECODE_RING_STAGES_FP8 = 3;
+// The decode kernels (8-row tiles) over an FP8 cache load 16 bytes where a lane needs two 8-element pieces: the
+// head dims are permuted so that K's pieces c and c + 1 (and V's two at D = 128) are contiguous (key_dim,
+// value_dim), and the D = 64 ring holds the e4m3 bytes densely (stage_dense). 0: 8-byte loads in the 16-bit
+// layout, as the key-split and row-split tiles keep. launchers.py keeps a copy (the ring's size).
+constexpr int FP8_WIDE_DECODE = 1;
+constexpr int DECODE_RING_STAGES_DENSE = 3;  // slots of that dense ring (2 KiB a chunk where the 16-bit layout takes 4)
 #define FP8_D128_MIN_CTAS 3
 #define FP8_D64_MIN_CTAS 4  // the ring's 4 CTAs per SM (48 KiB of it each): at most 128 registers
 // The decode kernels (8-row tiles) need fewer registers: D = 128 fits 3 CTAs per SM in 16 bits (168 registers, no
@@ -169,6 +175,46 @@ struct PvElement<T, fp8_e4m3_t> {
   using type = __half;
 };
 
+// The element type of the QK^T product: T, or fp16 over an FP8 cache. K converts to fp16 by one instruction per
+// pair on sm_89+ where bf16 takes six, and Q (converted once per tile, saturated at +-65504) keeps its bf16 bits:
+// fp16's wider mantissa holds every bf16 value of fp16's range exactly.
+#define FP8_QK_IN_HALF 1
+template <typename T, typename C>
+struct QkElement {
+  using type = T;
+};
+#if FP8_QK_IN_HALF
+template <typename T>
+struct QkElement<T, fp8_e4m3_t> {
+  using type = __half;
+};
+#endif
+
+template <typename A, typename B>
+constexpr bool kSame = false;
+template <typename A>
+constexpr bool kSame<A, A> = true;
+
+// Eight T (a 16-byte load of q) as eight U: the same bits when U is T; bf16 -> fp16 saturated otherwise.
+template <typename U, typename T>
+__device__ __forceinline__ uint4 q_as(const uint4& x) {
+  if constexpr (kSame<U, T>) {
+    return x;
+  } else {
+    static_assert(kSame<U, __half> && kSame<T, bf16_t>, "q converts from bf16 to fp16 only");
+    uint4 r;
+    unsigned* out = reinterpret_cast<unsigned*>(&r);
+    const unsigned* in = reinterpret_cast<const unsigned*>(&x);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float lo = fminf(fmaxf(__uint_as_float(in[i] << 16), -65504.f), 65504.f);
+      const float hi = fminf(fmaxf(__uint_as_float(in[i] & 0xffff0000u), -65504.f), 65504.f);
+      out[i] = pack_float2<__half>(lo, hi);
+    }
+    return r;
+  }
+}
+
 // A loaded or staged piece (load_kv8, the ring) as 8 T, element i in half i: itself for a 16-bit cache.
 template <typename T, typename C>
 __device__ __forceinline__ uint4 as_elements(const uint4& piece) {
@@ -228,36 +274,68 @@ __device__ __forceinline__ size_t cache_offset(const Params<T, C>& P, const int*
   return (slot * P.num_kv_heads + kvh) * D;
 }
 
-// load_keys: n8 tile n of a chunk holds keys k0 + 8n + g (mma column g); lane (g, t) loads 16 bytes of
-// each 32-d slice (d = 32c + 8t ..), matching the Q permutation. Keys >= key_end load zeros.
-template <int D, typename T, typename C>
+// The first of the 8 consecutive head dims in lane t's K piece c (c < D / 32; Q is permuted alike): 32c + 8t, one
+// 16-byte load of a 16-bit cache per piece; WIDE (FP8 decode tiles): 64 (c / 2) + 16t + 8 (c % 2), so that pieces
+// 2i and 2i + 1 of an e4m3 cache are one 16-byte load.
+template <int D, bool WIDE>
+__device__ __forceinline__ int key_dim(int c, int t) {
+  return WIDE ? 64 * (c >> 1) + 16 * t + 8 * (c & 1) : 32 * c + 8 * t;
+}
+
+// The same for lane g's V piece c (c < D / 64; O's d follows it): 64c + 8g; WIDE at D = 128: 16g + 8c.
+template <int D, bool WIDE>
+__device__ __forceinline__ int value_dim(int c, int g) {
+  return WIDE && D == 128 ? 16 * g + 8 * c : 64 * c + 8 * g;
+}
+
+// Two e4m3 pieces of one 16-byte load, each as load_kv8 gives it.
+__device__ __forceinline__ void split_pieces(const uint4& raw, uint4& first, uint4& second) {
+  first = make_uint4(raw.x, raw.y, 0u, 0u);
+  second = make_uint4(raw.z, raw.w, 0u, 0u);
+}
+
+// load_keys: n8 tile n of a chunk holds keys k0 + 8n + g (mma column g); lane (g, t) loads the pieces of key_dim,
+// matching the Q permutation. Keys >= key_end load zeros.
+template <int D, bool WIDE, typename T, typename C>
 __device__ __forceinline__ void load_keys(const Params<T, C>& P, const int* table, long long base, int kvh, int k0,
                                           int key_lo, int key_end, int g, int t, uint4 (&kf)[2][D / 32]) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int p = k0 + 8 * n + g;
     const bool ok = p >= key_lo && p < key_end;
     const C* src = P.k_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
+    if constexpr (WIDE) {
 #pragma unroll
-    for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load_kv8(src + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
+      for (int c = 0; c < D / 32; c += 2) split_pieces(ok ? load16(src + key_dim<D, WIDE>(c, t)) : zero, kf[n][c],
+                                                       kf[n][c + 1]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) kf[n][c] = ok ? load_kv8(src + key_dim<D, WIDE>(c, t)) : zero;
+    }
   }
 }
 
 // load_values: the P.V product's k index is the key (lane t holds keys 2t, 2t+1, 8+2t, 9+2t of the chunk,
 // the order S's accumulators come in) and its n index is d, permuted so that in n8 tile j lane g holds
-// d = 64 (j / 8) + 8 g + j % 8: per key, lane g loads D / 64 contiguous 16-byte pieces.
+// d = value_dim(j / 8, g) + j % 8: per key, lane g loads D / 64 pieces (one 16-byte load of two when WIDE).
 // Keys outside [key_lo, key_end) load zeros: their probability is 0, and 0 * (garbage NaN) would poison
 // O; keys before key_lo (before the window) may sit in freed blocks and are never touched.
-template <int D, typename T, typename C>
+template <int D, bool WIDE, typename T, typename C>
 __device__ __forceinline__ void load_values(const Params<T, C>& P, const int* table, long long base, int kvh, int k0,
                                             int key_lo, int key_end, int g, int t, uint4 (&vf)[4][D / 64]) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int p = k0 + 2 * t + (e & 1) + 8 * (e >> 1);
     const bool ok = p >= key_lo && p < key_end;
     const C* src = P.v_cache + (ok ? cache_offset(P, table, base, k0, p, kvh, D) : 0);
+    if constexpr (WIDE && D == 128) {
+      split_pieces(ok ? load16(src + value_dim<D, WIDE>(0, g)) : zero, vf[e][0], vf[e][1]);
+    } else {
 #pragma unroll
-    for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load_kv8(src + 64 * c + 8 * g) : make_uint4(0, 0, 0, 0);
+      for (int c = 0; c < D / 64; ++c) vf[e][c] = ok ? load_kv8(src + value_dim<D, WIDE>(c, g)) : zero;
+    }
   }
 }
 
@@ -301,6 +379,58 @@ __device__ __forceinline__ void read_stage(const uint4* stage, int g, int t, uin
     const int key = 2 * t + (e & 1) + 8 * (e >> 1);
 #pragma unroll
     for (int c = 0; c < D / 64; ++c) vf[e][c] = vs[key * PIECES + ((8 * c + g) ^ swizzle(key))];
+  }
+}
+
+// The dense ring of the FP8 decode tiles at D = 64 (WIDE): a chunk's K then V, each 16 keys x 4 pairs of pieces
+// (16 bytes: 16 e4m3, head dims 16i .. 16i + 15), 8 pairs (2 keys) per 128-byte line. Pair `pair` of key `key` sits
+// at pair ((key & 1) * 4 + pair) ^ 2 (line & 3) of its line: the K reads (16 bytes, keys 8n + g, pair t) and the V
+// reads (8 bytes, keys 2t + const, piece g) then meet no bank conflict.
+__device__ __forceinline__ int dense_at(int key, int pair) {
+  const int line = key >> 1;
+  return line * 8 + ((((key & 1) << 2) | pair) ^ ((line & 3) << 1));
+}
+
+// stage_chunk for the dense ring: lane i copies pairs i and i + 32 of K and of V (16 bytes each).
+template <int D, typename T, typename C>
+__device__ __forceinline__ void stage_dense(const Params<T, C>& P, const int* table, int kvh, int k0, int key_lo,
+                                            int key_end, int lane, uint4* stage) {
+  static_assert(D == 64 && kIsFp8<C>, "the dense ring holds e4m3 chunks of head dim 64");
+  constexpr int PAIRS = D / 16;
+  const long long base = chunk_slot(P, table, k0, key_end);
+#pragma unroll
+  for (int j = 0; j < CHUNK * PAIRS / 32; ++j) {
+    const int i = lane + 32 * j, key = i / PAIRS, pair = i % PAIRS;
+    const int p = k0 + key;
+    const bool ok = p >= key_lo && p < key_end;
+    const size_t offset = ok ? cache_offset(P, table, base, k0, p, kvh, D) + 16 * pair : 0;
+    const int at = dense_at(key, pair);
+    cp_async16(stage + at, P.k_cache + offset, ok);
+    cp_async16(stage + CHUNK * PAIRS + at, P.v_cache + offset, ok);
+  }
+}
+
+// read_stage for the dense ring: the fragments of load_keys / load_values with WIDE at D = 64.
+__device__ __forceinline__ void read_dense(const uint4* stage, int g, int t, uint4 (&kf)[2][2], uint4 (&vf)[4][1]) {
+  constexpr int PAIRS = 4;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) split_pieces(stage[dense_at(8 * n + g, t)], kf[n][0], kf[n][1]);
+  const uint2* vs = reinterpret_cast<const uint2*>(stage + CHUNK * PAIRS);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const uint2 piece = vs[2 * dense_at(2 * t + (e & 1) + 8 * (e >> 1), g >> 1) + (g & 1)];
+    vf[e][0] = make_uint4(piece.x, piece.y, 0u, 0u);
+  }
+}
+
+// A chunk into a per-warp ring slot: the dense layout (DENSE) or the 16-bit one.
+template <bool DENSE, int D, typename T, typename C>
+__device__ __forceinline__ void stage(const Params<T, C>& P, const int* table, int kvh, int k0, int key_lo,
+                                      int key_end, int lane, uint4* slot) {
+  if constexpr (DENSE) {
+    stage_dense<D>(P, table, kvh, k0, key_lo, key_end, lane, slot);
+  } else {
+    stage_chunk<D>(P, table, kvh, k0, key_lo, key_end, lane, slot);
   }
 }
 
@@ -367,9 +497,10 @@ struct WideTile {
   // Head dim d is permuted within each 32-wide slice c so that lane (g, t) holds d = 32c + 8t .. 32c + 8t + 7
   // of its rows (one 16-byte load): k-step 2c takes halves 0-3, k-step 2c+1 halves 4-7. K's B fragments use
   // the same permutation, and a dot product does not care about the order of d.
-  template <typename T, typename C>
+  template <bool WIDE, typename T, typename C>  // (WIDE: the decode tiles' only)
   __device__ __forceinline__ void init(const Params<T, C>& P, int q_start, int kvh, int row0, int num_rows,
                                        int first_pos, int g, int t) {
+    static_assert(!WIDE, "16-row tiles load K/V in the 16-bit layout");
     const int H = P.num_kv_heads * P.group;
     const int row_lo = row0 + g, row_hi = row0 + g + 8;
     pos_lo = first_pos + row_lo / P.group;
@@ -379,9 +510,10 @@ struct WideTile {
     const bool valid_lo = row_lo < num_rows, valid_hi = row_hi < num_rows;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
+      using QK = typename QkElement<T, C>::type;
       const uint4 zero = make_uint4(0, 0, 0, 0);
-      const uint4 lo = valid_lo ? load16(q_lo + 32 * c + 8 * t) : zero;
-      const uint4 hi = valid_hi ? load16(q_hi + 32 * c + 8 * t) : zero;
+      const uint4 lo = valid_lo ? q_as<QK, T>(load16(q_lo + key_dim<D, false>(c, t))) : zero;
+      const uint4 hi = valid_hi ? q_as<QK, T>(load16(q_hi + key_dim<D, false>(c, t))) : zero;
       qa[2 * c][0] = lo.x; qa[2 * c][1] = hi.x; qa[2 * c][2] = lo.y; qa[2 * c][3] = hi.y;
       qa[2 * c + 1][0] = lo.z; qa[2 * c + 1][1] = hi.z; qa[2 * c + 1][2] = lo.w; qa[2 * c + 1][3] = hi.w;
     }
@@ -396,15 +528,16 @@ struct WideTile {
   __device__ __forceinline__ void consume(const Params<T, C>& P, const uint4 (&kf)[2][D / 32],
                                           const uint4 (&vf)[4][D / 64], int k0, int key_end, int window, int g,
                                           int t) {
+    using QK = typename QkElement<T, C>::type;
     float s[2][4];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
       for (int c = 0; c < D / 32; ++c) {
-        const uint4 k = as_elements<T, C>(kf[n][c]);
-        mma16816<T>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], k.x, k.y);
-        mma16816<T>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], k.z, k.w);
+        const uint4 k = as_elements<QK, C>(kf[n][c]);
+        mma16816<QK>(s[n], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], k.x, k.y);
+        mma16816<QK>(s[n], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], k.z, k.w);
       }
     }
     // Scale, causal mask (key position <= the row's query position), window mask and range mask.
@@ -459,6 +592,7 @@ struct WideTile {
   }
 
   // Each row's sum over its quad, then (max, sum, O) to this warp's part of shared memory, O in natural d order.
+  template <bool WIDE>
   __device__ __forceinline__ void stash(float* my_o, float* my_m, float* my_l, int g, int t) {
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -490,9 +624,10 @@ struct NarrowTile {
   float m0, m1, l0, l1;    // rows 2t and 2t + 1: max (log2 units) and this lane's part of the sum
   int pos0, pos1;          // their query positions
 
-  template <typename T, typename C>
+  template <bool WIDE, typename T, typename C>
   __device__ __forceinline__ void init(const Params<T, C>& P, int q_start, int kvh, int row0, int num_rows,
                                        int first_pos, int g, int t) {
+    using QK = typename QkElement<T, C>::type;
     const int H = P.num_kv_heads * P.group;
     const int row = row0 + g;
     pos0 = first_pos + (row0 + 2 * t) / P.group;
@@ -501,7 +636,7 @@ struct NarrowTile {
     const bool valid = row < num_rows;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
-      const uint4 x = valid ? load16(q + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
+      const uint4 x = valid ? q_as<QK, T>(load16(q + key_dim<D, WIDE>(c, t))) : make_uint4(0, 0, 0, 0);
       qb[2 * c][0] = x.x; qb[2 * c][1] = x.y; qb[2 * c + 1][0] = x.z; qb[2 * c + 1][1] = x.w;
     }
 #pragma unroll
@@ -517,12 +652,13 @@ struct NarrowTile {
   __device__ __forceinline__ void consume(const Params<T, C>& P, const uint4 (&kf)[2][D / 32],
                                           const uint4 (&vf)[4][D / 64], int k0, int key_end, int window, int g,
                                           int t) {
+    using QK = typename QkElement<T, C>::type;
     float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of mma, summed after
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
-      const uint4 lo = as_elements<T, C>(kf[0][c]), hi = as_elements<T, C>(kf[1][c]);
-      mma16816<T>(s, lo.x, hi.x, lo.y, hi.y, qb[2 * c][0], qb[2 * c][1]);
-      mma16816<T>(s_odd, lo.z, hi.z, lo.w, hi.w, qb[2 * c + 1][0], qb[2 * c + 1][1]);
+      const uint4 lo = as_elements<QK, C>(kf[0][c]), hi = as_elements<QK, C>(kf[1][c]);
+      mma16816<QK>(s, lo.x, hi.x, lo.y, hi.y, qb[2 * c][0], qb[2 * c][1]);
+      mma16816<QK>(s_odd, lo.z, hi.z, lo.w, hi.w, qb[2 * c + 1][0], qb[2 * c + 1][1]);
     }
     // s[e]: key k0 + g + 8 (e / 2), row 2t + e % 2. Scale, causal, window and range masks.
 #pragma unroll
@@ -568,6 +704,7 @@ struct NarrowTile {
   }
 
   // Each row's sum over g, then (max, sum, O) to this warp's part of shared memory, O in natural d order.
+  template <bool WIDE>
   __device__ __forceinline__ void stash(float* my_o, float* my_m, float* my_l, int g, int t) {
 #pragma unroll
     for (int lanes = 4; lanes < 32; lanes *= 2) {
@@ -579,7 +716,7 @@ struct NarrowTile {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = 2 * t + (e & 1);
-        const int d = 64 * (j / 4) + 8 * g + 2 * (j % 4) + (e >> 1);
+        const int d = value_dim<D, WIDE>(j / 4, g) + 2 * (j % 4) + (e >> 1);
         my_o[r * (D + PAD) + d] = o[j][e];
       }
     }
@@ -600,13 +737,17 @@ __device__ void attention_impl(const Params<T, C>& P) {
   // the launcher's ring_bytes), or registers. Decode (KEY_SPLIT) at D = 64: a ring per warp. ROW_SPLIT:
   // one ring per CTA, filled and read by its 4 warps together, so each chunk of K/V is read from memory
   // once per CTA instead of once per warp. D = 128 decode keeps the register pipeline.
+  // FP8 decode tiles: 16-byte loads of two pieces (key_dim, value_dim) and, in a ring, the dense layout.
+  constexpr bool WIDE = kIsFp8<C> && ROWS_T == 8 && FP8_WIDE_DECODE;
   constexpr int RING = ROW_SPLIT ? PREFILL_RING_STAGES
-                     : D == 64   ? (kIsFp8<C> ? DECODE_RING_STAGES_FP8 : DECODE_RING_STAGES)
+                     : D == 64   ? (WIDE ? DECODE_RING_STAGES_DENSE
+                                         : kIsFp8<C> ? DECODE_RING_STAGES_FP8 : DECODE_RING_STAGES)
                                  : 0;
   constexpr bool ASYNC = RING > 0;
   constexpr bool SHARED = ASYNC && ROW_SPLIT;
   constexpr int STAGES = ASYNC ? RING : 1;
-  constexpr int CHUNK_PIECES = 2 * CHUNK * D / 8;  // uint4 per staged chunk (K and V)
+  constexpr bool DENSE = WIDE && ASYNC && !SHARED;
+  constexpr int CHUNK_PIECES = (DENSE ? 1 : 2) * CHUNK * D / 8;  // uint4 per staged chunk (K and V)
   // [STAGES][WARPS][CHUNK_PIECES] (SHARED: slot s holds 4 consecutive chunks) or [WARPS][STAGES][...]
   extern __shared__ uint4 ring[];
   // After the key loop the ring is free: the async paths put the warps' O there instead.
@@ -653,7 +794,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
   const int* table = P.block_tables + (size_t)seq * P.max_blocks_per_seq;
 
   Tile st;
-  st.init(P, q_start, kvh, row0, num_rows, first_pos, g, t);
+  st.template init<WIDE>(P, q_start, kvh, row0, num_rows, first_pos, g, t);
   uint4 kf[2][D / 32], vf[4][D / 64];
   const int start_key = max(key_begin, range_lo & ~(CHUNK - 1));  // the chunk holding the window start
 
@@ -696,7 +837,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
     uint4* my_ring = ring + warp * STAGES * CHUNK_PIECES;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      stage_chunk<D>(P, table, kvh, first_key + s * stride, key_lo, key_end, lane, my_ring + s * CHUNK_PIECES);
+      stage<DENSE, D>(P, table, kvh, first_key + s * stride, key_lo, key_end, lane, my_ring + s * CHUNK_PIECES);
       cp_async_commit();
     }
     int slot = 0;
@@ -705,10 +846,14 @@ __device__ void attention_impl(const Params<T, C>& P) {
       // lane's copies visible and also means all lanes are done reading the slot refilled just below.
       cp_async_wait<STAGES - 2>();
       __syncwarp();
-      read_stage<D>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
+      if constexpr (DENSE) {
+        read_dense(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
+      } else {
+        read_stage<D>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
+      }
       const int refill = slot == 0 ? STAGES - 1 : slot - 1;  // the slot read last iteration
-      stage_chunk<D>(P, table, kvh, k0 + (STAGES - 1) * stride, key_lo, key_end, lane,
-                     my_ring + refill * CHUNK_PIECES);
+      stage<DENSE, D>(P, table, kvh, k0 + (STAGES - 1) * stride, key_lo, key_end, lane,
+                      my_ring + refill * CHUNK_PIECES);
       cp_async_commit();  // also when empty (past key_end): the group count stays one per chunk
       slot = slot == STAGES - 1 ? 0 : slot + 1;
       st.consume(P, kf, vf, k0, key_end, window, g, t);
@@ -724,20 +869,20 @@ __device__ void attention_impl(const Params<T, C>& P) {
     const int first_key = start_key + (ROW_SPLIT ? 0 : warp * CHUNK);
     uint4 ka[2][D / 32], va[4][D / 64];  // the chunk after the next (DEPTH 2)
     long long base = chunk_slot(P, table, first_key, key_end);
-    load_keys<D>(P, table, base, kvh, first_key, key_lo, key_end, g, t, kf);
-    if (PREFETCH_V) load_values<D>(P, table, base, kvh, first_key, key_lo, key_end, g, t, vf);
+    load_keys<D, WIDE>(P, table, base, kvh, first_key, key_lo, key_end, g, t, kf);
+    if (PREFETCH_V) load_values<D, WIDE>(P, table, base, kvh, first_key, key_lo, key_end, g, t, vf);
     if (DEPTH == 2) {
       const long long ahead = chunk_slot(P, table, first_key + stride, key_end);
-      load_keys<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, ka);
-      load_values<D>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, va);
+      load_keys<D, WIDE>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, ka);
+      load_values<D, WIDE>(P, table, ahead, kvh, first_key + stride, key_lo, key_end, g, t, va);
     }
     for (int k0 = first_key; k0 < key_end; k0 += stride) {
       uint4 kn[2][D / 32], vn[4][D / 64];
       const int next_key = k0 + DEPTH * stride;
       const long long next_base = chunk_slot(P, table, next_key, key_end);
-      if (!PREFETCH_V) load_values<D>(P, table, base, kvh, k0, key_lo, key_end, g, t, vf);
-      load_keys<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, kn);
-      if (PREFETCH_V) load_values<D>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, vn);
+      if (!PREFETCH_V) load_values<D, WIDE>(P, table, base, kvh, k0, key_lo, key_end, g, t, vf);
+      load_keys<D, WIDE>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, kn);
+      if (PREFETCH_V) load_values<D, WIDE>(P, table, next_base, kvh, next_key, key_lo, key_end, g, t, vn);
       st.consume(P, kf, vf, k0, key_end, window, g, t);
 #pragma unroll
       for (int n = 0; n < 2; ++n)
@@ -764,7 +909,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
   }
   if (!active) return;  // (after the CTA's last barrier)
   float* my_o = s_o + warp * ROWS_T * (D + PAD);
-  st.stash(my_o, s_m + warp * ROWS_T, s_l + warp * ROWS_T, g, t);
+  st.template stash<WIDE>(my_o, s_m + warp * ROWS_T, s_l + warp * ROWS_T, g, t);
   if (ROW_SPLIT) {
     __syncwarp();
     finish_rows<D, ROWS_T, T, C>(P, my_o, s_m + warp * ROWS_T, s_l + warp * ROWS_T, 1, lane, 32, row0, num_rows,

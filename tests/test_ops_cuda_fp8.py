@@ -153,10 +153,11 @@ def test_every_attention_kernel_matches_the_reference_on_an_fp8_pool(block_size,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel", [None, "decode", "keysplit", "rowsplit", "prefill"])
 @pytest.mark.parametrize("window", [20, 64, 200])
-def test_sliding_window_on_an_fp8_pool(window, kernel, dtype):
+@pytest.mark.parametrize("head_dim", [128, 64])  # the decode tiles' register path and their dense ring
+def test_sliding_window_on_an_fp8_pool(head_dim, window, kernel, dtype):
     """Blocks wholly before each sequence's first window point at a block of 448s (freed blocks)."""
     rng = np.random.default_rng(window)
-    case = make_paged_case(rng, [(1, 300), (150, 700), (40, 233), (1, 2100), (129, 129)], 16, 2, 128, 4,
+    case = make_paged_case(rng, [(1, 300), (150, 700), (40, 233), (1, 2100), (129, 129)], 16, 2, head_dim, 4,
                            spare_blocks=1, dtype=dtype)
     case = to_fp8_case(case)
     used = {int(b) for s, c in enumerate(case[4].tolist()) for b in case[3][s, :-(-c // 16)]}

@@ -82,6 +82,8 @@ WARPS = 4
 # Slots of attention.cu's cp.async rings (copies of its constants; 0: K/V through registers instead):
 DECODE_RING_STAGES = 3  # decode (key-split) CTAs at head dim 64, a ring per warp
 DECODE_RING_STAGES_FP8 = 3  # the same over an FP8 cache (its pieces fill half of each 16-byte slot)
+FP8_WIDE_DECODE = 1  # the 8-row decode tiles over an FP8 cache load 16 bytes; their D = 64 ring is dense:
+DECODE_RING_STAGES_DENSE = 3  # its slots (one byte per element)
 PREFILL_RING_STAGES = 2  # row-split CTAs, one ring shared by the 4 warps
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
 CHUNK_KEYS = KEYS_PER_ROUND // WARPS  # keys one warp consumes per step (attention.cu's CHUNK)
@@ -370,7 +372,7 @@ def _attention_launch(kernel: str, head_dim: int, max_rows: int, suffix: str, fp
     tiles = math.ceil(max_rows / tile_rows)
     shared_range = row_split and PREFILL_RING_STAGES > 0  # the CTA's 4 tiles read one key range
     return AttentionLaunch("attention.cu", f"paged_attention_d{head_dim}_{kernel}_{name_suffix}", WARPS * 32,
-                           ring_bytes(head_dim, row_split, fp8),
+                           ring_bytes(head_dim, row_split, fp8, narrow=kernel == "decode"),
                            math.ceil(tiles / WARPS) if row_split else tiles,
                            tile_rows * (WARPS if shared_range else 1))
 
@@ -380,13 +382,15 @@ def prefill_shared_bytes(head_dim: int) -> int:
     return PREFILL_STAGES * 2 * PREFILL_TILE_KEYS * head_dim * 2  # 2 bytes per element
 
 
-def ring_bytes(head_dim: int, row_split: bool, fp8: bool = False) -> int:
+def ring_bytes(head_dim: int, row_split: bool, fp8: bool = False, narrow: bool = False) -> int:
     """Dynamic shared memory of an attention.cu launch: the cp.async ring, WARPS x stages chunks of 16 keys
     of K and V, for row-split CTAs and for decode (key-split) CTAs at head dim 64 (fp8: over an FP8 cache,
-    whose ring keeps the 16-bit layout); 0 where the kernel keeps K/V in registers."""
-    decode_stages = DECODE_RING_STAGES_FP8 if fp8 else DECODE_RING_STAGES
+    whose ring keeps the 16-bit layout, except the dense ring of the 8-row `narrow` decode tiles); 0 where the
+    kernel keeps K/V in registers."""
+    dense = fp8 and narrow and FP8_WIDE_DECODE and not row_split
+    decode_stages = DECODE_RING_STAGES_DENSE if dense else DECODE_RING_STAGES_FP8 if fp8 else DECODE_RING_STAGES
     stages = PREFILL_RING_STAGES if row_split else decode_stages if head_dim == 64 else 0
-    return WARPS * stages * 2 * CHUNK_KEYS * head_dim * 2  # 2 bytes per element
+    return WARPS * stages * 2 * CHUNK_KEYS * head_dim * (1 if dense else 2)  # bytes per element
 
 
 def _shared_memory_kernel(source: str, name: str, shared_bytes: int):
