@@ -140,7 +140,8 @@ _BIT_DEQUANT = ("#if __CUDA_ARCH__ >= 890", "#if 0")  # e4m3 -> fp16 by the bit 
 _PV_IN_T = ("struct PvElement<T, fp8_e4m3_t> {\n  using type = __half;",
             "struct PvElement<T, fp8_e4m3_t> {\n  using type = T;")
 _STAGE_CONSTANTS = ("DECODE_RING_STAGES", "DECODE_RING_STAGES_FP8", "PREFILL_RING_STAGES",
-                    "DECODE_RING_STAGES_DENSE", "FP8_WIDE_DECODE")
+                    "DECODE_RING_STAGES_DENSE", "FP8_WIDE_DECODE", "FP8_DECODE_D128_RING")
+_D128_REGISTERS = ("constexpr int FP8_DECODE_D128_RING = 1;", "constexpr int FP8_DECODE_D128_RING = 0;")
 _WIDE_OFF = ("constexpr int FP8_WIDE_DECODE = 1;", "constexpr int FP8_WIDE_DECODE = 0;")
 _QK_IN_T = ("#define FP8_QK_IN_HALF 1", "#define FP8_QK_IN_HALF 0")
 _DENSE = "constexpr int DECODE_RING_STAGES_DENSE = 3;"
@@ -178,6 +179,7 @@ VARIANTS = {
     "fp8narrow8": ([_WIDE_OFF, _QK_IN_T], (3, 3, 2, 3, 0)),
     "fp8narrow8_qkhalf": ([_WIDE_OFF], (3, 3, 2, 3, 0)),
     "fp8qk_t": ([_QK_IN_T], (3, 3, 2, 3, 1)),
+    "fp8d128regs": ([_D128_REGISTERS], (3, 3, 2, 3, 1, 0)),  # D = 128 wide loads into registers, no ring
     "fp8dense4": ([(_DENSE, _DENSE.replace("3", "4"))], (3, 3, 2, 4, 1)),
     "fp8dense6": ([(_DENSE, _DENSE.replace("3", "6"))], (3, 3, 2, 6, 1)),
     "fp8depth2": ([(_FP8_CAP, _FP8_CAP.replace("3", "1")),

@@ -72,6 +72,7 @@ constexpr int DECODE_RING_STAGES_FP8 = 3;
 // layout, as the key-split and row-split tiles keep. launchers.py keeps a copy (the ring's size).
 constexpr int FP8_WIDE_DECODE = 1;
 constexpr int DECODE_RING_STAGES_DENSE = 3;  // slots of that dense ring (2 KiB a chunk where the 16-bit layout takes 4)
+constexpr int FP8_DECODE_D128_RING = 1;  // the FP8 decode tiles at D = 128 through a dense ring too (0: registers)
 #define FP8_D128_MIN_CTAS 3
 #define FP8_D64_MIN_CTAS 4  // the ring's 4 CTAs per SM (48 KiB of it each): at most 128 registers
 // The decode kernels (8-row tiles) need fewer registers: D = 128 fits 3 CTAs per SM in 16 bits (168 registers, no
@@ -382,20 +383,26 @@ __device__ __forceinline__ void read_stage(const uint4* stage, int g, int t, uin
   }
 }
 
-// The dense ring of the FP8 decode tiles at D = 64 (WIDE): a chunk's K then V, each 16 keys x 4 pairs of pieces
-// (16 bytes: 16 e4m3, head dims 16i .. 16i + 15), 8 pairs (2 keys) per 128-byte line. Pair `pair` of key `key` sits
-// at pair ((key & 1) * 4 + pair) ^ 2 (line & 3) of its line: the K reads (16 bytes, keys 8n + g, pair t) and the V
-// reads (8 bytes, keys 2t + const, piece g) then meet no bank conflict.
+// The dense ring of the FP8 decode tiles (WIDE): a chunk's K then V, each 16 keys x D / 16 pairs of pieces (16
+// bytes: 16 e4m3, head dims 16i .. 16i + 15). At D = 64, 8 pairs (2 keys) per 128-byte line: pair `pair` of key
+// `key` sits at pair ((key & 1) * 4 + pair) ^ 2 (line & 3) of its line. At D = 128 a key is a line: pair ^ 2 ((key >> 1)
+// & 3) ^ 4 (key & 1). Either way the K reads (16 bytes, keys 8n + g, pair key_dim / 16) and the V reads (keys 2t + const,
+// 8 bytes of piece g at D = 64, 16 bytes of pair g at D = 128) meet no bank conflict.
+template <int D>
 __device__ __forceinline__ int dense_at(int key, int pair) {
-  const int line = key >> 1;
-  return line * 8 + ((((key & 1) << 2) | pair) ^ ((line & 3) << 1));
+  if constexpr (D == 64) {
+    const int line = key >> 1;
+    return line * 8 + ((((key & 1) << 2) | pair) ^ ((line & 3) << 1));
+  } else {
+    return key * 8 + (pair ^ (((key >> 1) & 3) << 1) ^ ((key & 1) << 2));
+  }
 }
 
 // stage_chunk for the dense ring: lane i copies pairs i and i + 32 of K and of V (16 bytes each).
 template <int D, typename T, typename C>
 __device__ __forceinline__ void stage_dense(const Params<T, C>& P, const int* table, int kvh, int k0, int key_lo,
                                             int key_end, int lane, uint4* stage) {
-  static_assert(D == 64 && kIsFp8<C>, "the dense ring holds e4m3 chunks of head dim 64");
+  static_assert((D == 64 || D == 128) && kIsFp8<C>, "the dense ring holds e4m3 chunks of head dim 64 or 128");
   constexpr int PAIRS = D / 16;
   const long long base = chunk_slot(P, table, k0, key_end);
 #pragma unroll
@@ -404,22 +411,32 @@ __device__ __forceinline__ void stage_dense(const Params<T, C>& P, const int* ta
     const int p = k0 + key;
     const bool ok = p >= key_lo && p < key_end;
     const size_t offset = ok ? cache_offset(P, table, base, k0, p, kvh, D) + 16 * pair : 0;
-    const int at = dense_at(key, pair);
+    const int at = dense_at<D>(key, pair);
     cp_async16(stage + at, P.k_cache + offset, ok);
     cp_async16(stage + CHUNK * PAIRS + at, P.v_cache + offset, ok);
   }
 }
 
-// read_stage for the dense ring: the fragments of load_keys / load_values with WIDE at D = 64.
-__device__ __forceinline__ void read_dense(const uint4* stage, int g, int t, uint4 (&kf)[2][2], uint4 (&vf)[4][1]) {
-  constexpr int PAIRS = 4;
+// read_stage for the dense ring: the fragments of load_keys / load_values with WIDE.
+template <int D>
+__device__ __forceinline__ void read_dense(const uint4* stage, int g, int t, uint4 (&kf)[2][D / 32],
+                                           uint4 (&vf)[4][D / 64]) {
+  constexpr int PAIRS = D / 16;
 #pragma unroll
-  for (int n = 0; n < 2; ++n) split_pieces(stage[dense_at(8 * n + g, t)], kf[n][0], kf[n][1]);
-  const uint2* vs = reinterpret_cast<const uint2*>(stage + CHUNK * PAIRS);
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int c = 0; c < D / 32; c += 2)
+      split_pieces(stage[dense_at<D>(8 * n + g, key_dim<D, true>(c, t) / 16)], kf[n][c], kf[n][c + 1]);
+  const uint4* vs = stage + CHUNK * PAIRS;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const uint2 piece = vs[2 * dense_at(2 * t + (e & 1) + 8 * (e >> 1), g >> 1) + (g & 1)];
-    vf[e][0] = make_uint4(piece.x, piece.y, 0u, 0u);
+    const int key = 2 * t + (e & 1) + 8 * (e >> 1);
+    if constexpr (D == 64) {
+      const uint2 piece = reinterpret_cast<const uint2*>(vs)[2 * dense_at<D>(key, g >> 1) + (g & 1)];
+      vf[e][0] = make_uint4(piece.x, piece.y, 0u, 0u);
+    } else {
+      split_pieces(vs[dense_at<D>(key, value_dim<D, true>(0, g) / 16)], vf[e][0], vf[e][1]);
+    }
   }
 }
 
@@ -740,8 +757,8 @@ __device__ void attention_impl(const Params<T, C>& P) {
   // FP8 decode tiles: 16-byte loads of two pieces (key_dim, value_dim) and, in a ring, the dense layout.
   constexpr bool WIDE = kIsFp8<C> && ROWS_T == 8 && FP8_WIDE_DECODE;
   constexpr int RING = ROW_SPLIT ? PREFILL_RING_STAGES
-                     : D == 64   ? (WIDE ? DECODE_RING_STAGES_DENSE
-                                         : kIsFp8<C> ? DECODE_RING_STAGES_FP8 : DECODE_RING_STAGES)
+                     : WIDE      ? (D == 64 || FP8_DECODE_D128_RING ? DECODE_RING_STAGES_DENSE : 0)
+                     : D == 64   ? (kIsFp8<C> ? DECODE_RING_STAGES_FP8 : DECODE_RING_STAGES)
                                  : 0;
   constexpr bool ASYNC = RING > 0;
   constexpr bool SHARED = ASYNC && ROW_SPLIT;
@@ -847,7 +864,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
       cp_async_wait<STAGES - 2>();
       __syncwarp();
       if constexpr (DENSE) {
-        read_dense(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
+        read_dense<D>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
       } else {
         read_stage<D>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
       }

@@ -84,6 +84,7 @@ DECODE_RING_STAGES = 3  # decode (key-split) CTAs at head dim 64, a ring per war
 DECODE_RING_STAGES_FP8 = 3  # the same over an FP8 cache (its pieces fill half of each 16-byte slot)
 FP8_WIDE_DECODE = 1  # the 8-row decode tiles over an FP8 cache load 16 bytes; their D = 64 ring is dense:
 DECODE_RING_STAGES_DENSE = 3  # its slots (one byte per element)
+FP8_DECODE_D128_RING = 1  # the dense ring at head dim 128 too (0: registers there)
 PREFILL_RING_STAGES = 2  # row-split CTAs, one ring shared by the 4 warps
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
 CHUNK_KEYS = KEYS_PER_ROUND // WARPS  # keys one warp consumes per step (attention.cu's CHUNK)
@@ -389,7 +390,8 @@ def ring_bytes(head_dim: int, row_split: bool, fp8: bool = False, narrow: bool =
     kernel keeps K/V in registers."""
     dense = fp8 and narrow and FP8_WIDE_DECODE and not row_split
     decode_stages = DECODE_RING_STAGES_DENSE if dense else DECODE_RING_STAGES_FP8 if fp8 else DECODE_RING_STAGES
-    stages = PREFILL_RING_STAGES if row_split else decode_stages if head_dim == 64 else 0
+    ring_dims = (64, 128) if dense and FP8_DECODE_D128_RING else (64,)
+    stages = PREFILL_RING_STAGES if row_split else decode_stages if head_dim in ring_dims else 0
     return WARPS * stages * 2 * CHUNK_KEYS * head_dim * (1 if dense else 2)  # bytes per element
 
 
