@@ -68,10 +68,10 @@ constexpr int DECODE_RING_STAGES = 3;
 constexpr int DECODE_RING_STAGES_FP8 = 3;
 // The decode kernels (8-row tiles) over an FP8 cache load 16 bytes where a lane needs two 8-element pieces: the
 // head dims are permuted so that K's pieces c and c + 1 (and V's two at D = 128) are contiguous (key_dim,
-// value_dim), and the D = 64 ring holds the e4m3 bytes densely (stage_dense). 0: 8-byte loads in the 16-bit
+// value_dim), and their ring holds the e4m3 bytes densely (stage_chunk's DENSE). 0: 8-byte loads in the 16-bit
 // layout, as the key-split and row-split tiles keep. launchers.py keeps a copy (the ring's size).
 constexpr int FP8_WIDE_DECODE = 1;
-constexpr int DECODE_RING_STAGES_DENSE = 3;  // slots of that dense ring (2 KiB a chunk where the 16-bit layout takes 4)
+constexpr int DECODE_RING_STAGES_DENSE = 3;  // slots of that dense ring (half the bytes of a 16-bit layout's slot)
 constexpr int FP8_DECODE_D128_RING = 1;  // the FP8 decode tiles at D = 128 through a dense ring too (0: registers)
 #define FP8_D128_MIN_CTAS 3
 #define FP8_D64_MIN_CTAS 4  // the ring's 4 CTAs per SM (48 KiB of it each): at most 128 registers
@@ -346,25 +346,6 @@ __device__ __forceinline__ void load_values(const Params<T, C>& P, const int* ta
 // load_values), with no bank conflict.
 __device__ __forceinline__ int swizzle(int key) { return (((key >> 1) & 3) << 1) ^ ((key & 1) << 2); }
 
-// Request chunk k0's keys and values into `stage` (cp.async, not waited for). Lane i copies pieces
-// i, i + 32, ...: four consecutive keys per instruction at D = 64, each key's D elements contiguous.
-template <int D, typename T, typename C>
-__device__ __forceinline__ void stage_chunk(const Params<T, C>& P, const int* table, int kvh, int k0, int key_lo,
-                                            int key_end, int lane, uint4* stage) {
-  constexpr int PIECES = D / 8;
-  const long long base = chunk_slot(P, table, k0, key_end);
-#pragma unroll
-  for (int j = 0; j < CHUNK * PIECES / 32; ++j) {
-    const int i = lane + 32 * j, key = i / PIECES, col = i % PIECES;
-    const int p = k0 + key;
-    const bool ok = p >= key_lo && p < key_end;
-    const size_t offset = ok ? cache_offset(P, table, base, k0, p, kvh, D) + 8 * col : 0;
-    const int at = key * PIECES + (col ^ swizzle(key));
-    cp_async_kv(stage + at, P.k_cache + offset, ok);
-    cp_async_kv(stage + CHUNK * PIECES + at, P.v_cache + offset, ok);
-  }
-}
-
 // The same fragments load_keys / load_values take from global memory, from a staged chunk.
 template <int D>
 __device__ __forceinline__ void read_stage(const uint4* stage, int g, int t, uint4 (&kf)[2][D / 32],
@@ -385,9 +366,9 @@ __device__ __forceinline__ void read_stage(const uint4* stage, int g, int t, uin
 
 // The dense ring of the FP8 decode tiles (WIDE): a chunk's K then V, each 16 keys x D / 16 pairs of pieces (16
 // bytes: 16 e4m3, head dims 16i .. 16i + 15). At D = 64, 8 pairs (2 keys) per 128-byte line: pair `pair` of key
-// `key` sits at pair ((key & 1) * 4 + pair) ^ 2 (line & 3) of its line. At D = 128 a key is a line: pair ^ 2 ((key >> 1)
-// & 3) ^ 4 (key & 1). Either way the K reads (16 bytes, keys 8n + g, pair key_dim / 16) and the V reads (keys 2t + const,
-// 8 bytes of piece g at D = 64, 16 bytes of pair g at D = 128) meet no bank conflict.
+// `key` sits at pair ((key & 1) * 4 + pair) ^ 2 (line & 3) of its line. At D = 128 a key is a line, its pair at
+// pair ^ 2 ((key >> 1) & 3) ^ 4 (key & 1). Either way the K reads (16 bytes, keys 8n + g, pair key_dim / 16) and
+// the V reads (keys 2t + const, 8 bytes of piece g at D = 64, 16 bytes of pair g at D = 128) meet no bank conflict.
 template <int D>
 __device__ __forceinline__ int dense_at(int key, int pair) {
   if constexpr (D == 64) {
@@ -398,22 +379,30 @@ __device__ __forceinline__ int dense_at(int key, int pair) {
   }
 }
 
-// stage_chunk for the dense ring: lane i copies pairs i and i + 32 of K and of V (16 bytes each).
-template <int D, typename T, typename C>
-__device__ __forceinline__ void stage_dense(const Params<T, C>& P, const int* table, int kvh, int k0, int key_lo,
+// Request chunk k0's keys and values into `stage` (cp.async, not waited for), each key's D elements contiguous in
+// memory. Lane i copies pieces i, i + 32, ... (four consecutive keys per instruction at D = 64) of 8 elements into
+// the 16-bit layout (read_stage), or, DENSE, 16 e4m3 bytes at a time into the dense ring (dense_at, read_dense).
+template <int D, bool DENSE, typename T, typename C>
+__device__ __forceinline__ void stage_chunk(const Params<T, C>& P, const int* table, int kvh, int k0, int key_lo,
                                             int key_end, int lane, uint4* stage) {
-  static_assert((D == 64 || D == 128) && kIsFp8<C>, "the dense ring holds e4m3 chunks of head dim 64 or 128");
-  constexpr int PAIRS = D / 16;
+  static_assert(!DENSE || ((D == 64 || D == 128) && kIsFp8<C>), "the dense ring holds e4m3 chunks of D = 64 or 128");
+  constexpr int ELEMENTS = DENSE ? 16 : 8;  // cache elements a copy moves
+  constexpr int COPIES = D / ELEMENTS;      // per key
   const long long base = chunk_slot(P, table, k0, key_end);
 #pragma unroll
-  for (int j = 0; j < CHUNK * PAIRS / 32; ++j) {
-    const int i = lane + 32 * j, key = i / PAIRS, pair = i % PAIRS;
+  for (int j = 0; j < CHUNK * COPIES / 32; ++j) {
+    const int i = lane + 32 * j, key = i / COPIES, col = i % COPIES;
     const int p = k0 + key;
     const bool ok = p >= key_lo && p < key_end;
-    const size_t offset = ok ? cache_offset(P, table, base, k0, p, kvh, D) + 16 * pair : 0;
-    const int at = dense_at<D>(key, pair);
-    cp_async16(stage + at, P.k_cache + offset, ok);
-    cp_async16(stage + CHUNK * PAIRS + at, P.v_cache + offset, ok);
+    const size_t offset = ok ? cache_offset(P, table, base, k0, p, kvh, D) + ELEMENTS * col : 0;
+    const int at = DENSE ? dense_at<D>(key, col) : key * COPIES + (col ^ swizzle(key));
+    if constexpr (DENSE) {
+      cp_async16(stage + at, P.k_cache + offset, ok);
+      cp_async16(stage + CHUNK * COPIES + at, P.v_cache + offset, ok);
+    } else {
+      cp_async_kv(stage + at, P.k_cache + offset, ok);
+      cp_async_kv(stage + CHUNK * COPIES + at, P.v_cache + offset, ok);
+    }
   }
 }
 
@@ -437,17 +426,6 @@ __device__ __forceinline__ void read_dense(const uint4* stage, int g, int t, uin
     } else {
       split_pieces(vs[dense_at<D>(key, value_dim<D, true>(0, g) / 16)], vf[e][0], vf[e][1]);
     }
-  }
-}
-
-// A chunk into a per-warp ring slot: the dense layout (DENSE) or the 16-bit one.
-template <bool DENSE, int D, typename T, typename C>
-__device__ __forceinline__ void stage(const Params<T, C>& P, const int* table, int kvh, int k0, int key_lo,
-                                      int key_end, int lane, uint4* slot) {
-  if constexpr (DENSE) {
-    stage_dense<D>(P, table, kvh, k0, key_lo, key_end, lane, slot);
-  } else {
-    stage_chunk<D>(P, table, kvh, k0, key_lo, key_end, lane, slot);
   }
 }
 
@@ -823,8 +801,8 @@ __device__ void attention_impl(const Params<T, C>& P) {
     const int my_first = key_lo & ~(CHUNK - 1);  // this tile's first chunk with a key in its window
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      stage_chunk<D>(P, table, kvh, start_key + s * SLOT_KEYS + warp * CHUNK, range_lo, range_end, lane,
-                     ring + (s * WARPS + warp) * CHUNK_PIECES);
+      stage_chunk<D, false>(P, table, kvh, start_key + s * SLOT_KEYS + warp * CHUNK, range_lo, range_end, lane,
+                            ring + (s * WARPS + warp) * CHUNK_PIECES);
       cp_async_commit();
     }
     int slot = 0;
@@ -832,8 +810,8 @@ __device__ void attention_impl(const Params<T, C>& P) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
       const int refill = slot == 0 ? STAGES - 1 : slot - 1;
-      stage_chunk<D>(P, table, kvh, k_slot + (STAGES - 1) * SLOT_KEYS + warp * CHUNK, range_lo, range_end, lane,
-                     ring + (refill * WARPS + warp) * CHUNK_PIECES);
+      stage_chunk<D, false>(P, table, kvh, k_slot + (STAGES - 1) * SLOT_KEYS + warp * CHUNK, range_lo, range_end,
+                            lane, ring + (refill * WARPS + warp) * CHUNK_PIECES);
       cp_async_commit();  // also when empty (past range_end): the group count stays one per slot
       if (active) {
         for (int c = 0; c < WARPS; ++c) {
@@ -854,7 +832,7 @@ __device__ void attention_impl(const Params<T, C>& P) {
     uint4* my_ring = ring + warp * STAGES * CHUNK_PIECES;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      stage<DENSE, D>(P, table, kvh, first_key + s * stride, key_lo, key_end, lane, my_ring + s * CHUNK_PIECES);
+      stage_chunk<D, DENSE>(P, table, kvh, first_key + s * stride, key_lo, key_end, lane, my_ring + s * CHUNK_PIECES);
       cp_async_commit();
     }
     int slot = 0;
@@ -869,8 +847,8 @@ __device__ void attention_impl(const Params<T, C>& P) {
         read_stage<D>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
       }
       const int refill = slot == 0 ? STAGES - 1 : slot - 1;  // the slot read last iteration
-      stage<DENSE, D>(P, table, kvh, k0 + (STAGES - 1) * stride, key_lo, key_end, lane,
-                      my_ring + refill * CHUNK_PIECES);
+      stage_chunk<D, DENSE>(P, table, kvh, k0 + (STAGES - 1) * stride, key_lo, key_end, lane,
+                            my_ring + refill * CHUNK_PIECES);
       cp_async_commit();  // also when empty (past key_end): the group count stays one per chunk
       slot = slot == STAGES - 1 ? 0 : slot + 1;
       st.consume(P, kf, vf, k0, key_end, window, g, t);
