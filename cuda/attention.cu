@@ -4,9 +4,11 @@
 // bits of a bfloat16, converted with PTX cvt so that no cuda_bf16.h is needed at run time); the
 // tensor-core products take T operands and accumulate in fp32 either way.
 // FP8 KV cache (names ending _fp8; cache element C = fp8_e4m3_t, the pools uint8): K/V travel as raw e4m3
-// bytes, 8 bytes where a 16-bit cache moves 16 (registers, or the first half of each 16-byte ring piece),
-// and consume_chunk converts them to T exactly (cuda/fp8.cuh) where the products use them; k_scale is folded
-// into scale_log2 and v_scale multiplies O (finish_rows). The 16-bit kernels compile as before (C = T).
+// bytes, and the tiles' consume converts them exactly (cuda/fp8.cuh) to fp16 where the products use them (QK^T and
+// P.V run in fp16 over an FP8 cache); k_scale is folded into scale_log2 and v_scale multiplies O (finish_rows).
+// The decode tiles move 16 e4m3 bytes a load, through a dense ring (FP8_WIDE_DECODE); the key-split and row-split
+// tiles move 8 where a 16-bit cache moves 16 (the first half of each 16-byte ring piece). The 16-bit kernels
+// compile as before (C = T).
 //
 // Buffers (all contiguous, T unless said):
 //   q            [T, H, D]        query rows; sequence s owns rows query_start_loc[s] .. query_start_loc[s+1]-1
@@ -27,8 +29,8 @@
 // Two tile shapes (WideTile, NarrowTile): 16 rows as the M dimension of mma.m16n8k16 (S = Q K^T), or, for
 // the "decode" kernels, 8 rows as its N dimension (S^T = K Q^T, O^T += V^T P^T): one decode token's G <= 8
 // heads then fill the tile with half the products. K/V reach the mma fragments through a cp.async ring in
-// shared memory (decode at D = 64, and every ROW_SPLIT CTA) or straight from global memory into registers
-// (decode at D = 128); the head-dim permutations that make every lane load 16 contiguous bytes are explained
+// shared memory (decode at D = 64, decode over an FP8 cache, and every ROW_SPLIT CTA) or straight from global
+// memory into registers (16-bit decode at D = 128); the head-dim permutations that make every lane load 16 contiguous bytes are explained
 // at load_keys / load_values, and read_stage takes the same fragments from the ring.
 //
 // Grid: x = row tile (KEY_SPLIT, decode) or group of 4 row tiles (ROW_SPLIT), y = kv_head * num_splits + split,
@@ -731,7 +733,8 @@ __device__ void attention_impl(const Params<T, C>& P) {
   // Where K/V go on their way to the mma fragments: a cp.async ring in dynamic shared memory (sized by
   // the launcher's ring_bytes), or registers. Decode (KEY_SPLIT) at D = 64: a ring per warp. ROW_SPLIT:
   // one ring per CTA, filled and read by its 4 warps together, so each chunk of K/V is read from memory
-  // once per CTA instead of once per warp. D = 128 decode keeps the register pipeline.
+  // once per CTA instead of once per warp. 16-bit D = 128 decode keeps the register pipeline; FP8 decode tiles use
+  // the dense ring at both head dims (FP8_DECODE_D128_RING).
   // FP8 decode tiles: 16-byte loads of two pieces (key_dim, value_dim) and, in a ring, the dense layout.
   constexpr bool WIDE = kIsFp8<C> && ROWS_T == 8 && FP8_WIDE_DECODE;
   constexpr int RING = ROW_SPLIT ? PREFILL_RING_STAGES
