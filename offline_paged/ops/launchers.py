@@ -82,7 +82,7 @@ WARPS = 4
 # Slots of attention.cu's cp.async rings (copies of its constants; 0: K/V through registers instead):
 DECODE_RING_STAGES = 3  # decode (key-split) CTAs at head dim 64, a ring per warp
 DECODE_RING_STAGES_FP8 = 3  # the same over an FP8 cache (its pieces fill half of each 16-byte slot)
-FP8_WIDE_DECODE = 1  # the 8-row decode tiles over an FP8 cache load 16 bytes; their D = 64 ring is dense:
+FP8_WIDE_DECODE = 1  # the 8-row decode tiles over an FP8 cache load 16 bytes, through a dense ring:
 DECODE_RING_STAGES_DENSE = 3  # its slots (one byte per element)
 FP8_DECODE_D128_RING = 1  # the dense ring at head dim 128 too (0: registers there)
 PREFILL_RING_STAGES = 2  # row-split CTAs, one ring shared by the 4 warps
