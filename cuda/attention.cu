@@ -30,8 +30,9 @@
 // the "decode" kernels, 8 rows as its N dimension (S^T = K Q^T, O^T += V^T P^T): one decode token's G <= 8
 // heads then fill the tile with half the products. K/V reach the mma fragments through a cp.async ring in
 // shared memory (decode at D = 64, decode over an FP8 cache, and every ROW_SPLIT CTA) or straight from global
-// memory into registers (16-bit decode at D = 128); the head-dim permutations that make every lane load 16 contiguous bytes are explained
-// at load_keys / load_values, and read_stage takes the same fragments from the ring.
+// memory into registers (16-bit decode at D = 128); the head-dim permutations that make every lane load 16
+// contiguous bytes are explained at key_dim / value_dim, and read_stage / read_dense take the same fragments from
+// the rings.
 //
 // Grid: x = row tile (KEY_SPLIT, decode) or group of 4 row tiles (ROW_SPLIT), y = kv_head * num_splits + split,
 //       z = sequence (launch_order[z] when the caller gives an order, else z). Block: 128 threads = 4 warps.
