@@ -140,15 +140,11 @@ _BIT_DEQUANT = ("#if __CUDA_ARCH__ >= 890", "#if 0")  # e4m3 -> fp16 by the bit 
 _PV_IN_T = ("struct PvElement<T, fp8_e4m3_t> {\n  using type = __half;",
             "struct PvElement<T, fp8_e4m3_t> {\n  using type = T;")
 _STAGE_CONSTANTS = ("DECODE_RING_STAGES", "DECODE_RING_STAGES_FP8", "PREFILL_RING_STAGES",
-                    "DECODE_RING_STAGES_DENSE", "FP8_WIDE_DECODE", "FP8_DECODE_D128_RING",
-                    "DECODE_SLOT_CHUNKS", "DENSE_SLOT_CHUNKS_D64", "DENSE_SLOT_CHUNKS_D128")
+                    "DECODE_RING_STAGES_DENSE", "FP8_WIDE_DECODE", "FP8_DECODE_D128_RING")
 _D128_REGISTERS = ("constexpr int FP8_DECODE_D128_RING = 1;", "constexpr int FP8_DECODE_D128_RING = 0;")
 _WIDE_OFF = ("constexpr int FP8_WIDE_DECODE = 1;", "constexpr int FP8_WIDE_DECODE = 0;")
 _QK_IN_T = ("#define FP8_QK_IN_HALF 1", "#define FP8_QK_IN_HALF 0")
 _DENSE = "constexpr int DECODE_RING_STAGES_DENSE = 3;"
-_SLOT = "constexpr int DECODE_SLOT_CHUNKS = "
-_SLOT64 = "constexpr int DENSE_SLOT_CHUNKS_D64 = "
-_SLOT128 = "constexpr int DENSE_SLOT_CHUNKS_D128 = "
 VARIANTS = {
     "default": ([], (3, 3, 2)),
     "decode2": ([(_DECODE, _DECODE.replace("3", "2"))], (2, 3, 2)),
@@ -186,16 +182,6 @@ VARIANTS = {
     "fp8d128regs": ([_D128_REGISTERS], (3, 3, 2, 3, 1, 0)),  # D = 128 wide loads into registers, no ring
     "fp8dense4": ([(_DENSE, _DENSE.replace("3", "4"))], (3, 3, 2, 4, 1)),
     "fp8dense6": ([(_DENSE, _DENSE.replace("3", "6"))], (3, 3, 2, 6, 1)),
-    # Chunks per slot of the decode tiles' rings, each slot consumed with one softmax update (2026-12-04): the
-    # dense ring as before (one chunk a slot), one at D = 128 only, two slots of two chunks, four chunks at D = 64;
-    # the 16-bit ring with two.
-    "fp8slot1": ([(_SLOT64 + "2;", _SLOT64 + "1;"), (_SLOT128 + "2;", _SLOT128 + "1;")],
-                 (3, 3, 2, 3, 1, 1, 1, 1, 1)),
-    "fp8slot1_d128": ([(_SLOT128 + "2;", _SLOT128 + "1;")], (3, 3, 2, 3, 1, 1, 1, 2, 1)),
-    "fp8slot2_ring2": ([(_DENSE, _DENSE.replace("3", "2"))], (3, 3, 2, 2, 1, 1, 1, 2, 2)),
-    "fp8slot4": ([(_SLOT64 + "2;", _SLOT64 + "4;"), (_DENSE, _DENSE.replace("3", "2"))],
-                 (3, 3, 2, 2, 1, 1, 1, 4, 2)),
-    "slot2": ([(_SLOT + "1;", _SLOT + "2;")], (3, 3, 2, 3, 1, 1, 2, 2, 2)),
     "fp8depth2": ([(_FP8_CAP, _FP8_CAP.replace("3", "1")),
                    ("constexpr bool PREFETCH_V = D == 64;", "constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;")],
                   (3, 3, 2)),

@@ -31,7 +31,7 @@
 // heads then fill the tile with half the products. K/V reach the mma fragments through a cp.async ring in
 // shared memory (decode at D = 64, decode over an FP8 cache, and every ROW_SPLIT CTA) or straight from global
 // memory into registers (16-bit decode at D = 128); the head-dim permutations that make every lane load 16
-// contiguous bytes are explained at key_dim / value_dim, and read_keys / read_values take the same fragments from
+// contiguous bytes are explained at key_dim / value_dim, and read_stage / read_dense take the same fragments from
 // the rings.
 //
 // Grid: x = row tile (KEY_SPLIT, decode) or group of 4 row tiles (ROW_SPLIT), y = kv_head * num_splits + split,
@@ -63,7 +63,6 @@ constexpr int D64_PIPELINE_DEPTH = 2;  // register pipeline: chunks of K/V reque
 // dynamic shared memory. Measured on the H200 (benchmarks/NOTES.md): decode 3 slots (2 starve it, 4 cost
 // occupancy); row split 2 (3 slots of D = 128 chunks leave one CTA fewer per SM).
 constexpr int DECODE_RING_STAGES = 3;
-constexpr int DECODE_SLOT_CHUNKS = 1;  // 16-key chunks per slot of the 16-bit decode tiles' ring (see DENSE_SLOT_CHUNKS_D64)
 // Over an FP8 cache the decode kernels are bound by latency, not by bytes (half as many for the same work;
 // bench_decode_splits.py, H200): at D = 64 a deeper ring loses (4 slots 0.159, 5 slots 0.188 against 0.143 ms)
 // and registers are within noise of it (0.137-0.159); at D = 128 a register cap for 3 CTAs per SM
@@ -77,10 +76,6 @@ constexpr int DECODE_RING_STAGES_FP8 = 3;
 constexpr int FP8_WIDE_DECODE = 1;
 constexpr int DECODE_RING_STAGES_DENSE = 3;  // slots of that dense ring (half the bytes of a 16-bit layout's slot)
 constexpr int FP8_DECODE_D128_RING = 1;  // the FP8 decode tiles at D = 128 through a dense ring too (0: registers)
-// 16-key chunks in each slot of that dense ring, consumed with one softmax update (one max reduction, one rescale
-// of O, one ring wait for all of them). launchers.py keeps copies (the ring's size).
-constexpr int DENSE_SLOT_CHUNKS_D64 = 2;
-constexpr int DENSE_SLOT_CHUNKS_D128 = 2;
 #define FP8_D128_MIN_CTAS 3
 #define FP8_D64_MIN_CTAS 4  // the ring's 4 CTAs per SM (48 KiB of it each): at most 128 registers
 // The decode kernels (8-row tiles) need fewer registers: D = 128 fits 3 CTAs per SM in 16 bits (168 registers, no
@@ -354,6 +349,24 @@ __device__ __forceinline__ void load_values(const Params<T, C>& P, const int* ta
 // load_values), with no bank conflict.
 __device__ __forceinline__ int swizzle(int key) { return (((key >> 1) & 3) << 1) ^ ((key & 1) << 2); }
 
+// The same fragments load_keys / load_values take from global memory, from a staged chunk.
+template <int D>
+__device__ __forceinline__ void read_stage(const uint4* stage, int g, int t, uint4 (&kf)[2][D / 32],
+                                           uint4 (&vf)[4][D / 64]) {
+  constexpr int PIECES = D / 8;
+  const uint4* vs = stage + CHUNK * PIECES;
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) kf[n][c] = stage[(8 * n + g) * PIECES + ((4 * c + t) ^ swizzle(8 * n + g))];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int key = 2 * t + (e & 1) + 8 * (e >> 1);
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) vf[e][c] = vs[key * PIECES + ((8 * c + g) ^ swizzle(key))];
+  }
+}
+
 // The dense ring of the FP8 decode tiles (WIDE): a chunk's K then V, each 16 keys x D / 16 pairs of pieces (16
 // bytes: 16 e4m3, head dims 16i .. 16i + 15). At D = 64, 8 pairs (2 keys) per 128-byte line: pair `pair` of key
 // `key` sits at pair ((key & 1) * 4 + pair) ^ 2 (line & 3) of its line. At D = 128 a key is a line, its pair at
@@ -371,7 +384,7 @@ __device__ __forceinline__ int dense_at(int key, int pair) {
 
 // Request chunk k0's keys and values into `stage` (cp.async, not waited for), each key's D elements contiguous in
 // memory. Lane i copies pieces i, i + 32, ... (four consecutive keys per instruction at D = 64) of 8 elements into
-// the 16-bit layout, or, DENSE, 16 e4m3 bytes at a time into the dense ring (dense_at); read_keys / read_values read it.
+// the 16-bit layout (read_stage), or, DENSE, 16 e4m3 bytes at a time into the dense ring (dense_at, read_dense).
 template <int D, bool DENSE, typename T, typename C>
 __device__ __forceinline__ void stage_chunk(const Params<T, C>& P, const int* table, int kvh, int k0, int key_lo,
                                             int key_end, int lane, uint4* stage) {
@@ -396,37 +409,25 @@ __device__ __forceinline__ void stage_chunk(const Params<T, C>& P, const int* ta
   }
 }
 
-// The same fragments load_keys / load_values take from global memory, from a staged chunk: its K (read_keys) and
-// its V (read_values) in the 16-bit layout, or, DENSE, in the dense ring (dense_at).
-template <int D, bool DENSE>
-__device__ __forceinline__ void read_keys(const uint4* stage, int g, int t, uint4 (&kf)[2][D / 32]) {
+// read_stage for the dense ring: the fragments of load_keys / load_values with WIDE.
+template <int D>
+__device__ __forceinline__ void read_dense(const uint4* stage, int g, int t, uint4 (&kf)[2][D / 32],
+                                           uint4 (&vf)[4][D / 64]) {
+  constexpr int PAIRS = D / 16;
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    if constexpr (DENSE) {
+  for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int c = 0; c < D / 32; c += 2)
-        split_pieces(stage[dense_at<D>(8 * n + g, key_dim<D, true>(c, t) / 16)], kf[n][c], kf[n][c + 1]);
-    } else {
-#pragma unroll
-      for (int c = 0; c < D / 32; ++c) kf[n][c] = stage[(8 * n + g) * (D / 8) + ((4 * c + t) ^ swizzle(8 * n + g))];
-    }
-  }
-}
-
-template <int D, bool DENSE>
-__device__ __forceinline__ void read_values(const uint4* stage, int g, int t, uint4 (&vf)[4][D / 64]) {
-  const uint4* vs = stage + CHUNK * D / (DENSE ? 16 : 8);
+    for (int c = 0; c < D / 32; c += 2)
+      split_pieces(stage[dense_at<D>(8 * n + g, key_dim<D, true>(c, t) / 16)], kf[n][c], kf[n][c + 1]);
+  const uint4* vs = stage + CHUNK * PAIRS;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int key = 2 * t + (e & 1) + 8 * (e >> 1);
-    if constexpr (DENSE && D == 64) {
+    if constexpr (D == 64) {
       const uint2 piece = reinterpret_cast<const uint2*>(vs)[2 * dense_at<D>(key, g >> 1) + (g & 1)];
       vf[e][0] = make_uint4(piece.x, piece.y, 0u, 0u);
-    } else if constexpr (DENSE) {
-      split_pieces(vs[dense_at<D>(key, value_dim<D, true>(0, g) / 16)], vf[e][0], vf[e][1]);
     } else {
-#pragma unroll
-      for (int c = 0; c < D / 64; ++c) vf[e][c] = vs[key * (D / 8) + ((8 * c + g) ^ swizzle(key))];
+      split_pieces(vs[dense_at<D>(key, value_dim<D, true>(0, g) / 16)], vf[e][0], vf[e][1]);
     }
   }
 }
@@ -477,7 +478,7 @@ __device__ __forceinline__ unsigned transpose8x8(unsigned x) {
 }
 
 // A warp's row tile: its Q fragments, its online softmax (O, each row's running max and sum) and what one 16-key
-// chunk of K/V, already in fragments (load_keys / load_values / read_keys / read_values), does to them. Two shapes:
+// chunk of K/V, already in fragments (load_keys / load_values / read_stage), does to them. Two shapes:
 //   WideTile, 16 rows (keysplit, rowsplit): the rows are the M dimension of m16n8k16, S = Q K^T and O += P V.
 //   NarrowTile, 8 rows (decode): the rows are the N dimension, S^T = K Q^T and O^T += V^T P^T. A decode tile holds
 //     one token's G = 2..8 heads of a KV head; in M = 16 at least half of every product and of O's registers was
@@ -649,44 +650,22 @@ struct NarrowTile {
   __device__ __forceinline__ void consume(const Params<T, C>& P, const uint4 (&kf)[2][D / 32],
                                           const uint4 (&vf)[4][D / 64], int k0, int key_end, int window, int g,
                                           int t) {
-    float s[1][4];
-    scores(P, kf, k0, key_end, window, g, t, s[0]);
-    update<1>(s);
-    accumulate<T, C>(vf, s[0]);
-  }
-
-  // consume in three steps, so that one softmax update can cover several chunks (the decode loop's GROUP):
-  // scores gives chunk k0's scaled and masked S^T, s[e] for key k0 + g + 8 (e / 2) and row 2t + e % 2.
-  template <typename T, typename C>
-  __device__ __forceinline__ void scores(const Params<T, C>& P, const uint4 (&kf)[2][D / 32], int k0, int key_end,
-                                         int window, int g, int t, float (&s)[4]) const {
     using QK = typename QkElement<T, C>::type;
-    float s_odd[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of mma, summed after
-    s[0] = s[1] = s[2] = s[3] = 0.f;
+    float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of mma, summed after
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
       const uint4 lo = as_elements<QK, C>(kf[0][c]), hi = as_elements<QK, C>(kf[1][c]);
       mma16816<QK>(s, lo.x, hi.x, lo.y, hi.y, qb[2 * c][0], qb[2 * c][1]);
       mma16816<QK>(s_odd, lo.z, hi.z, lo.w, hi.w, qb[2 * c + 1][0], qb[2 * c + 1][1]);
     }
+    // s[e]: key k0 + g + 8 (e / 2), row 2t + e % 2. Scale, causal, window and range masks.
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int p = k0 + g + 8 * (e >> 1);
       const int pos = (e & 1) ? pos1 : pos0;
       s[e] = (p < key_end && p <= pos && p > pos - window) ? (s[e] + s_odd[e]) * P.scale_log2 : neg_inf();
     }
-  }
-
-  // The online softmax over N chunks' scores at once: one max over their keys, one rescale of O and the sums;
-  // s becomes the probabilities (un-normalised, relative to the new max).
-  template <int N>
-  __device__ __forceinline__ void update(float (&s)[N][4]) {
-    float mx0 = neg_inf(), mx1 = neg_inf();
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][2]));
-      mx1 = fmaxf(mx1, fmaxf(s[i][1], s[i][3]));
-    }
+    float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
 #pragma unroll
     for (int lanes = 4; lanes < 32; lanes *= 2) {  // over g: the lanes holding the column's other keys
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, lanes));
@@ -699,29 +678,15 @@ struct NarrowTile {
     const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
     m0 = new0;
     m1 = new1;
-    l0 *= alpha0;  // per-lane partial sums; summed over g in stash
-    l1 *= alpha1;
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      s[i][0] = exp2f(s[i][0] - base0);
-      s[i][1] = exp2f(s[i][1] - base1);
-      s[i][2] = exp2f(s[i][2] - base0);
-      s[i][3] = exp2f(s[i][3] - base1);
-      l0 = l0 + s[i][0] + s[i][2];
-      l1 = l1 + s[i][1] + s[i][3];
-    }
-#pragma unroll
-    for (int j = 0; j < D / 16; ++j) {
-      o[j][0] *= alpha0; o[j][1] *= alpha1; o[j][2] *= alpha0; o[j][3] *= alpha1;
-    }
-  }
-
-  // O^T += V^T P^T for one chunk's values and probabilities p (update's s).
-  template <typename T, typename C>
-  __device__ __forceinline__ void accumulate(const uint4 (&vf)[4][D / 64], const float (&p)[4]) {
+    s[0] = exp2f(s[0] - base0);
+    s[1] = exp2f(s[1] - base1);
+    s[2] = exp2f(s[2] - base0);
+    s[3] = exp2f(s[3] - base1);
+    l0 = l0 * alpha0 + s[0] + s[2];  // per-lane partial; summed over g in stash
+    l1 = l1 * alpha1 + s[1] + s[3];
     using TV = typename PvElement<T, C>::type;
-    const unsigned b0 = transpose8x8(pack_float2<TV>(p[0], p[1]));  // keys 2t, 2t + 1 of row g
-    const unsigned b1 = transpose8x8(pack_float2<TV>(p[2], p[3]));  // keys 2t + 8, 2t + 9
+    const unsigned b0 = transpose8x8(pack_float2<TV>(s[0], s[1]));  // keys 2t, 2t + 1 of row g
+    const unsigned b1 = transpose8x8(pack_float2<TV>(s[2], s[3]));  // keys 2t + 8, 2t + 9
     uint4 v[4][D / 64];  // the chunk's values as TV (an FP8 cache's converted here, after the softmax)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
@@ -730,6 +695,7 @@ struct NarrowTile {
 #pragma unroll
     for (int j = 0; j < D / 16; ++j) {
       const int c = j / 4, h = 2 * (j % 4);
+      o[j][0] *= alpha0; o[j][1] *= alpha1; o[j][2] *= alpha0; o[j][3] *= alpha1;
       mma16816<TV>(o[j], pair_halves(v[0][c], v[1][c], h), pair_halves(v[0][c], v[1][c], h + 1),
                    pair_halves(v[2][c], v[3][c], h), pair_halves(v[2][c], v[3][c], h + 1), b0, b1);
     }
@@ -781,17 +747,12 @@ __device__ void attention_impl(const Params<T, C>& P) {
   constexpr int STAGES = ASYNC ? RING : 1;
   constexpr bool DENSE = WIDE && ASYNC && !SHARED;
   constexpr int CHUNK_PIECES = (DENSE ? 1 : 2) * CHUNK * D / 8;  // uint4 per staged chunk (K and V)
-  // 16-key chunks per slot of a warp's ring (the decode tiles only): one softmax update covers them.
-  constexpr int GROUP = DENSE                          ? (D == 64 ? DENSE_SLOT_CHUNKS_D64 : DENSE_SLOT_CHUNKS_D128)
-                        : ASYNC && !SHARED && ROWS_T == 8 ? DECODE_SLOT_CHUNKS
-                                                          : 1;
-  constexpr int SLOT_PIECES = GROUP * CHUNK_PIECES;
-  // [STAGES][WARPS][CHUNK_PIECES] (SHARED: slot s holds 4 consecutive chunks) or [WARPS][STAGES][SLOT_PIECES]
+  // [STAGES][WARPS][CHUNK_PIECES] (SHARED: slot s holds 4 consecutive chunks) or [WARPS][STAGES][...]
   extern __shared__ uint4 ring[];
   // After the key loop the ring is free: the async paths put the warps' O there instead.
   __shared__ float s_o_static[ASYNC ? 1 : WARPS * ROWS_T * (D + PAD)];
   float* s_o = ASYNC ? reinterpret_cast<float*>(ring) : s_o_static;
-  static_assert(!ASYNC || (STAGES >= 2 && WARPS * STAGES * SLOT_PIECES * 16 >= WARPS * ROWS_T * (D + PAD) * 4),
+  static_assert(!ASYNC || (STAGES >= 2 && WARPS * STAGES * CHUNK_PIECES * 16 >= WARPS * ROWS_T * (D + PAD) * 4),
                 "the cp.async ring needs 2+ stages and must hold the warps' O");
   __shared__ float s_m[WARPS * ROWS_T];
   __shared__ float s_l[WARPS * ROWS_T];
@@ -861,58 +822,40 @@ __device__ void attention_impl(const Params<T, C>& P) {
           const int k0 = k_slot + c * CHUNK;
           if (k0 >= key_end) break;
           if (k0 < my_first) continue;
-          read_keys<D, false>(ring + (slot * WARPS + c) * CHUNK_PIECES, g, t, kf);
-          read_values<D, false>(ring + (slot * WARPS + c) * CHUNK_PIECES, g, t, vf);
+          read_stage<D>(ring + (slot * WARPS + c) * CHUNK_PIECES, g, t, kf, vf);
           st.consume(P, kf, vf, k0, key_end, window, g, t);
         }
       }
       slot = slot == STAGES - 1 ? 0 : slot + 1;
     }
   } else if constexpr (ASYNC) {
-    // A ring per warp: the 4 warps take interleaved groups of GROUP consecutive chunks, a slot each; STAGES - 1 of
-    // a warp's slots are in flight while it computes on one, and one softmax update covers a slot's keys.
-    const int stride = GROUP * CHUNK * WARPS;
-    const int first_key = start_key + warp * GROUP * CHUNK;
-    uint4* my_ring = ring + warp * STAGES * SLOT_PIECES;
-    // Request the GROUP chunks from k_slot into ring slot `slot`, as one cp.async group.
-    auto stage_slot = [&](int k_slot, int slot) {
+    // A ring per warp: the 4 warps take interleaved chunks; STAGES - 1 of a warp's chunks are in flight
+    // while it computes on one.
+    const int stride = CHUNK * WARPS;
+    const int first_key = start_key + warp * CHUNK;
+    uint4* my_ring = ring + warp * STAGES * CHUNK_PIECES;
 #pragma unroll
-      for (int c = 0; c < GROUP; ++c)
-        stage_chunk<D, DENSE>(P, table, kvh, k_slot + c * CHUNK, key_lo, key_end, lane,
-                              my_ring + slot * SLOT_PIECES + c * CHUNK_PIECES);
-      cp_async_commit();  // also when empty (past key_end): the group count stays one per slot
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) stage_slot(first_key + s * stride, s);
+    for (int s = 0; s < STAGES - 1; ++s) {
+      stage_chunk<D, DENSE>(P, table, kvh, first_key + s * stride, key_lo, key_end, lane, my_ring + s * CHUNK_PIECES);
+      cp_async_commit();
+    }
     int slot = 0;
     for (int k0 = first_key; k0 < key_end; k0 += stride) {
-      // Slot k0 has landed once at most STAGES - 2 newer groups are pending; the warp barrier makes every
+      // Chunk k0 has landed once at most STAGES - 2 newer groups are pending; the warp barrier makes every
       // lane's copies visible and also means all lanes are done reading the slot refilled just below.
       cp_async_wait<STAGES - 2>();
       __syncwarp();
-      const uint4* stage = my_ring + slot * SLOT_PIECES;
-      if constexpr (GROUP == 1) {
-        read_keys<D, DENSE>(stage, g, t, kf);
-        read_values<D, DENSE>(stage, g, t, vf);
-      }
-      stage_slot(k0 + (STAGES - 1) * stride, slot == 0 ? STAGES - 1 : slot - 1);  // the slot read last time
-      if constexpr (GROUP == 1) {
-        st.consume(P, kf, vf, k0, key_end, window, g, t);
+      if constexpr (DENSE) {
+        read_dense<D>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
       } else {
-        float s[GROUP][4];
-#pragma unroll
-        for (int c = 0; c < GROUP; ++c) {
-          read_keys<D, DENSE>(stage + c * CHUNK_PIECES, g, t, kf);
-          st.scores(P, kf, k0 + c * CHUNK, key_end, window, g, t, s[c]);
-        }
-        st.template update<GROUP>(s);
-#pragma unroll
-        for (int c = 0; c < GROUP; ++c) {
-          read_values<D, DENSE>(stage + c * CHUNK_PIECES, g, t, vf);
-          st.template accumulate<T, C>(vf, s[c]);
-        }
+        read_stage<D>(my_ring + slot * CHUNK_PIECES, g, t, kf, vf);
       }
+      const int refill = slot == 0 ? STAGES - 1 : slot - 1;  // the slot read last iteration
+      stage_chunk<D, DENSE>(P, table, kvh, k0 + (STAGES - 1) * stride, key_lo, key_end, lane,
+                            my_ring + refill * CHUNK_PIECES);
+      cp_async_commit();  // also when empty (past key_end): the group count stays one per chunk
       slot = slot == STAGES - 1 ? 0 : slot + 1;
+      st.consume(P, kf, vf, k0, key_end, window, g, t);
     }
   } else {
     // Register pipeline: the next chunk's keys (and, for D = 64 where registers allow, its values) are

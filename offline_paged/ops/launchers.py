@@ -85,10 +85,6 @@ DECODE_RING_STAGES_FP8 = 3  # the same over an FP8 cache (its pieces fill half o
 FP8_WIDE_DECODE = 1  # the 8-row decode tiles over an FP8 cache load 16 bytes, through a dense ring:
 DECODE_RING_STAGES_DENSE = 3  # its slots (one byte per element)
 FP8_DECODE_D128_RING = 1  # the dense ring at head dim 128 too (0: registers there)
-# 16-key chunks per slot of the 8-row decode tiles' rings (one softmax update covers a slot):
-DECODE_SLOT_CHUNKS = 1  # the 16-bit layout's
-DENSE_SLOT_CHUNKS_D64 = 2  # the dense ring's, at head dim 64
-DENSE_SLOT_CHUNKS_D128 = 2  # and at 128
 PREFILL_RING_STAGES = 2  # row-split CTAs, one ring shared by the 4 warps
 KEYS_PER_ROUND = 64  # keys the 4 warps of a CTA consume per round: partitions are multiples of this
 CHUNK_KEYS = KEYS_PER_ROUND // WARPS  # keys one warp consumes per step (attention.cu's CHUNK)
@@ -388,18 +384,15 @@ def prefill_shared_bytes(head_dim: int) -> int:
 
 
 def ring_bytes(head_dim: int, row_split: bool, fp8: bool = False, narrow: bool = False) -> int:
-    """Dynamic shared memory of an attention.cu launch: the cp.async ring, WARPS x stages slots of 16-key chunks
+    """Dynamic shared memory of an attention.cu launch: the cp.async ring, WARPS x stages chunks of 16 keys
     of K and V, for row-split CTAs and for decode (key-split) CTAs at head dim 64 (fp8: over an FP8 cache,
     whose ring keeps the 16-bit layout, except the dense ring of the 8-row `narrow` decode tiles); 0 where the
-    kernel keeps K/V in registers. A slot of the `narrow` tiles' ring holds several chunks (*_SLOT_CHUNKS)."""
+    kernel keeps K/V in registers."""
     dense = fp8 and narrow and FP8_WIDE_DECODE and not row_split
     decode_stages = DECODE_RING_STAGES_DENSE if dense else DECODE_RING_STAGES_FP8 if fp8 else DECODE_RING_STAGES
     ring_dims = (64, 128) if dense and FP8_DECODE_D128_RING else (64,)
     stages = PREFILL_RING_STAGES if row_split else decode_stages if head_dim in ring_dims else 0
-    chunks = (1 if row_split or not narrow
-              else (DENSE_SLOT_CHUNKS_D64 if head_dim == 64 else DENSE_SLOT_CHUNKS_D128) if dense
-              else DECODE_SLOT_CHUNKS)
-    return WARPS * stages * chunks * 2 * CHUNK_KEYS * head_dim * (1 if dense else 2)  # bytes per element
+    return WARPS * stages * 2 * CHUNK_KEYS * head_dim * (1 if dense else 2)  # bytes per element
 
 
 def _shared_memory_kernel(source: str, name: str, shared_bytes: int):
