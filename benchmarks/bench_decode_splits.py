@@ -145,6 +145,8 @@ _D128_REGISTERS = ("constexpr int FP8_DECODE_D128_RING = 1;", "constexpr int FP8
 _WIDE_OFF = ("constexpr int FP8_WIDE_DECODE = 1;", "constexpr int FP8_WIDE_DECODE = 0;")
 _QK_IN_T = ("#define FP8_QK_IN_HALF 1", "#define FP8_QK_IN_HALF 0")
 _DENSE = "constexpr int DECODE_RING_STAGES_DENSE = 3;"
+_DECODE_FP8_D64_CAP = "#define DECODE_FP8_D64_MIN_CTAS 4"
+_DECODE_D64_CAP = "#define DECODE_D64_MIN_CTAS 4"
 VARIANTS = {
     "default": ([], (3, 3, 2)),
     "decode2": ([(_DECODE, _DECODE.replace("3", "2"))], (2, 3, 2)),
@@ -182,6 +184,20 @@ VARIANTS = {
     "fp8d128regs": ([_D128_REGISTERS], (3, 3, 2, 3, 1, 0)),  # D = 128 wide loads into registers, no ring
     "fp8dense4": ([(_DENSE, _DENSE.replace("3", "4"))], (3, 3, 2, 4, 1)),
     "fp8dense6": ([(_DENSE, _DENSE.replace("3", "6"))], (3, 3, 2, 6, 1)),
+    # Occupancy of the decode tiles (2026-12-04): the dense FP8 ring at D = 64 is 24 KiB a CTA, so registers alone
+    # (102) held it to 4 CTAs per SM; capped for 5, 6, 7 CTAs (93, 80 registers without spills, 72 with 24 bytes).
+    # At D = 128 the ring (48 KiB) allows 4: two slots (32 KiB) with 4 or 5 CTAs (96 registers, 164 bytes spilled).
+    # The 16-bit D = 64 ring of two slots (32 KiB) with 5 or 6 CTAs (96 registers; 80 with 52 bytes spilled).
+    "fp8ctas5": ([(_DECODE_FP8_D64_CAP, _DECODE_FP8_D64_CAP[:-1] + "5")], (3, 3, 2)),
+    "fp8ctas6": ([(_DECODE_FP8_D64_CAP, _DECODE_FP8_D64_CAP[:-1] + "6")], (3, 3, 2)),
+    "fp8ctas7": ([(_DECODE_FP8_D64_CAP, _DECODE_FP8_D64_CAP[:-1] + "7")], (3, 3, 2)),
+    "fp8dense2": ([(_DENSE, _DENSE.replace("3", "2"))], (3, 3, 2, 2)),
+    "fp8dense2_d128ctas5": ([(_DENSE, _DENSE.replace("3", "2")),
+                            (_DECODE_FP8_CAP, _DECODE_FP8_CAP.replace("4", "5"))], (3, 3, 2, 2)),
+    "ring2_ctas5": ([(_DECODE, _DECODE.replace("3", "2")), (_DECODE_D64_CAP, _DECODE_D64_CAP[:-1] + "5")],
+                    (2, 3, 2)),
+    "ring2_ctas6": ([(_DECODE, _DECODE.replace("3", "2")), (_DECODE_D64_CAP, _DECODE_D64_CAP[:-1] + "6")],
+                    (2, 3, 2)),
     "fp8depth2": ([(_FP8_CAP, _FP8_CAP.replace("3", "1")),
                    ("constexpr bool PREFETCH_V = D == 64;", "constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;")],
                   (3, 3, 2)),
