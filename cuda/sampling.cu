@@ -50,9 +50,10 @@
 //
 // chosen_ids: out [R, 2] fp64 (race's output) -> token_ids [R] int32. One thread per row.
 //
-// race (eager: reads adjusted) and race_logits (the decode graph: reads float64(logits[rows[r]]) in place;
-// race_logits_masked with bitmask [R, W] applied as in top_cut_logits_masked: the masked graph's sampler, the
-// same tokens and raw logprobs as prepare_rows -> apply_token_bitmask -> top_cut -> race without the copy)
+// race (eager: reads adjusted) and race_part + race_merge (the decode graph's race_logits: reads
+// float64(logits[rows[r]]) in place; _masked with bitmask [R, W] applied as in top_cut_logits_masked: the masked
+// graph's sampler, the same tokens and raw logprobs as prepare_rows -> apply_token_bitmask -> top_cut -> race
+// without the copy)
 //   adjusted [R, V] fp64; cut [R] fp64 (-inf: no top-k / top-p); logits, rows as above
 //   params [R, 8] fp64: (temperature, min_p, greedy flag, unused...) ; seeds [R] uint64; positions [R] uint64
 //   out [R, 2] fp64 (out): (token id, raw logprob of that token, from the raw row's OnlineStats)
@@ -61,7 +62,9 @@
 //   u_i = ((splitmix64(seed * A + position * B + i) >> 11) + 0.5) * 2^-53 (random_stream.py).
 //   Rows without min-p find that argmax through an fp32 filter and an exact float64 check of the few
 //   entries it leaves (see race_impl); min-p rows run the float64 race over every entry.
-//   Grid: x = sampled row; block: 1024 threads striding over V.
+//   race: grid x = sampled row; block: 1024 threads striding over V. race_part: grid (RACE_SPLIT, R), the row's 1024
+//   threads in RACE_SPLIT blocks, writing partials [R, 1024, 2] fp32 (each thread's OnlineStats) and [R, RACE_SPLIT]
+//   (best key fp64, its index int32); race_merge: grid R, 1024 threads (and the min-p rows whole).
 
 #define BLOCK 1024
 #define WARPS (BLOCK / 32)
@@ -79,13 +82,15 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-// Block-wide reductions over BLOCK threads; every thread gets the result. `scratch` holds WARPS doubles.
+// Block-wide reductions over N threads (BLOCK unless said); every thread gets the result. `scratch` holds N / 32
+// doubles.
+template <int N = BLOCK>
 __device__ double block_max(double v, double* scratch) {
   v = warp_max(v);
   __syncthreads();
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
   __syncthreads();
-  v = threadIdx.x < WARPS ? scratch[threadIdx.x] : NEG_INF;
+  v = threadIdx.x < N / 32 ? scratch[threadIdx.x] : NEG_INF;
   if (threadIdx.x < 32) v = warp_max(v);
   if (threadIdx.x == 0) scratch[0] = v;
   __syncthreads();
@@ -109,16 +114,18 @@ __device__ __forceinline__ void better(double& s, int& i, double s2, int i2) {
   if (s2 > s || (s2 == s && i2 < i)) { s = s2; i = i2; }
 }
 
+// The block's (score, index) argmax: every thread gets the index, and the score in scratch[0].
+template <int N = BLOCK>
 __device__ int block_argmax(double s, int i, double* scratch, int* iscratch) {
   for (int o = 16; o > 0; o >>= 1) better(s, i, __shfl_xor_sync(0xffffffffu, s, o), __shfl_xor_sync(0xffffffffu, i, o));
   __syncthreads();
   if ((threadIdx.x & 31) == 0) { scratch[threadIdx.x >> 5] = s; iscratch[threadIdx.x >> 5] = i; }
   __syncthreads();
   if (threadIdx.x < 32) {
-    s = threadIdx.x < WARPS ? scratch[threadIdx.x] : NEG_INF;
-    i = threadIdx.x < WARPS ? iscratch[threadIdx.x] : 0x7fffffff;
+    s = threadIdx.x < N / 32 ? scratch[threadIdx.x] : NEG_INF;
+    i = threadIdx.x < N / 32 ? iscratch[threadIdx.x] : 0x7fffffff;
     for (int o = 16; o > 0; o >>= 1) better(s, i, __shfl_xor_sync(0xffffffffu, s, o), __shfl_xor_sync(0xffffffffu, i, o));
-    if (threadIdx.x == 0) iscratch[0] = i;
+    if (threadIdx.x == 0) { scratch[0] = s; iscratch[0] = i; }
   }
   __syncthreads();
   return iscratch[0];
@@ -141,18 +148,24 @@ struct OnlineStats {
   }
 };
 
-// f(x, i) for the entries i = threadIdx.x, + BLOCK, + 2 BLOCK, ... of a row of fp32 logits, in that order
-// (so per-thread sums are bit for bit those of a plain strided loop), with ROW_LOADS loads in flight per
-// thread: one at a time leaves the pass waiting on memory latency, not bandwidth.
+// f(x, i) for the entries i = v, v + BLOCK, v + 2 BLOCK, ... of a row of fp32 logits, in that order (so per-thread
+// sums are bit for bit those of a plain strided loop), with LOADS loads in flight per thread: one at a time leaves
+// the pass waiting on memory latency, not bandwidth. v: the thread's place among the row's BLOCK threads
+// (threadIdx.x, or, for a row split over several blocks, see race_part).
 constexpr int ROW_LOADS = 4;
-template <typename F>
-__device__ __forceinline__ void for_each_entry(const float* row, int vocab, F&& f) {
-  for (int i0 = threadIdx.x; i0 < vocab; i0 += ROW_LOADS * BLOCK) {
-    float x[ROW_LOADS];
+// The decode graph's race spreads each row over RACE_SPLIT blocks (race_part) with RACE_ROW_LOADS loads in flight per
+// thread: one block of BLOCK threads per row leaves most SMs idle below ~132 rows and runs two blocks' rows one after
+// the other above (bench_sampling.py). sampling_launcher keeps a copy of RACE_SPLIT (the partials' size).
+constexpr int RACE_SPLIT = 8;
+constexpr int RACE_ROW_LOADS = 8;
+template <int LOADS = ROW_LOADS, typename F>
+__device__ __forceinline__ void for_each_entry(const float* row, int vocab, F&& f, int v = threadIdx.x) {
+  for (int i0 = v; i0 < vocab; i0 += LOADS * BLOCK) {
+    float x[LOADS];
 #pragma unroll
-    for (int j = 0; j < ROW_LOADS; ++j) x[j] = i0 + j * BLOCK < vocab ? row[i0 + j * BLOCK] : 0.f;
+    for (int j = 0; j < LOADS; ++j) x[j] = i0 + j * BLOCK < vocab ? row[i0 + j * BLOCK] : 0.f;
 #pragma unroll
-    for (int j = 0; j < ROW_LOADS; ++j)
+    for (int j = 0; j < LOADS; ++j)
       if (i0 + j * BLOCK < vocab) f(x[j], i0 + j * BLOCK);
   }
 }
@@ -393,23 +406,39 @@ __device__ __forceinline__ double exact_key(double x, unsigned long long base, i
   return x - log(-log(uniform(base, (unsigned long long)i)));
 }
 
-// One sampled row per block. Greedy rows take the argmax; min-p rows run the exact race in float64 over
-// every entry; other rows run it through an fp32 filter:
+// One sampled row per block (SPLIT = 1) or per SPLIT blocks (race_part). Greedy rows take the argmax; min-p rows
+// run the exact race in float64 over every entry; other rows run it through an fp32 filter:
 //   score_i = y_i - log(-log u_i) in fp32 (y = x / T) for the kept entries (x / T >= cut), each thread
 //   keeping its best two. With M the block's best score and `band` larger than twice the fp32 error, every
-//   entry whose exact key can beat the exact winner has score >= M - band. If no thread's second best
-//   reaches M - band, those entries are the threads' bests, and only they get the exact float64 key;
-//   otherwise (rare) every entry does. Either way the token is the exact race's: argmax of the float64 key,
-//   the smaller index on equal keys.
+//   entry whose exact key can beat the exact winner has score >= M - band. A thread whose second best is below
+//   M - band holds at most one such entry, its best, which gets the exact float64 key; a thread with two or more
+//   (rare) scores its entries again and takes the exact key of every one within 2 band (a margin for the second
+//   pass's fp32 rounding). Either way the token is the exact race's: argmax of the float64 key, the smaller index
+//   on equal keys.
 // Also the raw row's (max, lse) (OnlineStats, as prepare_rows) for the sampled token's raw logprob.
-template <bool FROM_LOGITS, bool MASKED = false>
+// SPLIT > 1: the row's BLOCK threads are spread over SPLIT blocks of BLOCK / SPLIT (grid x = part, y = row), so
+// that a few rows still fill the GPU; thread v of the row (v = part * BLOCK / SPLIT + threadIdx.x) walks the same
+// entries as thread v of one block would. Each part applies the filter to its own entries with its own M: an entry
+// that can win has score >= the row's M - band >= the part's M - band, so the part's exact candidates include
+// every row-wide one. A part writes its threads' OnlineStats and its best (key, index) to Partials; race_merge
+// combines them (and runs min-p rows, which need the whole row's softmax, with SPLIT = 1).
+struct Partials {
+  float* stats;  // [R, BLOCK, 2]: each thread's OnlineStats (m, s)
+  double* key;   // [R, SPLIT]: each part's best exact key (or value, greedy rows)
+  int* index;    // [R, SPLIT]: and its index
+};
+
+template <bool FROM_LOGITS, bool MASKED = false, int SPLIT = 1>
 __device__ void race_impl(const double* adjusted, const double* cut, const float* logits, const int* rows,
                           const double* params, const unsigned long long* seeds,
                           const unsigned long long* positions, double* out, int vocab,
-                          const int* bitmask = nullptr, int words = 0) {
-  __shared__ double scratch[WARPS];
-  __shared__ int iscratch[WARPS];
-  const int r = blockIdx.x;
+                          const int* bitmask = nullptr, int words = 0, Partials part = {}) {
+  constexpr int N = BLOCK / SPLIT;  // threads of this block
+  constexpr int LOADS = SPLIT > 1 ? RACE_ROW_LOADS : ROW_LOADS;
+  __shared__ double scratch[N / 32];
+  __shared__ int iscratch[N / 32];
+  const int r = SPLIT > 1 ? blockIdx.y : blockIdx.x;
+  const int v = SPLIT > 1 ? blockIdx.x * N + threadIdx.x : threadIdx.x;  // this thread's place in the row
   const double* a = FROM_LOGITS ? nullptr : adjusted + (size_t)r * vocab;
   const float* raw = logits + (size_t)rows[r] * vocab;
   const int* mask = MASKED ? bitmask + (size_t)r * words : nullptr;
@@ -421,11 +450,12 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
   double best = NEG_INF;
   int best_i = 0x7fffffff;
   if (greedy) {
-    for_each_entry(raw, vocab, [&](float raw_x, int i) {
+    for_each_entry<LOADS>(raw, vocab, [&](float raw_x, int i) {
       stats.add(raw_x);
       better(best, best_i, MASKED && !allowed(mask, words, i) ? NEG_INF : (FROM_LOGITS ? (double)raw_x : a[i]), i);
-    });
+    }, v);
   } else if (min_p > 0.0) {
+    if constexpr (SPLIT > 1) return;  // (the whole block) race_merge runs the row
     for_each_entry(raw, vocab, [&](float raw_x, int) { stats.add(raw_x); });
     const double c = cut[r];
     // max and normaliser of the survivors of top-k / top-p (x >= c; -inf never survives)
@@ -462,14 +492,18 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
     const double c = cut[r];
     const float inv_t = (float)(1.0 / temperature), c32 = (float)c;
     const float margin = 1e-6f * fabsf(c32);  // around the cut, fp32 cannot decide: ask float64
+    // The fp32 filter's score of entry i, -inf where the cut or the mask drops it.
+    auto score_of = [&](float raw_x, int i) -> float {
+      const float y = MASKED && !allowed(mask, words, i) ? NEG_INF_F : (FROM_LOGITS ? raw_x : (float)a[i]) * inv_t;
+      if (!(y >= c32 - margin)) return NEG_INF_F;  // surely cut (or -inf / NaN)
+      if (y <= c32 + margin && !(__ddiv_rn(value(i), temperature) >= c)) return NEG_INF_F;
+      return y - log_exponential(stream_bits(base, (unsigned long long)i));
+    };
     float s1 = NEG_INF_F, s2 = NEG_INF_F;
     int i1 = -1;
-    for_each_entry(raw, vocab, [&](float raw_x, int i) {
+    for_each_entry<LOADS>(raw, vocab, [&](float raw_x, int i) {
       stats.add(raw_x);
-      const float y = MASKED && !allowed(mask, words, i) ? NEG_INF_F : (FROM_LOGITS ? raw_x : (float)a[i]) * inv_t;
-      if (!(y >= c32 - margin)) return;  // surely cut (or -inf / NaN)
-      if (y <= c32 + margin && !(__ddiv_rn(value(i), temperature) >= c)) return;
-      const float score = y - log_exponential(stream_bits(base, (unsigned long long)i));
+      const float score = score_of(raw_x, i);
       if (score > s1) {
         s2 = s1;
         s1 = score;
@@ -477,27 +511,70 @@ __device__ void race_impl(const double* adjusted, const double* cut, const float
       } else if (score > s2) {
         s2 = score;
       }
-    });
-    const double top = block_max((double)s1, scratch);
+    }, v);
+    const double top = block_max<N>((double)s1, scratch);
     const double band = 1e-2 + 1e-6 * (fabs(top) + 64.0);
-    const bool crowded = block_max(s2 >= top - band ? 1.0 : 0.0, scratch) > 0.0;
-    if (!crowded) {
-      if (i1 >= 0 && s1 >= top - band) {
-        const double x = __ddiv_rn(value(i1), temperature);
-        better(best, best_i, exact_key(x, base, i1), i1);
+    if (s2 >= top - band) {  // (rare) two or more of this thread's entries may win: score them all again
+      for (int i = v; i < vocab; i += BLOCK) {
+        const float score = score_of(raw[i], i);  // (a part of a row may keep no entry: top = -inf)
+        if (score > NEG_INF_F && score >= top - 2.0 * band) {
+          const double x = __ddiv_rn(value(i), temperature);
+          better(best, best_i, exact_key(x, base, i), i);
+        }
       }
-    } else {
-      for (int i = threadIdx.x; i < vocab; i += BLOCK) {
-        const double x = __ddiv_rn(value(i), temperature);
-        if (x >= c && x > NEG_INF) better(best, best_i, exact_key(x, base, i), i);
-      }
+    } else if (i1 >= 0 && s1 >= top - band) {
+      const double x = __ddiv_rn(value(i1), temperature);
+      better(best, best_i, exact_key(x, base, i1), i1);
     }
+  }
+  if constexpr (SPLIT > 1) {
+    float* mine = part.stats + ((size_t)r * BLOCK + v) * 2;
+    mine[0] = stats.m;
+    mine[1] = stats.s;
+    const int i = block_argmax<N>(best, best_i, scratch, iscratch);
+    if (threadIdx.x == 0) {
+      part.key[(size_t)r * SPLIT + blockIdx.x] = scratch[0];
+      part.index[(size_t)r * SPLIT + blockIdx.x] = i;
+    }
+    return;
   }
   double raw_max, raw_lse;
   block_stats(stats, scratch, raw_max, raw_lse);
   const int token = block_argmax(best, best_i, scratch, iscratch);
   if (threadIdx.x == 0) {
     const int safe = token < vocab ? token : 0;  // no kept token at all cannot happen (the max survives)
+    out[2 * r] = (double)safe;
+    out[2 * r + 1] = __dsub_rn(__dsub_rn((double)raw[safe], raw_max), raw_lse);
+  }
+}
+
+// The second half of a split race (one block of BLOCK threads per row): the row's (max, lse) from its threads'
+// OnlineStats, in block_stats' order (the bits prepare_rows and race give), and the argmax of the parts' bests.
+// Min-p rows, which race_part left alone, run here whole.
+template <bool MASKED>
+__device__ void race_merge_impl(const double* cut, const float* logits, const int* rows, const double* params,
+                                const unsigned long long* seeds, const unsigned long long* positions, double* out,
+                                int vocab, const int* bitmask, int words, Partials part) {
+  __shared__ double scratch[WARPS];
+  __shared__ int iscratch[WARPS];
+  const int r = blockIdx.x;
+  if (params[8 * r + 2] == 0.0 && params[8 * r + 1] > 0.0) {
+    race_impl<true, MASKED>(nullptr, cut, logits, rows, params, seeds, positions, out, vocab, bitmask, words);
+    return;
+  }
+  const float* mine = part.stats + ((size_t)r * BLOCK + threadIdx.x) * 2;
+  OnlineStats stats;
+  stats.m = mine[0];
+  stats.s = mine[1];
+  double raw_max, raw_lse;
+  block_stats(stats, scratch, raw_max, raw_lse);
+  const bool has_part = threadIdx.x < RACE_SPLIT;
+  const int token = block_argmax(has_part ? part.key[(size_t)r * RACE_SPLIT + threadIdx.x] : NEG_INF,
+                                 has_part ? part.index[(size_t)r * RACE_SPLIT + threadIdx.x] : 0x7fffffff, scratch,
+                                 iscratch);
+  if (threadIdx.x == 0) {
+    const float* raw = logits + (size_t)rows[r] * vocab;
+    const int safe = token < vocab ? token : 0;
     out[2 * r] = (double)safe;
     out[2 * r + 1] = __dsub_rn(__dsub_rn((double)raw[safe], raw_max), raw_lse);
   }
@@ -510,18 +587,37 @@ extern "C" __global__ void __launch_bounds__(BLOCK) race(const double* adjusted,
   race_impl<false>(adjusted, cut, logits, rows, params, seeds, positions, out, vocab);
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK) race_logits(const double* cut, const float* logits, const int* rows,
-                                                              const double* params, const unsigned long long* seeds,
-                                                              const unsigned long long* positions, double* out,
-                                                              int vocab) {
-  race_impl<true>(nullptr, cut, logits, rows, params, seeds, positions, out, vocab);
+// race_logits (the decode graph's sampler) in two launches: race_part (grid (RACE_SPLIT, R), BLOCK / RACE_SPLIT
+// threads) then race_merge (grid R, BLOCK threads), with Partials from the launcher; _masked with bitmask [R, W].
+extern "C" __global__ void __launch_bounds__(BLOCK / RACE_SPLIT) race_part(
+    const double* cut, const float* logits, const int* rows, const double* params, const unsigned long long* seeds,
+    const unsigned long long* positions, float* part_stats, double* part_key, int* part_index, int vocab) {
+  race_impl<true, false, RACE_SPLIT>(nullptr, cut, logits, rows, params, seeds, positions, nullptr, vocab, nullptr, 0,
+                                     Partials{part_stats, part_key, part_index});
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK) race_logits_masked(const double* cut, const float* logits,
-                                                                     const int* rows, const int* bitmask, int words,
-                                                                     const double* params,
-                                                                     const unsigned long long* seeds,
-                                                                     const unsigned long long* positions, double* out,
-                                                                     int vocab) {
-  race_impl<true, true>(nullptr, cut, logits, rows, params, seeds, positions, out, vocab, bitmask, words);
+extern "C" __global__ void __launch_bounds__(BLOCK / RACE_SPLIT) race_part_masked(
+    const double* cut, const float* logits, const int* rows, const int* bitmask, int words, const double* params,
+    const unsigned long long* seeds, const unsigned long long* positions, float* part_stats, double* part_key,
+    int* part_index, int vocab) {
+  race_impl<true, true, RACE_SPLIT>(nullptr, cut, logits, rows, params, seeds, positions, nullptr, vocab, bitmask,
+                                    words, Partials{part_stats, part_key, part_index});
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) race_merge(
+    const double* cut, const float* logits, const int* rows, const double* params, const unsigned long long* seeds,
+    const unsigned long long* positions, const float* part_stats, const double* part_key, const int* part_index,
+    double* out, int vocab) {
+  race_merge_impl<false>(cut, logits, rows, params, seeds, positions, out, vocab, nullptr, 0,
+                         Partials{const_cast<float*>(part_stats), const_cast<double*>(part_key),
+                                  const_cast<int*>(part_index)});
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) race_merge_masked(
+    const double* cut, const float* logits, const int* rows, const int* bitmask, int words, const double* params,
+    const unsigned long long* seeds, const unsigned long long* positions, const float* part_stats,
+    const double* part_key, const int* part_index, double* out, int vocab) {
+  race_merge_impl<true>(cut, logits, rows, params, seeds, positions, out, vocab, bitmask, words,
+                        Partials{const_cast<float*>(part_stats), const_cast<double*>(part_key),
+                                 const_cast<int*>(part_index)});
 }

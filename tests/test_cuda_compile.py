@@ -154,6 +154,13 @@ def test_launcher_constants_match_the_kernel(name):
     assert int(found.group(1)) == _python_constant(OPS_DIR / "launchers.py", name)
 
 
+def test_race_split_matches_the_kernel():
+    """race_logits sizes its grid and partials from its copy of sampling.cu's RACE_SPLIT (blocks per row)."""
+    found = re.search(r"constexpr int RACE_SPLIT = (\d+);", (CUDA_DIR / "sampling.cu").read_text(encoding="utf-8"))
+    assert found, "sampling.cu defines no constexpr int RACE_SPLIT"
+    assert int(found.group(1)) == _python_constant(OPS_DIR / "sampling_launcher.py", "RACE_SPLIT")
+
+
 @pytest.mark.parametrize("kernel_name,python_name", [("PREFILL_STAGES", "PREFILL_STAGES"),
                                                      ("TILE_ROWS", "PREFILL_TILE_ROWS"),
                                                      ("TILE_KEYS", "PREFILL_TILE_KEYS"),

@@ -132,8 +132,9 @@ def test_masked_logits_variants_equal_the_masked_float64_copy_bit_for_bit(vocab)
 def test_race_settles_near_ties_below_fp32_resolution_in_float64(same_thread, temperature):
     """Two finalists whose race keys x_i / T - log(-log u_i) differ by ~1e-6 (below what the fp32 filter
     resolves): the kernel must pick the float64 argmax. With same_thread both sit in one thread's strided
-    entries (i = j + 1024), which sends the row down the every-entry float64 path; otherwise each is its
-    thread's best and only the finalists are re-scored."""
+    entries (i = j + 1024), which sends that thread down the path that scores its entries again; otherwise each
+    is its thread's best and only the finalists are re-scored. The decode graph's race_logits spreads a row's
+    threads over several blocks; entries j and j + 1024 stay with one thread there too."""
     from offline_paged.ops import sampling_launcher as kernels
     from offline_paged.worker.random_stream import uniform
     from offline_paged.worker.sampling_rows import pack_params

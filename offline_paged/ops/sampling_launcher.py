@@ -18,11 +18,12 @@ SOURCE = "sampling.cu"
 KERNELS = (
     ("sampling.cu", "prepare_rows"), ("sampling.cu", "count_tokens"), ("sampling.cu", "apply_penalties"),
     ("sampling.cu", "ban_tokens"), ("sampling.cu", "top_cut"), ("sampling.cu", "top_cut_logits"),
-    ("sampling.cu", "race"), ("sampling.cu", "race_logits"), ("sampling.cu", "gather_row_params"),
-    ("sampling.cu", "chosen_ids"), ("sampling.cu", "apply_token_bitmask"),
-    ("sampling.cu", "top_cut_logits_masked"), ("sampling.cu", "race_logits_masked"),
+    ("sampling.cu", "race"), ("sampling.cu", "race_part"), ("sampling.cu", "race_merge"),
+    ("sampling.cu", "gather_row_params"), ("sampling.cu", "chosen_ids"), ("sampling.cu", "apply_token_bitmask"),
+    ("sampling.cu", "top_cut_logits_masked"), ("sampling.cu", "race_part_masked"), ("sampling.cu", "race_merge_masked"),
 )
 BLOCK = 1024  # threads per row block (sampling.cu's BLOCK)
+RACE_SPLIT = 8  # blocks per row of race_logits' first launch (sampling.cu's RACE_SPLIT)
 PARAMS_WIDTH = 8
 _GRID_STRIDE_BLOCKS = 256
 
@@ -182,18 +183,22 @@ def race(adjusted, cut, logits, rows, params, seeds, positions, out) -> None:
 
 def race_logits(cut, logits, rows, params, seeds, positions, out, bitmask=None) -> None:
     """`race` over the rows float64(logits[rows[r]]) read in place (the decode graph's sampler): the same
-    tokens and logprobs as `race` on a copy of those rows. bitmask [R, W] int32: as in top_cut_logits (the
-    same as `race` on a copy masked by apply_token_bitmask; the raw logprob stays the unmasked row's)."""
+    tokens and logprobs as `race` on a copy of those rows (each row over RACE_SPLIT blocks, then one block merges
+    them). bitmask [R, W] int32: as in top_cut_logits (the same as `race` on a copy masked by apply_token_bitmask;
+    the raw logprob stays the unmasked row's)."""
     _check("rows", rows, np.int32, (None,))
     num_rows = rows.shape[0]
     _check_race(num_rows, None, cut, logits, rows, params, seeds, positions, out)
     if not num_rows:
         return
-    if bitmask is None:
-        _kernel(SOURCE, "race_logits")((num_rows,), (BLOCK,), (cut, logits, rows, params, seeds, positions,
-                                                              out, np.int32(logits.shape[1])))
-        return
-    _check("bitmask", bitmask, np.int32, (num_rows, None))
-    _kernel(SOURCE, "race_logits_masked")((num_rows,), (BLOCK,), (cut, logits, rows, bitmask,
-                                                                 np.int32(bitmask.shape[1]), params, seeds,
-                                                                 positions, out, np.int32(logits.shape[1])))
+    vocab = np.int32(logits.shape[1])
+    part_stats = cupy.empty((num_rows, BLOCK, 2), dtype=cupy.float32)  # each row thread's (max, sum)
+    part_key = cupy.empty((num_rows, RACE_SPLIT), dtype=cupy.float64)  # each part's best key
+    part_index = cupy.empty((num_rows, RACE_SPLIT), dtype=cupy.int32)  # and its token
+    head, tail = (cut, logits, rows), (params, seeds, positions, part_stats, part_key, part_index)
+    if bitmask is not None:
+        _check("bitmask", bitmask, np.int32, (num_rows, None))
+        head = (*head, bitmask, np.int32(bitmask.shape[1]))
+    suffix = "" if bitmask is None else "_masked"
+    _kernel(SOURCE, "race_part" + suffix)((RACE_SPLIT, num_rows), (BLOCK // RACE_SPLIT,), (*head, *tail, vocab))
+    _kernel(SOURCE, "race_merge" + suffix)((num_rows,), (BLOCK,), (*head, *tail, out, vocab))
