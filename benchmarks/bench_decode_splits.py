@@ -95,7 +95,7 @@ def main() -> None:
     stages = {name: getattr(launchers, name) for name in _STAGE_CONSTANTS}
     reference = None
     for variant in args.variants:
-        modules.read_source = lambda name, v=variant: _patched(original(name), v)
+        modules.read_source = lambda name, v=variant: modules.replaced(original(name), VARIANTS[v][0], v)
         for name in _STAGE_CONSTANTS:  # a variant's tuple may stop early: the rest keep the tree's values
             setattr(launchers, name, stages[name])
         for name, value in zip(_STAGE_CONSTANTS, VARIANTS[variant][1]):
@@ -207,14 +207,6 @@ VARIANTS = {
 def random_e4m3(n: int):
     """n random e4m3fn bytes of magnitude below 2 (the exponent's top bit cleared, which also rules out NaN)."""
     return (cupy.random.randint(0, 256, n, dtype=cupy.int32) & 0xBF).astype(cupy.uint8)
-
-
-def _patched(source: str, variant: str) -> str:
-    for old, new in VARIANTS[variant][0]:
-        if old not in source:
-            raise ValueError(f"variant {variant}: {old!r} not in the source")
-        source = source.replace(old, new)
-    return source
 
 
 if __name__ == "__main__":

@@ -113,8 +113,9 @@ def main() -> None:
             row_split = launchers.paged_attention(*call, kernel="rowsplit").astype(cupy.float32)
             rs_ms = event_ms(lambda: launchers.paged_attention(*call, kernel="rowsplit"), args.repeats)
             for variant in args.variants:
-                modules.read_source = lambda name, v=variant: _patched(original(name), v) \
-                    if name == "prefill_attention.cu" else original(name)
+                modules.read_source = lambda name, v=variant: (
+                    modules.replaced(original(name), VARIANTS[v][0], v) if name == "prefill_attention.cu"
+                    else original(name))
                 launchers.PREFILL_STAGES = VARIANTS[variant][1]
                 modules.clear_cache()
                 launchers.clear_plans()
@@ -131,13 +132,6 @@ def main() -> None:
         print(f"{shape_name:>6}{dtype_name:>6}{variant:>13}{fa_ms:>12.3f}{flops / fa_ms / 1e9:>9.1f}{rs_ms:>13.3f}"
               f"{flops / rs_ms / 1e9:>9.1f}{rs_ms / fa_ms:>7.2f}{rel:>15.2e}")
 
-
-def _patched(source: str, variant: str) -> str:
-    for old, new in VARIANTS[variant][0]:
-        if old not in source:
-            raise ValueError(f"variant {variant}: {old!r} not in prefill_attention.cu")
-        source = source.replace(old, new)
-    return source
 
 if __name__ == "__main__":
     main()

@@ -28,6 +28,16 @@ def read_source(filename: str) -> str:
     return inline_headers(source_path(filename).read_text(encoding="utf-8"))
 
 
+def replaced(source: str, patches, name: str) -> str:
+    """`source` with each (old, new) of `patches` replaced: a source variant of a kernel bench (`name` says which);
+    an `old` the source does not contain raises ValueError, so a variant cannot silently stop applying."""
+    for old, new in patches:
+        if old not in source:
+            raise ValueError(f"variant {name}: {old!r} not in the source")
+        source = source.replace(old, new)
+    return source
+
+
 def inline_headers(text: str) -> str:
     """CUDA C `text` with its `#include "x.cuh"` lines replaced by those headers of offline_paged.kernels."""
     return _LOCAL_INCLUDE.sub(lambda m: source_path(m.group(1)).read_text(encoding="utf-8"), text)
