@@ -363,7 +363,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--graphs", action="store_true", help="time the CUDA-graph decode path's host part")
-    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile by own time")
+    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile by own time (env PROFILE_SORT, PROFILE_TOP: "
+                        "another pstats order, more lines)")
     parser.add_argument("--sync", action="store_true",
                         help="the synchronous loop (the CPU engine's default); by default the engine schedules "
                              "asynchronously, as on the GPU (decode inputs pending, results processed a step late)")
@@ -394,7 +395,7 @@ def main() -> None:
                           for steps, totals in runs)
         print(f"{label:<31}{statistics.median(per_step):8.3f} ms")
     if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(int(os.environ.get("PROFILE_TOP", "25")))
 
 
 if __name__ == "__main__":
