@@ -363,8 +363,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--graphs", action="store_true", help="time the CUDA-graph decode path's host part")
-    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile by own time (env PROFILE_SORT, PROFILE_TOP: "
-                        "another pstats order, more lines)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the top of a cProfile by own time (env PROFILE_SORT, PROFILE_TOP: another pstats "
+                             "order, more lines)")
     parser.add_argument("--sync", action="store_true",
                         help="the synchronous loop (the CPU engine's default); by default the engine schedules "
                              "asynchronously, as on the GPU (decode inputs pending, results processed a step late)")
