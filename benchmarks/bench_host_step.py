@@ -396,7 +396,8 @@ def main() -> None:
                           for steps, totals in runs)
         print(f"{label:<31}{statistics.median(per_step):8.3f} ms")
     if profiler:
-        pstats.Stats(profiler).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(int(os.environ.get("PROFILE_TOP", "25")))
+        order, lines = os.environ.get("PROFILE_SORT", "tottime"), int(os.environ.get("PROFILE_TOP", "25"))
+        pstats.Stats(profiler).sort_stats(order).print_stats(lines)
 
 
 if __name__ == "__main__":
