@@ -10,6 +10,8 @@ or a block wholly before a sliding window) fails loudly.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -139,6 +141,32 @@ def test_forced_key_splits_merge_exactly(kernel, num_splits, head_dim, dtype):
     case = make_paged_case(rng, [(1, 700), (1, 5), (3, 300), (1, 64)], 16, 2, head_dim, 4, dtype=dtype)
     out, ref = run_attention(case, num_splits=num_splits, kernel=kernel)
     assert_close(out, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("num_seqs", [8, 16, 32, 48])
+def test_decode_tiles_split_for_two_ctas_per_sm_and_other_kernels_for_four(num_seqs):
+    """A decode step of num_seqs sequences (8 KV heads, 1,900 keys) plans its key splits for 2 CTAs per SM
+    (the H200 sweep: more over-splits the decode tiles); the key-split kernel on the same step still for 4."""
+    sms, hkv, keys = launchers._num_sms(), 8, 1900
+
+    def planned(kernel):
+        q_shape = (num_seqs, 4 * hkv, 128)
+        plan = launchers._plan_attention(q_shape, (4000, 16, hkv, 128), (4000, 16, hkv, 128), (num_seqs, 119),
+                                         num_seqs, num_seqs + 1, None, 1, keys, None, 0, kernel, "f16", False)
+        return plan.num_splits
+
+    def expected(ctas_per_sm):
+        ctas = num_seqs * hkv
+        if ctas >= ctas_per_sm * sms:
+            return 1
+        splits = min(math.ceil(ctas_per_sm * sms / ctas), math.ceil(keys / launchers.MIN_PARTITION))
+        partition = math.ceil(keys / splits / launchers.KEYS_PER_ROUND) * launchers.KEYS_PER_ROUND
+        return math.ceil(keys / partition)
+
+    assert planned("decode") == expected(launchers.DECODE_SPLIT_CTAS_PER_SM)
+    assert planned("keysplit") == expected(launchers.SPLIT_CTAS_PER_SM)
+    if num_seqs * hkv < 2 * sms:  # (on a 132-SM H200: 8 and 16 sequences)
+        assert planned("decode") < planned("keysplit")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

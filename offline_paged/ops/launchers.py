@@ -97,6 +97,12 @@ MAX_GRID_Y_TILES = 65535  # its row tiles run along gridDim.y
 # Which kernel paged_attention launches (None: it decides per call, see choose_attention_kernel):
 ATTENTION_KERNELS = ("decode", "keysplit", "rowsplit", "prefill")
 MIN_PARTITION = 256  # shortest key range worth a split of its own
+# CTAs per SM the key splits aim for: the "decode" tiles stop at 2, the other kernels at 4. Measured on the H200
+# (session 36, decode graph launches, contexts 600..1900): 4 over-split the decode tiles at 16-64 sequences, e.g.
+# Qwen3-0.6B at 32 sequences 64.5 us with 3 splits against 57.2 with 2, at 64 sequences 96.5 with 2 against 88.7
+# with 1 (the partial writes, their merge and its memset cost more than the extra CTAs bring).
+SPLIT_CTAS_PER_SM = 4
+DECODE_SPLIT_CTAS_PER_SM = 2
 MAX_PARTIAL_BYTES = 256 << 20  # cap on the fp32 split workspace
 VECTOR_WIDTH = 8  # 16-bit elements per 16-byte access in layer.cu's vector paths
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (silu_mul's row dimension; the kernel strides past it)
@@ -173,12 +179,14 @@ def _kernel(filename: str, name: str):
     return kernel(filename, name)
 
 
-def plan_splits(num_ctas: int, max_context_len: int, partial_row_bytes: int) -> tuple[int, int]:
-    """(num_splits, partition_size) for the key dimension: split until the grid has ~4 CTAs per SM,
+def plan_splits(num_ctas: int, max_context_len: int, partial_row_bytes: int,
+                ctas_per_sm: int = SPLIT_CTAS_PER_SM) -> tuple[int, int]:
+    """(num_splits, partition_size) for the key dimension: split until the grid has ~ctas_per_sm CTAs per SM,
     never into ranges shorter than MIN_PARTITION keys, within the workspace cap."""
     splits = 1
-    if num_ctas < 4 * _num_sms() and max_context_len > MIN_PARTITION:
-        splits = min(math.ceil(4 * _num_sms() / max(num_ctas, 1)), math.ceil(max_context_len / MIN_PARTITION))
+    target = ctas_per_sm * _num_sms()
+    if num_ctas < target and max_context_len > MIN_PARTITION:
+        splits = min(math.ceil(target / max(num_ctas, 1)), math.ceil(max_context_len / MIN_PARTITION))
         splits = max(1, min(splits, MAX_PARTIAL_BYTES // max(partial_row_bytes, 1)))
     partition = math.ceil(max(max_context_len, 1) / splits / KEYS_PER_ROUND) * KEYS_PER_ROUND
     return math.ceil(max(max_context_len, 1) / partition), partition
@@ -324,7 +332,8 @@ def _plan_attention(q_shape, k_shape, v_shape, table_shape, num_seqs: int, num_s
     span = key_span(max_context_len, window, launch.rows_per_range)
     if num_splits is None:
         num_splits, partition = plan_splits(num_seqs * num_kv_heads * launch.row_tiles, span,
-                                            num_tokens * num_heads * head_dim * 4)
+                                            num_tokens * num_heads * head_dim * 4,
+                                            DECODE_SPLIT_CTAS_PER_SM if kernel == "decode" else SPLIT_CTAS_PER_SM)
     else:
         partition = math.ceil(max(span, 1) / num_splits / KEYS_PER_ROUND) * KEYS_PER_ROUND
     heads_and_splits = num_kv_heads * num_splits
