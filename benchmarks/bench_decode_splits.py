@@ -54,15 +54,7 @@ def main() -> None:
     lens = rng.integers(args.min_context, args.max_context + 1, args.batch)  # [S]
     if args.order in ("longest-first", "shortest-first"):
         lens = np.sort(lens)[::-1].copy() if args.order == "longest-first" else np.sort(lens)
-    blocks_per_seq = -(-lens // block)
-    num_blocks = int(blocks_per_seq.sum())
-    max_blocks = int(-(-args.max_context // block))
-    tables = np.zeros((args.batch, max_blocks), np.int32)  # [S, M]
-    perm = rng.permutation(num_blocks)
-    at = 0
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = perm[at:at + n]
-        at += n
+    tables, num_blocks = shuffled_tables(rng, lens, block, args.max_context)  # [S, M]
     fp8 = args.kv_cache_dtype == "fp8"
     dtype = np.dtype(np.float16) if args.dtype == "float16" else launchers.BFLOAT16
 
@@ -202,6 +194,20 @@ VARIANTS = {
                    ("constexpr bool PREFETCH_V = D == 64;", "constexpr bool PREFETCH_V = D == 64 || kIsFp8<C>;")],
                   (3, 3, 2)),
 }
+
+
+def shuffled_tables(rng, lens, block: int, max_context: int) -> tuple[np.ndarray, int]:
+    """Block tables [S, ceil(max_context / block)] int32 for contexts `lens`, each sequence's blocks drawn from one
+    shuffled pool of exactly the blocks they need; and that pool's size."""
+    blocks_per_seq = -(-lens // block)
+    num_blocks = int(blocks_per_seq.sum())
+    tables = np.zeros((len(lens), -(-max_context // block)), np.int32)  # [S, M]
+    perm = rng.permutation(num_blocks)
+    at = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = perm[at:at + n]
+        at += n
+    return tables, num_blocks
 
 
 def random_e4m3(n: int):
