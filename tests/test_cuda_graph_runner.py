@@ -22,6 +22,7 @@ from offline_paged.models.config import LlamaConfig  # noqa: E402
 from offline_paged.models.llama import Llama  # noqa: E402
 from offline_paged.ops.attention import AttentionMetadata  # noqa: E402
 from offline_paged.ops.graphs import CublasGemm  # noqa: E402
+from offline_paged.ops.logits_rows import logits_buckets, logits_rows  # noqa: E402
 from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
 from offline_paged.worker.cuda_graph_runner import DecodeGraphs  # noqa: E402
 
@@ -58,6 +59,26 @@ def test_lm_head_writes_the_fp32_accumulator(tied, dtype):
         assert error < 2e-5 and error * 10 < rounded, (error, rounded)
     with pytest.raises(ValueError, match="out must be"):
         CublasGemm(stream)(x, w_dev, out_dtype=np.float32, out=target[:47])
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 9, 100, 257, 300])
+def test_eager_lm_head_runs_on_a_row_bucket_and_returns_the_rows_asked_for(num_rows):
+    """CudaOps.logits runs its GEMM on logits_rows(K) rows, a few shapes whose cuBLAS kernels warm_logits loads
+    at start (a shape needing an unloaded kernel blocks the host until the device is idle); the K rows it
+    returns match float64 on the same inputs whatever the padding rows held."""
+    rng = np.random.default_rng(num_rows)
+    x = cupy.asarray(rng.standard_normal((num_rows, 256)).astype(np.float16))  # [K, E]
+    w = rng.standard_normal((256, 1000)).astype(np.float16)  # [E, V]
+    ops = CudaOps()
+    ops.warm_logits(cupy.asarray(w), 300)
+    gemm, seen = ops._logits_gemm, []
+    ops._logits_gemm = lambda hidden, lm_head, **kwargs: seen.append(hidden.shape[0]) or gemm(hidden, lm_head, **kwargs)
+    cupy.get_default_memory_pool().malloc(1 << 20).memset(0xFF, 1 << 20)  # NaN-ish bytes where padding may land
+    logits = ops.logits(x, cupy.asarray(w))
+    truth = x.get().astype(np.float64) @ w.astype(np.float64)  # [K, V]
+    assert seen == [logits_rows(num_rows)] and logits_rows(num_rows) in logits_buckets(300)
+    assert logits.shape == (num_rows, 1000) and logits.dtype == cupy.float32 and logits.flags.c_contiguous
+    assert rel_error(logits.get(), truth) < 2e-5
 
 
 def decode_inputs(rng, num_seqs: int, free_blocks: list[int], block_size: int):

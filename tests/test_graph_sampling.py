@@ -84,6 +84,37 @@ def test_graph_samples_equal_the_eager_sampler_on_the_same_logits(graphs):
     assert graphs.num_sampled_replays == 6
 
 
+def test_capture_all_with_sampling_rows_captures_every_sampling_graph_up_front():
+    """capture_all(sampling_rows) captures each bucket's sampling graph at start (a lazy capture waits for the
+    device to be idle, in the middle of a run); later steps replay those graphs, capture none, and draw what
+    the eager sampler draws from the same logits."""
+    config = LlamaConfig(**SMOLLM2_SHAPE | dict(num_hidden_layers=2))
+    model = Llama(config, random_weights(config, seed=8), CudaOps(), np.float16)
+    kv_cache = model.allocate_kv_cache(2048, 16)  # [L, 2, N, B, Hkv, D]
+    kv_cache[...] = cupy.asarray(np.random.default_rng(2).standard_normal(kv_cache.shape).astype(np.float16))
+    graphs = DecodeGraphs(model, kv_cache, 16, max_model_len=512, buckets=(1, 4, 16))
+    sampling_rows = SamplingRows(eos_token_ids=(2,), num_rows=32)
+    graphs.capture_all(sampling_rows)
+    assert graphs.captured_sizes == (1, 4, 16) and graphs.num_sampling_captures == 3
+    rng = np.random.default_rng(12)
+    step_rows = StepRows(16, max_blocks=32)
+    free_blocks = rng.permutation(2048).tolist()
+    for step, num_seqs in enumerate((3, 13, 1)):
+        ids, positions, slots, tables = _decode_step(rng, num_seqs, free_blocks, 16)
+        seq_ids = list(range(100 * (step + 1), 100 * (step + 1) + num_seqs))
+        params = {s: (MIXED[int(rng.integers(len(MIXED)))], int(rng.integers(0, 2**63))) for s in seq_ids}
+        rows = step_rows.step(tables, positions, seq_ids)  # [S]
+        sampling_rows.update(rows, np.asarray(seq_ids, np.int64), lambda i: (*params[seq_ids[i]], False))
+        sample_positions = rng.integers(0, 3000, num_seqs)  # [S]
+        logits, samples = graphs.run_and_sample(ids, positions, rows, np.ones(num_seqs, bool), step_rows.table_rows,
+                                                sample_positions, sampling_rows)
+        got = samples.results()
+        requests = [SamplingRequest(*params[s], int(p), (), ()) for s, p in zip(seq_ids, sample_positions)]
+        expected = GpuSampler((2,)).sample(logits[:num_seqs], list(range(num_seqs)), requests)
+        assert [(r.token_id, r.logprob) for r in got] == [(r.token_id, r.logprob) for r in expected], step
+    assert graphs.num_sampling_captures == 3 and graphs.num_sampled_replays == 3
+
+
 def test_masked_graph_samples_equal_the_eager_sampler_with_the_same_masks(graphs):
     """Structured output in the graph: sample_masked draws what GpuSampler draws from the same logits
     with the same packed masks (tokens and raw logprobs bit for bit), never a masked token; rows with

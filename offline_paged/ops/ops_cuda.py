@@ -26,6 +26,7 @@ from offline_paged.ops import cuda_fp8_linear
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear, Fp8Product, Fp8Rows
 from offline_paged.ops.fp8_linear import Fp8Linear
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA, KvScales, is_fp8
+from offline_paged.ops.logits_rows import logits_buckets, logits_rows
 
 from offline_paged.ops import launchers
 from offline_paged.ops.swap import BlockSwapper
@@ -183,14 +184,30 @@ class CudaOps:
 
     def logits(self, hidden, lm_head):
         """hidden [K, E] @ lm_head [E, V] -> [K, V] float32: for fp16 and bf16 the GEMM writes its fp32
-        accumulator (no rounding of the logits to fp16/bf16 first); other dtypes matmul, then cast."""
+        accumulator (no rounding of the logits to fp16/bf16 first); other dtypes matmul, then cast.
+        The GEMM runs on logits_rows(K) rows (the rest of the rows unset; GEMM rows are independent) and
+        the first K come back: cuBLAS blocks the host until the device is idle whenever a shape needs a
+        kernel it has not loaded yet (measured on the H200: a 20 ms wait behind a queued 20 ms kernel), which
+        a new K per step did in every prefilling step. `warm_logits` loads each bucket's kernel up front."""
         if hidden.dtype != lm_head.dtype or hidden.dtype not in launchers.ELEMENT_SUFFIX:
             return (hidden @ lm_head).astype(cupy.float32)
         if self._logits_gemm is None:
             from offline_paged.ops.graphs import CublasGemm
 
             self._logits_gemm = CublasGemm(cupy.cuda.Stream.null)  # the eager steps' stream
-        return self._logits_gemm(cupy.ascontiguousarray(hidden), lm_head, out_dtype=np.float32)
+        num_rows = hidden.shape[0]
+        rows = logits_rows(num_rows)
+        if rows != num_rows:
+            padded = cupy.empty((rows, hidden.shape[1]), dtype=hidden.dtype)  # [R, E]
+            padded[:num_rows] = hidden
+            hidden = padded
+        return self._logits_gemm(cupy.ascontiguousarray(hidden), lm_head, out_dtype=np.float32)[:num_rows]
+
+    def warm_logits(self, lm_head, max_rows: int) -> None:
+        """Run the LM head once at every logits_rows bucket up to max_rows (engine start), so that no step
+        of a run waits for cuBLAS to load a kernel (see `logits`)."""
+        for rows in logits_buckets(max_rows):
+            self.logits(cupy.zeros((rows, lm_head.shape[0]), dtype=lm_head.dtype), lm_head)
 
     def add_bias(self, x, bias):
         """x + bias over the last axis; may update x in place (x [T, N], bias [N])."""

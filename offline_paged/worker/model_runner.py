@@ -93,20 +93,21 @@ class ModelRunner:
 
             self.attach_decode_graphs(DecodeGraphs(model, self.kv_cache, block_size, max_model_len,
                                                    decode_buckets(max_num_seqs)),
-                                      sample_in_graph=self.gpu_sampler is not None)
+                                      sample_in_graph=self.gpu_sampler is not None, num_rows=max_num_seqs)
             if mixed_graph_tokens and mirror is None and model.tp is None:
                 from offline_paged.worker.mixed_graphs import MixedGraphs
 
                 self.mixed_graphs = MixedGraphs(model, self.kv_cache, mixed_buckets(mixed_graph_tokens))
 
-    def attach_decode_graphs(self, graphs, sample_in_graph: bool = True) -> None:
+    def attach_decode_graphs(self, graphs, sample_in_graph: bool = True, num_rows: int = 64) -> None:
         """Replay decode-only steps through `graphs` (DecodeGraphs' interface: fits, run, run_and_sample),
         which mirror `table_rows` (and, when sampling in the graph, `sampling_rows`: per-row parameters
-        for the graph's sampler, rows = table_rows' rows). sample_in_graph=False: the eager sampler
+        for the graph's sampler, rows = table_rows' rows, num_rows of them to start with: when they grow,
+        the graphs' sampling graphs are captured again). sample_in_graph=False: the eager sampler
         samples the graph's logits (the reference in tests)."""
         self.decode_graphs = graphs
         self.table_rows.track_changes = True  # the graphs mirror the rows on the device
-        self.sampling_rows = SamplingRows(self.sampler.eos_token_ids) if sample_in_graph else None
+        self.sampling_rows = SamplingRows(self.sampler.eos_token_ids, num_rows) if sample_in_graph else None
 
     @property
     def swapper(self):
