@@ -118,7 +118,9 @@ def test_capture_all_with_sampling_rows_captures_every_sampling_graph_up_front()
 def test_masked_graph_samples_equal_the_eager_sampler_with_the_same_masks(graphs):
     """Structured output in the graph: sample_masked draws what GpuSampler draws from the same logits
     with the same packed masks (tokens and raw logprobs bit for bit), never a masked token; rows with
-    all bits set are unconstrained; a one-token mask forces that token."""
+    all bits set are unconstrained; a one-token mask forces that token. The first masked sampling captures
+    every captured bucket's masked graph at once (each capture waits for the device)."""
+    captures_before = graphs.num_masked_captures
     rng = np.random.default_rng(21)
     vocab = 49152
     sampling_rows = SamplingRows(eos_token_ids=(2,), num_rows=8)
@@ -139,6 +141,8 @@ def test_masked_graph_samples_equal_the_eager_sampler_with_the_same_masks(graphs
         logits = graphs.run(ids, positions, rows, np.ones(num_seqs, bool), step_rows.table_rows,
                             sample_positions=sample_positions)
         got = graphs.sample_masked(masks, sampling_rows).results()
+        if step == 0:
+            assert graphs.num_masked_captures - captures_before == len(graphs.captured_sizes) > 1
         requests = [SamplingRequest(*owner[s], int(p), (), (), masks[i])
                     for i, (s, p) in enumerate(zip(seq_ids, sample_positions))]
         expected = GpuSampler((2,)).sample(logits[:num_seqs], list(range(num_seqs)), requests)

@@ -148,8 +148,10 @@ def at_lengths(requests: list[BenchRequest], lengths: list[int]) -> list[BenchRe
 
 
 def warm_up_grammars(engine, requests: list[BenchRequest]) -> None:
-    """Compile every distinct grammar of the workload before the timing (the compile is cached by spec).
-    ValueError for one that does not compile, naming its request's file line when it has one."""
+    """Compile every distinct grammar of the workload before the timing (the compile is cached by spec), then
+    run one short constrained request, so that the structured path's first-use work (the mask server's first
+    fills, the decode graphs' masked sampling captures, which wait for the device) lands before it too.
+    ValueError for a grammar that does not compile, naming its request's file line when it has one."""
     specs = {}  # spec -> its first request
     for r in requests:
         if r.params.structured_outputs is not None:
@@ -162,6 +164,12 @@ def warm_up_grammars(engine, requests: list[BenchRequest]) -> None:
     server = engine.grammar_compiler.mask_server if specs else None
     if server is not None:  # its processes build their token tables before the timing, not in it
         server.wait_ready()
+    if specs:
+        request = next(iter(specs.values()))
+        engine.add_request("warmup-grammar", prompt_token_ids=request.prompt_token_ids[:32],
+                           params=dataclasses.replace(request.params, max_tokens=4, min_tokens=0))
+        while engine.has_unfinished_requests():
+            engine.step()
 
 
 def file_workload(path: str | Path, tokenizer) -> list[BenchRequest]:

@@ -134,6 +134,7 @@ class DecodeGraphs:
         self.num_replays = 0
         self.num_sampled_replays = 0
         self.num_sampling_captures = 0  # unmasked sampling graphs captured (capture_all, or on first use)
+        self.num_masked_captures = 0  # masked ones (every bucket's on the first masked sampling)
         self._row_tables = None  # [R, Mr] int32 (device): BlockTableRows.tables mirrored
         self._tables_generation = None  # (the BlockTableRows mirrored, its generation)
         self._row_params = None  # [R, 8] float64 (device): SamplingRows.params mirrored
@@ -221,18 +222,33 @@ class DecodeGraphs:
             raise ValueError(f"masks {masks.shape} do not fit {num_seqs} slots of {bucket.logits.shape[1]} logits")
         self._sync_rows(sampling_rows)
         if bucket.masks is None or bucket.masks.shape[1] != masks.shape[1]:
-            bucket.masks = cupy.full((bucket.size, masks.shape[1]), -1, dtype=cupy.int32)  # [b, W]
-            bucket.masked_sample_graph = None
+            self._capture_masked_all(masks.shape[1])
         if any(masks.ctypes.data == staging.ctypes.data for _, staging in self._mask_staging if staging.size):
             bucket.masks[:num_seqs].set(masks)  # pinned: queued, returns at once
         else:
             self._mask_upload(np.ascontiguousarray(masks, dtype=np.int32), out=bucket.masks[:num_seqs])
-        if bucket.masked_sample_graph is None:
-            self._ensure_sample_outputs(bucket)
-            bucket.masked_sample_graph, _ = self._capture_graph(lambda: self._sample(bucket, masked=True))
+        if bucket.masked_sample_graph is None:  # (dropped when the sampling rows grew)
+            self._capture_masked(bucket)
         bucket.masked_sample_graph.launch()
         self.num_sampled_replays += 1
         return PendingSamples.of_graph(bucket.sampled[:num_seqs], bucket.token_ids[:num_seqs])
+
+    def _capture_masked_all(self, num_words: int) -> None:
+        """Every captured bucket's masked sampling graph for masks of num_words words, at once, on the first
+        masked sampling (or a new mask width): each capture waits for the device to be idle, so one by one
+        on each bucket's first use they stalled the step pipeline of a structured run up to once per bucket.
+        The buckets' masks start all set (no constraint); the graphs read them as the steps upload them."""
+        for bucket in self._captured.values():
+            if bucket.masks is None or bucket.masks.shape[1] != num_words:
+                bucket.masks = cupy.full((bucket.size, num_words), -1, dtype=cupy.int32)  # [b, W]
+                bucket.masked_sample_graph = None
+            if bucket.masked_sample_graph is None:
+                self._capture_masked(bucket)
+
+    def _capture_masked(self, bucket: _Bucket) -> None:
+        self._ensure_sample_outputs(bucket)
+        bucket.masked_sample_graph, _ = self._capture_graph(lambda: self._sample(bucket, masked=True))
+        self.num_masked_captures += 1
 
     def sampled_ids(self, num_seqs: int):
         """[S] int32 (device): where the next `sample_masked` of the last `run`'s S slots writes their ids."""
