@@ -1,14 +1,15 @@
 """Is a bench run's device busy, or does it wait for the host? (GPU only.)
 
-Runs `offline-paged bench` in this process with its timed runs (`run_bench`; not the warm-up, capture or
-ceilings) under torch's profiler: kernels, copies and memsets through CUPTI, and the CUDA runtime and
-driver calls that launched them. Prints for the device's last stretch of activity (a pause of more than
---pause-ms ends a stretch: one per timed run) how much of it the device was busy, its idle gaps by length,
+Runs `offline-paged bench` in this process with one of its timed runs (`run_bench` call number --run; not the
+warm-up, capture or ceilings) under torch's profiler: kernels, copies and memsets through CUPTI, and the CUDA
+runtime and driver calls that launched them. Prints for the device's last stretch of activity in it (a pause
+of more than --pause-ms ends a stretch) how much of it the device was busy, its idle gaps by length,
 the longest gaps (where, what ran around them and what the host called meanwhile), the host calls' time,
 and the kernels that took the most time. A device idle between kernels while the host launches is a
 host-paced run; a busy one is bound by its kernels.
 
-    python benchmarks/profile_timeline.py [--trace out.json] -- --dummy-weights qwen3-0.6b --cuda-graphs
+    python benchmarks/profile_timeline.py [--run 1] [--first-ms 420] [--trace out.json] -- \
+        --dummy-weights qwen3-0.6b --cuda-graphs --no-roofline
 
 Everything after `--` goes to `offline-paged bench` unchanged.
 """
@@ -71,7 +72,7 @@ def report(events: list[dict], pause_ms: float, top: int, first_ms: float | None
         last = [(start, stop) for start, stop in last if start < last[0][0] + first_ms * 1e3]
     t0, t1 = last[0][0], max(stop for _, stop in last)
     busy, gaps = busy_and_gaps(last)
-    span = t1 - t0
+    span = max(t1 - t0, 1e-9)
     print(f"last stretch{'' if first_ms is None else f', its first {first_ms:g} ms'}: {span / 1e3:.1f} ms, device busy {busy / 1e3:.1f} ms ({busy / span:.1%}), "
           f"idle {(span - busy) / 1e3:.1f} ms in {len(gaps)} gaps")
     for low, high in zip((0, *GAP_BINS_US), (*GAP_BINS_US, float("inf"))):
@@ -119,9 +120,14 @@ def _short(name: str) -> str:
     return name.split("<")[0].split("(")[0][:60]
 
 
-def profiled(run_bench, holder: list):
-    """run_bench under the profiler; each call's profile is appended to holder."""
+def profiled(run_bench, which: int, holder: list):
+    """run_bench with its call number `which` (0 = the first) under the profiler, whose profile is appended
+    to holder. Only one: a second profiler session in the same process recorded no kernels (H200, session 37)."""
+    calls = iter(range(1_000_000))
+
     def run(*args, **kwargs):
+        if next(calls) != which:
+            return run_bench(*args, **kwargs)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             result = run_bench(*args, **kwargs)
         holder.append(prof)
@@ -135,18 +141,19 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--pause-ms", type=float, default=50.0)
     parser.add_argument("--first-ms", type=float, default=None, help="then the stretch's first ms alone")
+    parser.add_argument("--run", type=int, default=0, help="which timed run to profile (0 = the first)")
     parser.add_argument("--trace", type=Path, default=None, help="keep the Chrome trace here")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     bench_args = [a for a in args.bench_args if a != "--"]
     profiles: list = []
-    bench_module.run_bench = profiled(bench_module.run_bench, profiles)
+    bench_module.run_bench = profiled(bench_module.run_bench, args.run, profiles)
     cli(["bench", "--device", "cuda", *bench_args], standalone_mode=False)
     if not profiles:
-        raise SystemExit("the bench ran no timed run")
+        raise SystemExit(f"the bench ran no timed run number {args.run}")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.trace or Path(tmp) / "trace.json"
-        profiles[-1].export_chrome_trace(str(path))  # the last timed run
+        profiles[0].export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
     report(events, args.pause_ms, args.top)
     if args.first_ms is not None:
