@@ -52,6 +52,23 @@ def graphs():
     return DecodeGraphs(model, kv_cache, 16, max_model_len=512)
 
 
+def _sampled_step(graphs, rng, step, step_rows, sampling_rows, seq_ids, owner_params):
+    """One decode step (ids, positions, tables) of seq_ids sampled in the graph at random output positions, each
+    row with its owner's (params, seed): (the PendingSamples, their results, the eager GpuSampler's results on
+    the same logits)."""
+    ids, positions, tables = step
+    num_seqs = len(seq_ids)
+    rows = step_rows.step(tables, positions, seq_ids)  # [S]
+    sampling_rows.update(rows, np.asarray(seq_ids, np.int64), lambda i: (*owner_params[seq_ids[i]], False))
+    sample_positions = rng.integers(0, 3000, num_seqs)  # [S]
+    logits, samples = graphs.run_and_sample(ids, positions, rows, np.ones(num_seqs, bool), step_rows.table_rows,
+                                            sample_positions, sampling_rows)
+    got = samples.results()
+    requests = [SamplingRequest(*owner_params[s], int(p), (), ()) for s, p in zip(seq_ids, sample_positions)]
+    expected = GpuSampler((2,)).sample(logits[:num_seqs], list(range(num_seqs)), requests)
+    return samples, got, expected
+
+
 def test_graph_samples_equal_the_eager_sampler_on_the_same_logits(graphs):
     rng = np.random.default_rng(0)
     sampling_rows = SamplingRows(eos_token_ids=(2,), num_rows=4)  # grows below: the sampling graphs recapture
@@ -68,14 +85,8 @@ def test_graph_samples_equal_the_eager_sampler_on_the_same_logits(graphs):
         for s in seq_ids[len(kept):]:
             owner_params[s] = (MIXED[int(rng.integers(len(MIXED)))], int(rng.integers(0, 2**63)))
         live = seq_ids
-        rows = step_rows.step(tables, positions, seq_ids)  # [S]
-        sampling_rows.update(rows, np.asarray(seq_ids, np.int64), lambda i: (*owner_params[seq_ids[i]], False))
-        sample_positions = rng.integers(0, 3000, num_seqs)  # [S]
-        logits, samples = graphs.run_and_sample(ids, positions, rows, np.ones(num_seqs, bool), step_rows.table_rows,
-                                                sample_positions, sampling_rows)
-        got = samples.results()
-        requests = [SamplingRequest(*owner_params[s], int(p), (), ()) for s, p in zip(seq_ids, sample_positions)]
-        expected = GpuSampler((2,)).sample(logits[:num_seqs], list(range(num_seqs)), requests)
+        samples, got, expected = _sampled_step(graphs, rng, (ids, positions, tables), step_rows, sampling_rows,
+                                               seq_ids, owner_params)
         assert [r.token_id for r in got] == [r.token_id for r in expected], step
         assert [r.logprob for r in got] == [r.logprob for r in expected], step  # same kernels, same bits
         assert samples.token_ids.get().tolist() == [r.token_id for r in got]
@@ -103,14 +114,8 @@ def test_capture_all_with_sampling_rows_captures_every_sampling_graph_up_front()
         ids, positions, slots, tables = _decode_step(rng, num_seqs, free_blocks, 16)
         seq_ids = list(range(100 * (step + 1), 100 * (step + 1) + num_seqs))
         params = {s: (MIXED[int(rng.integers(len(MIXED)))], int(rng.integers(0, 2**63))) for s in seq_ids}
-        rows = step_rows.step(tables, positions, seq_ids)  # [S]
-        sampling_rows.update(rows, np.asarray(seq_ids, np.int64), lambda i: (*params[seq_ids[i]], False))
-        sample_positions = rng.integers(0, 3000, num_seqs)  # [S]
-        logits, samples = graphs.run_and_sample(ids, positions, rows, np.ones(num_seqs, bool), step_rows.table_rows,
-                                                sample_positions, sampling_rows)
-        got = samples.results()
-        requests = [SamplingRequest(*params[s], int(p), (), ()) for s, p in zip(seq_ids, sample_positions)]
-        expected = GpuSampler((2,)).sample(logits[:num_seqs], list(range(num_seqs)), requests)
+        _, got, expected = _sampled_step(graphs, rng, (ids, positions, tables), step_rows, sampling_rows, seq_ids,
+                                         params)
         assert [(r.token_id, r.logprob) for r in got] == [(r.token_id, r.logprob) for r in expected], step
     assert graphs.num_sampling_captures == 3 and graphs.num_sampled_replays == 3
 
