@@ -90,6 +90,9 @@ class LLMEngine:
         self.async_scheduling = self.executor.supports_async_scheduling and (
             config.async_scheduling if config.async_scheduling is not None else self.backend.name == "cuda")
         self._in_flight: LaunchedStep | None = None  # launched, outputs not yet processed
+        # The next step's schedule, made while this step's structured-output masks filled (and how long it
+        # took, reported as that step's schedule time); None: the next step schedules itself.
+        self._scheduled_ahead: tuple | None = None
         self._groups: dict[str, SequenceGroup] = {}
         self._model_source = source  # where the model's sentence-transformers pooling files may be
         self._grammar_compiler = None  # built on the first structured-output request
@@ -288,16 +291,18 @@ class LLMEngine:
         once the previous step's tokens are known (fed to the matchers), while that step is processed and
         the forward runs; its sampling is queued by the next step's launch, or right after that processing
         when a MaskServer asks for it (LateSamples.early). The report splits the post phase: the wait for
-        the previous step's samples, and the feeding and mask-fill start.
+        the previous step's samples, and the feeding and mask-fill start. While such masks fill, the next step
+        is scheduled (`_scheduled_ahead`), before this step's sampling is queued; a request added or aborted
+        in between is seen one step later, as one aborted while its step is in flight already is.
         """
         t0 = time.perf_counter()
         outputs: list = self._admit_compiled()
-        output = self.scheduler.schedule()
-        if output.is_empty and self._in_flight is None and self.scheduler.has_unfinished():
-            raise RuntimeError("the scheduler could not schedule anything although requests are "
-                               "waiting; the KV cache is too small for them")
-        self._stats.record_schedule(output, self.scheduler)
+        if self._scheduled_ahead is not None:
+            (output, schedule_s), self._scheduled_ahead = self._scheduled_ahead, None
+        else:
+            output, schedule_s = self._schedule(), None
         t1 = time.perf_counter()
+        schedule_s = t1 - t0 if schedule_s is None else schedule_s + (t1 - t0)
         launched = self.executor.execute(output, self._in_flight, defer_grammar_sampling=self.async_scheduling)
         t2 = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
@@ -314,14 +319,34 @@ class LLMEngine:
             mask_dispatch = time.perf_counter() - t3
         if previous is not None:
             outputs += self._process(previous)  # ...while the previous step is processed
-        launched.queue_early_sampling()  # (masks from a MaskServer that asks for it)
-        if self.async_scheduling and output.scheduled and not _needs_host_tokens(output):
+        in_flight = self.async_scheduling and output.scheduled and not _needs_host_tokens(output)
+        if in_flight:
             self._in_flight = launched
-        else:
+        ahead_s = 0.0
+        if in_flight and launched.samples_early:
+            # The masks still fill (a MaskServer's fill outlasts the processing): schedule the next step now
+            # rather than after queueing this step's sampling, so the host's wait for them does work. The next
+            # step's device work is still queued after this sampling, by the next step's launch.
+            t3 = time.perf_counter()
+            ahead = self._schedule()
+            ahead_s = time.perf_counter() - t3
+            self._scheduled_ahead = (ahead, ahead_s)
+        launched.queue_early_sampling()  # (masks from a MaskServer that asks for it)
+        if not in_flight:
             outputs += self._process(launched)
-        report = StepReport(output.scheduled, t1 - t0, t2 - t1, time.perf_counter() - t2,
+        report = StepReport(output.scheduled, schedule_s, t2 - t1, time.perf_counter() - t2 - ahead_s,
                             launched.forward_timer, launched.used_cuda_graph, token_wait, mask_dispatch)
         return outputs, report
+
+    def _schedule(self):
+        """The scheduler's next step, recorded in the stats. RuntimeError when it schedules nothing while
+        requests wait and nothing is in flight (the KV cache is too small for them)."""
+        output = self.scheduler.schedule()
+        if output.is_empty and self._in_flight is None and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler could not schedule anything although requests are "
+                               "waiting; the KV cache is too small for them")
+        self._stats.record_schedule(output, self.scheduler)
+        return output
 
     def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
         executed = launched.wait()

@@ -301,3 +301,30 @@ def test_masked_sampling_queued_by_the_next_launch_gives_the_same_tokens(workloa
     got = run_to_completion(eng, workload())
     assert _tokens(got) == _tokens(local)
     eng.close()
+
+
+def test_a_request_aborted_while_the_next_step_is_scheduled_ahead_ends_alone():
+    """With mask processes the engine schedules the next step while the masks fill; a request aborted
+    between steps then is still in that schedule. Its step runs, its token is dropped, and the others end
+    with the tokens of an engine where it was aborted before any step was scheduled ahead; no block leaks."""
+    workload = _workload()
+    eng = tiny_engine(async_scheduling=True, grammar_mask_processes=2)
+    for request_id, (prompt_ids, params) in workload.items():
+        eng.add_request(request_id, prompt_token_ids=prompt_ids, params=params)
+    results, aborted = {}, None
+    while eng.has_unfinished_requests():
+        for output in eng.step():
+            results[output.request_id] = output
+        ahead = eng._scheduled_ahead
+        if aborted is None and ahead is not None:
+            victim = next(item.seq for item in ahead[0].scheduled if item.seq.group.request_id.startswith("j"))
+            aborted = victim.group.request_id
+            assert eng.abort_request(aborted)
+    assert aborted is not None and aborted not in results
+    assert set(results) == set(workload) - {aborted}
+    # Each request's tokens depend on its own seed only: the same as in a run without the victim.
+    alone = run_to_completion(tiny_engine(async_scheduling=True, grammar_mask_processes=0),
+                              {k: v for k, v in workload.items() if k != aborted})
+    assert _tokens(results) == _tokens(alone)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_gpu_blocks
+    eng.close()

@@ -44,6 +44,14 @@ def gc_paused():
             gc.enable()
 
 
+def uploaded(graph):
+    """`graph` (a captured cupy Graph) uploaded to the device on the current stream, where the engine replays it.
+    A graph's first launch uploads it otherwise, and that launch held the host ~3.4 ms while the device sat idle
+    (H200 timelines, session 38): once for each bucket a run met for the first time as its batch shrank."""
+    graph.upload()
+    return graph
+
+
 def libcublas_paths() -> list[str]:
     """The paths of the libcublas CuPy loaded (found in this process's mappings), sorted."""
     cupy.cuda.device.get_cublas_handle()  # makes CuPy load it

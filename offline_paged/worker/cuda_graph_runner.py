@@ -46,7 +46,7 @@ from offline_paged.ops import sampling_launcher as kernels
 from offline_paged.ops import step_inputs_launcher as step_kernels
 from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.ops.cublaslt import TunedGemm
-from offline_paged.ops.graphs import gc_paused
+from offline_paged.ops.graphs import gc_paused, uploaded
 from offline_paged.ops.pinned import PinnedUpload, pin_in_place
 from offline_paged.ops.swap import pinned_empty
 from offline_paged.worker.graph_buckets import DECODE_BUCKETS
@@ -364,7 +364,7 @@ class DecodeGraphs:
                     raise
                 graph = self._stream.end_capture()
         self._stream.synchronize()
-        return graph, result
+        return uploaded(graph), result
 
     def _sample(self, bucket: _Bucket, masked: bool = False) -> None:
         """Every slot of bucket.logits sampled as GpuSampler.sample_async samples a row without penalties,

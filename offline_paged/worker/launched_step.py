@@ -46,6 +46,10 @@ class LateSamples:
         self._token_ids = token_ids  # [R] int32 (device), written by the sampling once queued
         self.early = early  # its masks come fast (a MaskServer's): queue it before the next step is scheduled
 
+    @property
+    def launched(self) -> bool:
+        return self._samples is not None
+
     def launch(self):
         if self._samples is None:
             self._samples = self._start()
@@ -132,6 +136,11 @@ class LaunchedStep:
         samples as soon as the forward ends, while the host schedules the next step."""
         if isinstance(self.samples, LateSamples) and self.samples.early:
             self.samples.launch()
+
+    @property
+    def samples_early(self) -> bool:
+        """Its late sampling waits for masks and asked to be queued early (`queue_early_sampling`), not yet queued."""
+        return isinstance(self.samples, LateSamples) and self.samples.early and not self.samples.launched
 
     @property
     def sampling_deferred(self) -> bool:

@@ -37,7 +37,7 @@ import numpy as np
 
 from offline_paged.ops.attention import AttentionMetadata
 from offline_paged.ops.cublaslt import TunedGemm
-from offline_paged.ops.graphs import gc_paused
+from offline_paged.ops.graphs import gc_paused, uploaded
 from offline_paged.worker.cuda_graph_runner import GRAPH_DTYPES
 from offline_paged.worker.graph_buckets import MIXED_BUCKETS, bucket_for
 
@@ -150,6 +150,7 @@ class MixedGraphs:
                     raise
                 bucket.pieces.append(self._stream.end_capture())
         self._stream.synchronize()
+        bucket.pieces = [uploaded(piece) for piece in bucket.pieces]
         self._captured[size] = bucket
         return bucket
 
