@@ -14,6 +14,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+# The host paces the JSON step (its mask workers): name it beside the figures.
+echo "host: $(nproc) CPUs, $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p'), load $(cut -d' ' -f1-3 /proc/loadavg)"
 lengths="--input-len 64:128 --output-len 128:192"
 [ "${LENGTHS:-short}" = default ] && lengths=""
 counts=""
