@@ -55,6 +55,8 @@ class LLMEngine:
     DummySource), and steps run synchronously. `close()` stops the ranks.
     """
 
+    launch_ahead = True  # see `_launched_ahead` (off: the A/B's other side)
+
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
         if loaded_model is None and config.model is not None:  # a hub id -> its local snapshot
             config = dataclasses.replace(config, model=str(resolve_model(config.model)))
@@ -93,6 +95,11 @@ class LLMEngine:
         # The next step's schedule, made while this step's structured-output masks filled (and how long it
         # took, reported as that step's schedule time); None: the next step schedules itself.
         self._scheduled_ahead: tuple | None = None
+        # ... or that step launched too: (output, LaunchedStep, schedule s, launch s). Its launch queues this
+        # step's sampling once the masks are in, after its own host work: only the device copies and the
+        # replay are left between the masks and the next forward (`launch_ahead`; else the step loop queues
+        # the sampling and the next step launches after it, all its host work between).
+        self._launched_ahead: tuple | None = None
         self._groups: dict[str, SequenceGroup] = {}
         self._model_source = source  # where the model's sentence-transformers pooling files may be
         self._grammar_compiler = None  # built on the first structured-output request
@@ -292,19 +299,26 @@ class LLMEngine:
         the forward runs; its sampling is queued by the next step's launch, or right after that processing
         when a MaskServer asks for it (LateSamples.early). The report splits the post phase: the wait for
         the previous step's samples, and the feeding and mask-fill start. While such masks fill, the next step
-        is scheduled (`_scheduled_ahead`), before this step's sampling is queued; a request added or aborted
-        in between is seen one step later, as one aborted while its step is in flight already is.
+        is scheduled and launched (`_launched_ahead`), its launch queueing this step's sampling after its host
+        work; a request added or aborted in between is seen one step later, as one aborted while its step is
+        in flight already is.
         """
         t0 = time.perf_counter()
         outputs: list = self._admit_compiled()
-        if self._scheduled_ahead is not None:
-            (output, schedule_s), self._scheduled_ahead = self._scheduled_ahead, None
+        if self._launched_ahead is not None:
+            (output, launched, schedule_s, execute_s), self._launched_ahead = self._launched_ahead, None
+            t2 = time.perf_counter()
+            schedule_s += t2 - t0
         else:
-            output, schedule_s = self._schedule(), None
-        t1 = time.perf_counter()
-        schedule_s = t1 - t0 if schedule_s is None else schedule_s + (t1 - t0)
-        launched = self.executor.execute(output, self._in_flight, defer_grammar_sampling=self.async_scheduling)
-        t2 = time.perf_counter()
+            if self._scheduled_ahead is not None:
+                (output, schedule_s), self._scheduled_ahead = self._scheduled_ahead, None
+            else:
+                output, schedule_s = self._schedule(), None
+            t1 = time.perf_counter()
+            schedule_s = t1 - t0 if schedule_s is None else schedule_s + (t1 - t0)
+            launched = self.executor.execute(output, self._in_flight, defer_grammar_sampling=self.async_scheduling)
+            t2 = time.perf_counter()
+            execute_s = t2 - t1
         previous, self._in_flight = self._in_flight, None
         token_wait = 0.0
         if previous is not None:
@@ -329,12 +343,17 @@ class LLMEngine:
             # step's device work is still queued after this sampling, by the next step's launch.
             t3 = time.perf_counter()
             ahead = self._schedule()
+            t4 = time.perf_counter()
+            if self.launch_ahead:
+                self._launched_ahead = (ahead, self.executor.execute(ahead, launched, defer_grammar_sampling=True),
+                                        t4 - t3, time.perf_counter() - t4)
+            else:
+                self._scheduled_ahead = (ahead, t4 - t3)
             ahead_s = time.perf_counter() - t3
-            self._scheduled_ahead = (ahead, ahead_s)
-        launched.queue_early_sampling()  # (masks from a MaskServer that asks for it)
+        launched.queue_early_sampling()  # (masks from a MaskServer that asks for it; launched ahead: queued)
         if not in_flight:
             outputs += self._process(launched)
-        report = StepReport(output.scheduled, schedule_s, t2 - t1, time.perf_counter() - t2 - ahead_s,
+        report = StepReport(output.scheduled, schedule_s, execute_s, time.perf_counter() - t2 - ahead_s,
                             launched.forward_timer, launched.used_cuda_graph, token_wait, mask_dispatch)
         return outputs, report
 

@@ -303,19 +303,21 @@ def test_masked_sampling_queued_by_the_next_launch_gives_the_same_tokens(workloa
     eng.close()
 
 
-def test_a_request_aborted_while_the_next_step_is_scheduled_ahead_ends_alone():
-    """With mask processes the engine schedules the next step while the masks fill; a request aborted
-    between steps then is still in that schedule. Its step runs, its token is dropped, and the others end
+@pytest.mark.parametrize("launch_ahead", [True, False], ids=["launched", "scheduled"])
+def test_a_request_aborted_while_the_next_step_is_scheduled_ahead_ends_alone(launch_ahead):
+    """With mask processes the engine schedules (and launches) the next step while the masks fill; a request
+    aborted between steps then is still in that step. Its step runs, its token is dropped, and the others end
     with the tokens of an engine where it was aborted before any step was scheduled ahead; no block leaks."""
     workload = _workload()
     eng = tiny_engine(async_scheduling=True, grammar_mask_processes=2)
+    eng.launch_ahead = launch_ahead
     for request_id, (prompt_ids, params) in workload.items():
         eng.add_request(request_id, prompt_token_ids=prompt_ids, params=params)
     results, aborted = {}, None
     while eng.has_unfinished_requests():
         for output in eng.step():
             results[output.request_id] = output
-        ahead = eng._scheduled_ahead
+        ahead = eng._launched_ahead if launch_ahead else eng._scheduled_ahead
         if aborted is None and ahead is not None:
             victim = next(item.seq for item in ahead[0].scheduled if item.seq.group.request_id.startswith("j"))
             aborted = victim.group.request_id

@@ -140,6 +140,7 @@ class ModelRunner:
         self.table_rows.release(output.freed_seq_ids)
         rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
         fill = pending_inputs(output.scheduled, previous, self._pending_upload)
+        columns = decode_columns(output.scheduled) if output.scheduled and self.decode_graphs is not None else None
         if previous is not None:  # its late sampling reads the graph buffers and sampling rows reused below:
             previous.queue_sampling()  # queued after this host work, which overlaps its mask fill
         if not output.scheduled:
@@ -149,7 +150,7 @@ class ModelRunner:
         # stream); started after the host-side input packing so that they time the device's work.
         timer = DeviceTimer(self.backend.xp) if self.backend.name == "cuda" else None
         grammar = _has_grammar_rows(output.scheduled)
-        decode = self._graph_decode(output.scheduled, rows, grammar)
+        decode = self._graph_decode(output.scheduled, rows, columns, grammar)
         defer = defer_grammar_sampling and grammar
         if decode is None:
             return self._launch_eager(output, rows, moves, fill, timer, defer)
@@ -231,14 +232,15 @@ class ModelRunner:
                             owners=None, prompt_logprobs=[None] * len(scheduled), forward_timer=timer,
                             used_cuda_graph=True)
 
-    def _graph_decode(self, scheduled, rows: np.ndarray, grammar: bool) -> _GraphDecode | None:
+    def _graph_decode(self, scheduled, rows: np.ndarray, columns: DecodeColumns | None,
+                      grammar: bool) -> _GraphDecode | None:
         """The replay of a decode-only step that fits a CUDA graph bucket; None when the eager forward runs
         (no graphs, some sequence computes more than one token, or no bucket fits). rows [S]: block-table rows;
-        grammar: some sampled row has a structured-output matcher (_has_grammar_rows)."""
+        columns: decode_columns(scheduled), None without graphs; grammar: some sampled row has a
+        structured-output matcher (_has_grammar_rows)."""
         graphs = self.decode_graphs
         if graphs is None:
             return None
-        columns = decode_columns(scheduled)
         if columns is None:
             return None  # some sequence computes more than one token
         if not graphs.fits(len(scheduled), int(columns.positions.max()) + 1, int(self.table_rows.lens[rows].max())):
