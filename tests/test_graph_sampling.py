@@ -162,45 +162,6 @@ def test_masked_graph_samples_equal_the_eager_sampler_with_the_same_masks(graphs
         graphs.sample_masked(masks[:, :-1], sampling_rows)  # 32 W < V
 
 
-def test_masks_copied_beside_the_forward_wait_for_the_last_masked_sampling_of_their_bucket(graphs):
-    """Masks in mask_staging rows are copied on a stream of their own, during the forward. Two masked steps of
-    one bucket queued back to back (after a first one that captures the masked graphs), the first one's
-    sampling held back behind a long device job: the second step's copy must not overwrite the bucket's masks
-    before the first sampling read them. Each step draws what the eager sampler draws with its own masks."""
-    assert DecodeGraphs.masks_copied_beside
-    rng = np.random.default_rng(33)
-    vocab, num_seqs = 49152, 13
-    sampling_rows = SamplingRows(eos_token_ids=(2,), num_rows=16)
-    step_rows = StepRows(16, max_blocks=32)
-    free_blocks = rng.permutation(4096).tolist()
-    seq_ids = list(range(500, 500 + num_seqs))
-    owner = {s: (MIXED[int(rng.integers(len(MIXED)))], int(rng.integers(0, 2**63))) for s in seq_ids}
-    busy = cupy.asarray(rng.standard_normal((4096, 4096)), dtype=cupy.float32)  # [4096, 4096]
-    steps = []
-    for step in range(3):
-        ids, positions, slots, tables = _decode_step(rng, num_seqs, free_blocks, 16)
-        rows = step_rows.step(tables, positions, seq_ids)  # [S]
-        sampling_rows.update(rows, np.asarray(seq_ids, np.int64), lambda i: (*owner[seq_ids[i]], False))
-        sample_positions = rng.integers(0, 3000, num_seqs)  # [S]
-        bits = rng.random((num_seqs, vocab)) < (0.02 if step == 1 else 0.5)  # [S, V]: unlike masks each step
-        bits[:, 5 + step] = True
-        masks = graphs.mask_staging(num_seqs, vocab // 32)  # [S, W] pinned rows, copied beside the forward
-        masks[:] = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
-        logits = graphs.run(ids, positions, rows, np.ones(num_seqs, bool), step_rows.table_rows,
-                            sample_positions=sample_positions)[:num_seqs].copy()  # [S, V] (queued copy)
-        if step == 1:
-            for _ in range(8):  # ~tens of ms of device work ahead of the first sampling
-                busy = busy @ busy / 64
-        steps.append((graphs.sample_masked(masks, sampling_rows), logits, masks.copy(), bits, sample_positions))
-    for step, (pending, logits, masks, bits, sample_positions) in enumerate(steps):
-        got = pending.results()
-        requests = [SamplingRequest(*owner[s], int(p), (), (), masks[i])
-                    for i, (s, p) in enumerate(zip(seq_ids, sample_positions))]
-        expected = GpuSampler((2,)).sample(logits, list(range(num_seqs)), requests)
-        assert [r.token_id for r in got] == [r.token_id for r in expected], step
-        assert all(bits[i, r.token_id] for i, r in enumerate(got)), step
-
-
 def test_a_planted_seed_change_changes_the_draw(graphs):
     """The draw reads the row's seed from the device rows: a different seed there moves random rows.
     A random model's logits are so peaked that a temperature near 1 draws the argmax under any seed;

@@ -67,7 +67,6 @@ class _Bucket:
         self.sample_graph = None  # captured on the first sampled replay; dropped when the row buffers move
         self.masked_sample_graph = None  # the same with structured-output masks (`sample_masked`)
         self.masks = None  # [b, W] int32 packed masks the masked sampling graph applies
-        self.masks_read = None  # event after the last masked sampling queued: the next copy into masks waits for it
         self.sampled = None  # [b, 2] float64 (token id, raw logprob), written by every sampled replay
         self.token_ids = None  # [b] int32, the same ids for the next step's inputs
 
@@ -109,10 +108,6 @@ class DecodeGraphs:
     model: a Llama on CudaOps in float16 or bfloat16; kv_cache [L, 2, N, B, Hkv, D] (its address is
     captured)."""
 
-    # sample_masked copies pinned masks on a stream of their own, during the forward (off: after it, in
-    # the current stream's order; the A/B's other side)
-    masks_copied_beside = True
-
     def __init__(self, model, kv_cache, block_size: int, max_model_len: int, buckets=DECODE_BUCKETS) -> None:
         if np.dtype(model.dtype).name not in GRAPH_DTYPES:
             raise ValueError(f"CUDA graphs need a float16 or bfloat16 model, got {model.dtype}")
@@ -123,7 +118,6 @@ class DecodeGraphs:
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.buckets = tuple(sorted(buckets))
         self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._mask_stream = cupy.cuda.Stream(non_blocking=True)  # the masks' copies, beside the forward
         self._pool = cupy.cuda.MemoryPool()  # only for warm-up and capture
         self._gemm = None
         self._logits_out = None  # [b_max, V] float32: every bucket's LM head writes its first b rows
@@ -229,30 +223,15 @@ class DecodeGraphs:
         self._sync_rows(sampling_rows)
         if bucket.masks is None or bucket.masks.shape[1] != masks.shape[1]:
             self._capture_masked_all(masks.shape[1])
-        if not any(masks.ctypes.data == staging.ctypes.data for _, staging in self._mask_staging if staging.size):
-            self._mask_upload(np.ascontiguousarray(masks, dtype=np.int32), out=bucket.masks[:num_seqs])
-        elif self.masks_copied_beside:
-            self._copy_masks_beside(bucket, masks)
-        else:
+        if any(masks.ctypes.data == staging.ctypes.data for _, staging in self._mask_staging if staging.size):
             bucket.masks[:num_seqs].set(masks)  # pinned: queued, returns at once
+        else:
+            self._mask_upload(np.ascontiguousarray(masks, dtype=np.int32), out=bucket.masks[:num_seqs])
         if bucket.masked_sample_graph is None:  # (dropped when the sampling rows grew)
             self._capture_masked(bucket)
         bucket.masked_sample_graph.launch()
-        bucket.masks_read = cupy.cuda.get_current_stream().record()
         self.num_sampled_replays += 1
         return PendingSamples.of_graph(bucket.sampled[:num_seqs], bucket.token_ids[:num_seqs])
-
-    def _copy_masks_beside(self, bucket: _Bucket, masks: np.ndarray) -> None:
-        """Copy pinned masks [S, W] into bucket.masks on the mask stream, which waits only for the bucket's
-        last masked sampling (the one reader of those rows), not for the forward queued since: the copy
-        (16 KB a row at a 128k vocabulary) runs during the forward, and the current stream waits for it
-        before the sampling. The staging rows stay untouched until then: they are handed out again two
-        steps later, after this step's samples were waited for."""
-        stream = self._mask_stream
-        if bucket.masks_read is not None:
-            stream.wait_event(bucket.masks_read)
-        bucket.masks[:masks.shape[0]].set(masks, stream=stream)
-        cupy.cuda.get_current_stream().wait_event(stream.record())
 
     def _capture_masked_all(self, num_words: int) -> None:
         """Every captured bucket's masked sampling graph for masks of num_words words, at once, on the first
