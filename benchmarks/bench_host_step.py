@@ -3,12 +3,17 @@ sampler's kernels are stubbed out, so what is timed is the Python the GPU path r
 (schedule, input packing, the device sampler's host-side packing and unpacking, postprocess, stats).
 
     python benchmarks/bench_host_step.py [--num-requests 256] [--output-len 128] [--graphs] [--profile]
-                                         [--repeat 3] [--clock wall|cpu] [--structured json --mask-processes K]
+                                         [--repeat 3] [--clock wall|cpu] [--max-num-seqs 256]
+                                         [--dataset nano-vllm|sharegpt-like]
+                                         [--structured json --mask-processes K]
                                          [--swap-from REF --swap MODULE.CLASS.METHOD ...]
 
 The workload is the `bench` random one scaled down in output length: prompts 100..1024, every request
 decodes exactly --output-len tokens, max_num_batched_tokens 8192, so most steps are 256-sequence
 decodes like the H200 run's. Prints mean ms per step for the whole step and for each part.
+--dataset sharegpt-like takes the bench's log-normal lengths instead (short outputs: prompts keep arriving beside
+the decodes, as in a large job's steady state); --max-num-seqs sets the batch cap (the stand-in graphs' buckets
+follow it, as the engine's do).
 The engine schedules asynchronously, as on the GPU (--sync: the synchronous loop, the CPU default).
 --repeat N runs the whole workload N times (a fresh engine each) and prints each figure's median over the
 runs; --clock cpu times with this thread's CPU clock instead of the wall clock, which a shared, busy host
@@ -46,11 +51,13 @@ import types
 
 import numpy as np
 
-from offline_paged.benchmark.bench import STRUCTURED_KINDS, random_workload, structured_workload
+from offline_paged.benchmark.bench import (STRUCTURED_KINDS, random_workload, sharegpt_like_workload,
+                                           structured_workload)
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.outputs import RequestError
 from offline_paged.engine import LLMEngine
 from offline_paged.models.dummy_weights import dummy_model, preset_config
+from offline_paged.worker.graph_buckets import DECODE_BUCKETS, decode_buckets
 from offline_paged.worker.launched_step import ReadySamples
 from offline_paged.worker.sampler import SampleResult
 
@@ -148,9 +155,9 @@ class HostOnlyDecodeGraphs:
     """DecodeGraphs' host-side work per replay, without a device (cuda_graph_runner.py: _Bucket.pack,
     _sync_tables, _sync_rows); logits are zeros and every graph-sampled token is 7."""
 
-    buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-    def __init__(self, vocab: int, block_size: int, max_model_len: int, gpu_sampler, draw: TokenDraw | None = None) -> None:
+    def __init__(self, vocab: int, block_size: int, max_model_len: int, gpu_sampler, draw: TokenDraw | None = None,
+                 buckets: tuple[int, ...] = DECODE_BUCKETS) -> None:
+        self.buckets = buckets
         self.gpu_sampler = gpu_sampler
         self.vocab, self.max_model_len = vocab, max_model_len
         self.max_blocks = -(-max_model_len // block_size)
@@ -159,6 +166,7 @@ class HostOnlyDecodeGraphs:
         self._staging: list = [(None, np.zeros((0, 0), np.int32))] * 2  # (source, rows), used in turn
         self._next_staging = 0
         self._last_run = 0  # slots of the last replay
+        self.largest_replay = 0  # sequences in the largest step replayed
 
     def masks_fit(self, num_words: int) -> bool:
         return 32 * num_words >= self.vocab
@@ -199,6 +207,7 @@ class HostOnlyDecodeGraphs:
         write[:num_seqs], write[num_seqs:] = writes, 0
         table_rows.take_changes()
         self._last_run = num_seqs
+        self.largest_replay = max(self.largest_replay, num_seqs)
         return np.zeros((size, self.vocab), dtype=np.float32)  # [b, V]
 
     def run_and_sample(self, input_ids, positions, slot_rows, writes, table_rows, sample_positions, sampling_rows,
@@ -217,10 +226,10 @@ def _sync_rows(sampling_rows) -> None:
 
 
 def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool = True,
-                 mask_processes: int = 0, draw: TokenDraw | None = None):
+                 mask_processes: int = 0, draw: TokenDraw | None = None, max_num_seqs: int = 256):
     tiny = dummy_model("tiny")  # 2 layers, hidden 64: the host's share of a step is what is measured
     model = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, max_position_embeddings=4096))
-    config = EngineConfig(device="cpu", num_kv_blocks=num_requests * 2200 // 16 + 64, max_num_seqs=256,
+    config = EngineConfig(device="cpu", num_kv_blocks=num_requests * 2200 // 16 + 64, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=8192, max_model_len=4096, async_scheduling=async_scheduling,
                           grammar_mask_processes=mask_processes)
     engine = LLMEngine(config, loaded_model=model)
@@ -235,7 +244,8 @@ def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool
     runner.gpu_sampler = HostOnlySampler(gpu_sampler, draw)
     if graphs:
         runner.attach_decode_graphs(HostOnlyDecodeGraphs(vocab, config.block_size, config.max_model_len,
-                                                         gpu_sampler, draw))
+                                                         gpu_sampler, draw, decode_buckets(max_num_seqs)),
+                                    num_rows=max_num_seqs)
     return engine
 
 
@@ -291,7 +301,7 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     tiny = preset_config("tiny")  # build_engine's model
     draw = TokenDraw(tiny.vocab_size, tiny.eos_token_ids[0], clock)
     engine = build_engine(args.num_requests, args.graphs, async_scheduling=not args.sync,
-                          mask_processes=args.mask_processes, draw=draw)
+                          mask_processes=args.mask_processes, draw=draw, max_num_seqs=args.max_num_seqs)
     timer = Timer(clock)
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "_prepare", "runner._prepare")
@@ -304,7 +314,10 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
         timer.wrap(engine.stop_checker, "feed_matchers_ahead", "feed matchers ahead")
         timer.wrap(engine.executor, "launch_deferred_sampling", "mask dispatch")
         timer.wrap(engine.output_processor, "_settle", "outcomes settled")
-    requests = random_workload(args.num_requests, output_len=(args.output_len,) * 2, vocab_size=200)
+    if args.dataset == "sharegpt-like":
+        requests = sharegpt_like_workload(args.num_requests, vocab_size=200)
+    else:
+        requests = random_workload(args.num_requests, output_len=(args.output_len,) * 2, vocab_size=200)
     if args.structured:
         requests = structured_workload(requests, args.structured)
     for index, request in enumerate(requests):
@@ -358,10 +371,16 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     return num_steps, {**totals, **timer.totals}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's options (sys.argv's when argv is None)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dataset", choices=("nano-vllm", "sharegpt-like"), default="nano-vllm",
+                        help="sharegpt-like: the bench's log-normal lengths (--output-len ignored), whose short "
+                             "outputs keep prompts arriving beside the decodes")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="sequences in one step at most (the host's share grows with the batch)")
     parser.add_argument("--graphs", action="store_true", help="time the CUDA-graph decode path's host part")
     parser.add_argument("--profile", action="store_true",
                         help="print the top of a cProfile by own time (env PROFILE_SORT, PROFILE_TOP: another pstats "
@@ -380,13 +399,19 @@ def main() -> None:
                         help="git revision whose --swap methods a seeded coin's half of the steady steps runs")
     parser.add_argument("--swap", action="append", default=[], metavar="MODULE.CLASS.METHOD",
                         help="a method to take from --swap-from (repeatable)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if bool(args.swap) != bool(args.swap_from):
         parser.error("--swap and --swap-from go together")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     profiler = cProfile.Profile() if args.profile else None
     runs = [run_once(args, profiler) for _ in range(args.repeat)]
     num_steps = runs[0][0]
-    print(f"{num_steps} steps, {args.num_requests} requests x {args.output_len} output tokens, "
+    lengths = "sharegpt-like lengths" if args.dataset == "sharegpt-like" else f"x {args.output_len} output tokens"
+    print(f"{num_steps} steps, {args.num_requests} requests {lengths}, max_num_seqs {args.max_num_seqs}, "
           f"{args.clock} clock, median of {args.repeat} run(s)")
     for label in sorted(runs[0][1]) if args.swap else runs[0][1]:
         side = next((side for side in ("(tree)", "(ref)") if label.endswith(side)), None)  # its steps: the side's

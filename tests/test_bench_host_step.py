@@ -3,7 +3,6 @@ stubs: plain and JSON-constrained, eager and through its host-only decode graphs
 broke it silently)."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from pathlib import Path
 
@@ -23,8 +22,8 @@ def bench():
 @pytest.mark.parametrize("structured", [None, "json"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_the_host_step_bench_runs_a_small_workload(bench, structured, graphs):
-    args = argparse.Namespace(num_requests=12, output_len=6, graphs=graphs, profile=False, sync=False, repeat=1,
-                              clock="wall", structured=structured, mask_processes=0, swap_from=None, swap=[])
+    args = bench.parse_args(["--num-requests", "12", "--output-len", "6", *(["--graphs"] if graphs else []),
+                             *(["--structured", structured] if structured else [])])
     num_steps, totals = bench.run_once(args)
     assert num_steps >= 6 and totals["whole step"] > 0 and totals["postprocess"] > 0
     if structured:  # every constrained token was drawn from a mask, and the draw is kept out of the engine's time
@@ -39,9 +38,8 @@ def test_swap_runs_the_named_methods_of_a_git_revision_on_part_of_the_steps(benc
     from offline_paged.core.scheduler import Scheduler
 
     mine = Scheduler.__dict__["_schedule"]
-    args = argparse.Namespace(num_requests=12, output_len=40, graphs=True, profile=False, sync=False, repeat=1,
-                              clock="wall", structured=None, mask_processes=0, swap_from="HEAD",
-                              swap=["offline_paged.core.scheduler.Scheduler._schedule"])
+    args = bench.parse_args(["--num-requests", "12", "--output-len", "40", "--graphs", "--swap-from", "HEAD",
+                             "--swap", "offline_paged.core.scheduler.Scheduler._schedule"])
     num_steps, totals = bench.run_once(args)
     assert totals["steps (tree)"] + totals["steps (ref)"] < num_steps  # the prefill steps are left out
     assert totals["steps (tree)"] >= 5 and totals["steps (ref)"] >= 5
@@ -49,3 +47,24 @@ def test_swap_runs_the_named_methods_of_a_git_revision_on_part_of_the_steps(benc
     assert Scheduler.__dict__["_schedule"] is mine
     swapped = bench.load_swaps("HEAD", ["offline_paged.core.scheduler.Scheduler._schedule"])
     assert swapped[0][3] is not mine and swapped[0][3].__code__.co_filename.startswith("HEAD:")
+
+
+
+def test_decode_steps_wider_than_256_sequences_replay_in_the_stand_in_graphs(bench):
+    """--max-num-seqs 300: the stand-in graphs take the engine's buckets for that many sequences (up to 320), so
+    decode steps of 257-300 sequences replay (they ran eagerly while its buckets stopped at 256)."""
+    engine = bench.build_engine(300, graphs=True, max_num_seqs=300)
+    graphs = engine.runner.decode_graphs
+    assert graphs.buckets[-1] == 320 and engine.runner.sampling_rows.seeds.shape[0] == 300
+    for index, request in enumerate(bench.random_workload(300, input_len=(20, 40), output_len=(4, 4), vocab_size=200)):
+        engine.add_request(f"r{index}", prompt_token_ids=request.prompt_token_ids, params=request.params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close()
+    assert graphs.largest_replay == 300
+
+
+def test_the_sharegpt_like_dataset_runs(bench):
+    args = bench.parse_args(["--num-requests", "12", "--dataset", "sharegpt-like", "--graphs", "--max-num-seqs", "8"])
+    num_steps, totals = bench.run_once(args)
+    assert num_steps > 12 and totals["whole step"] > 0 and totals["runner.launch"] > 0
