@@ -91,7 +91,10 @@ class BlockTableRowsMachine(RuleBasedStateMachine):
             assert self.rows.tables[row, :len(table)].tolist() == table
 
 
-BlockTableRowsMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+# 150 runs of 30 steps under the ci profile; the fuzz profile (conftest) scales both
+BlockTableRowsMachine.TestCase.settings = settings(max_examples=3 * settings.default.max_examples // 2,
+                                                  stateful_step_count=30 * settings.default.stateful_step_count // 500,
+                                                  deadline=None)
 TestBlockTableRows = BlockTableRowsMachine.TestCase
 
 

@@ -267,7 +267,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.scheduler.block_manager.num_seqs == 0
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# 150 runs of 40 steps under the ci profile; the fuzz profile (conftest) scales both
+SchedulerMachine.TestCase.settings = settings(max_examples=3 * settings.default.max_examples // 2,
+                                    stateful_step_count=40 * settings.default.stateful_step_count // 500,
+                                    deadline=None)
 TestSchedulerMachine = SchedulerMachine.TestCase
 
 
