@@ -5,6 +5,7 @@ sampler's kernels are stubbed out, so what is timed is the Python the GPU path r
     python benchmarks/bench_host_step.py [--num-requests 256] [--output-len 128] [--graphs] [--profile]
                                          [--repeat 3] [--clock wall|cpu] [--max-num-seqs 256]
                                          [--dataset nano-vllm|sharegpt-like]
+                                         [--gc paced|default]
                                          [--structured json --mask-processes K]
                                          [--swap-from REF --swap MODULE.CLASS.METHOD ...]
 
@@ -14,6 +15,8 @@ decodes like the H200 run's. Prints mean ms per step for the whole step and for 
 --dataset sharegpt-like takes the bench's log-normal lengths instead (short outputs: prompts keep arriving beside
 the decodes, as in a large job's steady state); --max-num-seqs sets the batch cap (the stand-in graphs' buckets
 follow it, as the engine's do).
+The loop runs with the collector paced as the engine's step loops run it (offline_paged/gc_pacing.py; --gc default:
+the interpreter's thresholds); "gc pauses" is the collector's time in the loop, "(full)" its oldest generation's.
 The engine schedules asynchronously, as on the GPU (--sync: the synchronous loop, the CPU default).
 --repeat N runs the whole workload N times (a fresh engine each) and prints each figure's median over the
 runs; --clock cpu times with this thread's CPU clock instead of the wall clock, which a shared, busy host
@@ -36,8 +39,10 @@ steps interleaved in one process see the same machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import cProfile
+import gc
 import importlib
 import importlib.util
 import os
@@ -51,6 +56,7 @@ import types
 
 import numpy as np
 
+from offline_paged import gc_pacing
 from offline_paged.benchmark.bench import (STRUCTURED_KINDS, random_workload, sharegpt_like_workload,
                                            structured_workload)
 from offline_paged.core.config import EngineConfig
@@ -252,6 +258,28 @@ def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
+@contextlib.contextmanager
+def timed_collections(timer: "Timer"):
+    """The cyclic collector's pauses inside the block, added to `timer` as "gc pauses" (every generation)
+    and "gc pauses (full)" (the oldest), by the wall clock whatever --clock says: a pause holds the host."""
+    started = [0.0]
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        pause = time.perf_counter() - started[0]
+        timer.add("gc pauses", pause)
+        if info["generation"] == 2:
+            timer.add("gc pauses (full)", pause)
+
+    gc.callbacks.append(on_collection)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(on_collection)
+
+
 class Timer:
     def __init__(self, clock=time.perf_counter) -> None:
         self.clock = clock
@@ -334,28 +362,31 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     failed = []
     swaps = load_swaps(args.swap_from, args.swap) if args.swap else []
     coin, swapping = random.Random(0), False
+    pacing = gc_pacing.paced() if args.gc == "paced" else contextlib.nullcontext()
     try:
-        while engine.has_unfinished_requests():
-            # With --swap, once every prompt is in (the prefill steps, few and long, would weigh on whichever side
-            # drew them), a seeded coin picks each step's side (a fixed alternation would meet periodic work in step).
-            swapping = swapping or bool(swaps) and not engine.scheduler.waiting and all(
-                len(seq.token_ids) > seq.num_prompt_tokens for seq in engine.scheduler.running)
-            if swapping:
-                use_ref = coin.random() < 0.5
-                timer.suffix = " (ref)" if use_ref else " (tree)"
-                timer.add("steps", 1.0)
-                for cls, method, tree_fn, ref_fn in swaps:
-                    setattr(cls, method, ref_fn if use_ref else tree_fn)
-                t0 = clock()
-            elif swaps:
-                timer.suffix = " (warm-up)"
-                for cls, method, tree_fn, _ in swaps:
-                    setattr(cls, method, tree_fn)
-            failed += [out for out in engine.step() if isinstance(out, RequestError)]
-            engine.stats  # the bench probe snapshots the stats every step
-            if swapping:
-                timer.add("whole step", clock() - t0)
-            num_steps += 1
+        with pacing, timed_collections(timer):
+            while engine.has_unfinished_requests():
+                # With --swap, once every prompt is in (the prefill steps, few and long, would weigh on whichever
+                # side drew them), a seeded coin picks each step's side (a fixed alternation would meet periodic
+                # work in step).
+                swapping = swapping or bool(swaps) and not engine.scheduler.waiting and all(
+                    len(seq.token_ids) > seq.num_prompt_tokens for seq in engine.scheduler.running)
+                if swapping:
+                    use_ref = coin.random() < 0.5
+                    timer.suffix = " (ref)" if use_ref else " (tree)"
+                    timer.add("steps", 1.0)
+                    for cls, method, tree_fn, ref_fn in swaps:
+                        setattr(cls, method, ref_fn if use_ref else tree_fn)
+                    t0 = clock()
+                elif swaps:
+                    timer.suffix = " (warm-up)"
+                    for cls, method, tree_fn, _ in swaps:
+                        setattr(cls, method, tree_fn)
+                failed += [out for out in engine.step() if isinstance(out, RequestError)]
+                engine.stats  # the bench probe snapshots the stats every step
+                if swapping:
+                    timer.add("whole step", clock() - t0)
+                num_steps += 1
     finally:
         if profiler:
             profiler.disable()
@@ -382,6 +413,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="sequences in one step at most (the host's share grows with the batch)")
     parser.add_argument("--graphs", action="store_true", help="time the CUDA-graph decode path's host part")
+    parser.add_argument("--gc", choices=("paced", "default"), default="paced",
+                        help="the collector's thresholds in the loop: paced as the engine's step loops run it "
+                             "(offline_paged.gc_pacing), or the interpreter's own")
     parser.add_argument("--profile", action="store_true",
                         help="print the top of a cProfile by own time (env PROFILE_SORT, PROFILE_TOP: another pstats "
                              "order, more lines)")

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from offline_paged import gc_pacing
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.sampling_params import SamplingParams
 
@@ -90,16 +91,17 @@ def _serve(engine, conn) -> None:
     from offline_paged.core.outputs import RequestError
 
     last_sent = time.monotonic()
-    while True:
-        refused: list[RequestError] = []
-        if not _take_messages(engine, conn, refused):
-            return
-        finished = engine.step() if engine.has_unfinished_requests() else []
-        now = time.monotonic()
-        if refused or finished or now - last_sent > _STATS_EVERY_S:
-            if not _send(conn, ("results", refused + finished, engine.stats)):
+    with gc_pacing.paced():
+        while True:
+            refused: list[RequestError] = []
+            if not _take_messages(engine, conn, refused):
                 return
-            last_sent = now
+            finished = engine.step() if engine.has_unfinished_requests() else []
+            now = time.monotonic()
+            if refused or finished or now - last_sent > _STATS_EVERY_S:
+                if not _send(conn, ("results", refused + finished, engine.stats)):
+                    return
+                last_sent = now
 
 
 def _take_messages(engine, conn, refused: list) -> bool:

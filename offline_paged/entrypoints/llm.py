@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from offline_paged import gc_pacing
 from offline_paged.core.beam_search_params import BeamSearchParams
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.outputs import (BeamSearchOutput, BeamSearchSequence, EngineStats, RequestError,
@@ -220,12 +221,13 @@ class LLM:
         wanted = set(request_ids)
         done: dict[str, RequestOutput] = {}
         try:
-            while len(done) < len(wanted):
-                for output in self.engine.step():
-                    if output.request_id in wanted:
-                        done[output.request_id] = output
-                        if not isinstance(output, RequestError):  # a worker refused it
-                            progress.update(output)
+            with gc_pacing.paced():
+                while len(done) < len(wanted):
+                    for output in self.engine.step():
+                        if output.request_id in wanted:
+                            done[output.request_id] = output
+                            if not isinstance(output, RequestError):  # a worker refused it
+                                progress.update(output)
         except BaseException:
             for request_id in wanted - done.keys():
                 self.engine.abort_request(request_id)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from offline_paged import gc_pacing
 from offline_paged.core.outputs import RequestError, RequestOutput
 from offline_paged.job.job_file import JsonlWriter
 from offline_paged.job.job_input import EMBEDDINGS, NATIVE, SCORE, JobRequest, LineError, parse_line, score_tokens
@@ -123,15 +124,16 @@ class JobRunner:
         start = time.perf_counter()
         numbered: Iterator[tuple[int, str]] = iter(enumerate(lines, start=1))
         exhausted = False
-        while not self.should_stop():
-            exhausted = exhausted or self._fill(numbered)
-            if not self._pending:
-                if exhausted:
-                    break
-                continue
-            for output in self.engine.step():
-                self._finish(output)
-            self._report(start)
+        with gc_pacing.paced():
+            while not self.should_stop():
+                exhausted = exhausted or self._fill(numbered)
+                if not self._pending:
+                    if exhausted:
+                        break
+                    continue
+                for output in self.engine.step():
+                    self._finish(output)
+                self._report(start)
         self.summary.interrupted = self.should_stop() and not (exhausted and not self._pending)
         self._report(start)
         return self.summary
