@@ -6,6 +6,7 @@ sampler's kernels are stubbed out, so what is timed is the Python the GPU path r
                                          [--repeat 3] [--clock wall|cpu] [--max-num-seqs 256]
                                          [--dataset nano-vllm|sharegpt-like]
                                          [--gc paced|default]
+                                         [--job ids|chat [--tokenizer-dir DIR]]
                                          [--structured json --mask-processes K]
                                          [--swap-from REF --swap MODULE.CLASS.METHOD ...]
 
@@ -17,6 +18,10 @@ the decodes, as in a large job's steady state); --max-num-seqs sets the batch ca
 follow it, as the engine's do).
 The loop runs with the collector paced as the engine's step loops run it (offline_paged/gc_pacing.py; --gc default:
 the interpreter's thresholds); "gc pauses" is the collector's time in the loop, "(full)" its oldest generation's.
+--job runs the workload as `generate` lines through its JobRunner instead of adding the requests up front, so the
+job's own host work in the step loop is timed too: "lines in" (parse, chat template, tokenizer, add_request) and
+"records out". --job chat sends each prompt as a user message of as many common words (the chat template and the
+tokenizer of --tokenizer-dir run for each line); --job ids sends the prompt's token ids.
 The engine schedules asynchronously, as on the GPU (--sync: the synchronous loop, the CPU default).
 --repeat N runs the whole workload N times (a fresh engine each) and prints each figure's median over the
 runs; --clock cpu times with this thread's CPU clock instead of the wall clock, which a shared, busy host
@@ -43,6 +48,8 @@ import contextlib
 import dataclasses
 import cProfile
 import gc
+import io
+import json
 import importlib
 import importlib.util
 import os
@@ -62,7 +69,10 @@ from offline_paged.benchmark.bench import (STRUCTURED_KINDS, random_workload, sh
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.outputs import RequestError
 from offline_paged.engine import LLMEngine
-from offline_paged.models.dummy_weights import dummy_model, preset_config
+from offline_paged.job.job_file import JsonlWriter
+from offline_paged.job.job_runner import JobRunner
+from offline_paged.models.dummy_weights import dummy_model, preset_config, random_weights
+from offline_paged.models.loader import LoadedModel, load_tokenizer
 from offline_paged.worker.graph_buckets import DECODE_BUCKETS, decode_buckets
 from offline_paged.worker.launched_step import ReadySamples
 from offline_paged.worker.sampler import SampleResult
@@ -232,9 +242,15 @@ def _sync_rows(sampling_rows) -> None:
 
 
 def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool = True,
-                 mask_processes: int = 0, draw: TokenDraw | None = None, max_num_seqs: int = 256):
+                 mask_processes: int = 0, draw: TokenDraw | None = None, max_num_seqs: int = 256,
+                 tokenizer=None):
+    """The engine with the stand-ins; `tokenizer` (a real one, for --job chat) gives the model its vocabulary."""
     tiny = dummy_model("tiny")  # 2 layers, hidden 64: the host's share of a step is what is measured
     model = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, max_position_embeddings=4096))
+    if tokenizer is not None:
+        shape = dataclasses.replace(model.config, vocab_size=tokenizer.vocab_size,
+                                    eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)))
+        model = LoadedModel(shape, random_weights(shape), tokenizer, "tiny shape, a real tokenizer")
     config = EngineConfig(device="cpu", num_kv_blocks=num_requests * 2200 // 16 + 64, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=8192, max_model_len=4096, async_scheduling=async_scheduling,
                           grammar_mask_processes=mask_processes)
@@ -328,8 +344,10 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     clock = CLOCKS[args.clock]
     tiny = preset_config("tiny")  # build_engine's model
     draw = TokenDraw(tiny.vocab_size, tiny.eos_token_ids[0], clock)
+    tokenizer = load_tokenizer(args.tokenizer_dir)[1] if args.job == "chat" else None
     engine = build_engine(args.num_requests, args.graphs, async_scheduling=not args.sync,
-                          mask_processes=args.mask_processes, draw=draw, max_num_seqs=args.max_num_seqs)
+                          mask_processes=args.mask_processes, draw=draw, max_num_seqs=args.max_num_seqs,
+                          tokenizer=tokenizer)
     timer = Timer(clock)
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "_prepare", "runner._prepare")
@@ -346,6 +364,8 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
         requests = sharegpt_like_workload(args.num_requests, vocab_size=200)
     else:
         requests = random_workload(args.num_requests, output_len=(args.output_len,) * 2, vocab_size=200)
+    if args.job:
+        return run_job(args, engine, requests, timer)
     if args.structured:
         requests = structured_workload(requests, args.structured)
     for index, request in enumerate(requests):
@@ -402,6 +422,48 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     return num_steps, {**totals, **timer.totals}
 
 
+# Common English words, one BPE token each (with their leading space) in the usual vocabularies: a chat line's
+# message of n of them tokenises to about n tokens.
+WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
+         "they you were her one all we can there been if more when will would who so no").split()
+
+
+def job_lines(requests: list, kind: str) -> list[str]:
+    """The workload as `generate` input lines: the prompt's ids ("ids"), or one user message of as many words as
+    the prompt has tokens ("chat": the chat template and the tokenizer run for each line)."""
+    rng = random.Random(0)
+    lines = []
+    for index, request in enumerate(requests):
+        fields = {"max_tokens": request.params.max_tokens, "min_tokens": request.params.min_tokens,
+                  "ignore_eos": True}
+        if kind == "chat":
+            words = " ".join(rng.choice(WORDS) for _ in request.prompt_token_ids)
+            fields["messages"] = [{"role": "user", "content": words}]
+        else:
+            fields["prompt_token_ids"] = [t + 4 for t in request.prompt_token_ids]
+        lines.append(json.dumps({"id": f"r{index}", **fields}))
+    return lines
+
+
+def run_job(args, engine, requests: list, timer: Timer) -> tuple[int, dict[str, float]]:
+    """The workload through `generate`'s JobRunner (records into memory): the job's own host work per step
+    (lines in: parse, chat template, tokenizer, add_request; records out) beside the engine's."""
+    lines = job_lines(requests, args.job)
+    job = JobRunner(engine, JsonlWriter(io.BytesIO()))
+    timer.wrap(job, "_fill", "job: lines in")
+    timer.wrap(job, "_finish", "job: records out")
+    timer.wrap(engine, "step", "engine.step")
+    start = timer.clock()
+    with timed_collections(timer):
+        summary = job.run(lines)
+    whole = timer.clock() - start
+    if summary.num_failed:
+        raise RuntimeError(f"{summary.num_failed} lines failed")
+    num_steps = engine.stats.num_steps
+    engine.close()
+    return num_steps, {"whole step": whole, **timer.totals}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line's options (sys.argv's when argv is None)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -410,6 +472,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dataset", choices=("nano-vllm", "sharegpt-like"), default="nano-vllm",
                         help="sharegpt-like: the bench's log-normal lengths (--output-len ignored), whose short "
                              "outputs keep prompts arriving beside the decodes")
+    parser.add_argument("--job", choices=("ids", "chat"), default=None,
+                        help="run the workload as `generate` lines through the JobRunner: prompt ids, or chat "
+                             "messages (needs --tokenizer-dir); the job paces the collector itself")
+    parser.add_argument("--tokenizer-dir", default=None,
+                        help="a model directory whose tokenizer and chat template --job chat uses (e.g. the "
+                             "default model's, ~/.cache/offline-paged/SmolLM2-135M-Instruct)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="sequences in one step at most (the host's share grows with the batch)")
     parser.add_argument("--graphs", action="store_true", help="time the CUDA-graph decode path's host part")
@@ -436,6 +504,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if bool(args.swap) != bool(args.swap_from):
         parser.error("--swap and --swap-from go together")
+    if args.job and (args.swap or args.structured):
+        parser.error("--job runs without --swap and --structured")
+    if (args.job == "chat") != bool(args.tokenizer_dir):
+        parser.error("--job chat and --tokenizer-dir go together")
     return args
 
 

@@ -68,3 +68,35 @@ def test_the_sharegpt_like_dataset_runs(bench):
     args = bench.parse_args(["--num-requests", "12", "--dataset", "sharegpt-like", "--graphs", "--max-num-seqs", "8"])
     num_steps, totals = bench.run_once(args)
     assert num_steps > 12 and totals["whole step"] > 0 and totals["runner.launch"] > 0
+
+
+def test_a_job_of_prompt_ids_runs_through_the_job_runner(bench):
+    args = bench.parse_args(["--num-requests", "10", "--output-len", "5", "--graphs", "--job", "ids"])
+    num_steps, totals = bench.run_once(args)
+    assert num_steps >= 5 and totals["job: lines in"] > 0 and totals["job: records out"] > 0
+    assert totals["engine.step"] < totals["whole step"]
+
+
+def test_a_chat_job_renders_and_tokenises_each_line(bench, tmp_path):
+    """--job chat: every line is a user message the chat template and the tokenizer turn into the prompt."""
+    from fixtures_tiny_model import write_tiny_model
+
+    from offline_paged.benchmark.bench import random_workload
+
+    directory = write_tiny_model(tmp_path / "model")
+    args = bench.parse_args(["--num-requests", "4", "--graphs", "--job", "chat", "--tokenizer-dir", str(directory)])
+    tokenizer = bench.load_tokenizer(str(directory))[1]
+    engine = bench.build_engine(4, graphs=True, tokenizer=tokenizer)
+    requests = random_workload(4, input_len=(3, 6), output_len=(2, 4), vocab_size=200)
+    lines = bench.job_lines(requests, "chat")
+    assert all('"messages"' in line and "prompt_token_ids" not in line for line in lines)
+    num_steps, totals = bench.run_job(args, engine, requests, bench.Timer())
+    assert num_steps >= 2 and totals["job: lines in"] > 0
+    assert engine.stats.num_prompt_tokens > sum(len(r.prompt_token_ids) for r in requests)  # words, template
+
+
+@pytest.mark.parametrize("argv", [["--job", "chat"], ["--job", "ids", "--structured", "json"],
+                                  ["--tokenizer-dir", "x"]])
+def test_job_options_that_do_not_go_together_are_refused(bench, argv):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
