@@ -253,7 +253,8 @@ def build_engine(num_requests: int, graphs: bool = False, async_scheduling: bool
         model = LoadedModel(shape, random_weights(shape), tokenizer, "tiny shape, a real tokenizer")
     config = EngineConfig(device="cpu", num_kv_blocks=num_requests * 2200 // 16 + 64, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=8192, max_model_len=4096, async_scheduling=async_scheduling,
-                          grammar_mask_processes=mask_processes)
+                          grammar_mask_processes=mask_processes,
+                          admission_batch=max(1, max_num_seqs // 8))  # CUDA's default (the CPU's is 1)
     engine = LLMEngine(config, loaded_model=model)
     runner = engine.runner
     vocab = model.config.vocab_size
