@@ -454,8 +454,13 @@ class _Occupancy:
     def __init__(self, running: SeqQueue) -> None:
         self.count = 0
         self._beam_groups: set[int] = set()
+        # (add() inline for the common sequence: this walks the running queue every step while requests wait)
         for seq in running:
-            self.add(seq)
+            group = seq.group
+            if group.beam is None:
+                self.count += group.num_pending_seqs
+            else:
+                self.add(seq)
 
     def cost(self, seq: Sequence) -> int:
         group = seq.group
