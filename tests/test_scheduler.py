@@ -364,3 +364,23 @@ def test_admission_batch_must_be_positive():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="admission_batch"):
             Scheduler(manager, max_num_seqs=2, max_num_batched_tokens=8, admission_batch=bad)
+
+
+def test_a_request_still_prefilling_holds_room_for_all_its_samples():
+    """n = 3 occupies three sequences once forked, so while its prompt's last chunk is scheduled only one of
+    two waiting requests may come in beside it under max_num_seqs = 4 (the fork follows that step)."""
+    manager = BlockManager(64, 0, block_size=4, watermark=0.0, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=8)  # the 10-token prompt: 8 + 2
+    processor = OutputProcessor(scheduler, stop_checker)
+    for index, (prompt, n) in enumerate((([2, 3, 4, 5, 6] * 2, 3), ([7, 8], 1), ([9, 10], 1))):
+        params = SamplingParams(n=n, max_tokens=4, ignore_eos=True)
+        seeds = list(range(index * 3, index * 3 + n))
+        scheduler.add_group(SequenceGroup(f"r{index}", index, None, prompt, params, seeds))
+    admitted = []
+    for _ in range(6):
+        output = scheduler.schedule()
+        admitted.append(sorted(item.seq.group.request_id for item in output.scheduled if item.start == 0))
+        processor.process(output, [SequenceResult([TokenSample(5, -0.5)] * item.num_samples)
+                                   for item in output.scheduled])
+        assert len(scheduler.running) <= 4
+    assert admitted[:2] == [["r0"], ["r1"]], admitted  # r2 waits for a slot
