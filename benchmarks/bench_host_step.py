@@ -16,7 +16,7 @@ decodes like the H200 run's. Prints mean ms per step for the whole step and for 
 --dataset sharegpt-like takes the bench's log-normal lengths instead (short outputs: prompts keep arriving beside
 the decodes, as in a large job's steady state); --max-num-seqs sets the batch cap (the stand-in graphs' buckets
 follow it, as the engine's do).
-The loop runs with the collector paced as the engine's step loops run it (offline_paged/gc_pacing.py; --gc default:
+The loop runs with the collector paced as the engine's step loops run it (offline_paged/core/gc_pacing.py; --gc default:
 the interpreter's thresholds); "gc pauses" is the collector's time in the loop, "(full)" its oldest generation's.
 --job runs the workload as `generate` lines through its JobRunner instead of adding the requests up front, so the
 job's own host work in the step loop is timed too: "lines in" (parse, chat template, tokenizer, add_request) and
@@ -63,9 +63,9 @@ import types
 
 import numpy as np
 
-from offline_paged import gc_pacing
 from offline_paged.benchmark.bench import (STRUCTURED_KINDS, random_workload, sharegpt_like_workload,
                                            structured_workload)
+from offline_paged.core import gc_pacing
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.outputs import RequestError
 from offline_paged.engine import LLMEngine
@@ -484,7 +484,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--graphs", action="store_true", help="time the CUDA-graph decode path's host part")
     parser.add_argument("--gc", choices=("paced", "default"), default="paced",
                         help="the collector's thresholds in the loop: paced as the engine's step loops run it "
-                             "(offline_paged.gc_pacing), or the interpreter's own")
+                             "(offline_paged.core.gc_pacing), or the interpreter's own")
     parser.add_argument("--profile", action="store_true",
                         help="print the top of a cProfile by own time (env PROFILE_SORT, PROFILE_TOP: another pstats "
                              "order, more lines)")

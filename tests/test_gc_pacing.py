@@ -9,7 +9,7 @@ import pytest
 from fake_engine import FakeEngine
 from tiny_engine import VOCAB_SIZE, tiny_model
 
-from offline_paged import gc_pacing
+from offline_paged.core import gc_pacing
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.engine import LLMEngine

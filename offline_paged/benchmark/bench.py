@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from offline_paged import gc_pacing
+from offline_paged.core import gc_pacing
 from offline_paged.core.outputs import RequestError
 from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.core.structured_outputs import StructuredOutputsParams

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from offline_paged import gc_pacing
+from offline_paged.core import gc_pacing
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.sampling_params import SamplingParams
 

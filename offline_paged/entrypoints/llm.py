@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from offline_paged import gc_pacing
+from offline_paged.core import gc_pacing
 from offline_paged.core.beam_search_params import BeamSearchParams
 from offline_paged.core.config import EngineConfig
 from offline_paged.core.outputs import (BeamSearchOutput, BeamSearchSequence, EngineStats, RequestError,

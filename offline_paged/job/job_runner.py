@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from offline_paged import gc_pacing
+from offline_paged.core import gc_pacing
 from offline_paged.core.outputs import RequestError, RequestOutput
 from offline_paged.job.job_file import JsonlWriter
 from offline_paged.job.job_input import EMBEDDINGS, NATIVE, SCORE, JobRequest, LineError, parse_line, score_tokens
