@@ -100,3 +100,15 @@ def test_a_chat_job_renders_and_tokenises_each_line(bench, tmp_path):
 def test_job_options_that_do_not_go_together_are_refused(bench, argv):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
+
+
+def test_the_collector_pacing_ab_runs_both_sides_and_reports_the_pairs(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("bench_gc_pacing", SCRIPT.with_name("bench_gc_pacing.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr("sys.argv", ["bench_gc_pacing.py", "2", "--num-requests", "8", "--output-len", "4"])
+    module.main()
+    lines = capsys.readouterr().out.splitlines()
+    runs = [line.split()[2] for line in lines if line.startswith("pair ")]
+    assert sorted(runs) == ["default", "default", "paced", "paced"]
+    assert lines[-1].startswith("default / paced, each pair:") and lines[-1].endswith("of 2")
