@@ -163,3 +163,59 @@ def test_chat_template_kwargs_reach_the_template(llm):
                               use_tqdm=False, chat_template=template, chat_template_kwargs=kwargs)[0]
                      for kwargs in ({}, {"shout": True})]
     assert (plain.prompt, loud.prompt) == ("hi", "hi!!")
+
+
+# ----------------------------------------------------------------------------- text prompts tokenised in one batch
+TEXTS = ["The sky is", "Hello there, how are you today?", "a", "Zebra crossings " * 5]
+
+
+def test_text_prompts_tokenised_in_one_batch_give_what_one_by_one_gives(llm, monkeypatch):
+    """generate() of several texts tokenises them in one encode_batch call; the ids, and so the tokens, are those
+    of each text added alone (a single prompt takes add_request's own encode)."""
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    batches = []
+    encode_batch = llm.engine.tokenizer.encode_batch
+    monkeypatch.setattr(llm.engine.tokenizer, "encode_batch", lambda texts, **kw: batches.append(texts) or
+                        encode_batch(texts, **kw))
+    together = llm.generate(TEXTS, params, use_tqdm=False)
+    assert batches == [TEXTS]
+    monkeypatch.undo()
+    alone = [llm.generate(text, params, use_tqdm=False)[0] for text in TEXTS]
+    tokenizer = llm.engine.tokenizer
+    for text, got, want in zip(TEXTS, together, alone):
+        assert got.prompt == text and got.prompt_token_ids == tokenizer.encode(text) == want.prompt_token_ids
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert tokenizer.encode_batch(TEXTS, add_special_tokens=False) == [
+        tokenizer.encode(text, add_special_tokens=False) for text in TEXTS]
+
+
+def test_chat_conversations_tokenised_in_one_batch_give_what_one_by_one_gives(llm):
+    conversations = [[{"role": "user", "content": text}] for text in TEXTS]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    together = llm.chat(conversations, params, use_tqdm=False)
+    alone = [llm.chat(conversation, params, use_tqdm=False)[0] for conversation in conversations]
+    assert [o.prompt_token_ids for o in together] == [o.prompt_token_ids for o in alone]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_a_text_the_tokenizer_panics_on_is_named_by_its_prompt_index(model_dir, tmp_path):
+    """A tokenizer.json whose Split regex backtracks past onig's limit panics on "a" * 64 + "b": the batch fails,
+    each text is then added alone, and the error names prompt 2 (the first two were added and are withdrawn)."""
+    import shutil
+
+    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    path = model / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False},
+        tokenizer["pre_tokenizer"]]}
+    path.write_text(json.dumps(tokenizer))
+    hostile = LLM(str(model), device="cpu", dtype="float64", block_size=4, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="encode_batch|one of these texts"):
+        hostile.engine.tokenizer.encode_batch(["fine", "a" * 64 + "b"])
+    with pytest.raises(ValueError, match=r"prompt 2: the tokenizer failed on this text"):
+        hostile.generate(["fine", "also fine", "a" * 64 + "b", "never added"], SamplingParams(max_tokens=2))
+    assert not hostile.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match=r"the tokenizer failed on this text"):
+        hostile.chat([[{"role": "user", "content": "fine"}], [{"role": "user", "content": "a" * 64 + "b"}]],
+                      SamplingParams(max_tokens=2))

@@ -110,6 +110,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
+        prompts = self._with_token_ids(prompts)
         request_ids: list[str] = []
         try:
             for prompt, param in zip(prompts, params):
@@ -135,12 +136,10 @@ class LLM:
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is not supported")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         tokenizer = self.engine.tokenizer
-        prompts = []
-        for conversation in conversations:
-            text = render_chat(tokenizer, [_text_message(m) for m in conversation], add_generation_prompt,
-                               chat_template, chat_template_kwargs or {})
-            prompts.append({"prompt_token_ids": self._tokenizer.encode(text, add_special_tokens=False),
-                            "prompt": text})
+        texts = [render_chat(tokenizer, [_text_message(m) for m in conversation], add_generation_prompt,
+                             chat_template, chat_template_kwargs or {}) for conversation in conversations]
+        token_ids = _encode_all(tokenizer, texts, add_special_tokens=False)  # the template wrote its specials
+        prompts = [{"prompt_token_ids": ids, "prompt": text} for text, ids in zip(texts, token_ids)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
@@ -205,6 +204,20 @@ class LLM:
                                   finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
 
     # ----------------------------------------------------------------- internals
+    def _with_token_ids(self, prompts: list[Prompt]) -> list[Prompt]:
+        """Text prompts with their ids, tokenised in one batch (the tokenizer's threads, without the GIL) instead
+        of one by one as they are added; the others as they are. A text the tokenizer fails on leaves every text
+        to add_request, whose error names its prompt."""
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        if len(texts) < 2 or not hasattr(self.engine.tokenizer, "encode_batch"):
+            return prompts
+        try:
+            token_ids = iter(self.engine.tokenizer.encode_batch(texts))
+        except ValueError:
+            return prompts
+        return [{"prompt": prompt, "prompt_token_ids": next(token_ids)} if isinstance(prompt, str) else prompt
+                for prompt in prompts]
+
     def _add(self, prompt: Prompt, params: SamplingParams) -> str:
         request_id = f"llm-{self._next_id}"
         self._next_id += 1
@@ -285,6 +298,17 @@ def _text_message(message: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"content part type(s) {', '.join(kinds)} not supported (only text parts)")
         message["content"] = "".join(str(p.get("text", "")) for p in content)
     return message
+
+
+def _encode_all(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """The ids of each text: in one batch where the tokenizer has encode_batch, else one by one (either way a
+    text it fails on raises ValueError; one by one, the first such text)."""
+    if len(texts) > 1 and hasattr(tokenizer, "encode_batch"):
+        try:
+            return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        except ValueError:
+            pass  # one by one: the error is the failing text's own
+    return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
