@@ -51,6 +51,21 @@ def _random_weights(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
     return {name: w.astype(np.float32) for name, w in weights.items()}
 
 
+# A text the tokenizer of make_tokenizer_panic panics on.
+PANIC_TEXT = "a" * 64 + "b"
+
+
+def make_tokenizer_panic(model_dir: Path) -> None:
+    """Put a Split regex in front of model_dir's pre-tokenizer that backtracks past onig's limit on PANIC_TEXT:
+    the Rust tokenizer then panics there (pyo3's PanicException, a BaseException), and only there."""
+    path = Path(model_dir) / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False},
+        tokenizer["pre_tokenizer"]]}
+    path.write_text(json.dumps(tokenizer))
+
+
 def _tokenizer() -> Tokenizer:
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)
     backend = BackendTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fixtures_tiny_model import CHATML, write_tiny_model
+from fixtures_tiny_model import CHATML, PANIC_TEXT, make_tokenizer_panic, write_tiny_model
 from sandbox_clock import count_sandbox_clock
 from offline_paged.cli.main import cli
 from offline_paged.models.chat_template import DEFAULT_MAX_SECONDS
@@ -104,14 +104,9 @@ def test_a_tokenizer_that_panics_on_one_prompt_costs_only_that_line(model_dir, t
     (pyo3's PanicException is a BaseException); it used to end the job with exit 1 and 0 records, and
     every resume died again on the same line."""
     model = _copy(model_dir, tmp_path)
-    path = model / "tokenizer.json"
-    tokenizer = json.loads(path.read_text())
-    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False},
-        tokenizer["pre_tokenizer"]]}
-    path.write_text(json.dumps(tokenizer))
-    lines = [{"id": "plain", "prompt": "The sky is"}, {"id": "panic", "prompt": "a" * 64 + "b"},
-             {"id": "chat-panic", "messages": [{"role": "user", "content": "a" * 64 + "b"}]},
+    make_tokenizer_panic(model)
+    lines = [{"id": "plain", "prompt": "The sky is"}, {"id": "panic", "prompt": PANIC_TEXT},
+             {"id": "chat-panic", "messages": [{"role": "user", "content": PANIC_TEXT}]},
              {"id": "last", "prompt": "Hi"}]
     for _ in range(2):  # the rerun resumes past it
         result, records = _run(model, tmp_path, lines)

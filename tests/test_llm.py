@@ -199,23 +199,20 @@ def test_chat_conversations_tokenised_in_one_batch_give_what_one_by_one_gives(ll
 
 
 def test_a_text_the_tokenizer_panics_on_is_named_by_its_prompt_index(model_dir, tmp_path):
-    """A tokenizer.json whose Split regex backtracks past onig's limit panics on "a" * 64 + "b": the batch fails,
-    each text is then added alone, and the error names prompt 2 (the first two were added and are withdrawn)."""
+    """A tokenizer that panics on one text: the batch fails, each text is then added alone, and the error names
+    prompt 2 (the first two were added and are withdrawn)."""
     import shutil
 
+    from fixtures_tiny_model import PANIC_TEXT, make_tokenizer_panic
+
     model = Path(shutil.copytree(model_dir, tmp_path / "model"))
-    path = model / "tokenizer.json"
-    tokenizer = json.loads(path.read_text())
-    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False},
-        tokenizer["pre_tokenizer"]]}
-    path.write_text(json.dumps(tokenizer))
+    make_tokenizer_panic(model)
     hostile = LLM(str(model), device="cpu", dtype="float64", block_size=4, num_kv_blocks=64)
-    with pytest.raises(ValueError, match="encode_batch|one of these texts"):
-        hostile.engine.tokenizer.encode_batch(["fine", "a" * 64 + "b"])
+    with pytest.raises(ValueError, match="one of these texts"):
+        hostile.engine.tokenizer.encode_batch(["fine", PANIC_TEXT])
     with pytest.raises(ValueError, match=r"prompt 2: the tokenizer failed on this text"):
-        hostile.generate(["fine", "also fine", "a" * 64 + "b", "never added"], SamplingParams(max_tokens=2))
+        hostile.generate(["fine", "also fine", PANIC_TEXT, "never added"], SamplingParams(max_tokens=2))
     assert not hostile.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match=r"the tokenizer failed on this text"):
-        hostile.chat([[{"role": "user", "content": "fine"}], [{"role": "user", "content": "a" * 64 + "b"}]],
+        hostile.chat([[{"role": "user", "content": "fine"}], [{"role": "user", "content": PANIC_TEXT}]],
                       SamplingParams(max_tokens=2))
