@@ -216,3 +216,18 @@ def test_a_text_the_tokenizer_panics_on_is_named_by_its_prompt_index(model_dir, 
     with pytest.raises(ValueError, match=r"the tokenizer failed on this text"):
         hostile.chat([[{"role": "user", "content": "fine"}], [{"role": "user", "content": PANIC_TEXT}]],
                       SamplingParams(max_tokens=2))
+
+
+def test_the_llm_adds_bench_runs_both_ways(model_dir, monkeypatch, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_llm_adds.py"
+    spec = importlib.util.spec_from_file_location("bench_llm_adds", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr("sys.argv", ["bench_llm_adds.py", str(model_dir), "--num-prompts", "6", "--words", "4",
+                                     "--repeat", "1"])
+    module.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[1].split()[0] for line in lines[:2]] == ["one", "batched"]
+    assert len(lines) == 4 and all("ms" in line for line in lines)
