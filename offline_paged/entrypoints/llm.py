@@ -208,13 +208,10 @@ class LLM:
         """Text prompts with their ids, tokenised in one batch (the tokenizer's threads, without the GIL) instead
         of one by one as they are added; the others as they are. A text the tokenizer fails on leaves every text
         to add_request, whose error names its prompt."""
-        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
-        if len(texts) < 2 or not hasattr(self.engine.tokenizer, "encode_batch"):
+        batch = _batch_ids(self.engine.tokenizer, [prompt for prompt in prompts if isinstance(prompt, str)], True)
+        if batch is None:
             return prompts
-        try:
-            token_ids = iter(self.engine.tokenizer.encode_batch(texts))
-        except ValueError:
-            return prompts
+        token_ids = iter(batch)
         return [{"prompt": prompt, "prompt_token_ids": next(token_ids)} if isinstance(prompt, str) else prompt
                 for prompt in prompts]
 
@@ -300,14 +297,23 @@ def _text_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return message
 
 
+def _batch_ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]] | None:
+    """The ids of each text from one encode_batch call; None where that does not apply (fewer than two texts, a
+    tokenizer without encode_batch) or fails (a text it panics on: encoded one by one, that text's error is its own)."""
+    if len(texts) < 2 or not hasattr(tokenizer, "encode_batch"):
+        return None
+    try:
+        return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+    except ValueError:
+        return None
+
+
 def _encode_all(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    """The ids of each text: in one batch where the tokenizer has encode_batch, else one by one (either way a
-    text it fails on raises ValueError; one by one, the first such text)."""
-    if len(texts) > 1 and hasattr(tokenizer, "encode_batch"):
-        try:
-            return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
-        except ValueError:
-            pass  # one by one: the error is the failing text's own
+    """The ids of each text, in one batch where that works, else one by one (a text the tokenizer fails on then
+    raises its ValueError)."""
+    batch = _batch_ids(tokenizer, texts, add_special_tokens)
+    if batch is not None:
+        return batch
     return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
 
