@@ -14,10 +14,9 @@ import random
 import statistics
 import time
 
-from offline_paged import LLM, SamplingParams
+from bench_host_step import WORDS
 
-WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
-         "they you were her one all we can there been if more when will would who so no").split()
+from offline_paged import LLM, SamplingParams
 
 
 def added_in(llm: LLM, prompts: list, prepare: bool) -> float:

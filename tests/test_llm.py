@@ -222,6 +222,7 @@ def test_the_llm_adds_bench_runs_both_ways(model_dir, monkeypatch, capsys):
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_llm_adds.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # as `python benchmarks/bench_llm_adds.py` has it
     spec = importlib.util.spec_from_file_location("bench_llm_adds", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
