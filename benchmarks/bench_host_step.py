@@ -366,7 +366,7 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     else:
         requests = random_workload(args.num_requests, output_len=(args.output_len,) * 2, vocab_size=200)
     if args.job:
-        return run_job(args, engine, requests, timer)
+        return run_job(args, engine, requests, timer, profiler)
     if args.structured:
         requests = structured_workload(requests, args.structured)
     for index, request in enumerate(requests):
@@ -446,7 +446,8 @@ def job_lines(requests: list, kind: str) -> list[str]:
     return lines
 
 
-def run_job(args, engine, requests: list, timer: Timer) -> tuple[int, dict[str, float]]:
+def run_job(args, engine, requests: list, timer: Timer,
+            profiler: cProfile.Profile | None = None) -> tuple[int, dict[str, float]]:
     """The workload through `generate`'s JobRunner (records into memory): the job's own host work per step
     (lines in: parse, chat template, tokenizer, add_request; records out) beside the engine's."""
     lines = job_lines(requests, args.job)
@@ -455,7 +456,8 @@ def run_job(args, engine, requests: list, timer: Timer) -> tuple[int, dict[str, 
     timer.wrap(job, "_finish", "job: records out")
     timer.wrap(engine, "step", "engine.step")
     start = timer.clock()
-    with timed_collections(timer):
+    profiling = profiler or contextlib.nullcontext()  # a Profile is a context manager that enables it
+    with profiling, timed_collections(timer):
         summary = job.run(lines)
     whole = timer.clock() - start
     if summary.num_failed:

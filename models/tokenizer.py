@@ -141,6 +141,27 @@ class Tokenizer:
                    bool(tok_config.get("add_bos_token", False)))
 
 
+def batch_ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]] | None:
+    """The ids of each text from one encode_batch call of any engine tokenizer; None where that does not apply
+    (fewer than two texts, a tokenizer without encode_batch) or fails (a text it panics on: encoded one by one,
+    that text's error is its own)."""
+    if len(texts) < 2 or not hasattr(tokenizer, "encode_batch"):
+        return None
+    try:
+        return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+    except ValueError:
+        return None
+
+
+def encode_all(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """The ids of each text, in one batch where that works, else one by one (a text the tokenizer fails on then
+    raises its ValueError)."""
+    batch = batch_ids(tokenizer, texts, add_special_tokens)
+    if batch is not None:
+        return batch
+    return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
+
+
 def is_rust_panic(exc: BaseException) -> bool:
     """pyo3's PanicException (pyo3_runtime.PanicException; it cannot be imported by name)."""
     return type(exc).__name__ == "PanicException"

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, FakeTokenizer
 from offline_paged.job.job_file import JsonlWriter, scan_and_repair
 from offline_paged.job.job_input import read_lines
 from offline_paged.job.job_output import is_error, record_key
@@ -422,3 +422,79 @@ def test_a_request_refused_after_it_was_added_gets_one_error_record():
                                        "message": "line 2: prompt of request long too long"}
     assert by_key["oa"]["response"]["status_code"] >= 400  # the OpenAI envelope, as for any refusal
     assert (summary.num_succeeded, summary.num_failed, summary.exit_code) == (1, 2, EXIT_SOME_FAILED)
+
+
+class BosTokenizer(FakeTokenizer):
+    """Byte ids behind a BOS (1) when special tokens are asked for; a text holding PANIC fails as a panicking Rust
+    tokenizer does (ValueError, models/tokenizer.py)."""
+
+    def encode(self, text, add_special_tokens=True):
+        if "PANIC" in text:
+            raise ValueError("the tokenizer failed on this text (PanicException)")
+        return [1] * add_special_tokens + list(text.encode("utf-8"))
+
+
+class BatchingTokenizer(BosTokenizer):
+    def __init__(self):
+        self.batches: list[tuple[int, bool]] = []  # (texts, add_special_tokens) of each encode_batch call
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        self.batches.append((len(texts), add_special_tokens))
+        if any("PANIC" in text for text in texts):
+            raise ValueError("the tokenizer failed on one of these texts (PanicException)")
+        return [self.encode(text, add_special_tokens) for text in texts]
+
+
+def _records_by_id(tokenizer, lines, **kwargs):
+    engine = FakeEngine(max_model_len=400)
+    engine.tokenizer = tokenizer
+    _, records, _, _ = _run(lines, engine=engine, **kwargs)
+    return {r["id"]: r for r in records}
+
+
+MIXED_LINES = [{"id": f"p{i}", "prompt": "ab" * (i + 1)} for i in range(5)] + [
+    {"id": "chat", "messages": [{"role": "user", "content": "hi there"}]},
+    {"id": "ids", "prompt_token_ids": [7, 8, 9]},
+    {"id": "score", "context": "the sky is", "continuation": " blue"},
+    {"id": "chat2", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]}]
+
+
+def test_prompts_of_the_lines_read_together_are_tokenised_in_one_batch_each_way():
+    """Text prompts (with BOS) and rendered chats (without: the template writes its own) go to encode_batch, one
+    call each; the records equal those of a tokenizer that encodes one by one (add_request's path)."""
+    batching = BatchingTokenizer()
+    batched = _records_by_id(batching, MIXED_LINES)
+    assert batching.batches == [(5, True), (2, False)]
+    assert batched == _records_by_id(BosTokenizer(), MIXED_LINES)
+    assert batched["p0"]["usage"]["prompt_tokens"] == 3 and all(r["error"] is None for r in batched.values())
+
+
+def test_a_text_the_tokenizer_fails_on_fails_only_its_line_in_a_batch():
+    lines = MIXED_LINES + [{"id": "bad", "prompt": "PANIC here"},
+                           {"id": "bad-chat", "messages": [{"role": "user", "content": "PANIC"}]}]
+    records = _records_by_id(BatchingTokenizer(), lines)
+    assert set(records) == {line["id"] for line in lines}
+    for name in ("bad", "bad-chat"):
+        assert "the tokenizer failed on this text" in records[name]["error"]["message"]
+    good = {k: v for k, v in records.items() if not k.startswith("bad")}
+    assert good == _records_by_id(BosTokenizer(), MIXED_LINES)
+
+
+class TrickleEngine(FakeEngine):
+    """Finishes two requests a step at most, as a busy engine does: room frees up a little at a time."""
+
+    def step(self):
+        self.num_steps += 1
+        done = [rid for rid, (*_, due) in self._requests.items() if due <= self.num_steps][:2]
+        return [self._output(rid, *self._requests.pop(rid)[:3]) for rid in done]
+
+
+def test_lines_are_read_in_batches_once_room_is_free_and_max_pending_still_holds():
+    tokenizer = BatchingTokenizer()
+    lines = [{"id": i, "prompt": "ab" * (i % 7 + 1)} for i in range(300)]
+    engine = TrickleEngine(max_model_len=400)
+    engine.tokenizer = tokenizer
+    _, records, _, _ = _run(lines, engine=engine, max_pending=64)
+    sizes = [size for size, _ in tokenizer.batches]
+    assert len(records) == 300 and engine.max_in_flight == 64
+    assert sizes[0] == 64 and sum(sizes) == 300 and min(sizes[:-1]) >= 16  # 64 // 4; the last holds the rest

@@ -26,6 +26,7 @@ from offline_paged.entrypoints.pooling_outputs import (EmbeddingOutput, Embeddin
 from offline_paged.entrypoints.progress import RequestProgress
 from offline_paged.models.hub import resolve_model
 from offline_paged.models.pooling import PoolingConfig
+from offline_paged.models.tokenizer import batch_ids, encode_all
 
 Prompt = str | list[int] | Mapping[str, Any]
 
@@ -138,7 +139,7 @@ class LLM:
         tokenizer = self.engine.tokenizer
         texts = [render_chat(tokenizer, [_text_message(m) for m in conversation], add_generation_prompt,
                              chat_template, chat_template_kwargs or {}) for conversation in conversations]
-        token_ids = _encode_all(tokenizer, texts, add_special_tokens=False)  # the template wrote its specials
+        token_ids = encode_all(tokenizer, texts, add_special_tokens=False)  # the template wrote its specials
         prompts = [{"prompt_token_ids": ids, "prompt": text} for text, ids in zip(texts, token_ids)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -208,7 +209,7 @@ class LLM:
         """Text prompts with their ids, tokenised in one batch (the tokenizer's threads, without the GIL) instead
         of one by one as they are added; the others as they are. A text the tokenizer fails on leaves every text
         to add_request, whose error names its prompt."""
-        batch = _batch_ids(self.engine.tokenizer, [prompt for prompt in prompts if isinstance(prompt, str)], True)
+        batch = batch_ids(self.engine.tokenizer, [prompt for prompt in prompts if isinstance(prompt, str)], True)
         if batch is None:
             return prompts
         token_ids = iter(batch)
@@ -295,26 +296,6 @@ def _text_message(message: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"content part type(s) {', '.join(kinds)} not supported (only text parts)")
         message["content"] = "".join(str(p.get("text", "")) for p in content)
     return message
-
-
-def _batch_ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]] | None:
-    """The ids of each text from one encode_batch call; None where that does not apply (fewer than two texts, a
-    tokenizer without encode_batch) or fails (a text it panics on: encoded one by one, that text's error is its own)."""
-    if len(texts) < 2 or not hasattr(tokenizer, "encode_batch"):
-        return None
-    try:
-        return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
-    except ValueError:
-        return None
-
-
-def _encode_all(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    """The ids of each text, in one batch where that works, else one by one (a text the tokenizer fails on then
-    raises its ValueError)."""
-    batch = _batch_ids(tokenizer, texts, add_special_tokens)
-    if batch is not None:
-        return batch
-    return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -3,8 +3,10 @@
 `JobRunner(engine, writer, ...).run(lines) -> JobSummary`. The engine is injected (anything with
 add_request / step / has_unfinished_requests / stats / tokenizer), so the loop is tested with a
 fake one and runs a DataParallelCoordinator unchanged; step() may hand back a RequestError (a
-request refused after add_request returned), which becomes the line's error record. Lines are read lazily, keeping at most `max_pending` requests inside the engine, so stdin
-and very large files stream. Bad lines never stop the job: each gets one error record. Lines whose
+request refused after add_request returned), which becomes the line's error record. Lines are read
+lazily, keeping at most `max_pending` requests inside the engine, so stdin and very large files stream;
+they are read in batches (READ_BATCH once the engine has that much room) whose text prompts and rendered
+chats are tokenised in one encode_batch call. Bad lines never stop the job: each gets one error record. Lines whose
 key is in `done_keys` (from a previous run's output) are skipped, which is how resume works.
 
 Every record carries `request_hash`, a short hash of its line and the job's defaults. Resuming, a
@@ -27,6 +29,7 @@ from offline_paged.core.outputs import RequestError, RequestOutput
 from offline_paged.job.job_file import JsonlWriter
 from offline_paged.job.job_input import EMBEDDINGS, NATIVE, SCORE, JobRequest, LineError, parse_line, score_tokens
 from offline_paged.job.job_output import TokenStrings, embedding_record, error_record, success_record
+from offline_paged.models.tokenizer import batch_ids
 
 EXIT_OK = 0
 EXIT_SOME_FAILED = 1
@@ -88,6 +91,9 @@ class JobSummary:
         }
 
 
+READ_BATCH = 32  # lines read and tokenised together in the steady state (see _fill)
+
+
 class JobRunner:
     """Drives one engine through one job; see the module docstring."""
 
@@ -118,6 +124,8 @@ class JobRunner:
         self.run_id = secrets.token_hex(6)  # in OpenAI response ids: unique per run
         self._openai_seen = False  # an OpenAI-format file: broken lines get its envelope too
         self._token_strings = TokenStrings.of(engine.tokenizer) if engine.tokenizer is not None else None
+        # Lines are read (and their prompts tokenised together) once this much room is free in the engine.
+        self._read_batch = max(1, min(READ_BATCH, max_pending // 4))
 
     def run(self, lines: Iterable[str]) -> JobSummary:
         """Run every line; returns when all are written or should_stop() turns true."""
@@ -139,22 +147,31 @@ class JobRunner:
         return self.summary
 
     def _fill(self, numbered: Iterator[tuple[int, str]]) -> bool:
-        """Read lines until max_pending requests wait in the engine; True when input ran out."""
-        while len(self._pending) < self.max_pending:
-            if self.should_stop():
-                return False
-            item = next(numbered, None)
-            if item is None:  # the reader may end early when asked to stop: then it is not done
-                return not self.should_stop()
-            line_number, text = item
-            if not isinstance(text, str):  # an OversizedLine, or a Ray row that is no line: its error
-                self._take(text.error(line_number))
-            elif not is_blank(text):
-                self._hashes[line_number] = request_hash(text, self.defaults)
-                self._take(parse_line(line_number, text, self.defaults))
-        return False
+        """Read lines until max_pending requests wait in the engine; True when input ran out. Reads only once
+        a batch's worth of room is free, so that the prompts of the lines read together are tokenised in one
+        call (which the Rust tokenizer spreads over its threads)."""
+        if self._pending and self.max_pending - len(self._pending) < self._read_batch:
+            return False
+        batch: list[JobRequest] = []
+        try:
+            while len(self._pending) + len(batch) < self.max_pending:
+                if self.should_stop():
+                    return False
+                item = next(numbered, None)
+                if item is None:  # the reader may end early when asked to stop: then it is not done
+                    return not self.should_stop()
+                line_number, text = item
+                if not isinstance(text, str):  # an OversizedLine, or a Ray row that is no line: its error
+                    self._take(text.error(line_number), batch)
+                elif not is_blank(text):
+                    self._hashes[line_number] = request_hash(text, self.defaults)
+                    self._take(parse_line(line_number, text, self.defaults), batch)
+            return False
+        finally:
+            self._submit_all(batch)
 
-    def _take(self, parsed: JobRequest | LineError) -> None:
+    def _take(self, parsed: JobRequest | LineError, batch: list[JobRequest]) -> None:
+        """Count the line; a request to run joins `batch`, the rest are settled here."""
         self.summary.num_requests += 1
         if _is_openai(parsed):
             self._openai_seen = True
@@ -171,7 +188,7 @@ class JobRunner:
         elif isinstance(parsed, LineError):
             self._fail(parsed)
         else:
-            self._submit(parsed)
+            batch.append(parsed)
 
     def _skip(self, parsed: JobRequest | LineError) -> None:
         """A line OUT already holds; its record must have been made from this very line."""
@@ -185,14 +202,46 @@ class JobRunner:
         if self.done_error_keys is not None and parsed.key in self.done_error_keys:
             self.summary.num_failed_before += 1
 
-    def _submit(self, request: JobRequest) -> None:
+    def _submit_all(self, requests: list[JobRequest]) -> None:
+        """Submit the requests of the lines read together, in their order; the prompts they give as text are
+        tokenised in one batch (a request whose text cannot be prepared so is left to _submit alone)."""
+        prepared: list[tuple[str, list[int]] | None] = [None] * len(requests)
+        for add_special_tokens in (True, False):
+            texts = {i: text for i, request in enumerate(requests)
+                     if (text := self._text_to_encode(request, add_special_tokens)) is not None}
+            ids = batch_ids(self.engine.tokenizer, list(texts.values()), add_special_tokens)
+            for (i, text), token_ids in zip(texts.items(), ids or ()):
+                prepared[i] = (text, token_ids)
+        for request, ready in zip(requests, prepared):
+            self._submit(request, ready)
+
+    def _text_to_encode(self, request: JobRequest, add_special_tokens: bool) -> str | None:
+        """The text whose ids this request's prompt is, when they are encoded with `add_special_tokens`: a text
+        prompt's with them, a chat's rendered template without (it wrote its own); None otherwise or when
+        rendering fails (then _submit renders it again and rejects the line with the error)."""
+        if request.api in (EMBEDDINGS, SCORE) or request.prompt_token_ids is not None:
+            return None
+        if request.messages is None:
+            return request.prompt if add_special_tokens and request.prompt is not None else None
+        if add_special_tokens:
+            return None
+        try:
+            return _chat_text(self.engine.tokenizer, request.messages, request.chat_template_kwargs)
+        except Exception:  # noqa: BLE001 - the line's own error comes from _submit
+            return None
+
+    def _submit(self, request: JobRequest, prepared: tuple[str, list[int]] | None = None) -> None:
+        """Add one request to the engine (`prepared`: its prompt text and ids, already tokenised), or write its
+        error record."""
         if request.api == EMBEDDINGS:
             self._embed(request)
             return
         try:
             request.params.check_output_cost(getattr(self.engine, "max_model_len", None))
             prompt, token_ids = request.prompt, request.prompt_token_ids
-            if request.messages is not None:
+            if prepared is not None:
+                prompt, token_ids = prepared
+            elif request.messages is not None:
                 prompt, token_ids = _render_chat(self.engine.tokenizer, request.messages,
                                                  request.chat_template_kwargs)
             if request.api == SCORE:
@@ -286,9 +335,12 @@ def _is_openai(parsed: JobRequest | LineError) -> bool:
 def _render_chat(tokenizer, messages: list[dict[str, Any]],
                  template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """Template text and its ids; the template writes its own special tokens, so none are added."""
-    if template_kwargs:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             chat_template_kwargs=template_kwargs)
-    else:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = _chat_text(tokenizer, messages, template_kwargs)
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def _chat_text(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:
+    if template_kwargs:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             chat_template_kwargs=template_kwargs)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
