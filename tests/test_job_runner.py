@@ -437,6 +437,11 @@ class BosTokenizer(FakeTokenizer):
 class BatchingTokenizer(BosTokenizer):
     def __init__(self):
         self.batches: list[tuple[int, bool]] = []  # (texts, add_special_tokens) of each encode_batch call
+        self.renders = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        self.renders += 1
+        return super().apply_chat_template(messages, add_generation_prompt)
 
     def encode_batch(self, texts, add_special_tokens=True):
         self.batches.append((len(texts), add_special_tokens))
@@ -472,8 +477,10 @@ def test_prompts_of_the_lines_read_together_are_tokenised_in_one_batch_each_way(
 def test_a_text_the_tokenizer_fails_on_fails_only_its_line_in_a_batch():
     lines = MIXED_LINES + [{"id": "bad", "prompt": "PANIC here"},
                            {"id": "bad-chat", "messages": [{"role": "user", "content": "PANIC"}]}]
-    records = _records_by_id(BatchingTokenizer(), lines)
+    tokenizer = BatchingTokenizer()
+    records = _records_by_id(tokenizer, lines)
     assert set(records) == {line["id"] for line in lines}
+    assert tokenizer.renders == 3  # each chat rendered once, though its batch fell back to one by one
     for name in ("bad", "bad-chat"):
         assert "the tokenizer failed on this text" in records[name]["error"]["message"]
     good = {k: v for k, v in records.items() if not k.startswith("bad")}

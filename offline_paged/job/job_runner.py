@@ -6,8 +6,8 @@ fake one and runs a DataParallelCoordinator unchanged; step() may hand back a Re
 request refused after add_request returned), which becomes the line's error record. Lines are read
 lazily, keeping at most `max_pending` requests inside the engine, so stdin and very large files stream;
 they are read in batches (READ_BATCH once the engine has that much room) whose text prompts and rendered
-chats are tokenised in one encode_batch call. Bad lines never stop the job: each gets one error record. Lines whose
-key is in `done_keys` (from a previous run's output) are skipped, which is how resume works.
+chats are tokenised in one encode_batch call. Bad lines never stop the job: each gets one error record.
+Lines whose key is in `done_keys` (from a previous run's output) are skipped, which is how resume works.
 
 Every record carries `request_hash`, a short hash of its line and the job's defaults. Resuming, a
 line whose key is done but whose hash differs (the input was edited, or lines without ids shifted)
@@ -203,47 +203,50 @@ class JobRunner:
             self.summary.num_failed_before += 1
 
     def _submit_all(self, requests: list[JobRequest]) -> None:
-        """Submit the requests of the lines read together, in their order; the prompts they give as text are
-        tokenised in one batch (a request whose text cannot be prepared so is left to _submit alone)."""
-        prepared: list[tuple[str, list[int]] | None] = [None] * len(requests)
+        """Submit the requests of the lines read together, in their order; the prompts they give as text (a text
+        prompt, with special tokens; a rendered chat, without: the template wrote its own) are tokenised in one
+        batch each way. Where a batch cannot be (one text, or a text the tokenizer fails on), each is tokenised
+        alone in _submit, so a failing text fails its own line only."""
+        texts = [self._prompt_text(request) for request in requests]
+        token_ids: list[list[int] | None] = [None] * len(requests)
         for add_special_tokens in (True, False):
-            texts = {i: text for i, request in enumerate(requests)
-                     if (text := self._text_to_encode(request, add_special_tokens)) is not None}
-            ids = batch_ids(self.engine.tokenizer, list(texts.values()), add_special_tokens)
-            for (i, text), token_ids in zip(texts.items(), ids or ()):
-                prepared[i] = (text, token_ids)
-        for request, ready in zip(requests, prepared):
-            self._submit(request, ready)
+            group = [i for i, text in enumerate(texts) if text is not None and text[1] is add_special_tokens]
+            batch = batch_ids(self.engine.tokenizer, [texts[i][0] for i in group], add_special_tokens)
+            for i, ids in zip(group, batch or ()):
+                token_ids[i] = ids
+        for request, text, ids in zip(requests, texts, token_ids):
+            self._submit(request, text and text[0], ids)
 
-    def _text_to_encode(self, request: JobRequest, add_special_tokens: bool) -> str | None:
-        """The text whose ids this request's prompt is, when they are encoded with `add_special_tokens`: a text
-        prompt's with them, a chat's rendered template without (it wrote its own); None otherwise or when
-        rendering fails (then _submit renders it again and rejects the line with the error)."""
+    def _prompt_text(self, request: JobRequest) -> tuple[str, bool] | None:
+        """The text this request's prompt ids come from and whether they take special tokens; None for requests
+        without one (ids given, scoring, embeddings) and for a chat whose template fails (_submit renders it
+        again and rejects the line with the error)."""
         if request.api in (EMBEDDINGS, SCORE) or request.prompt_token_ids is not None:
             return None
         if request.messages is None:
-            return request.prompt if add_special_tokens and request.prompt is not None else None
-        if add_special_tokens:
-            return None
+            return None if request.prompt is None else (request.prompt, True)
         try:
-            return _chat_text(self.engine.tokenizer, request.messages, request.chat_template_kwargs)
+            return _chat_text(self.engine.tokenizer, request.messages, request.chat_template_kwargs), False
         except Exception:  # noqa: BLE001 - the line's own error comes from _submit
             return None
 
-    def _submit(self, request: JobRequest, prepared: tuple[str, list[int]] | None = None) -> None:
-        """Add one request to the engine (`prepared`: its prompt text and ids, already tokenised), or write its
-        error record."""
+    def _submit(self, request: JobRequest, prompt_text: str | None = None,
+                token_ids: list[int] | None = None) -> None:
+        """Add one request to the engine, or write its error record. `prompt_text`: its prompt text (a chat's
+        rendered template) when known already; `token_ids`: that text's ids when tokenised already."""
         if request.api == EMBEDDINGS:
             self._embed(request)
             return
         try:
             request.params.check_output_cost(getattr(self.engine, "max_model_len", None))
-            prompt, token_ids = request.prompt, request.prompt_token_ids
-            if prepared is not None:
-                prompt, token_ids = prepared
-            elif request.messages is not None:
-                prompt, token_ids = _render_chat(self.engine.tokenizer, request.messages,
-                                                 request.chat_template_kwargs)
+            prompt = request.prompt
+            token_ids = request.prompt_token_ids if token_ids is None else token_ids
+            if request.messages is not None:
+                if prompt_text is None:
+                    prompt_text = _chat_text(self.engine.tokenizer, request.messages, request.chat_template_kwargs)
+                prompt = prompt_text
+                if token_ids is None:  # the template writes its own special tokens
+                    token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
             if request.api == SCORE:
                 token_ids, num_scored = score_tokens(self.engine.tokenizer.encode, request.prompt,
                                                      request.continuation)
@@ -332,14 +335,8 @@ def _is_openai(parsed: JobRequest | LineError) -> bool:
     return parsed.openai if isinstance(parsed, LineError) else parsed.api not in (NATIVE, SCORE)
 
 
-def _render_chat(tokenizer, messages: list[dict[str, Any]],
-                 template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
-    """Template text and its ids; the template writes its own special tokens, so none are added."""
-    text = _chat_text(tokenizer, messages, template_kwargs)
-    return text, tokenizer.encode(text, add_special_tokens=False)
-
-
 def _chat_text(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat template's text for `messages`, ready for the reply (it holds the template's special tokens)."""
     if template_kwargs:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                              chat_template_kwargs=template_kwargs)
