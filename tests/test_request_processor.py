@@ -72,3 +72,26 @@ def test_params_are_checked_against_the_engine():
         processor.check_params({"max_tokens": 3})
     with pytest.raises(ValueError, match=r"stop_token_ids must be < the vocabulary size \(100\)"):
         processor.check_params(SamplingParams(stop_token_ids=[100]))
+
+
+class _Id(int):
+    """An int subclass (as an IntEnum member is): a valid id, as it always was."""
+
+
+@pytest.mark.parametrize("ids, ok", [
+    ([2, 3, 99], True), ([0], True), ([_Id(5), 6], True), ([2, 100], False), ([-1, 2], False),
+    ([2, True], False), ([False], False), ([2, 3.0], False), (["2"], False), ([2, None], False),
+])
+def test_prompt_token_ids_are_integers_inside_the_vocabulary(ids, ok):
+    processor = _processor()
+    if ok:
+        assert processor.process("p", None, ids, SamplingParams()).prompt_token_ids == list(ids)
+    else:
+        with pytest.raises(ValueError, match=r"prompt_token_ids must be integers in \[0, 100\)"):
+            processor.process("p", None, ids, SamplingParams())
+
+
+def test_numpy_ids_are_refused_as_before():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match="must be integers"):
+        _processor().process("p", None, list(np.arange(2, 5)), SamplingParams())
