@@ -150,3 +150,18 @@ def test_a_data_parallel_worker_steps_at_the_step_loop_thresholds(callers_thresh
     _serve_in_this_process(WorkerSpec(config), drive)
     assert steps_record_thresholds and set(steps_record_thresholds) == {gc_pacing.STEP_LOOP_THRESHOLDS}
     assert gc.get_threshold() == CALLERS
+
+
+def test_a_tensor_parallel_rank_replays_at_the_step_loop_thresholds(callers_thresholds):
+    from test_tp_worker import _Rank, _source, _spec
+
+    from offline_paged.tp.tp_messages import InitRunner, Loaded, Ready, Stop
+
+    rank = _Rank(_spec(_source()))  # on a thread: the thresholds are the process's
+    assert rank.control.recv() == Loaded()
+    rank.control.send(InitRunner(8, 0, 32))
+    assert rank.control.recv() == Ready()
+    assert gc.get_threshold() == gc_pacing.STEP_LOOP_THRESHOLDS  # serving
+    rank.control.send(Stop())
+    assert rank.join() == "returned"
+    assert gc.get_threshold() == CALLERS

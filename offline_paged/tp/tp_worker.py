@@ -13,6 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from offline_paged.core import gc_pacing
 from offline_paged.core.config import EngineConfig
 from offline_paged.tp.tp_messages import Failed, InitRunner, Loaded, Profile, Profiled, Ready, Stop
 from offline_paged.worker.mirrored_step import MirroredStep
@@ -81,22 +82,23 @@ def _serve(spec: TPWorkerSpec, control, collective, backend, local_config, weigh
                   tp=tp, consume_weights=True)  # a 70B shard is not held twice
     del weights
     runner = None
-    while True:
-        message = control.recv()
-        if isinstance(message, MirroredStep):
-            runner.run_mirrored(message)
-        elif isinstance(message, Profile):
-            activations = profile_step_memory(model, backend, message.num_tokens, message.num_seqs,
-                                              message.block_size)
-            usable = int(backend.free_memory_bytes() * config.gpu_memory_utilization) - activations
-            control.send(Profiled(usable))
-        elif isinstance(message, InitRunner):
-            model.set_max_positions(message.max_model_len)
-            runner = ModelRunner(model, backend, message.num_gpu_blocks, message.num_cpu_blocks, config.block_size,
-                                 device_sampling=False, cuda_graphs=config.cuda_graphs,
-                                 max_model_len=message.max_model_len, max_num_seqs=config.max_num_seqs)
-            control.send(Ready())
-        elif isinstance(message, Stop):
-            return
-        else:
-            raise RuntimeError(f"tensor-parallel rank {spec.rank}: unknown message {message!r}")
+    with gc_pacing.paced():  # rank 0's step loop is paced; so is this rank's replay of it
+        while True:
+            message = control.recv()
+            if isinstance(message, MirroredStep):
+                runner.run_mirrored(message)
+            elif isinstance(message, Profile):
+                activations = profile_step_memory(model, backend, message.num_tokens, message.num_seqs,
+                                                  message.block_size)
+                usable = int(backend.free_memory_bytes() * config.gpu_memory_utilization) - activations
+                control.send(Profiled(usable))
+            elif isinstance(message, InitRunner):
+                model.set_max_positions(message.max_model_len)
+                runner = ModelRunner(model, backend, message.num_gpu_blocks, message.num_cpu_blocks, config.block_size,
+                                     device_sampling=False, cuda_graphs=config.cuda_graphs,
+                                     max_model_len=message.max_model_len, max_num_seqs=config.max_num_seqs)
+                control.send(Ready())
+            elif isinstance(message, Stop):
+                return
+            else:
+                raise RuntimeError(f"tensor-parallel rank {spec.rank}: unknown message {message!r}")
