@@ -39,6 +39,9 @@ _MAX_INT_BITS = 1 << 16  # about 20,000 decimal digits
 # Nested calls a render may make (a recursive macro): far below where Python's own recursion limit
 # (~5 frames per macro level) would end it at some arbitrary point, possibly inside a trace or GC hook.
 MAX_CALL_DEPTH = 64
+# Trace events (calls and template lines) between two reads of the CPU clock: a read is a system call that took
+# ~45% of a traced render of SmolLM2's template; 32 events are a few microseconds of template code.
+CLOCK_EVERY = 32
 _WIDE_NUMBER = re.compile(r"\d{7,}")  # a width or precision of a million or more in a format string
 _NESTED_FIELD = re.compile(r"\{[^{}]*:[^{}]*\{")  # '{0:{1}}': a width taken from the arguments
 _REFUSED_STR_METHODS = frozenset({"translate", "maketrans", "format_map", "expandtabs"})
@@ -110,6 +113,36 @@ def deep_size(value, limit: int) -> int:
     return total
 
 
+def _deadline_tracer(budget: RenderBudget):
+    """The trace function of one render: Python calls it at every call, and at every line of the template's
+    own code, and every CLOCK_EVERY-th of those events reads the clock and raises RenderTimeout (once) past
+    the deadline. Closures over the budget: per event, a counter and nothing else."""
+    events_left = CLOCK_EVERY
+
+    def check_clock() -> None:
+        nonlocal events_left
+        events_left = CLOCK_EVERY
+        if not budget.timed_out and time.thread_time() > budget.deadline:
+            budget.timed_out = True
+            raise RenderTimeout(f"rendering took longer than {budget.max_seconds:g} s of CPU time")
+
+    def line_tracer(frame, event, arg):
+        nonlocal events_left
+        events_left -= 1
+        if not events_left:
+            check_clock()
+        return line_tracer
+
+    def call_tracer(frame, event, arg):
+        nonlocal events_left
+        events_left -= 1
+        if not events_left:
+            check_clock()
+        return line_tracer if frame.f_code.co_filename == "<template>" else None
+
+    return call_tracer
+
+
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, transformers' options (trim/lstrip blocks, loopcontrols, `{% generation %}`),
     and per-render bounds (see the module docstring). Render inside `with env.bounded(...)`."""
@@ -131,28 +164,15 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     @contextmanager
     def bounded(self, max_chars: int, max_seconds: float):
         """Apply the limits to everything rendered inside the block (this thread only)."""
-        self._local.budget = RenderBudget(max_chars, time.thread_time() + max_seconds, max_seconds)
+        budget = RenderBudget(max_chars, time.thread_time() + max_seconds, max_seconds)
+        self._local.budget = budget
         previous_trace = sys.gettrace()
-        sys.settrace(self._tracer)
+        sys.settrace(_deadline_tracer(budget))
         try:
-            yield self._local.budget
+            yield budget
         finally:
             sys.settrace(previous_trace)
             self._local.budget = None
-
-    def _tracer(self, frame, event, arg):
-        self._check_time()
-        return self._line_tracer if frame.f_code.co_filename == "<template>" else None
-
-    def _line_tracer(self, frame, event, arg):
-        self._check_time()
-        return self._line_tracer
-
-    def _check_time(self) -> None:
-        budget = self._local.budget
-        if budget is not None and not budget.timed_out and time.thread_time() > budget.deadline:
-            budget.timed_out = True
-            raise RenderTimeout(f"rendering took longer than {budget.max_seconds:g} s of CPU time")
 
     def _raise_if_timed_out(self) -> None:
         """The trace function raised once, and Python turned tracing off; if the render still runs, that

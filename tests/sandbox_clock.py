@@ -1,6 +1,6 @@
 """Test helper: the template sandbox's CPU clock (models/template_sandbox.py reads `time.thread_time()` at
-the start of a render and at every traced call and template line) replaced by a counter that advances a
-fixed step per read. A render's work is then counted in clock reads, and its deadline falls after
+the start of a render and at every CLOCK_EVERY-th traced call or template line) replaced by a counter that
+advances a fixed step per read. A render's work is then counted in clock reads, and its deadline falls after
 max_seconds / step reads on any machine, loaded or not."""
 from __future__ import annotations
 

@@ -97,6 +97,27 @@ def test_nested_loops_stop_at_the_deadline(monkeypatch):
     assert ChatTemplate(CHATML, max_seconds=0.3).render(USER).startswith("<|im_start|>user")  # still usable
 
 
+def test_the_clock_is_read_once_per_clock_every_trace_events(monkeypatch):
+    """Reading the CPU clock is a system call; at every event it was ~45% of a render of SmolLM2's template."""
+    from offline_paged.models import template_sandbox
+
+    events = []
+    deadline_tracer = template_sandbox._deadline_tracer
+
+    def counted(fn):  # the sandbox's trace function, each event it sees counted
+        def trace(frame, event, arg):
+            events.append(event)
+            local = fn(frame, event, arg)
+            return None if local is None else counted(local)
+        return trace
+
+    monkeypatch.setattr(template_sandbox, "_deadline_tracer", lambda budget: counted(deadline_tracer(budget)))
+    clock = count_sandbox_clock(monkeypatch, step=1e-9)
+    assert ChatTemplate("{% for i in range(2000) %}{{ i }}{% endfor %}").render(USER).endswith("1999")
+    assert len(events) > 2000  # the loop's lines at least
+    assert clock.reads == 1 + len(events) // 32  # the render's start, then every 32nd event
+
+
 def test_the_deadline_counts_cpu_time_not_the_wall_clock():
     """A machine loaded by other jobs (time passing while this thread waits) must not fail a render
     that itself is cheap: here a filter waits 0.5 s of wall time against a 0.2 s budget."""
