@@ -16,6 +16,8 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
 # The host paces the JSON step (its mask workers): name it beside the figures.
 echo "host: $(nproc) CPUs, $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p'), load $(cut -d' ' -f1-3 /proc/loadavg)"
+# Whether the mask workers share physical cores with the step loop (SMT siblings): the session 43 hypothesis.
+lscpu 2>/dev/null | grep -E '^(Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)):' | tr -s ' ' | paste -sd';'
 lengths="--input-len 64:128 --output-len 128:192"
 [ "${LENGTHS:-short}" = default ] && lengths=""
 counts=""
