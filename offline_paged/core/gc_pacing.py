@@ -10,10 +10,10 @@ host work, the full ones up to 30 ms each; paced as below, 7 young and 1 middle 
 schedules a step while the one before runs, so a pause longer than that step idles the device.
 
 While a step loop runs (`paced()`, entered by the job runner, `LLM`, the data-parallel workers, the
-tensor-parallel ranks > 0 and the bench), the collector starts a young collection every 10,000 net allocations
-and an older one every 10 of the next younger. Nothing becomes uncollectable, unlike `gc.freeze()`, whose objects are never freed: a
-long job's finished requests would leak. Garbage in reference cycles is only found later. Loops may nest
-(and run on several threads): the outermost one sets the thresholds and restores the caller's own when it
+tensor-parallel ranks > 0 and the bench), the collector starts a young collection every 10,000 net allocations and
+an older one every 10 of the next younger. Nothing becomes uncollectable, unlike `gc.freeze()`, whose objects are
+never freed: a long job's finished requests would leak. Garbage in reference cycles is only found later. Loops may
+nest (and run on several threads): the outermost one sets the thresholds and restores the caller's own when it
 ends.
 """
 from __future__ import annotations
