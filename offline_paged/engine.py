@@ -60,7 +60,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
         if loaded_model is None and config.model is not None:  # a hub id -> its local snapshot
             config = dataclasses.replace(config, model=str(resolve_model(config.model)))
-        self.config = config
         # dtype="auto" reads the checkpoint's config.json torch_dtype (before loading: loads convert on the way)
         source = getattr(loaded_model, "source", None) or config.model
         if loaded_model is None and config.model is None:
@@ -69,6 +68,10 @@ class LLMEngine:
             source = default_model_dir()
         self.backend = select_backend(config.device, config.dtype, checkpoint_dtype(source),
                                       f"{source}/config.json")
+        if config.max_num_seqs is None:  # auto: by backend and device memory (core/config.py)
+            config = dataclasses.replace(config, max_num_seqs=config.resolved_max_num_seqs(
+                self.backend.name, self.backend.total_memory_bytes()))
+        self.config = config
         self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.backend.name)  # "auto" | "fp8_e4m3"
         self.executor = Executor.create(config, self.backend, self.kv_cache_dtype, loaded_model)
         self._tokenizer = self.executor.tokenizer

@@ -133,3 +133,29 @@ def test_mixed_graph_tokens_is_a_non_negative_integer_zero_meaning_off():
             EngineConfig(mixed_graph_tokens=bad)
     result = CliRunner().invoke(cli, ["generate", "--mixed-graph-tokens", "-5", "in.jsonl"])
     assert result.exit_code == 2 and "--mixed-graph-tokens" in result.output
+
+
+def test_max_num_seqs_defaults_by_backend_and_device_memory_and_is_validated():
+    from offline_paged.core.config import GiB, EngineConfig, auto_max_num_seqs
+
+    assert auto_max_num_seqs("cuda", 80 * GiB) == 512  # an H100
+    assert auto_max_num_seqs("cuda", 70 * GiB) == 512
+    assert auto_max_num_seqs("cuda", 70 * GiB - 1) == 256
+    assert auto_max_num_seqs("cuda", 24 * GiB) == 256
+    assert auto_max_num_seqs("cpu", None) == 256
+    assert auto_max_num_seqs("cpu", 1 << 40) == 256  # the CPU's step costs about its sequences
+    assert EngineConfig().max_num_seqs is None
+    assert EngineConfig().resolved_max_num_seqs("cuda", 141 * GiB) == 512
+    assert EngineConfig(max_num_seqs=7).resolved_max_num_seqs("cuda", 141 * GiB) == 7
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            EngineConfig(max_num_seqs=bad)
+
+
+def test_the_engine_resolves_max_num_seqs_before_sizing_anything():
+    from tiny_engine import tiny_engine
+
+    engine = tiny_engine(max_num_seqs=None)
+    assert engine.config.max_num_seqs == 256
+    assert engine.scheduler.max_num_seqs == 256
+    assert engine.config.resolved_admission_batch("cpu") == 1

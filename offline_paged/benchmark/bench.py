@@ -336,6 +336,7 @@ class BenchResult:
     ceilings: Ceilings | None
     steps: list[StepRecord] = field(default_factory=list)
     tensor_parallel_size: int = 1
+    max_num_seqs: int | None = None  # the engine's, as resolved (EngineConfig.max_num_seqs=None: by device)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype as resolved ("auto" | "fp8_e4m3")
     quantization: str | None = None  # weight quantization (None: the model dtype's weights)
     mask_server: dict | None = None  # structured output: the mask processes' counters over the run
@@ -422,7 +423,7 @@ class BenchResult:
         return {
             "label": self.label, "kv_layout": self.kv_layout, "block_size": self.block_size,
             "tensor_parallel_size": self.tensor_parallel_size, "kv_cache_dtype": self.kv_cache_dtype,
-            "quantization": self.quantization,
+            "quantization": self.quantization, "max_num_seqs": self.max_num_seqs,
             "kv_capacity_tokens": self.num_gpu_blocks * self.block_size,
             "num_requests": self.num_requests, "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": self.num_output_tokens, "wall_s": self.wall_s,
@@ -535,7 +536,8 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         wall_s=wall, num_gpu_blocks=manager.num_gpu_blocks, max_model_len=engine.max_model_len,
         num_preemptions=engine.stats.num_preemptions - preemptions_before,
         peak_device_memory=memory.peak, ceilings=ceilings, steps=steps,
-        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=engine.kv_cache_dtype, quantization=quantization,
+        tensor_parallel_size=tensor_parallel_size, max_num_seqs=engine.config.max_num_seqs,
+        kv_cache_dtype=engine.kv_cache_dtype, quantization=quantization,
         mask_server=None if server is None else _counters_over_run(server_before, server.stats()),
         output_lengths=output_lengths, errors=errors)
 

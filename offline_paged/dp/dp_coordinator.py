@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
 
+from offline_paged.core.config import LARGE_DEVICE_MAX_NUM_SEQS, auto_max_num_seqs
 from offline_paged.core.engine_stats import combine_stats
 from offline_paged.core.outputs import EngineStats, RequestError, RequestOutput
 from offline_paged.core.sampling_params import SamplingParams
@@ -109,7 +110,10 @@ class DataParallelCoordinator:
             spec = replace(spec, cpu_threads=max(1, (os.cpu_count() or 1) // num_workers))
         self.spec = replace(spec, config=replace(spec.config, device=device))
         self.device = device
-        self.max_outstanding = max_outstanding or spec.config.max_num_seqs + max(1, spec.config.max_num_seqs // 4)
+        # max_num_seqs=None: each worker's engine picks it by its device; the larger choice keeps a GPU's fed
+        seqs = spec.config.max_num_seqs or (
+            LARGE_DEVICE_MAX_NUM_SEQS if device == "cuda" else auto_max_num_seqs(device, None))
+        self.max_outstanding = max_outstanding or seqs + max(1, seqs // 4)
         self.max_attempts = max_attempts
         self.stall_timeout_s = stall_timeout_s
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))

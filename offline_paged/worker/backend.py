@@ -38,6 +38,12 @@ class Backend:
         """A host list/array as an int32 array on the device."""
         return self.xp.asarray(np.asarray(values, dtype=np.int32))
 
+    def total_memory_bytes(self) -> int | None:
+        """The device's memory (CUDA only; None on the CPU)."""
+        if self.name != "cuda":
+            return None
+        return int(self.xp.cuda.runtime.memGetInfo()[1])
+
     def free_memory_bytes(self) -> int | None:
         """Free device memory (CUDA only; None on the CPU, where the caller picks a budget): what the
         driver reports free plus what CuPy's pool holds but no array uses (freed activations)."""
