@@ -100,8 +100,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "checkpoints run in float16). half / float are vLLM's names of float16 / float32."),
     _option("max_num_seqs", "--max-num-seqs", type=_POSITIVE, default=None,
             help="Sequences in one step at most (default: 512 on a GPU of 70 GiB or more, else 256)."),
-    _option("max_num_batched_tokens", "--max-num-batched-tokens", type=_POSITIVE, default=2048, show_default=True,
-            help="Tokens in one step at most (longer prompts are prefilled in chunks)."),
+    _option("max_num_batched_tokens", "--max-num-batched-tokens", type=_POSITIVE, default=None,
+            help="Tokens in one step at most (longer prompts are prefilled in chunks; default: 8192 on CUDA, "
+                 "2048 on the CPU)."),
     _option("max_model_len", "--max-model-len", type=click.IntRange(min=2), default=None,
             help="Longest prompt + output (default: the model's context length, capped by the KV pool)."),
     _option("block_size", "--block-size", type=_POSITIVE, default=16, show_default=True,

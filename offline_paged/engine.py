@@ -68,9 +68,8 @@ class LLMEngine:
             source = default_model_dir()
         self.backend = select_backend(config.device, config.dtype, checkpoint_dtype(source),
                                       f"{source}/config.json")
-        if config.max_num_seqs is None:  # auto: by backend and device memory (core/config.py)
-            config = dataclasses.replace(config, max_num_seqs=config.resolved_max_num_seqs(
-                self.backend.name, self.backend.total_memory_bytes()))
+        # max_num_seqs and max_num_batched_tokens left to the device (None) are set here (core/config.py)
+        config = config.with_device_defaults(self.backend.name, self.backend.total_memory_bytes())
         self.config = config
         self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.backend.name)  # "auto" | "fp8_e4m3"
         self.executor = Executor.create(config, self.backend, self.kv_cache_dtype, loaded_model)

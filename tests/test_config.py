@@ -152,10 +152,25 @@ def test_max_num_seqs_defaults_by_backend_and_device_memory_and_is_validated():
             EngineConfig(max_num_seqs=bad)
 
 
-def test_the_engine_resolves_max_num_seqs_before_sizing_anything():
+def test_max_num_batched_tokens_defaults_by_backend_and_is_validated():
+    from offline_paged.core.config import GiB, EngineConfig, auto_max_num_batched_tokens
+
+    assert auto_max_num_batched_tokens("cuda") == 8192
+    assert auto_max_num_batched_tokens("cpu") == 2048
+    assert EngineConfig().max_num_batched_tokens is None
+    filled = EngineConfig().with_device_defaults("cuda", 80 * GiB)
+    assert (filled.max_num_seqs, filled.max_num_batched_tokens) == (512, 8192)
+    given = EngineConfig(max_num_seqs=3, max_num_batched_tokens=100).with_device_defaults("cuda", 80 * GiB)
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (3, 100)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="max_num_batched_tokens"):
+            EngineConfig(max_num_batched_tokens=bad)
+
+
+def test_the_engine_resolves_its_device_defaults_before_sizing_anything():
     from tiny_engine import tiny_engine
 
-    engine = tiny_engine(max_num_seqs=None)
-    assert engine.config.max_num_seqs == 256
-    assert engine.scheduler.max_num_seqs == 256
+    engine = tiny_engine(max_num_seqs=None, max_num_batched_tokens=None)
+    assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (256, 2048)
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (256, 2048)
     assert engine.config.resolved_admission_batch("cpu") == 1

@@ -1,7 +1,7 @@
 """EngineConfig: every knob of one engine instance, validated once at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 GiB = 1 << 30
@@ -61,7 +61,7 @@ class EngineConfig:
     num_cpu_blocks: int | None = None
     # None = auto (auto_max_num_seqs): 512 on a CUDA device of at least 70 GiB, else 256.
     max_num_seqs: int | None = None
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None = auto (auto_max_num_batched_tokens): 8192 on CUDA, else 2048
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
@@ -100,7 +100,8 @@ class EngineConfig:
         require_positive("block_size", self.block_size)
         if self.max_num_seqs is not None:
             require_positive("max_num_seqs", self.max_num_seqs)
-        require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None:
+            require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None:
@@ -159,6 +160,12 @@ class EngineConfig:
         the CPU stores float8_e4m3fn, CUDA its bits as uint8)."""
         return "auto" if self.kv_cache_dtype == "auto" else "fp8_e4m3"
 
+    def with_device_defaults(self, backend_name: str, device_memory_bytes: int | None) -> EngineConfig:
+        """This config with the fields left to the device (None) filled: max_num_seqs (auto_max_num_seqs) and
+        max_num_batched_tokens (auto_max_num_batched_tokens). The engine runs on the result."""
+        return replace(self, max_num_seqs=self.resolved_max_num_seqs(backend_name, device_memory_bytes),
+                       max_num_batched_tokens=self.max_num_batched_tokens or auto_max_num_batched_tokens(backend_name))
+
     def resolved_max_num_seqs(self, backend_name: str, device_memory_bytes: int | None) -> int:
         """max_num_seqs, or its default on this backend and device (auto_max_num_seqs)."""
         if self.max_num_seqs is not None:
@@ -195,6 +202,13 @@ def auto_max_num_seqs(backend_name: str, device_memory_bytes: int | None) -> int
     if backend_name == "cuda" and device_memory_bytes is not None and device_memory_bytes >= LARGE_DEVICE_MEMORY:
         return LARGE_DEVICE_MAX_NUM_SEQS
     return 256
+
+
+def auto_max_num_batched_tokens(backend_name: str) -> int:
+    """8192 on CUDA, 2048 on the CPU. At 512 sequences a step admits batches of 64 prompts, which a budget of
+    2048 tokens spreads over many more steps that prefill beside the decodes (benchmarks/RESULTS.md); on the
+    CPU a step costs about its tokens, so smaller steps keep the decodes flowing."""
+    return 8192 if backend_name == "cuda" else 2048
 
 
 def auto_grammar_mask_processes(backend_name: str, num_cores: int) -> int:
