@@ -244,3 +244,13 @@ def test_real_smollm2_data_parallel_equals_one_engine():
         got = llm.chat(chats, params)
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+
+
+def test_a_worker_holds_its_max_num_seqs_and_a_quarter_more_by_default():
+    from offline_paged.core.config import EngineConfig
+    from offline_paged.dp.dp_coordinator import default_max_outstanding
+
+    assert default_max_outstanding(EngineConfig(max_num_seqs=8), "cpu") == 10
+    assert default_max_outstanding(EngineConfig(max_num_seqs=2), "cuda") == 3
+    assert default_max_outstanding(EngineConfig(), "cpu") == 320  # the CPU engine's 256
+    assert default_max_outstanding(EngineConfig(), "cuda") == 640  # a large GPU's 512, whatever each worker picks

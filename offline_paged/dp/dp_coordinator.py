@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
 
-from offline_paged.core.config import LARGE_DEVICE_MAX_NUM_SEQS, auto_max_num_seqs
+from offline_paged.core.config import LARGE_DEVICE_MAX_NUM_SEQS, EngineConfig, auto_max_num_seqs
 from offline_paged.core.engine_stats import combine_stats
 from offline_paged.core.outputs import EngineStats, RequestError, RequestOutput
 from offline_paged.core.sampling_params import SamplingParams
@@ -75,6 +75,14 @@ def _visible_gpus() -> list[str]:
     return names[:count] if names else [str(i) for i in range(count)]
 
 
+def default_max_outstanding(config: EngineConfig, device: str) -> int:
+    """Requests one worker holds at most by default: its max_num_seqs and a quarter more. Left to the device
+    (None), max_num_seqs is taken at its larger choice on CUDA (each worker's engine picks its own by its GPU's
+    memory): a large GPU stays fed, a smaller one only queues more."""
+    seqs = config.max_num_seqs or (LARGE_DEVICE_MAX_NUM_SEQS if device == "cuda" else auto_max_num_seqs(device, None))
+    return seqs + max(1, seqs // 4)
+
+
 class DataParallelCoordinator:
     """Deals requests to N worker processes, each an LLMEngine with its own KV pool.
 
@@ -110,10 +118,7 @@ class DataParallelCoordinator:
             spec = replace(spec, cpu_threads=max(1, (os.cpu_count() or 1) // num_workers))
         self.spec = replace(spec, config=replace(spec.config, device=device))
         self.device = device
-        # max_num_seqs=None: each worker's engine picks it by its device; the larger choice keeps a GPU's fed
-        seqs = spec.config.max_num_seqs or (
-            LARGE_DEVICE_MAX_NUM_SEQS if device == "cuda" else auto_max_num_seqs(device, None))
-        self.max_outstanding = max_outstanding or seqs + max(1, seqs // 4)
+        self.max_outstanding = max_outstanding or default_max_outstanding(spec.config, device)
         self.max_attempts = max_attempts
         self.stall_timeout_s = stall_timeout_s
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
