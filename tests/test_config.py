@@ -145,8 +145,9 @@ def test_max_num_seqs_defaults_by_backend_and_device_memory_and_is_validated():
     assert auto_max_num_seqs("cpu", None) == 256
     assert auto_max_num_seqs("cpu", 1 << 40) == 256  # the CPU's step costs about its sequences
     assert EngineConfig().max_num_seqs is None
-    assert EngineConfig().resolved_max_num_seqs("cuda", 141 * GiB) == 512
-    assert EngineConfig(max_num_seqs=7).resolved_max_num_seqs("cuda", 141 * GiB) == 7
+    assert EngineConfig().with_device_defaults("cuda", 141 * GiB).max_num_seqs == 512
+    assert EngineConfig().with_device_defaults("cuda", 24 * GiB).max_num_seqs == 256
+    assert EngineConfig(max_num_seqs=7).with_device_defaults("cuda", 141 * GiB).max_num_seqs == 7
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="max_num_seqs"):
             EngineConfig(max_num_seqs=bad)

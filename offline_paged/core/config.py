@@ -163,14 +163,8 @@ class EngineConfig:
     def with_device_defaults(self, backend_name: str, device_memory_bytes: int | None) -> EngineConfig:
         """This config with the fields left to the device (None) filled: max_num_seqs (auto_max_num_seqs) and
         max_num_batched_tokens (auto_max_num_batched_tokens). The engine runs on the result."""
-        return replace(self, max_num_seqs=self.resolved_max_num_seqs(backend_name, device_memory_bytes),
+        return replace(self, max_num_seqs=self.max_num_seqs or auto_max_num_seqs(backend_name, device_memory_bytes),
                        max_num_batched_tokens=self.max_num_batched_tokens or auto_max_num_batched_tokens(backend_name))
-
-    def resolved_max_num_seqs(self, backend_name: str, device_memory_bytes: int | None) -> int:
-        """max_num_seqs, or its default on this backend and device (auto_max_num_seqs)."""
-        if self.max_num_seqs is not None:
-            return self.max_num_seqs
-        return auto_max_num_seqs(backend_name, device_memory_bytes)
 
     def resolved_admission_batch(self, backend_name: str) -> int:
         """admission_batch, or its default on this backend: batches of max_num_seqs // 8 on CUDA, where a
