@@ -22,7 +22,8 @@ class _Words:
 
 
 def _processor(max_model_len: int = 16) -> RequestProcessor:
-    return RequestProcessor(EngineConfig(device="cpu", seed=7), _Words(), vocab_size=100,
+    config = EngineConfig(device="cpu", seed=7).with_device_defaults("cpu", None)  # as the engine passes it
+    return RequestProcessor(config, _Words(), vocab_size=100,
                             max_model_len=max_model_len, eos_token_ids=(1,))
 
 
