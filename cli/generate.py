@@ -259,9 +259,19 @@ def _build_engine(options: dict[str, Any]):
             engine = LLMEngine(config)
         except (ValueError, OSError, RuntimeError) as exc:
             _fatal(f"cannot start the engine: {exc}")
+        click.echo(engine_line(engine), err=True)
     if template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = template  # chat lines are rendered here, in this process
     return engine
+
+
+def engine_line(engine) -> str:
+    """What the engine chose where the flags left it to the device, as a job's log names it before the first line
+    runs: backend and dtype, the step budgets, the KV pool."""
+    config, manager = engine.config, engine.block_manager
+    return (f"engine: {engine.backend.name} {engine.backend.dtype.name}, max_num_seqs {config.max_num_seqs}, "
+            f"max_num_batched_tokens {config.max_num_batched_tokens}, max_model_len {engine.max_model_len}, "
+            f"KV pool {manager.num_gpu_blocks:,} blocks of {config.block_size} tokens")
 
 
 def _int_list(flag: str, text: str) -> list[int]:

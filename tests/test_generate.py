@@ -130,6 +130,18 @@ def test_stdin_to_stdout_in_a_real_process(model_dir):
     (record,) = [json.loads(x) for x in proc.stdout.splitlines()]
     assert record["id"] == "s" and record["usage"]["completion_tokens"] == 2
     assert "requests: 1 (1 ok" in proc.stderr
+    assert "engine: cpu float32, max_num_seqs 4, max_num_batched_tokens 32, max_model_len 64, KV pool 64 blocks of 4 " \
+           "tokens" in proc.stderr
+
+
+def test_the_log_names_the_budgets_the_engine_chose(model_dir, tmp_path):
+    """Left to the device, the step budgets are the CPU's (256 sequences, 2048 tokens), and the log says so."""
+    result = CliRunner().invoke(cli, ["generate", str(_job(tmp_path / "in.jsonl", JOB[:1])), "-o", str(tmp_path / "o"),
+                                      "--model", str(model_dir), "--device", "cpu", "--num-kv-blocks", "64",
+                                      "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "engine: cpu float32, max_num_seqs 256, max_num_batched_tokens 2048, max_model_len 64, KV pool 64 blocks " \
+           "of 16 tokens" in result.output
 
 
 # ---------------------------------------------------------------- output faults: exit 2 before any work
