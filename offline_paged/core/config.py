@@ -185,7 +185,6 @@ class EngineConfig:
 
 
 LARGE_DEVICE_MEMORY = 70 * GiB  # an H100 / H200 (80 / 141 GB): room for twice the sequences
-LARGE_DEVICE_MAX_NUM_SEQS = 512
 
 
 def auto_max_num_seqs(backend_name: str, device_memory_bytes: int | None) -> int:
@@ -194,7 +193,7 @@ def auto_max_num_seqs(backend_name: str, device_memory_bytes: int | None) -> int
     (benchmarks/RESULTS.md); vLLM's LLM class takes 1,024 on such devices. The CPU's step costs about its
     sequences, and a smaller device holds fewer sequences' KV, so both stay at 256."""
     if backend_name == "cuda" and device_memory_bytes is not None and device_memory_bytes >= LARGE_DEVICE_MEMORY:
-        return LARGE_DEVICE_MAX_NUM_SEQS
+        return 512
     return 256
 
 

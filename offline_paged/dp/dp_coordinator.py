@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
 
-from offline_paged.core.config import LARGE_DEVICE_MAX_NUM_SEQS, EngineConfig, auto_max_num_seqs
+from offline_paged.core.config import LARGE_DEVICE_MEMORY, EngineConfig, auto_max_num_seqs
 from offline_paged.core.engine_stats import combine_stats
 from offline_paged.core.outputs import EngineStats, RequestError, RequestOutput
 from offline_paged.core.sampling_params import SamplingParams
@@ -77,9 +77,9 @@ def _visible_gpus() -> list[str]:
 
 def default_max_outstanding(config: EngineConfig, device: str) -> int:
     """Requests one worker holds at most by default: its max_num_seqs and a quarter more. Left to the device
-    (None), max_num_seqs is taken at its larger choice on CUDA (each worker's engine picks its own by its GPU's
-    memory): a large GPU stays fed, a smaller one only queues more."""
-    seqs = config.max_num_seqs or (LARGE_DEVICE_MAX_NUM_SEQS if device == "cuda" else auto_max_num_seqs(device, None))
+    (None), max_num_seqs is taken as a large device's (each worker's engine picks its own by its GPU's memory):
+    a large GPU stays fed, a smaller one only queues more."""
+    seqs = config.max_num_seqs or auto_max_num_seqs(device, LARGE_DEVICE_MEMORY)
     return seqs + max(1, seqs // 4)
 
 
