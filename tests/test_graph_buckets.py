@@ -16,6 +16,9 @@ def test_decode_buckets_end_at_the_first_bucket_holding_max_num_seqs():
     assert decode_buckets(10_000) == DECODE_BUCKETS
     steps = np.diff([b for b in DECODE_BUCKETS if 64 <= b <= 256])
     assert steps.max() == 16  # padding below 16 rows from 64 to 256 sequences
+    assert decode_buckets(512)[-1] == 512 and DECODE_BUCKETS[-1] == 1024  # the CUDA default, and vLLM's H100 one
+    assert decode_buckets(600)[-1] == 640 and decode_buckets(1024)[-2:] == (960, 1024)
+    assert np.diff(DECODE_BUCKETS).max() <= 64  # padding within 64 rows, an eighth of a 512-sequence step
     with pytest.raises(ValueError, match="max_num_seqs"):
         decode_buckets(0)
 
