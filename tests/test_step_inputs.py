@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from offline_paged.worker.step_inputs import decode_columns, pending_inputs, synthetic_prefill
+from offline_paged.worker.step_inputs import decode_columns, decode_pending_inputs, pending_inputs, synthetic_prefill
 
 
 @pytest.mark.parametrize("num_tokens, num_seqs, block_size", [(100, 7, 16), (5, 9, 4), (64, 1, 16), (33, 4, 8)])
@@ -73,6 +73,39 @@ def test_pending_inputs_refuse_a_token_no_step_samples(item, sample_index):
         pending_inputs([item], previous, lambda host: host)
     with pytest.raises(RuntimeError, match="is pending"):
         pending_inputs([item], None, lambda host: host)
+
+
+def _graph_step(seq_ids, rows, token_ids):
+    """A decode graph step's LaunchedStep fields: sample i drawn for seq_ids[i] on block-table row rows[i]."""
+    return SimpleNamespace(sample_index=None, sample_rows=np.array(rows, dtype=np.int64),
+                           sample_seq_ids=np.array(seq_ids, dtype=np.int64),
+                           samples=SimpleNamespace(token_ids=np.array(token_ids, dtype=np.int32)))
+
+
+def test_decode_pending_inputs_find_each_sample_by_block_table_row_as_pending_inputs_does():
+    # Three decodes with their token pending and one whose token is known (position 1 of [5, 6]); the previous
+    # step sampled them in another order, beside a sequence that finished since (seq 99, row 7).
+    items = [_item(10, [5, 6, 7], 3, 0), _item(11, [5, 6], 1, 0), _item(12, [8], 1, 0), _item(13, [1, 2], 2, 0)]
+    rows = np.array([4, 0, 2, 5], dtype=np.int64)
+    previous = _graph_step([13, 99, 10, 12], [5, 7, 4, 2], [40, 41, 42, 43])
+    columns = decode_columns(items)
+    by_row, by_map = np.zeros(4, np.int32), np.zeros(4, np.int32)
+    decode_pending_inputs(columns, rows, previous, lambda host: host)(by_row)
+    pending_inputs(items, previous, lambda host: host)(by_map)  # the map built from sample_seq_ids
+    assert by_row.tolist() == by_map.tolist() == [42, 0, 43, 40]
+    assert decode_pending_inputs(decode_columns(items[1:2]), rows[1:2], previous, lambda host: host) is None
+
+
+@pytest.mark.parametrize("rows, sampled_rows, sampled_seqs, start", [
+    ([3], [4], [10], 3),  # no sample on its row
+    ([3], [3], [11], 3),  # its row's sample went to another sequence (the row was reused)
+    ([3], [3], [10], 4),  # starts past the one pending token
+])
+def test_decode_pending_inputs_refuse_a_token_no_step_samples(rows, sampled_rows, sampled_seqs, start):
+    columns = decode_columns([_item(10, [5, 6, 7], start, 0)])
+    previous = _graph_step(sampled_seqs, sampled_rows, [40])
+    with pytest.raises(RuntimeError, match=f"sequence 10: input token at {start} is pending"):
+        decode_pending_inputs(columns, np.array(rows, dtype=np.int64), previous, lambda host: host)
 
 
 def _chunk(seq_id, num_tokens, start, num_new):

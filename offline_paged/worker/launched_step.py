@@ -106,7 +106,9 @@ class LaunchedStep:
 
     output: Any  # the SchedulerOutput it runs
     samples: Any  # ReadySamples, gpu_sampler.PendingSamples or LateSamples: token_ids [R] (device) and results()
-    sample_index: dict[int, int]  # seq id -> index in samples.token_ids of the token it will append
+    # seq id -> index in samples.token_ids of the token it will append; None for a decode graph step's samples,
+    # which are found by their rows (sample_rows, sample_seq_ids; the map is built from them when needed).
+    sample_index: dict[int, int] | None
     # Per sampling request: index of its scheduled sequence. None when request i is sequence i's only sample
     # (every sequence draws exactly one: the decode graph's own samples).
     owners: list[int] | None
@@ -117,6 +119,10 @@ class LaunchedStep:
     # waits for ModelRunner.launch_deferred_sampling (structured output under async scheduling); `samples`
     # is None until then.
     deferred_logits: tuple | None = None
+    # A decode graph step that drew one token per sequence: the block-table row [R] and seq id [R] of sample i's
+    # sequence (step_inputs.decode_pending_inputs finds the next decode step's pending tokens by row).
+    sample_rows: np.ndarray | None = None
+    sample_seq_ids: np.ndarray | None = None
     _done: ExecuteOutput | None = None
 
     @classmethod

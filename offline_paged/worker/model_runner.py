@@ -35,8 +35,9 @@ from offline_paged.worker.launched_step import LateSamples, LaunchedStep, ReadyS
 from offline_paged.worker.mirrored_step import BlockMoves, EagerForward, GraphForward, MirroredStep, RowsDiff
 from offline_paged.worker.sampler import Sampler, SamplingRequest, log_softmax, top_logprobs
 from offline_paged.worker.sampling_rows import SamplingRows
-from offline_paged.worker.step_inputs import (DecodeColumns, EagerBatch, StepUpload, decode_columns, eager_batch,
-                                              pack_eager, pending_inputs, synthetic_prefill, unpack_eager)
+from offline_paged.worker.step_inputs import (DecodeColumns, EagerBatch, StepUpload, decode_columns,
+                                              decode_pending_inputs, eager_batch, pack_eager, pending_inputs,
+                                              synthetic_prefill, unpack_eager)
 from offline_paged.worker.step_report import DeviceTimer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -139,8 +140,11 @@ class ModelRunner:
         self._move_blocks(moves)  # (a late sampling of `previous` reads no KV block)
         self.table_rows.release(output.freed_seq_ids)
         rows = self.table_rows.sync(output.scheduled)  # [S] each sequence's block-table row
-        fill = pending_inputs(output.scheduled, previous, self._pending_upload)
         columns = decode_columns(output.scheduled) if output.scheduled and self.decode_graphs is not None else None
+        if columns is not None and previous is not None and previous.sample_rows is not None:
+            fill = decode_pending_inputs(columns, rows, previous, self._pending_upload)  # the steady state
+        else:
+            fill = pending_inputs(output.scheduled, previous, self._pending_upload)
         if previous is not None:  # its late sampling reads the graph buffers and sampling rows reused below:
             previous.queue_sampling()  # queued after this host work, which overlaps its mask fill
         if not output.scheduled:
@@ -226,11 +230,9 @@ class ModelRunner:
                                                        columns.writes, self.table_rows, decode.sample_positions,
                                                        self.sampling_rows, timer, fill)
         _stop(timer)
-        scheduled = output.scheduled
-        return LaunchedStep(output=output, samples=samples,
-                            sample_index={item.seq.seq_id: i for i, item in enumerate(scheduled)},
-                            owners=None, prompt_logprobs=[None] * len(scheduled), forward_timer=timer,
-                            used_cuda_graph=True)
+        return LaunchedStep(output=output, samples=samples, sample_index=None, sample_rows=decode.rows,
+                            sample_seq_ids=columns.seq_ids, owners=None,
+                            prompt_logprobs=[None] * len(output.scheduled), forward_timer=timer, used_cuda_graph=True)
 
     def _graph_decode(self, scheduled, rows: np.ndarray, columns: DecodeColumns | None,
                       grammar: bool) -> _GraphDecode | None:

@@ -148,29 +148,33 @@ class DecodeColumns:
     writes: np.ndarray  # [S] bool, False: the cached token's K/V is not rewritten
     seq_ids: np.ndarray  # [S] int64
     sample_positions: np.ndarray  # [S] int64 output position each row samples
+    num_known: np.ndarray  # [S] int64 tokens known on the host: the input at positions >= num_known is pending
     one_sample_each: bool  # every row draws exactly one token and asks no prompt logprobs
 
 
 def decode_columns(scheduled) -> DecodeColumns | None:
     """The step's DecodeColumns, or None when some sequence computes more than one token (not a decode-only
     step). One Python pass over the sequences; the arrays are built from its lists."""
-    positions, input_ids, writes, seq_ids, sample_positions = [], [], [], [], []
+    positions, input_ids, writes, seq_ids, sample_positions, num_known = [], [], [], [], [], []
     one_sample_each = True
     for item in scheduled:
         if item.num_new_tokens != 1:
             return None
         seq, start = item.seq, item.start
         token_ids = seq.token_ids
+        known = len(token_ids)
         positions.append(start)
-        input_ids.append(token_ids[start] if start < len(token_ids) else 0)  # 0: pending
+        input_ids.append(token_ids[start] if start < known else 0)  # 0: pending
         writes.append(start >= seq.num_skip_write)
         seq_ids.append(seq.seq_id)
         sample_positions.append(item.sample_position)
+        num_known.append(known)
         if item.num_samples != 1 or item.prompt_logprobs is not None:
             one_sample_each = False
     return DecodeColumns(np.array(positions, dtype=np.int64), np.array(input_ids, dtype=np.int64),
                          np.array(writes, dtype=bool), np.array(seq_ids, dtype=np.int64),
-                         np.array(sample_positions, dtype=np.int64), one_sample_each)
+                         np.array(sample_positions, dtype=np.int64), np.array(num_known, dtype=np.int64),
+                         one_sample_each)
 
 
 def synthetic_prefill(num_tokens: int, num_seqs: int, block_size: int) -> dict[str, np.ndarray]:
@@ -211,6 +215,8 @@ def pending_inputs(scheduled, previous, upload):
     """None when every input token is known; else a function that writes the pending ones into a step's
     device input ids [T] (or [b] for a graph bucket), gathered from `previous`'s sampled ids."""
     sample_index = {} if previous is None else previous.sample_index
+    if sample_index is None:  # a decode graph step's (LaunchedStep.sample_seq_ids): built when a chunk needs it
+        sample_index = dict(zip(previous.sample_seq_ids.tolist(), range(len(previous.sample_seq_ids))))
     token_index, dst, src = 0, [], []
     for item in scheduled:
         start, num_new, seq_id = item.start, item.num_new_tokens, item.seq.seq_id
@@ -228,8 +234,35 @@ def pending_inputs(scheduled, previous, upload):
         token_index += num_new
     if not dst:
         return None
-    indices = upload(np.asarray(dst + src, dtype=np.int32))  # [2n] int32 (device)
-    dst_ids, src_ids = indices[:len(dst)], indices[len(dst):]
+    return _gather_pending(np.asarray(dst + src, dtype=np.int32), len(dst), previous, upload)
+
+
+def decode_pending_inputs(columns: DecodeColumns, rows: np.ndarray, previous, upload):
+    """pending_inputs for a decode-only step (columns, its block-table rows [S]) whose pending tokens a decode
+    graph step drew, one per sequence (previous.sample_rows and sample_seq_ids set): each pending sequence
+    finds its sample by its block-table row, in NumPy rather than a Python pass over the sequences. A row
+    that `previous` did not sample, or sampled for another sequence, raises RuntimeError as pending_inputs."""
+    dst = np.flatnonzero(columns.positions >= columns.num_known)  # [P] rows whose input is pending
+    if not dst.size:
+        return None
+    sample_rows = previous.sample_rows  # [R] block-table row of each sample's sequence
+    sample_of_row = np.full(max(int(rows.max()), int(sample_rows.max())) + 1, -1, dtype=np.int64)
+    sample_of_row[sample_rows] = np.arange(len(sample_rows))
+    src = sample_of_row[rows[dst]]  # [P] (-1: no sample on that row)
+    fed = (src >= 0) & (columns.positions[dst] == columns.num_known[dst])
+    fed[fed] = previous.sample_seq_ids[src[fed]] == columns.seq_ids[dst[fed]]
+    if not fed.all():
+        first = dst[np.argmin(fed)]
+        raise RuntimeError(f"sequence {columns.seq_ids[first]}: input token at {columns.positions[first]} is "
+                           "pending but no launched step samples it")
+    return _gather_pending(np.concatenate([dst, src]).astype(np.int32), len(dst), previous, upload)
+
+
+def _gather_pending(indices: np.ndarray, num_pending: int, previous, upload):
+    """The fill of pending_inputs: indices [2P] int32 are P destinations in the input ids, then P sources
+    in previous's sampled ids."""
+    indices = upload(indices)  # [2P] int32 (device)
+    dst_ids, src_ids = indices[:num_pending], indices[num_pending:]
     sampled = previous.samples.token_ids  # [R] int32 (device)
 
     def fill(input_ids) -> None:
