@@ -138,14 +138,14 @@ def test_mixed_graph_tokens_is_a_non_negative_integer_zero_meaning_off():
 def test_max_num_seqs_defaults_by_backend_and_device_memory_and_is_validated():
     from offline_paged.core.config import GiB, EngineConfig, auto_max_num_seqs
 
-    assert auto_max_num_seqs("cuda", 80 * GiB) == 512  # an H100
-    assert auto_max_num_seqs("cuda", 70 * GiB) == 512
+    assert auto_max_num_seqs("cuda", 80 * GiB) == 1024  # an H100
+    assert auto_max_num_seqs("cuda", 70 * GiB) == 1024
     assert auto_max_num_seqs("cuda", 70 * GiB - 1) == 256
     assert auto_max_num_seqs("cuda", 24 * GiB) == 256
     assert auto_max_num_seqs("cpu", None) == 256
     assert auto_max_num_seqs("cpu", 1 << 40) == 256  # the CPU's step costs about its sequences
     assert EngineConfig().max_num_seqs is None
-    assert EngineConfig().with_device_defaults("cuda", 141 * GiB).max_num_seqs == 512
+    assert EngineConfig().with_device_defaults("cuda", 141 * GiB).max_num_seqs == 1024
     assert EngineConfig().with_device_defaults("cuda", 24 * GiB).max_num_seqs == 256
     assert EngineConfig(max_num_seqs=7).with_device_defaults("cuda", 141 * GiB).max_num_seqs == 7
     for bad in (0, -1, True, 2.0):

@@ -253,4 +253,4 @@ def test_a_worker_holds_its_max_num_seqs_and_a_quarter_more_by_default():
     assert default_max_outstanding(EngineConfig(max_num_seqs=8), "cpu") == 10
     assert default_max_outstanding(EngineConfig(max_num_seqs=2), "cuda") == 3
     assert default_max_outstanding(EngineConfig(), "cpu") == 320  # the CPU engine's 256
-    assert default_max_outstanding(EngineConfig(), "cuda") == 640  # a large GPU's 512, whatever each worker picks
+    assert default_max_outstanding(EngineConfig(), "cuda") == 1280  # a large GPU's 1024, whatever each worker picks

@@ -59,7 +59,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     swap_space: int = 1 * GiB  # bytes for the CPU swap pool (used by preemption_mode="swap")
     num_cpu_blocks: int | None = None
-    # None = auto (auto_max_num_seqs): 512 on a CUDA device of at least 70 GiB, else 256.
+    # None = auto (auto_max_num_seqs): 1024 on a CUDA device of at least 70 GiB, else 256.
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # None = auto (auto_max_num_batched_tokens): 8192 on CUDA, else 2048
     max_model_len: int | None = None
@@ -188,12 +188,12 @@ LARGE_DEVICE_MEMORY = 70 * GiB  # an H100 / H200 (80 / 141 GB): room for twice t
 
 
 def auto_max_num_seqs(backend_name: str, device_memory_bytes: int | None) -> int:
-    """512 on a CUDA device of at least 70 GiB, else 256. On an H100 a 1,024-request job ran 1.08x (1B shape)
-    and 1.05x (8B, 5 recompute preemptions) faster at 512 than at 256, while 1,024 added nothing on the 1B
-    (benchmarks/RESULTS.md); vLLM's LLM class takes 1,024 on such devices. The CPU's step costs about its
+    """1024 on a CUDA device of at least 70 GiB (vLLM's LLM class takes the same), else 256. With decode
+    graphs up to 1,024 sequences, a 1,024-request job ran faster at 1,024 than at 512 on the 1B shape
+    (H100 and H200) and on the 8B (benchmarks/RESULTS.md, session 46). The CPU's step costs about its
     sequences, and a smaller device holds fewer sequences' KV, so both stay at 256."""
     if backend_name == "cuda" and device_memory_bytes is not None and device_memory_bytes >= LARGE_DEVICE_MEMORY:
-        return 512
+        return 1024
     return 256
 
 
