@@ -160,7 +160,7 @@ def test_max_num_batched_tokens_defaults_by_backend_and_is_validated():
     assert auto_max_num_batched_tokens("cpu") == 2048
     assert EngineConfig().max_num_batched_tokens is None
     filled = EngineConfig().with_device_defaults("cuda", 80 * GiB)
-    assert (filled.max_num_seqs, filled.max_num_batched_tokens) == (512, 8192)
+    assert (filled.max_num_seqs, filled.max_num_batched_tokens) == (1024, 8192)
     given = EngineConfig(max_num_seqs=3, max_num_batched_tokens=100).with_device_defaults("cuda", 80 * GiB)
     assert (given.max_num_seqs, given.max_num_batched_tokens) == (3, 100)
     for bad in (0, -1, True, 2.0):

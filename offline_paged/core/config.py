@@ -189,9 +189,10 @@ LARGE_DEVICE_MEMORY = 70 * GiB  # an H100 / H200 (80 / 141 GB): room for twice t
 
 def auto_max_num_seqs(backend_name: str, device_memory_bytes: int | None) -> int:
     """1024 on a CUDA device of at least 70 GiB (vLLM's LLM class takes the same), else 256. With decode
-    graphs up to 1,024 sequences, a 1,024-request job ran faster at 1,024 than at 512 on the 1B shape
-    (H100 and H200) and on the 8B (benchmarks/RESULTS.md, session 46). The CPU's step costs about its
-    sequences, and a smaller device holds fewer sequences' KV, so both stay at 256."""
+    graphs up to 1,024 sequences, a 1,024-request job ran 1.06-1.07x faster at 1,024 than at 512 on the 1B
+    shape (H100 and H200) and 1.04x on the 8B on an H200, but 0.97x on the 8B on an H100, whose KV pool
+    holds ~330 tokens a sequence at 1,024 (79 preemptions; benchmarks/RESULTS.md, session 46). The CPU's
+    step costs about its sequences, and a smaller device holds fewer sequences' KV, so both stay at 256."""
     if backend_name == "cuda" and device_memory_bytes is not None and device_memory_bytes >= LARGE_DEVICE_MEMORY:
         return 1024
     return 256
