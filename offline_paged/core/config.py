@@ -184,7 +184,7 @@ class EngineConfig:
         return auto_grammar_mask_processes(backend_name, num_cores)
 
 
-LARGE_DEVICE_MEMORY = 70 * GiB  # an H100 / H200 (80 / 141 GB): room for twice the sequences
+LARGE_DEVICE_MEMORY = 70 * GiB  # an H100 / H200 (80 / 141 GB): room for four times the sequences of a smaller GPU
 
 
 def auto_max_num_seqs(backend_name: str, device_memory_bytes: int | None) -> int:
