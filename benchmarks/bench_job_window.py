@@ -1,7 +1,8 @@
 """A `generate` job's read-ahead window (--max-pending) on random weights: the bench's workload as prompt-id lines
 through the JobRunner, one fresh engine per run (a second run on one engine would hit the prefix cache), windows
-interleaved --repeat times. Prints one JSON line per run, then a table of out tok/s and the ratio to the first
-window of the same repeat.
+interleaved --repeat times (--with-bench: and the workload as `offline-paged bench` runs it, every request added up
+front). Prints one JSON line per run, then a table of out tok/s and the ratio to the first window of the same
+repeat.
 
     python benchmarks/bench_job_window.py --dummy-weights llama-3.2-1b --num-requests 4096 --window 1024 --window 2048
 
@@ -19,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offline_paged.benchmark.bench import (max_total_len, random_workload, release_device_memory,  # noqa: E402
-                                           sharegpt_like_workload, warm_up)
+                                           run_bench, sharegpt_like_workload, warm_up)
 from offline_paged.core.config import EngineConfig  # noqa: E402
 from offline_paged.engine import LLMEngine  # noqa: E402
 from offline_paged.job.job_file import JsonlWriter  # noqa: E402
@@ -63,6 +64,24 @@ def run_one(config: EngineConfig, loaded, lines: list[str], window: int) -> dict
         engine.close()
 
 
+def run_bench_once(config: EngineConfig, loaded, requests: list) -> dict:
+    """The same workload through `run_bench` (every request added up front, as `offline-paged bench` runs it) on a
+    fresh engine: the job's own cost is the difference."""
+    start = time.perf_counter()
+    engine = LLMEngine(config, loaded_model=loaded)
+    try:
+        warm_up(engine, loaded.config.vocab_size)
+        start_s = time.perf_counter() - start
+        steps_before = engine.stats.num_steps
+        result = run_bench(engine, requests)
+        return {"window": "bench", "wall_s": round(result.wall_s, 3), "output_tokens": result.num_output_tokens,
+                "output_tokens_per_s": round(result.output_tokens_per_s, 1),
+                "num_steps": engine.stats.num_steps - steps_before, "max_num_seqs": engine.config.max_num_seqs,
+                "engine_start_s": round(start_s, 2)}
+    finally:
+        engine.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dummy-weights", default="llama-3.2-1b")
@@ -74,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, action="append", help="--max-pending values (repeat)")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--with-bench", action="store_true",
+                        help="each repeat also runs the workload as `offline-paged bench` does (requests added up front)")
     args = parser.parse_args(argv)
     windows = args.window or [1024, 2048]
     backend = select_backend(args.device, "auto", None, None)
@@ -92,6 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     for repeat in range(args.repeat):
         for window in windows:
             result = run_one(config, loaded, lines, window) | {"repeat": repeat + 1}
+            print(json.dumps(result), flush=True)
+            results.append(result)
+            release_device_memory(backend)
+        if args.with_bench:
+            result = run_bench_once(config, loaded, requests) | {"repeat": repeat + 1}
             print(json.dumps(result), flush=True)
             results.append(result)
             release_device_memory(backend)
