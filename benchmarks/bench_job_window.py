@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from offline_paged.benchmark.bench import (max_total_len, random_workload, release_device_memory,  # noqa: E402
-                                           run_bench, sharegpt_like_workload, warm_up)
+from offline_paged.benchmark.bench import (max_total_len, parse_length_range, random_workload,  # noqa: E402
+                                           release_device_memory, run_bench, sharegpt_like_workload, warm_up)
 from offline_paged.core.config import EngineConfig  # noqa: E402
 from offline_paged.engine import LLMEngine  # noqa: E402
 from offline_paged.job.job_file import JsonlWriter  # noqa: E402
@@ -39,23 +39,16 @@ def job_lines(requests: list) -> list[str]:
             for index, request in enumerate(requests)]
 
 
-def run_one(config: EngineConfig, loaded, lines: list[str], window: int) -> dict:
-    """One job at read-ahead `window` on a fresh engine: wall seconds, output tokens, steps, sequences a step."""
+def run_fresh(config: EngineConfig, loaded, window: int | str, run) -> dict:
+    """`run(engine) -> (wall seconds, output tokens)` on a fresh, warmed engine (a second run on one engine would
+    hit the prefix cache): its out tok/s and steps, and the engine's start (KV pool sizing, graph captures, warm-up)."""
     start = time.perf_counter()
     engine = LLMEngine(config, loaded_model=loaded)
     try:
         warm_up(engine, loaded.config.vocab_size)
-        start_s = time.perf_counter() - start  # the engine's start: KV pool sizing, graph captures, warm-up
+        start_s = time.perf_counter() - start
         steps_before = engine.stats.num_steps
-        out = io.BytesIO()
-        job = JobRunner(engine, JsonlWriter(out), max_pending=window)
-        start = time.perf_counter()
-        summary = job.run(lines)
-        wall = time.perf_counter() - start
-        if summary.num_failed or summary.num_succeeded != len(lines):
-            raise RuntimeError(f"window {window}: {summary.num_failed} failed, {summary.num_succeeded} succeeded")
-        records = [json.loads(line) for line in out.getvalue().splitlines()]
-        output_tokens = sum(record["usage"]["completion_tokens"] for record in records)
+        wall, output_tokens = run(engine)
         return {"window": window, "wall_s": round(wall, 3), "output_tokens": output_tokens,
                 "output_tokens_per_s": round(output_tokens / wall, 1),
                 "num_steps": engine.stats.num_steps - steps_before, "max_num_seqs": engine.config.max_num_seqs,
@@ -64,22 +57,25 @@ def run_one(config: EngineConfig, loaded, lines: list[str], window: int) -> dict
         engine.close()
 
 
-def run_bench_once(config: EngineConfig, loaded, requests: list) -> dict:
-    """The same workload through `run_bench` (every request added up front, as `offline-paged bench` runs it) on a
-    fresh engine: the job's own cost is the difference."""
-    start = time.perf_counter()
-    engine = LLMEngine(config, loaded_model=loaded)
-    try:
-        warm_up(engine, loaded.config.vocab_size)
-        start_s = time.perf_counter() - start
-        steps_before = engine.stats.num_steps
+def job(lines: list[str], window: int):
+    """The lines as a `generate` job at read-ahead `window`, records written into memory."""
+    def run(engine) -> tuple[float, int]:
+        out = io.BytesIO()
+        start = time.perf_counter()
+        summary = JobRunner(engine, JsonlWriter(out), max_pending=window).run(lines)
+        wall = time.perf_counter() - start
+        if summary.num_failed or summary.num_succeeded != len(lines):
+            raise RuntimeError(f"window {window}: {summary.num_failed} failed, {summary.num_succeeded} succeeded")
+        return wall, sum(json.loads(line)["usage"]["completion_tokens"] for line in out.getvalue().splitlines())
+    return run
+
+
+def bench(requests: list):
+    """The same workload as `offline-paged bench` runs it (`run_bench`: every request added up front)."""
+    def run(engine) -> tuple[float, int]:
         result = run_bench(engine, requests)
-        return {"window": "bench", "wall_s": round(result.wall_s, 3), "output_tokens": result.num_output_tokens,
-                "output_tokens_per_s": round(result.output_tokens_per_s, 1),
-                "num_steps": engine.stats.num_steps - steps_before, "max_num_seqs": engine.config.max_num_seqs,
-                "engine_start_s": round(start_s, 2)}
-    finally:
-        engine.close()
+        return result.wall_s, result.num_output_tokens
+    return run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,21 +99,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.dataset == "sharegpt-like":
         requests = sharegpt_like_workload(args.num_requests, vocab, 0, 1.0)
     else:
-        low_in, high_in = (int(x) for x in args.input_len.split(":"))
-        low_out, high_out = (int(x) for x in args.output_len.split(":"))
-        requests = random_workload(args.num_requests, (low_in, high_in), (low_out, high_out), vocab, 0, 1.0)
+        requests = random_workload(args.num_requests, parse_length_range(args.input_len),
+                                   parse_length_range(args.output_len), vocab, 0, 1.0)
     config = EngineConfig(device=backend.name, dtype=backend.dtype.name, max_model_len=max_total_len(requests),
                           max_num_seqs=args.max_num_seqs)
     lines = job_lines(requests)
     results = []
+    runs = [(window, job(lines, window)) for window in windows]
+    if args.with_bench:
+        runs.append(("bench", bench(requests)))
     for repeat in range(args.repeat):
-        for window in windows:
-            result = run_one(config, loaded, lines, window) | {"repeat": repeat + 1}
-            print(json.dumps(result), flush=True)
-            results.append(result)
-            release_device_memory(backend)
-        if args.with_bench:
-            result = run_bench_once(config, loaded, requests) | {"repeat": repeat + 1}
+        for window, run in runs:
+            result = run_fresh(config, loaded, window, run) | {"repeat": repeat + 1}
             print(json.dumps(result), flush=True)
             results.append(result)
             release_device_memory(backend)
