@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from offline_paged.core.block_manager import BlockManager
-from offline_paged.core.config import EngineConfig
+from offline_paged.core.config import EngineConfig, fit_max_num_seqs
 from offline_paged.core.engine_stats import StatsTracker
 from offline_paged.core.output_processor import OutputProcessor
 from offline_paged.core.outputs import CompletionOutput, EngineStats, RequestError, RequestOutput
@@ -69,6 +69,7 @@ class LLMEngine:
         self.backend = select_backend(config.device, config.dtype, checkpoint_dtype(source),
                                       f"{source}/config.json")
         # max_num_seqs and max_num_batched_tokens left to the device (None) are set here (core/config.py)
+        seqs_left_to_device = config.max_num_seqs is None
         config = config.with_device_defaults(self.backend.name, self.backend.total_memory_bytes())
         self.config = config
         self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.backend.name)  # "auto" | "fp8_e4m3"
@@ -78,6 +79,9 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(self._tokenizer, self.model_config)
         self.profiled_activation_bytes: int | None = None  # set when the KV pool is sized by profiling
         self.max_model_len, num_gpu_blocks, num_cpu_blocks = self._size_kv_pools(self.executor.model)
+        if seqs_left_to_device:  # fewer sequences where the KV pool (sized for the device's choice) is short
+            self.config = config = dataclasses.replace(config, max_num_seqs=fit_max_num_seqs(
+                config.max_num_seqs, num_gpu_blocks * config.block_size, self.max_model_len))
         self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
                                           config.watermark, config.enable_prefix_caching,
                                           self.max_model_len if config.kv_layout == "contiguous" else None)
@@ -85,7 +89,7 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.preemption, self.max_model_len,
                                    config.resolved_admission_batch(self.backend.name))
         self.runner = self.executor.init_runner(num_gpu_blocks, num_cpu_blocks, self.max_model_len,
-                                                Sampler(self.eos_token_ids))
+                                                Sampler(self.eos_token_ids), config.max_num_seqs)
         self.processor = RequestProcessor(config, self._tokenizer, self.model_config.vocab_size, self.max_model_len,
                                           self.eos_token_ids)
         self.stop_checker = StopChecker(self._tokenizer, self.eos_token_ids, self.max_model_len)

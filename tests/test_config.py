@@ -153,6 +153,34 @@ def test_max_num_seqs_defaults_by_backend_and_device_memory_and_is_validated():
             EngineConfig(max_num_seqs=bad)
 
 
+def test_a_devices_1024_sequences_fall_back_to_512_where_the_kv_pool_is_short():
+    from offline_paged.core.config import fit_max_num_seqs
+
+    assert fit_max_num_seqs(1024, 339_296, 2029) == 512  # the 8B on an H100: 331 tokens a sequence
+    assert fit_max_num_seqs(1024, 890_000, 2029) == 1024  # the 8B on an H200
+    assert fit_max_num_seqs(1024, 1024 * 512, 2029) == 1024 and fit_max_num_seqs(1024, 1024 * 512 - 1, 2029) == 512
+    assert fit_max_num_seqs(1024, 1024 * 200, 200) == 1024  # short sequences: max_model_len is enough
+    assert fit_max_num_seqs(512, 1000, 2029) == 512 and fit_max_num_seqs(256, 1000, 2029) == 256
+
+
+def test_the_engine_fits_only_a_max_num_seqs_left_to_the_device(monkeypatch):
+    import offline_paged.core.config as config_module
+    from tests.tiny_engine import tiny_engine
+
+    from offline_paged.executor.local_executor import LocalExecutor
+
+    monkeypatch.setattr(config_module, "auto_max_num_seqs", lambda backend, memory: 1024)
+    runners_for = []  # the max_num_seqs each runner (its graph buckets and sampling rows) was built for
+    build = LocalExecutor.init_runner
+    monkeypatch.setattr(LocalExecutor, "init_runner",
+                        lambda self, *args: runners_for.append(args[-1]) or build(self, *args))
+    short = tiny_engine(max_num_seqs=None, num_kv_blocks=1000, max_model_len=64)  # 4,000 tokens
+    assert short.config.max_num_seqs == 512 and short.scheduler.max_num_seqs == 512 and runners_for == [512]
+    roomy = tiny_engine(max_num_seqs=None, num_kv_blocks=1024 * 16 + 1, max_model_len=64)  # 64 tokens each
+    assert roomy.config.max_num_seqs == 1024 and roomy.scheduler.max_num_seqs == 1024
+    assert tiny_engine(max_num_seqs=1024, num_kv_blocks=1000, max_model_len=64).config.max_num_seqs == 1024
+
+
 def test_max_num_batched_tokens_defaults_by_backend_and_is_validated():
     from offline_paged.core.config import GiB, EngineConfig, auto_max_num_batched_tokens
 

@@ -159,7 +159,7 @@ def test_a_tensor_parallel_rank_replays_at_the_step_loop_thresholds(callers_thre
 
     rank = _Rank(_spec(_source()))  # on a thread: the thresholds are the process's
     assert rank.control.recv() == Loaded()
-    rank.control.send(InitRunner(8, 0, 32))
+    rank.control.send(InitRunner(8, 0, 32, 2))
     assert rank.control.recv() == Ready()
     assert gc.get_threshold() == gc_pacing.STEP_LOOP_THRESHOLDS  # serving
     rank.control.send(Stop())

@@ -47,9 +47,9 @@ def test_messages_reach_every_rank_and_the_smallest_profile_wins():
     for r, usable in zip(ranks, [7_000, 5_000, 9_000]):
         r.send(Profiled(usable))
     assert group.finish_profile() == 5_000
-    group.init_runners(10, 2, 128)
+    group.init_runners(10, 2, 128, 64)
     group.send_step("a MirroredStep")
-    assert [r.recv() for r in ranks] == [InitRunner(10, 2, 128)] * 3
+    assert [r.recv() for r in ranks] == [InitRunner(10, 2, 128, 64)] * 3
     assert [r.recv() for r in ranks] == ["a MirroredStep"] * 3
     for r in ranks:
         r.send(Ready())

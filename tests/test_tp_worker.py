@@ -54,7 +54,7 @@ def _source() -> ArraySource:
 def test_a_rank_loads_builds_its_runner_and_stops():
     rank = _Rank(_spec(_source()))
     assert rank.control.recv() == Loaded()
-    rank.control.send(InitRunner(8, 0, 32))
+    rank.control.send(InitRunner(8, 0, 32, 256))
     assert rank.control.recv() == Ready()
     rank.control.send(Stop())
     assert rank.join() == "returned"

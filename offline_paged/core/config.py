@@ -198,6 +198,20 @@ def auto_max_num_seqs(backend_name: str, device_memory_bytes: int | None) -> int
     return 256
 
 
+MIN_KV_TOKENS_PER_SEQ = 512  # 1,024 sequences only where the KV pool holds this many tokens for each
+
+
+def fit_max_num_seqs(max_num_seqs: int, kv_capacity_tokens: int, max_model_len: int) -> int:
+    """A device's max_num_seqs (auto_max_num_seqs) fitted to its KV pool: 1,024 falls back to 512 where the
+    pool holds fewer than MIN_KV_TOKENS_PER_SEQ tokens (or max_model_len, if shorter) for each sequence.
+    Measured at N = 1,024 (nano-vllm lengths): the 8B shape on an H100 (331 tokens a sequence at 1,024) ran
+    79 recompute preemptions and 0.97x of 512, on an H200 (~870) none and 1.04x; the 1B holds 2,000 on
+    both (benchmarks/RESULTS.md, session 46). vLLM keeps 1,024 and preempts."""
+    if max_num_seqs > 512 and kv_capacity_tokens < max_num_seqs * min(MIN_KV_TOKENS_PER_SEQ, max_model_len):
+        return 512
+    return max_num_seqs
+
+
 def auto_max_num_batched_tokens(backend_name: str) -> int:
     """8192 on CUDA, 2048 on the CPU. On CUDA, `generate` then runs the budget `bench` measures; on an H100 at 512
     sequences it ran within noise of 2048 (1,024 requests: medians 47.1k against 45.9k out tok/s; sharegpt-like

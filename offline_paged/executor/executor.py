@@ -55,18 +55,19 @@ class Executor:
         return int(self.backend.free_memory_bytes() * config.gpu_memory_utilization) - activations
 
     def init_runner(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int,
-                    sampler: Sampler) -> ModelRunner:
-        """Build the runner (and its KV pools) for sequences up to max_model_len tokens."""
+                    sampler: Sampler, max_num_seqs: int) -> ModelRunner:
+        """Build the runner (and its KV pools) for sequences up to max_model_len tokens and steps of up to
+        max_num_seqs sequences (the engine's, which may be below the profiled config's: fit_max_num_seqs)."""
         self.model.set_max_positions(max_model_len)
-        self.runner = self._make_runner(num_gpu_blocks, num_cpu_blocks, max_model_len, sampler)
+        self.runner = self._make_runner(num_gpu_blocks, num_cpu_blocks, max_model_len, sampler, max_num_seqs)
         return self.runner
 
     def _make_runner(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int, sampler: Sampler,
-                     mirror=None) -> ModelRunner:
+                     max_num_seqs: int, mirror=None) -> ModelRunner:
         config = self.config
         return ModelRunner(self.model, self.backend, num_gpu_blocks, num_cpu_blocks, config.block_size, sampler,
                            cuda_graphs=config.cuda_graphs, max_model_len=max_model_len, mirror=mirror,
-                           max_num_seqs=config.max_num_seqs,
+                           max_num_seqs=max_num_seqs,
                            mixed_graph_tokens=min(config.mixed_graph_tokens, config.max_num_batched_tokens))
 
     def execute(self, output, in_flight: LaunchedStep | None = None,

@@ -33,14 +33,14 @@ class LocalExecutor(Executor):
         return model, loaded_model
 
     def init_runner(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int,
-                    sampler: Sampler) -> ModelRunner:
+                    sampler: Sampler, max_num_seqs: int) -> ModelRunner:
         """The runner, its decode and mixed-step graphs (if any) captured now, before the first step, and on
         CUDA the eager LM head's kernels loaded (CudaOps.warm_logits)."""
-        runner = super().init_runner(num_gpu_blocks, num_cpu_blocks, max_model_len, sampler)
+        runner = super().init_runner(num_gpu_blocks, num_cpu_blocks, max_model_len, sampler, max_num_seqs)
         if runner.decode_graphs is not None:
             runner.decode_graphs.capture_all(runner.sampling_rows)
         if runner.mixed_graphs is not None:
             runner.mixed_graphs.capture_all()
         if self.backend.name == "cuda":
-            self.model.ops.warm_logits(self.model.lm_head, self.config.max_num_seqs)
+            self.model.ops.warm_logits(self.model.lm_head, max_num_seqs)
         return runner

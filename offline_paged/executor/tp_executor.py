@@ -52,12 +52,13 @@ class TensorParallelExecutor(Executor):
         return min(usable, self.group.finish_profile())
 
     def init_runner(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int,
-                    sampler: Sampler) -> ModelRunner:
+                    sampler: Sampler, max_num_seqs: int) -> ModelRunner:
         """Every rank builds its runner with rank 0's block counts. The decode graphs stay captured on first
         use: every rank must warm up and capture a bucket together (the all-reduces run in the warm-up)."""
         self.model.set_max_positions(max_model_len)
-        self.group.init_runners(num_gpu_blocks, num_cpu_blocks, max_model_len)
-        self.runner = self._make_runner(num_gpu_blocks, num_cpu_blocks, max_model_len, sampler, mirror=self.group)
+        self.group.init_runners(num_gpu_blocks, num_cpu_blocks, max_model_len, max_num_seqs)
+        self.runner = self._make_runner(num_gpu_blocks, num_cpu_blocks, max_model_len, sampler, max_num_seqs,
+                                        mirror=self.group)
         self.group.wait_ready()
         return self.runner
 

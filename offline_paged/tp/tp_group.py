@@ -86,9 +86,9 @@ class TensorParallelGroup:
         """The smallest usable KV bytes any other rank reported."""
         return min(reply.usable_kv_bytes for reply in self._expect(Profiled))
 
-    def init_runners(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int) -> None:
-        """The other ranks build their runners and KV pools (same block counts as rank 0)."""
-        self._send_all(InitRunner(num_gpu_blocks, num_cpu_blocks, max_model_len))
+    def init_runners(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int, max_num_seqs: int) -> None:
+        """The other ranks build their runners and KV pools (same block counts and batch limit as rank 0)."""
+        self._send_all(InitRunner(num_gpu_blocks, num_cpu_blocks, max_model_len, max_num_seqs))
 
     def wait_ready(self) -> None:
         self._expect(Ready)

@@ -5,7 +5,7 @@
     (the communicator is created next: NCCL init is collective, so it waits for every rank)
     0 -> Profile(num_tokens, num_seqs, block_size)   CUDA only: the profiling forward, in step with rank 0
     rank -> Profiled(usable_kv_bytes)
-    0 -> InitRunner(num_gpu_blocks, num_cpu_blocks, max_model_len)
+    0 -> InitRunner(num_gpu_blocks, num_cpu_blocks, max_model_len, max_num_seqs)
     rank -> Ready()
     0 -> MirroredStep(moves, rows_diff, forward)    every launched step (worker/mirrored_step.py), no reply
     0 -> Stop()
@@ -48,11 +48,13 @@ class Profiled:
 
 @dataclass(slots=True, frozen=True)
 class InitRunner:
-    """Build the runner and the KV pools, with rank 0's block counts."""
+    """Build the runner and the KV pools, with rank 0's block counts and max_num_seqs (the engine's, which
+    may be below the config's: fit_max_num_seqs)."""
 
     num_gpu_blocks: int
     num_cpu_blocks: int
     max_model_len: int
+    max_num_seqs: int
 
 
 @dataclass(slots=True, frozen=True)

@@ -96,7 +96,7 @@ def _serve(spec: TPWorkerSpec, control, collective, backend, local_config, weigh
                 model.set_max_positions(message.max_model_len)
                 runner = ModelRunner(model, backend, message.num_gpu_blocks, message.num_cpu_blocks, config.block_size,
                                      device_sampling=False, cuda_graphs=config.cuda_graphs,
-                                     max_model_len=message.max_model_len, max_num_seqs=config.max_num_seqs)
+                                     max_model_len=message.max_model_len, max_num_seqs=message.max_num_seqs)
                 control.send(Ready())
             elif isinstance(message, Stop):
                 return
