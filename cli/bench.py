@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+import time
 from typing import Any
 
 import click
@@ -230,6 +231,7 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
             config = _engine_config(options | {"kv_cache_dtype": kv_dtype, "quantization": quantization,
                                                "grammar_mask_processes": mask_count},
                                     backend.name, layout, block_size, max_model_len, tensor_parallel_size)
+            started = time.perf_counter()
             engine = LLMEngine(config, loaded_model=loaded)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
@@ -252,7 +254,9 @@ def _run_all(options: dict, backend, loaded, requests, tensor_parallel_size: int
             label += f" w={config.quantization or 'none'}"
         label += tag + variant + (f" #{repeat + 1}" if repeats > 1 else "")
         print(f"running {label} ...", file=sys.stderr, flush=True)
+        start_s = time.perf_counter() - started  # (the grammars' compile counts too: a job pays it before its lines)
         results.append(run_bench(engine, run_requests, label=label, kv_layout=layout, ceilings=ceilings))
+        results[-1].engine_start_s = start_s
         if variant and run_requests is constrained and lengths is None:
             lengths = results[-1].output_lengths
         engine.close()

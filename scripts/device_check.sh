@@ -40,5 +40,6 @@ for line in open(sys.argv[1]):
     print(f"{record['call_label']:<20} seqs {run.get('max_num_seqs')} {run['output_tokens_per_s']:>9,.0f} tok/s "
           f"floor {(run['roofline'] or {}).get('fraction_of_floor', 0):.1%} steps {split['num_steps']} "
           f"eager {split['num_steps'] - split['num_cuda_graph_steps']} idle {split['device_idle_ms'] or 0:.3f} ms "
-          f"preemptions {run['num_preemptions']} peak {(run['peak_device_memory_bytes'] or 0) / 1e9:.1f} GB")
+          f"preemptions {run['num_preemptions']} peak {(run['peak_device_memory_bytes'] or 0) / 1e9:.1f} GB "
+          f"start {run.get('engine_start_s') or 0:.1f} s")
 PY

@@ -273,6 +273,7 @@ def test_cli_runs_the_sharegpt_like_dataset_and_names_it():
     data = json.loads(result.stdout.splitlines()[-1])
     assert "sharegpt-like N=3" in data["header"]
     assert data["runs"][0]["max_num_seqs"] == 256  # the engine's, resolved (the CPU's default)
+    assert data["runs"][0]["engine_start_s"] > 0  # the engine's construction, timed apart from the run
     expected = sharegpt_like_workload(3, vocab_size=100, seed=1)
     assert data["runs"][0]["num_output_tokens"] == sum(r.params.max_tokens for r in expected)
 

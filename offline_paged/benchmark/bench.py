@@ -342,6 +342,7 @@ class BenchResult:
     mask_server: dict | None = None  # structured output: the mask processes' counters over the run
     output_lengths: list[int] = field(default_factory=list)  # tokens of each request's first output, in order
     errors: list[str] = field(default_factory=list)  # requests that ended with an error: "id: message"
+    engine_start_s: float | None = None  # the engine's construction (KV sizing, graph captures) and warm-up
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -433,7 +434,7 @@ class BenchResult:
             "kv_block_usage": self.kv_block_usage, "max_concurrent_seqs": self.max_concurrent_seqs,
             "num_preemptions": self.num_preemptions, "time_split": self.time_split(), "step_kinds": self.step_kinds(),
             "roofline": self.roofline(), "mask_server": self.mask_server, "num_errors": len(self.errors),
-            "errors": self.errors[:10],
+            "errors": self.errors[:10], "engine_start_s": self.engine_start_s,
         }
 
     def to_json(self, with_steps: bool = False) -> str:
