@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from test_async_scheduling import _outputs, workloads
 from tiny_engine import run_to_completion, tiny_engine, tiny_model
 
-from offline_paged.core.sampling_params import SamplingParams
+from offline_paged.core.sampling_params import SamplingParams, StructuredOutputsParams
+from offline_paged.worker import model_runner
 from offline_paged.ops.attention import AttentionMetadata
-from offline_paged.worker.launched_step import ReadySamples
+from offline_paged.worker.launched_step import LateSamples, ReadySamples
 from offline_paged.worker.sampler import Sampler, SamplingRequest
 
 MODEL = tiny_model(seed=3)
@@ -34,13 +35,15 @@ class NumpyDecodeGraphs:
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.tables, self.tables_key = None, None  # [R, Mr] the mirror
         self.params, self.seeds, self.rows_source = None, None, None
-        self.num_replays = self.num_sampled_replays = 0
+        self.num_replays = self.num_sampled_replays = self.num_masked_samples = 0
+        self.last_run = None  # (logits [S, V], block-table rows [S], sample positions [S] or None) of the last replay
+        self.ids_buffer = np.zeros(buckets[-1], np.int32)  # [b_max] the masked sampler's ids (sampled_ids)
 
     def fits(self, num_seqs: int, max_context_len: int, max_table_len: int) -> bool:
         return (0 < num_seqs <= self.buckets[-1] and max_context_len <= self.max_model_len
                 and max_table_len <= self.max_blocks)
 
-    def run(self, input_ids, positions, slot_rows, writes, table_rows, timer=None, fill=None):
+    def run(self, input_ids, positions, slot_rows, writes, table_rows, timer=None, fill=None, sample_positions=None):
         self.num_replays += 1
         changes = table_rows.take_changes()
         if self.tables_key != (table_rows, table_rows.generation):
@@ -60,24 +63,50 @@ class NumpyDecodeGraphs:
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=positions + 1,
                                  query_start_loc=np.arange(num_seqs + 1), max_query_len=1,
                                  max_context_len=int(positions.max()) + 1)
-        return self.model.forward(ids, positions, self.kv_cache, meta, np.arange(num_seqs))  # [S, V]
+        logits = self.model.forward(ids, positions, self.kv_cache, meta, np.arange(num_seqs))  # [S, V]
+        self.last_run = (logits, rows, sample_positions)
+        return logits
 
     def run_and_sample(self, input_ids, positions, slot_rows, writes, table_rows, sample_positions,
                        sampling_rows, timer=None, fill=None):
         self.num_sampled_replays += 1
+        logits = self.run(input_ids, positions, slot_rows, writes, table_rows, timer, fill)
+        requests = self._requests(sampling_rows, slot_rows, sample_positions)
+        return logits, ReadySamples(Sampler().sample(logits, requests))
+
+    # The masked sampling graph (structured output): the last replay's rows sampled under host masks [S, W],
+    # their ids written into one persistent buffer, which `sampled_ids` hands out before the draw.
+    def masks_fit(self, num_words: int) -> bool:
+        return 32 * num_words >= self.model.config.vocab_size
+
+    def mask_staging(self, num_seqs: int, num_words: int, host_rows=None) -> np.ndarray:
+        return np.zeros((num_seqs, num_words), np.int32) if host_rows is None else host_rows(num_seqs, num_words)
+
+    def sampled_ids(self, num_seqs: int) -> np.ndarray:
+        return self.ids_buffer[:num_seqs]
+
+    def sample_masked(self, masks: np.ndarray, sampling_rows):
+        self.num_masked_samples += 1
+        (logits, rows, sample_positions), self.last_run = self.last_run, None
+        samples = ReadySamples(Sampler().sample(logits, self._requests(sampling_rows, rows, sample_positions, masks)))
+        self.ids_buffer[:len(rows)] = samples.token_ids
+        return samples
+
+    def _requests(self, sampling_rows, slot_rows, sample_positions, masks=None) -> list[SamplingRequest]:
+        """The rows' SamplingRequests from the mirror of sampling_rows (updated from its dirty rows)."""
         dirty = sampling_rows.take_dirty()
         if self.rows_source is not sampling_rows or self.params.shape[0] < sampling_rows.num_rows:
             self.params, self.seeds = sampling_rows.params.copy(), sampling_rows.seeds.copy()
             self.rows_source = sampling_rows
         else:
             self.params[dirty], self.seeds[dirty] = sampling_rows.params[dirty], sampling_rows.seeds[dirty]
-        logits = self.run(input_ids, positions, slot_rows, writes, table_rows, timer, fill)
         requests = []
-        for row, position in zip(np.asarray(slot_rows).tolist(), np.asarray(sample_positions).tolist()):
+        for i, (row, position) in enumerate(zip(np.asarray(slot_rows).tolist(), np.asarray(sample_positions).tolist())):
             temperature, min_p, _, top_p, top_k = self.params[row, :5].tolist()
             params = SamplingParams(temperature=temperature, min_p=min_p, top_p=top_p, top_k=int(top_k))
-            requests.append(SamplingRequest(params, int(self.seeds[row]), position, (), ()))
-        return logits, ReadySamples(Sampler().sample(logits, requests))
+            mask = None if masks is None else masks[i]
+            requests.append(SamplingRequest(params, int(self.seeds[row]), position, (), (), mask))
+        return requests
 
 
 def _params(draw) -> SamplingParams:
@@ -145,3 +174,28 @@ def test_penalty_rows_fall_back_to_the_eager_sampler():
     got, fake = _run(requests, (256, "recompute"), async_scheduling=True, graphs=True)
     assert got == expected
     assert fake.num_replays > 5 and fake.num_sampled_replays == 0
+
+
+def test_grammar_rows_draw_in_the_masked_graph_and_feed_the_next_step_by_row(monkeypatch):
+    """Structured-output rows replay the decode graph and draw in its masked sampler (the eager sampler's masks,
+    the graph's mirrored parameters). Under async scheduling the next decode step finds their pending tokens by
+    block-table row (decode_pending_inputs) from the masked step's sample_rows, as after an unmasked graph step:
+    a wrong row would feed another sequence's token and change the outputs."""
+    spec = StructuredOutputsParams(regex="[0-9]+(, [a-c]+)*")
+    requests = {f"g{i}": ([5 + i, 9, 13], SamplingParams(max_tokens=12, temperature=0.8, seed=i,
+                                                         structured_outputs=spec)) for i in range(4)}
+    requests["plain"] = ([7, 7, 7], SamplingParams(max_tokens=16, temperature=0.7, seed=9, ignore_eos=True))
+    expected, _ = _run(requests, (256, "recompute"), async_scheduling=False, graphs=False)
+    after_masked = []
+    by_row = model_runner.decode_pending_inputs
+
+    def counted(columns, rows, previous, upload):
+        after_masked.append(isinstance(previous.samples, LateSamples))
+        return by_row(columns, rows, previous, upload)
+
+    monkeypatch.setattr(model_runner, "decode_pending_inputs", counted)
+    for async_scheduling in (False, True):
+        got, fake = _run(requests, (256, "recompute"), async_scheduling, graphs=True)
+        assert got == expected, async_scheduling
+        assert fake.num_masked_samples > 5
+    assert sum(after_masked) > 5  # async: decode steps fed by a masked graph step's samples, found by row
