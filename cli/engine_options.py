@@ -99,7 +99,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             help="auto: float32 on the CPU; on CUDA the checkpoint's torch_dtype (bfloat16 or float16; float32 "
                  "checkpoints run in float16). half / float are vLLM's names of float16 / float32."),
     _option("max_num_seqs", "--max-num-seqs", type=_POSITIVE, default=None,
-            help="Sequences in one step at most (default: 1024 on a GPU of 70 GiB or more, else 256)."),
+            help="Sequences in one step at most (default: 1024 on a GPU of 70 GiB or more, 512 there if the KV "
+                 "cache then holds fewer than 512 tokens a sequence; else 256)."),
     _option("max_num_batched_tokens", "--max-num-batched-tokens", type=_POSITIVE, default=None,
             help="Tokens in one step at most (longer prompts are prefilled in chunks; default: 8192 on CUDA, "
                  "2048 on the CPU)."),

@@ -59,7 +59,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     swap_space: int = 1 * GiB  # bytes for the CPU swap pool (used by preemption_mode="swap")
     num_cpu_blocks: int | None = None
-    # None = auto (auto_max_num_seqs): 1024 on a CUDA device of at least 70 GiB, else 256.
+    # None = auto (auto_max_num_seqs): 1024 on a CUDA device of at least 70 GiB, else 256; the engine fits 1024
+    # to its sized KV pool (fit_max_num_seqs: 512 where the pool holds fewer than 512 tokens a sequence).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # None = auto (auto_max_num_batched_tokens): 8192 on CUDA, else 2048
     max_model_len: int | None = None
