@@ -240,6 +240,9 @@ HOSTILE_LINES = {  # line -> what its error message must say
     '{"prompt": "x", "n": 1000000000000}': "n must be <= 1024",
     '{"prompt": "x", "best_of": 1000000000000}': "best_of must be <= 1024",
     '{"prompt": "x\rmore"}': "invalid JSON",
+    '{"prompt_token_ids": [5, -1]}': "non-negative integers",
+    '{"prompt_token_ids": [5, true]}': "non-negative integers",
+    '{"prompt_token_ids": [5, 6.0]}': "non-negative integers",
     '{"prompt": "x", "stop": [' + "1," * 50_000 + '1]}': "stop must be",
 }
 

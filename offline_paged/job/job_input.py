@@ -195,7 +195,9 @@ def _parse(line_number: int, text: str, defaults: Mapping[str, Any]) -> JobReque
     is_openai = any(k in obj for k in _OPENAI_KEYS)
     request_id = _openai_id(obj, line_number) if is_openai else _native_id(obj, line_number)
     try:
-        if not _is_unicode(json.dumps(obj, ensure_ascii=False)):
+        # A lone surrogate can only come from a \u escape (the text itself is valid Unicode): lines without
+        # one skip the re-encoding (about a third of parsing a 560-token prompt_token_ids line).
+        if "\\u" in text and not _is_unicode(json.dumps(obj, ensure_ascii=False)):
             raise ValueError("a string holds a lone surrogate (\\ud800-\\udfff escape), "
                              "which is not valid Unicode")
         if is_openai:
@@ -330,8 +332,9 @@ def _check_prompt(value: Any) -> str:
 
 
 def _check_token_ids(value: Any) -> list[int]:
-    if (not isinstance(value, list) or not value or
-            not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+    # json.loads makes plain ints (bools and floats are other types), so one C-level pass for the types and
+    # one for the minimum check a whole list: about half the time of a per-token test.
+    if not isinstance(value, list) or not value or set(map(type, value)) != {int} or min(value) < 0:
         raise ValueError("prompt_token_ids must be a non-empty list of non-negative integers")
     return value
 
