@@ -20,7 +20,7 @@ from offline_paged.core.sequence import SequenceGroup
 from offline_paged.worker.random_stream import stream_seed, unseeded_request_seed
 
 
-def _ids_in_range(token_ids: list, vocab_size: int) -> bool:
+def ids_in_range(token_ids: list, vocab_size: float) -> bool:
     """Whether every id is an int (not a bool) in [0, vocab_size). A tokenizer's ids take the fast path
     (one C-level pass each for the types, the min and the max: about half the time of a per-token test on a
     1,000-token prompt); anything else gets the per-token test, so int subclasses pass as before."""
@@ -101,7 +101,7 @@ class RequestProcessor:
         vocab_size = self.vocab_size
         if not token_ids:
             raise ValueError("the prompt is empty (it must have at least one token)")
-        if not _ids_in_range(token_ids, vocab_size):
+        if not ids_in_range(token_ids, vocab_size):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
         if len(token_ids) > self.max_model_len - generates:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
