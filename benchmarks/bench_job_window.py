@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--with-bench", action="store_true",
-                        help="each repeat also runs the workload as `offline-paged bench` does (requests added up front)")
+                        help="each repeat also runs the workload as `offline-paged bench` does "
+                             "(requests added up front)")
     args = parser.parse_args(argv)
     windows = args.window or [1024, 2048]
     backend = select_backend(args.device, "auto", None, None)
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     for result in results:
         first = next(r for r in results if r["repeat"] == result["repeat"])
         print(f"{result['repeat']:>6} {result['window']:>7} {result['output_tokens_per_s']:>10,.0f} "
-              f"{result['num_steps']:>6} {result['output_tokens_per_s'] / first['output_tokens_per_s']:>6.3f} {result['engine_start_s']:>8.2f}")
+              f"{result['num_steps']:>6} {result['output_tokens_per_s'] / first['output_tokens_per_s']:>6.3f} "
+              f"{result['engine_start_s']:>8.2f}")
 
 
 if __name__ == "__main__":
