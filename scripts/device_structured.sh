@@ -2,9 +2,11 @@
 # Structured output on the lent device, in one call: the 1B bench with every request JSON-constrained,
 # masks filled in this process (0) and by mask processes (8), each beside the plain run, interleaved
 # --repeat times; then a table with the mask server's waits.
-# Usage: OUT=/tmp/out [REPEAT=3] [COUNTS="0 8"] [LENGTHS=short|default] scripts/device_structured.sh
+# Usage: OUT=/tmp/out [REPEAT=3] [COUNTS="0 8"] [LENGTHS=short|default] [NAME=bench_structured] [BENCH=offline-paged]
+#   scripts/device_structured.sh
 #   COUNTS: the --grammar-mask-processes values, one JSON run each per repeat (the like-for-like run follows them);
 #   LENGTHS=default: the bench's own lengths (100..1024 in and out) instead of the short 64:128 / 128:192.
+#   NAME: the record's file name in $OUT (NAME.json, NAME.err); BENCH: the command that runs `offline-paged`.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/structured-out}
@@ -22,10 +24,11 @@ lengths="--input-len 64:128 --output-len 128:192"
 [ "${LENGTHS:-short}" = default ] && lengths=""
 counts=""
 for count in ${COUNTS:-0 ${PROCESSES:-8}}; do counts="$counts --grammar-mask-processes $count"; done
-timeout ${BENCH_LIMIT:-400} offline-paged bench --device cuda --json --dummy-weights llama-3.2-1b --cuda-graphs \
-  $lengths --structured json $counts --repeat ${REPEAT:-3} >"$OUT/bench_structured.json" 2>"$OUT/bench_structured.err" \
-  || tail -5 "$OUT/bench_structured.err"
-python3 - "$OUT/bench_structured.json" <<'PY'
+name=${NAME:-bench_structured}
+timeout ${BENCH_LIMIT:-400} ${BENCH:-offline-paged} bench --device cuda --json --dummy-weights llama-3.2-1b --cuda-graphs \
+  $lengths --structured json $counts --repeat ${REPEAT:-3} >"$OUT/$name.json" 2>"$OUT/$name.err" \
+  || tail -5 "$OUT/$name.err"
+python3 - "$OUT/$name.json" <<'PY'
 import json, sys
 record = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 # like for like: each run's out tok/s over its repeat's "plain@json lengths" run (the same output lengths)

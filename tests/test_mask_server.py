@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from offline_paged.core.grammar_compiler import GrammarCompiler
+from offline_paged.core import mask_server
 from offline_paged.core.mask_server import _SHM_DIR, MaskServer
 from offline_paged.core.structured_matcher import advance_ahead, fill_bitmask_rows
 from offline_paged.core.structured_outputs import StructuredOutputsParams
@@ -23,9 +24,15 @@ SPECS = [StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
          StructuredOutputsParams(choice=["yes", "no", "maybe"])]
 
 
-@pytest.fixture(scope="module")
-def compiler():
-    compiler = GrammarCompiler(TOKENIZER, VOCAB_SIZE, (EOS_ID,), mask_processes=2)
+@pytest.fixture(scope="module", params=[0.0, 0.002], ids=["blocking", "polling"])
+def compiler(request):
+    """A compiler with a 2-worker server; "polling": the workers and this process poll their sockets for up to
+    2 ms before they block (mask_server.SPIN_S)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mask_server, "SPIN_S", request.param)
+        compiler = GrammarCompiler(TOKENIZER, VOCAB_SIZE, (EOS_ID,), mask_processes=2)
+        compiler.tokenizer  # (starts the server)
+    assert compiler.mask_server._spin_s == request.param
     yield compiler
     compiler.close()
 

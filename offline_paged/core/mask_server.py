@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -46,6 +47,11 @@ _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _SEGMENT_IDS = itertools.count()
 _EXIT_GRACE_S = 2.0  # close(): how long the workers get to exit together before they are killed
 _ALLOWED = (None, False)  # the outcome of a token the grammar allows, not finishing it (error, stopped)
+# Seconds a process polls its socket before it blocks reading it (the workers between fills, this process
+# waiting for their replies); 0 blocks at once. A process blocked in a read is woken by the kernel when the
+# bytes come, which on a busy many-core host can take longer than the read itself; a polling one sees them
+# at once but keeps its core busy. (An experiment's knob: see benchmarks/NOTES.md, session 49.)
+SPIN_S = 0.0
 
 
 class MaskServer:
@@ -57,11 +63,13 @@ class MaskServer:
         if num_workers < 1 or threads < 1:
             raise ValueError(f"a mask server needs at least one worker of one thread, got {num_workers} x {threads}")
         self._pipes, self._workers = [], []
+        self._spin_s = SPIN_S
         for _ in range(num_workers):
             worker, pipe = _start_worker()
             self._workers.append(worker)
             self._pipes.append(pipe)
-            pipe.send((tokenizer_source, threads))
+            pipe.send((tokenizer_source, threads, self._spin_s))
+        self._pollers = [_poller(pipe) for pipe in self._pipes]
         self._send_lock = threading.Lock()  # add_grammar comes from the compiler's threads
         self._ready = [False] * num_workers
         self._ready_lock = threading.Lock()
@@ -308,6 +316,8 @@ class MaskServer:
             raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].poll()})") from None
 
     def _receive(self, index: int, expect_list: bool = False):
+        if self._spin_s:
+            _spin(self._pollers[index], self._spin_s)
         try:
             reply = self._pipes[index].recv()
         except EOFError:
@@ -333,16 +343,16 @@ def worker_main(fd: int) -> None:
     """A worker process's entry point: serve the parent at the other end of socket `fd` until it goes."""
     pipe = Connection(fd)
     try:
-        tokenizer_source, threads = pipe.recv()
+        tokenizer_source, threads, spin_s = pipe.recv()
     except EOFError:
         return
     try:
-        _serve(pipe, tokenizer_source, threads)
+        _serve(pipe, tokenizer_source, threads, spin_s)
     except (BrokenPipeError, ConnectionResetError):  # the parent went away while we answered: nothing to do
         return
 
 
-def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
+def _serve(pipe, tokenizer_source: tuple, threads: int, spin_s: float = 0.0) -> None:
     """A worker's loop: build the tokenizer, answer `ready`, then two replies per fill (outcomes, then
     None; or the error in their place)."""
     import llguidance
@@ -368,7 +378,10 @@ def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
                                                    limits=llguidance.LLParserLimits(verbose_errors=False))
         return templates[text]
 
+    poller = _poller(pipe)
     while True:
+        if spin_s:
+            _spin(poller, spin_s)
         try:
             message = pipe.recv()
         except EOFError:
@@ -417,6 +430,21 @@ def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
         except Exception as exc:
             for _ in range(2 - replies):
                 pipe.send(f"{type(exc).__name__}: {exc}")
+
+
+def _poller(pipe: Connection) -> select.poll:
+    poller = select.poll()
+    poller.register(pipe.fileno(), select.POLLIN)
+    return poller
+
+
+def _spin(poller: select.poll, spin_s: float) -> None:
+    """Poll without blocking until the socket has bytes to read or spin_s has passed."""
+    if poller.poll(0):
+        return
+    deadline = time.perf_counter() + spin_s
+    while not poller.poll(0) and time.perf_counter() < deadline:
+        pass
 
 
 def _map_rows(path: str, shape: tuple[int, int], create: bool = False) -> np.ndarray:
