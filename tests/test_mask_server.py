@@ -4,15 +4,18 @@ engine's overlapped grammar steps give the same tokens with the server as withou
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+from multiprocessing.connection import Connection
 
 import numpy as np
 import pytest
 
 from offline_paged.core.grammar_compiler import GrammarCompiler
 from offline_paged.core import mask_server
-from offline_paged.core.mask_server import _SHM_DIR, MaskServer
+from offline_paged.core.mask_server import _SHM_DIR, MaskServer, _Replies
 from offline_paged.core.structured_matcher import advance_ahead, fill_bitmask_rows
 from offline_paged.core.structured_outputs import StructuredOutputsParams
 from test_structured_generation import SCHEMA, _async_workload, _tokens, _workload
@@ -242,6 +245,30 @@ def test_workers_that_fail_to_start_leave_the_masks_to_this_process_with_a_warni
     matcher = grammar.new_matcher()
     assert matcher.mask_server is None and matcher.accept(TOKENIZER.encode("a")[0]) is None
     compiler.close()
+
+
+def test_replies_read_in_any_pieces_come_out_whole_and_in_order():
+    """_Replies reads what a worker's Connection sent: several replies in one read, one reply over several
+    reads (a 200 kB error text), then EOF when the worker's end closes."""
+    ours, theirs = socket.socketpair()
+    worker = Connection(theirs.detach())
+    replies = _Replies(ours.fileno())
+    assert not replies.has_reply()
+    sent = [[(3, None, True)], None, "x" * 200_000, [], None]
+
+    def send_all():
+        for reply in sent:
+            worker.send(reply)
+        worker.close()
+
+    sender = threading.Thread(target=send_all)
+    sender.start()
+    got = [replies.next() for _ in sent]
+    sender.join()
+    assert got == sent and not replies.has_reply()
+    with pytest.raises(EOFError):
+        replies.next()
+    ours.close()
 
 
 def test_misuse_is_refused():

@@ -27,8 +27,10 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import pickle
 import select
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -70,6 +72,7 @@ class MaskServer:
             self._pipes.append(pipe)
             pipe.send((tokenizer_source, threads, self._spin_s))
         self._pollers = [_poller(pipe) for pipe in self._pipes]
+        self._replies = [_Replies(pipe.fileno()) for pipe in self._pipes]  # every read of a worker's socket
         self._send_lock = threading.Lock()  # add_grammar comes from the compiler's threads
         self._ready = [False] * num_workers
         self._ready_lock = threading.Lock()
@@ -316,10 +319,11 @@ class MaskServer:
             raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].poll()})") from None
 
     def _receive(self, index: int, expect_list: bool = False):
-        if self._spin_s:
+        replies = self._replies[index]
+        if self._spin_s and not replies.has_reply():
             _spin(self._pollers[index], self._spin_s)
         try:
-            reply = self._pipes[index].recv()
+            reply = replies.next()
         except EOFError:
             raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].poll()})") from None
         if isinstance(reply, str):
@@ -430,6 +434,40 @@ def _serve(pipe, tokenizer_source: tuple, threads: int, spin_s: float = 0.0) -> 
         except Exception as exc:
             for _ in range(2 - replies):
                 pipe.send(f"{type(exc).__name__}: {exc}")
+
+
+class _Replies:
+    """The replies on this process's end of a worker's socket. The worker's Connection frames each as a
+    4-byte big-endian length and a pickle; where Connection.recv reads a frame's length and its body in two
+    reads, this reads whatever has arrived into a buffer, so a fill's two replies often come in one read (on
+    the CPU stand-in, 8 workers: 0.157 -> 0.107 ms a step for the replies)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buffer = bytearray()
+
+    def has_reply(self) -> bool:
+        """Whether a whole reply is in the buffer already (`next` would not read)."""
+        return self._frame_end() is not None
+
+    def next(self):
+        """The next reply, unpickled; EOFError when the worker closed its end."""
+        while (end := self._frame_end()) is None:
+            chunk = os.read(self._fd, 1 << 16)
+            if not chunk:
+                raise EOFError
+            self._buffer += chunk
+        reply = pickle.loads(self._buffer[4:end])
+        del self._buffer[:end]
+        return reply
+
+    def _frame_end(self) -> int | None:
+        if len(self._buffer) < 4:
+            return None
+        size, = struct.unpack_from("!i", self._buffer)
+        if size < 0:  # Connection's frame of 2 GiB or more: no reply is near that
+            raise RuntimeError(f"a mask worker's reply of {size} bytes")
+        return 4 + size if len(self._buffer) >= 4 + size else None
 
 
 def _poller(pipe: Connection) -> select.poll:
