@@ -16,7 +16,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip-structured.log 2>&1 || { tail -20 /tmp/pip-structured.log; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip-structured.log 2>&1 \
+  || { tail -20 /tmp/pip-structured.log; exit 1; }
 # The host paces the JSON step (its mask workers): name it beside the figures.
 echo "host: $(nproc) CPUs, $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p'), load $(cut -d' ' -f1-3 /proc/loadavg)"
 # Whether the mask workers share physical cores with the step loop (SMT siblings): the session 43 hypothesis.
@@ -26,8 +27,8 @@ lengths="--input-len 64:128 --output-len 128:192"
 counts=""
 for count in ${COUNTS:-0 ${PROCESSES:-8}}; do counts="$counts --grammar-mask-processes $count"; done
 name=${NAME:-bench_structured}
-timeout ${BENCH_LIMIT:-400} ${BENCH:-offline-paged} bench --device cuda --json --dummy-weights llama-3.2-1b --cuda-graphs \
-  $lengths --structured json $counts --repeat ${REPEAT:-3} >"$OUT/$name.json" 2>"/tmp/$name.err" \
+timeout ${BENCH_LIMIT:-400} ${BENCH:-offline-paged} bench --device cuda --json --dummy-weights llama-3.2-1b \
+  --cuda-graphs $lengths --structured json $counts --repeat ${REPEAT:-3} >"$OUT/$name.json" 2>"/tmp/$name.err" \
   || tail -5 "/tmp/$name.err"
 python3 - "$OUT/$name.json" <<'PY'
 import json, sys

@@ -20,4 +20,5 @@ def test_each_window_runs_the_whole_job(capsys):
     lines = [json.loads(line) for line in module.job_lines(module.random_workload(24, (4, 12), (3, 9), 512))]
     expected = sum(line["max_tokens"] for line in lines)
     assert all(run["output_tokens"] == expected and run["num_steps"] > 0 for run in runs)
-    assert runs[0]["num_steps"] > runs[1]["num_steps"] == runs[2]["num_steps"]  # 4 lines in the engine at a time take more steps
+    # 4 lines in the engine at a time take more steps; a window of 32 holds all 24, as the bench's way does
+    assert runs[0]["num_steps"] > runs[1]["num_steps"] == runs[2]["num_steps"]

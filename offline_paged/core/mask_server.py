@@ -71,7 +71,6 @@ class MaskServer:
             self._workers.append(worker)
             self._pipes.append(pipe)
             pipe.send((tokenizer_source, threads, self._spin_s))
-        self._pollers = [_poller(pipe) for pipe in self._pipes]
         self._replies = [_Replies(pipe.fileno()) for pipe in self._pipes]  # every read of a worker's socket
         self._send_lock = threading.Lock()  # add_grammar comes from the compiler's threads
         self._ready = [False] * num_workers
@@ -321,7 +320,7 @@ class MaskServer:
     def _receive(self, index: int, expect_list: bool = False):
         replies = self._replies[index]
         if self._spin_s and not replies.has_reply():
-            _spin(self._pollers[index], self._spin_s)
+            _spin(replies.poller, self._spin_s)
         try:
             reply = replies.next()
         except EOFError:
@@ -382,7 +381,7 @@ def _serve(pipe, tokenizer_source: tuple, threads: int, spin_s: float = 0.0) -> 
                                                    limits=llguidance.LLParserLimits(verbose_errors=False))
         return templates[text]
 
-    poller = _poller(pipe)
+    poller = _poller(pipe.fileno())
     while True:
         if spin_s:
             _spin(poller, spin_s)
@@ -445,6 +444,7 @@ class _Replies:
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._buffer = bytearray()
+        self.poller = _poller(fd)  # (for `_spin`)
 
     def has_reply(self) -> bool:
         """Whether a whole reply is in the buffer already (`next` would not read)."""
@@ -470,9 +470,9 @@ class _Replies:
         return 4 + size if len(self._buffer) >= 4 + size else None
 
 
-def _poller(pipe: Connection) -> select.poll:
+def _poller(fd: int) -> select.poll:
     poller = select.poll()
-    poller.register(pipe.fileno(), select.POLLIN)
+    poller.register(fd, select.POLLIN)
     return poller
 
 
