@@ -20,8 +20,9 @@ from test_async_scheduling import _outputs, workloads
 from tiny_engine import run_to_completion, tiny_engine, tiny_model
 
 from offline_paged.core.sampling_params import SamplingParams, StructuredOutputsParams
+from offline_paged.worker import model_runner
 from offline_paged.ops.attention import AttentionMetadata
-from offline_paged.worker.launched_step import ReadySamples
+from offline_paged.worker.launched_step import LateSamples, ReadySamples
 from offline_paged.worker.sampler import Sampler, SamplingRequest
 
 MODEL = tiny_model(seed=3)
@@ -175,17 +176,26 @@ def test_penalty_rows_fall_back_to_the_eager_sampler():
     assert fake.num_replays > 5 and fake.num_sampled_replays == 0
 
 
-def test_grammar_rows_draw_in_the_masked_graph_and_equal_the_eager_engine():
+def test_grammar_rows_draw_in_the_masked_graph_and_feed_the_next_step_by_row(monkeypatch):
     """Structured-output rows replay the decode graph and draw in its masked sampler (the eager sampler's masks,
-    the graph's mirrored parameters), in the synchronous and the async loop (where each grammar step's masks
-    fill after the previous step's tokens advanced the matchers, and the next step's pending tokens come from
-    the masked draw): the outputs equal the engine without graphs."""
+    the graph's mirrored parameters). Under async scheduling the next decode step finds their pending tokens by
+    block-table row (decode_pending_inputs) from the masked step's sample_rows, as after an unmasked graph step:
+    a wrong row would feed another sequence's token and change the outputs."""
     spec = StructuredOutputsParams(regex="[0-9]+(, [a-c]+)*")
     requests = {f"g{i}": ([5 + i, 9, 13], SamplingParams(max_tokens=12, temperature=0.8, seed=i,
                                                          structured_outputs=spec)) for i in range(4)}
     requests["plain"] = ([7, 7, 7], SamplingParams(max_tokens=16, temperature=0.7, seed=9, ignore_eos=True))
     expected, _ = _run(requests, (256, "recompute"), async_scheduling=False, graphs=False)
+    after_masked = []
+    by_row = model_runner.decode_pending_inputs
+
+    def counted(columns, rows, previous, upload):
+        after_masked.append(isinstance(previous.samples, LateSamples))
+        return by_row(columns, rows, previous, upload)
+
+    monkeypatch.setattr(model_runner, "decode_pending_inputs", counted)
     for async_scheduling in (False, True):
         got, fake = _run(requests, (256, "recompute"), async_scheduling, graphs=True)
         assert got == expected, async_scheduling
         assert fake.num_masked_samples > 5
+    assert sum(after_masked) > 5  # async: decode steps fed by a masked graph step's samples, found by row

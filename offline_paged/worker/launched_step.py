@@ -115,12 +115,12 @@ class LaunchedStep:
     prompt_logprobs: list  # per scheduled sequence: entries or None (computed at launch)
     forward_timer: DeviceTimer | None  # CUDA events around the forward; None on the CPU or when nothing ran
     used_cuda_graph: bool  # the forward replayed a decode graph
-    # (logits, their row offsets, whether the graph's masked sampler draws them) of a step whose sampling
-    # waits for ModelRunner.launch_deferred_sampling (structured output under async scheduling); `samples`
-    # is None until then.
+    # (logits, their row offsets, the decode-graph replay whose masked sampler draws them or None) of a step
+    # whose sampling waits for ModelRunner.launch_deferred_sampling (structured output under async scheduling);
+    # `samples` is None until then.
     deferred_logits: tuple | None = None
-    # A decode graph step that drew one token per sequence: the block-table row [R] and seq id [R] of sample i's
-    # sequence (step_inputs.decode_pending_inputs finds the next decode step's pending tokens by row).
+    # A decode graph step that drew one token per sequence (masked or not): the block-table row [R] and seq id [R]
+    # of sample i's sequence (step_inputs.decode_pending_inputs finds the next decode step's pending tokens by row).
     sample_rows: np.ndarray | None = None
     sample_seq_ids: np.ndarray | None = None
     _done: ExecuteOutput | None = None

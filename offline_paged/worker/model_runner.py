@@ -220,7 +220,7 @@ class ModelRunner:
                                         self.table_rows, timer, fill, decode.sample_positions)  # [b, V] float32
         _stop(timer)
         return self._sample_or_defer(output, logits, list(range(len(decode.rows))), timer, used_graph=True,
-                                     defer=defer, masked_in_graph=True)
+                                     defer=defer, masked_in_graph=decode)
 
     def _launch_graph_sampled(self, output, decode: _GraphDecode, moves: BlockMoves, fill, timer) -> LaunchedStep:
         """A decode-only step replayed from its bucket's graph, which samples too: every row draws one token."""
@@ -331,7 +331,7 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- outputs
     def _sample_or_defer(self, output, logits, offsets: list[int], timer, used_graph: bool, defer: bool,
-                         masked_in_graph: bool = False) -> LaunchedStep:
+                         masked_in_graph: _GraphDecode | None = None) -> LaunchedStep:
         """`_launch_sampling` now, or (defer) a LaunchedStep holding the logits for launch_deferred_sampling."""
         if not defer:
             return self._launch_sampling(output, logits, offsets, timer, used_graph, masked_in_graph)
@@ -340,14 +340,16 @@ class ModelRunner:
                             deferred_logits=(logits, offsets, masked_in_graph))
 
     def _launch_sampling(self, output, logits, offsets: list[int], timer, used_graph: bool,
-                         masked_in_graph: bool = False, late: bool = False) -> LaunchedStep:
+                         masked_in_graph: _GraphDecode | None = None, late: bool = False) -> LaunchedStep:
         """Queue the sampling of every sampled row; prompt logprobs are computed now (on the host).
         logits [K, V]: host, or device when the GpuSampler samples (then prompt-logprob rows are copied
-        to the host alone). masked_in_graph: a decode-graph step whose rows (some with a grammar) the
-        graph's masked sampler draws, one token each. late: the structured-output masks fill on the mask
-        thread and the sampling is queued by the returned step's LateSamples; else both happen now."""
+        to the host alone). masked_in_graph: the replay of a decode-graph step whose rows (some with a
+        grammar) the graph's masked sampler draws, one token each; its samples are found by their rows, as
+        the unmasked graph's are, so the next decode step finds its pending tokens in NumPy. late: the
+        structured-output masks fill on the mask thread and the sampling is queued by the returned step's
+        LateSamples; else both happen now."""
         scheduled = output.scheduled
-        if masked_in_graph:
+        if masked_in_graph is not None:
             server = _mask_server(scheduled) if late else None  # its workers write straight into shared rows
             masks = self.decode_graphs.mask_staging(len(scheduled), _grammar_words(scheduled),
                                                     server and server.shared_rows)  # [S, W] int32
@@ -359,10 +361,9 @@ class ModelRunner:
 
             samples = LateSamples(draw_in_graph, self.decode_graphs.sampled_ids(len(scheduled)),
                                   _early(server)) if late else draw_in_graph()
-            return LaunchedStep(output=output, samples=samples,
-                                sample_index={item.seq.seq_id: i for i, item in enumerate(scheduled)},
-                                owners=None, prompt_logprobs=[None] * len(scheduled), forward_timer=timer,
-                                used_cuda_graph=True)
+            return LaunchedStep(output=output, samples=samples, sample_index=None, sample_rows=masked_in_graph.rows,
+                                sample_seq_ids=masked_in_graph.columns.seq_ids, owners=None,
+                                prompt_logprobs=[None] * len(scheduled), forward_timer=timer, used_cuda_graph=True)
         rows, owners, sample_index, drawn = [], [], {}, []
         for i, item in enumerate(scheduled):
             if not item.num_samples:
