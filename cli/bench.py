@@ -15,6 +15,7 @@ import click
 
 from offline_paged.cli.engine_options import engine_config, engine_options
 from offline_paged.cli.errors import CouldNotStart
+from offline_paged.core.host_cpus import HostCpus
 
 
 def _length_range(ctx, param, value: str) -> tuple[int, int]:
@@ -389,8 +390,8 @@ def _emit(options: dict, results: list, backend, dtype_names: str | None = None)
     if options["as_json"]:
         runs = [json.loads(r.to_json(with_steps=options["json_steps"])) for r in results]
         click.echo(json.dumps({"header": header, "git_commit": _git_commit(), "device": _device_name(backend),
-                               "host": host_cpus(), "kv_cache_dtype": "/".join(kv_dtypes), "quantization": quantization,
-                               "runs": runs}))
+                               "host": HostCpus.read().record(), "kv_cache_dtype": "/".join(kv_dtypes),
+                               "quantization": quantization, "runs": runs}))
     else:
         click.echo(format_report(results, header))
     if options["plot"]:
@@ -430,30 +431,6 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("OFFLINE_PAGED_GIT_COMMIT")
     return commit + ("+dirty" if dirty else "")
-
-
-def host_cpus(sys_cpu: str = "/sys/devices/system/cpu", cpuinfo: str = "/proc/cpuinfo") -> dict:
-    """The CPUs this process may run on: how many, on how many physical cores (SMT siblings share one), and
-    their model. Where the host paces the steps (structured output's mask workers, large jobs) a record's
-    figures depend on it. Missing facts (another OS, a sandbox without /sys) are None."""
-    import os
-    import platform
-
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 0))
-    cores: set[str] = set()
-    try:
-        for cpu in cpus:
-            with open(f"{sys_cpu}/cpu{cpu}/topology/thread_siblings_list") as f:
-                cores.add(f.read().strip())
-    except OSError:
-        cores = set()
-    model = None
-    try:
-        with open(cpuinfo) as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
-    return {"cpus": len(cpus), "physical_cores": len(cores) or None, "cpu_model": model or platform.processor() or None}
 
 
 def _device_name(backend) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -20,6 +19,7 @@ import numpy as np
 from offline_paged.core.block_manager import BlockManager
 from offline_paged.core.config import EngineConfig, fit_max_num_seqs
 from offline_paged.core.engine_stats import StatsTracker
+from offline_paged.core.host_cpus import HostCpus
 from offline_paged.core.output_processor import OutputProcessor
 from offline_paged.core.outputs import CompletionOutput, EngineStats, RequestError, RequestOutput
 from offline_paged.core.sampling_params import SamplingParams
@@ -229,7 +229,8 @@ class LLMEngine:
         self._grammar_compiler = GrammarCompiler(self._tokenizer, self.model_config.vocab_size,
                                                  self.eos_token_ids, executor=executor,
                                                  mask_processes=self.config.resolved_grammar_mask_processes(
-                                                     self.backend.name, self.async_scheduling, os.cpu_count() or 1))
+                                                     self.backend.name, self.async_scheduling,
+                                                     HostCpus.read().usable_cores()))
 
     def _admit(self, group: SequenceGroup, grammar: Future | None) -> None:
         """Hand the group to the scheduler, its first sequence given a matcher of its compiled grammar.
