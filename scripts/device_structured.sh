@@ -3,13 +3,16 @@
 # masks filled in this process (0) and by mask processes (8), each beside the plain run, interleaved
 # --repeat times; then a table with the mask server's waits.
 # Usage: OUT=/tmp/out [REPEAT=3] [COUNTS="0 8"] [LENGTHS=short|default] [NAME=bench_structured] [BENCH=offline-paged]
+#   [COMMIT=abc1234]
 #   scripts/device_structured.sh
 #   COUNTS: the --grammar-mask-processes values, one JSON run each per repeat (the like-for-like run follows them);
 #   LENGTHS=default: the bench's own lengths (100..1024 in and out) instead of the short 64:128 / 128:192.
 #   NAME: the record's file name ($OUT/NAME.json; its stderr in /tmp/NAME.err);
-#   BENCH: the command that runs `offline-paged`.
+#   BENCH: the command that runs `offline-paged`;
+#   COMMIT: the local HEAD the records name (the device copy's .git is the session start's).
 set -u
 export PYTHONUNBUFFERED=1
+[ -n "${COMMIT:-}" ] && export OFFLINE_PAGED_GIT_COMMIT=$COMMIT
 OUT=${OUT:-/tmp/structured-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
