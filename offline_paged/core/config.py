@@ -226,8 +226,8 @@ def auto_grammar_mask_processes(backend_name: str, num_cores: int) -> int:
     process's fill of 256 masks over a 128k vocabulary, so processes share the fill; but each one more is
     another process to wake and another reply to read every step. On three H100 hosts 4 ran the JSON bench
     as fast as 8 on the fastest (like for like 0.936 against 0.940) and faster on two slower ones (medians
-    0.858 against 0.808; 0.946 against 0.828): benchmarks/RESULTS.md, sessions 39, 44 and 50. num_cores: physical cores (`HostCpus.usable_cores`), as an
-    SMT sibling of the step loop's core slows the loop itself."""
+    0.858 against 0.808; 0.946 against 0.828): benchmarks/RESULTS.md, sessions 39, 44 and 50. num_cores:
+    physical cores (`HostCpus.usable_cores`), as an SMT sibling of the step loop's core slows the loop itself."""
     processes = min(4, num_cores // 2)
     return processes if backend_name == "cuda" and processes >= 2 else 0
 
