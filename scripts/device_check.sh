@@ -18,10 +18,14 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { tail /tmp/pip.log; exit 1; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout ${TESTS_LIMIT:-300} python3 -m pytest -q -x tests/test_cuda_graph_runner.py tests/test_mixed_graphs.py \
+  # -v: each test's name in the log, so a run cut off by TESTS_LIMIT shows where it stopped (resume from there)
+  timeout ${TESTS_LIMIT:-300} python3 -m pytest -v -x tests/test_cuda_graph_runner.py tests/test_mixed_graphs.py \
     tests/test_gpu_engine.py tests/test_gpu_bench.py tests/test_gpu_structured.py tests/test_gpu_async.py \
     tests/test_gc_pacing.py >"$OUT/gpu_tests.log" 2>&1
-  echo "gpu tests rc=$? $(tail -1 "$OUT/gpu_tests.log")"
+  rc=$?
+  echo "gpu tests rc=$rc $(tail -1 "$OUT/gpu_tests.log")"
+  [ $rc = 124 ] && echo "cut off by TESTS_LIMIT in: $(grep -E '^tests/.*::' "$OUT/gpu_tests.log" | grep -vE \
+    ' (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)' | tail -1)"
 fi
 for run in "$@"; do
   label=${run%%:*}
