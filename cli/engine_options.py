@@ -144,7 +144,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "(default: max-num-seqs // 8 on CUDA, 1 on the CPU; 1 = whenever one fits)."),
     _option("grammar_mask_processes", "--grammar-mask-processes", type=click.IntRange(min=0), default=None,
             help="Structured output: processes that fill the grammar masks beside the device step, with async "
-                 "scheduling (default: min(4, physical cores // 2) on CUDA, 0 on the CPU; 0: this process fills "
+                 "scheduling (default: min(8, physical cores // 2) on CUDA, 0 on the CPU; 0: this process fills "
                  "them)."),
     _option("seed", "--seed", type=click.IntRange(min=0), default=0, show_default=True,
             help="Engine seed (for unseeded requests)."),

@@ -85,13 +85,13 @@ def test_grammar_mask_processes_default_by_backend_cores_and_loop_and_are_valida
 
     from offline_paged.core.config import auto_grammar_mask_processes
 
-    assert auto_grammar_mask_processes("cuda", 16) == 4
-    assert auto_grammar_mask_processes("cuda", 64) == 4
+    assert auto_grammar_mask_processes("cuda", 16) == 8
+    assert auto_grammar_mask_processes("cuda", 64) == 8
     assert auto_grammar_mask_processes("cuda", 6) == 3
     assert auto_grammar_mask_processes("cuda", 2) == 0  # one process would gain nothing
     assert auto_grammar_mask_processes("cpu", 16) == 0
     config = EngineConfig()
-    assert config.resolved_grammar_mask_processes("cuda", True, 16) == 4
+    assert config.resolved_grammar_mask_processes("cuda", True, 16) == 8
     assert config.resolved_grammar_mask_processes("cpu", True, 16) == 0
     assert config.resolved_grammar_mask_processes("cuda", False, 16) == 0  # the sync loop overlaps nothing
     assert EngineConfig(grammar_mask_processes=3).resolved_grammar_mask_processes("cpu", True, 2) == 3

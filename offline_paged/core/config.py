@@ -89,7 +89,7 @@ class EngineConfig:
     calculate_kv_scales: bool = False  # FP8 KV: per-layer scales from the first prefill instead of 1.0
     quantization: str | None = None  # None | "fp8": linear weights in e4m3 (models/llama.py)
     # Structured output: processes that fill the overlapped steps' grammar masks (core/mask_server.py).
-    # None = auto: min(4, cores // 2) on CUDA (auto_grammar_mask_processes; cores: HostCpus.usable_cores), else 0.
+    # None = auto: min(8, cores // 2) on CUDA (auto_grammar_mask_processes; cores: HostCpus.usable_cores), else 0.
     # Only with async scheduling (the sync loop fills masks when it needs them: nothing to overlap).
     grammar_mask_processes: int | None = None
 
@@ -222,13 +222,14 @@ def auto_max_num_batched_tokens(backend_name: str) -> int:
 
 
 def auto_grammar_mask_processes(backend_name: str, num_cores: int) -> int:
-    """min(4, cores // 2) on CUDA where that is at least 2, else 0. A 1B decode step is shorter than one
+    """min(8, cores // 2) on CUDA where that is at least 2, else 0. A 1B decode step is shorter than one
     process's fill of 256 masks over a 128k vocabulary, so processes share the fill; but each one more is
     another process to wake and another reply to read every step. On three H100 hosts 4 ran the JSON bench
     as fast as 8 on the fastest (like for like 0.936 against 0.940) and faster on two slower ones (medians
-    0.858 against 0.808; 0.946 against 0.828): benchmarks/RESULTS.md, sessions 39, 44 and 50. num_cores:
+    0.858 against 0.808; 0.946 against 0.828): benchmarks/RESULTS.md, sessions 39, 44 and 50. The default
+    stays 8 until an H200, whose shorter step each worker's fill must fit, has run 4. num_cores:
     physical cores (`HostCpus.usable_cores`), as an SMT sibling of the step loop's core slows the loop itself."""
-    processes = min(4, num_cores // 2)
+    processes = min(8, num_cores // 2)
     return processes if backend_name == "cuda" and processes >= 2 else 0
 
 
