@@ -224,10 +224,10 @@ def auto_max_num_batched_tokens(backend_name: str) -> int:
 def auto_grammar_mask_processes(backend_name: str, num_cores: int) -> int:
     """min(8, cores // 2) on CUDA where that is at least 2, else 0. A 1B decode step is shorter than one
     process's fill of 256 masks over a 128k vocabulary, so processes share the fill; but each one more is
-    another process to wake and another reply to read every step. On three H100 hosts 4 ran the JSON bench
-    as fast as 8 on the fastest (like for like 0.936 against 0.940) and faster on two slower ones (medians
-    0.858 against 0.808; 0.946 against 0.828): benchmarks/RESULTS.md, sessions 39, 44 and 50. The default
-    stays 8 until an H200, whose shorter step each worker's fill must fit, has run 4. num_cores:
+    another process to wake and another reply to read every step. On four H100 hosts 4 ran the JSON bench
+    as fast as 8 on one (like for like 0.936 against 0.940), faster on two (medians 0.858 against 0.808;
+    0.946 against 0.828) and slower on one (medians 0.851 against 0.897): benchmarks/RESULTS.md, sessions
+    39, 44, 50 and 51. Neither wins across hosts, so 8 stays, the count the H200 has run. num_cores:
     physical cores (`HostCpus.usable_cores`), as an SMT sibling of the step loop's core slows the loop itself."""
     processes = min(8, num_cores // 2)
     return processes if backend_name == "cuda" and processes >= 2 else 0
