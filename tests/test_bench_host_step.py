@@ -3,20 +3,13 @@ stubs: plain and JSON-constrained, eager and through its host-only decode graphs
 broke it silently)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_host_step.py"
+from fixtures_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_host_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_host_step.py")
 
 
 @pytest.mark.parametrize("structured", [None, "json"])
@@ -103,9 +96,7 @@ def test_job_options_that_do_not_go_together_are_refused(bench, argv):
 
 
 def test_the_collector_pacing_ab_runs_both_sides_and_reports_the_pairs(monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("bench_gc_pacing", SCRIPT.with_name("bench_gc_pacing.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/bench_gc_pacing.py")
     monkeypatch.setattr("sys.argv", ["bench_gc_pacing.py", "2", "--num-requests", "8", "--output-len", "4"])
     module.main()
     lines = capsys.readouterr().out.splitlines()

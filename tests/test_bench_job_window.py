@@ -2,17 +2,13 @@
 output token the workload asks for, as the bench's run of the same workload does (the tiny preset on the CPU)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_job_window.py"
+from fixtures_scripts import load_script
 
 
 def test_each_window_runs_the_whole_job(capsys):
-    spec = importlib.util.spec_from_file_location("bench_job_window", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/bench_job_window.py")
     module.main(["--dummy-weights", "tiny", "--device", "cpu", "--num-requests", "24", "--input-len", "4:12",
                  "--output-len", "3:9", "--window", "4", "--window", "32", "--repeat", "1", "--with-bench"])
     runs = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

@@ -4,29 +4,17 @@ fixed loglikelihood requests are seeded, distinct slices of the texts. On a tiny
 SmolLM2 run is the script itself)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lm_eval")
+from fixtures_scripts import load_script  # noqa: E402
 from fixtures_tiny_model import write_tiny_model  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "fp8_accuracy.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("fp8_accuracy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-fp8_accuracy = load_script()
+fp8_accuracy = load_script("benchmarks/fp8_accuracy.py")
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +127,7 @@ def test_the_staged_run_reports_what_the_direct_run_does(tiny_dir, tmp_path):
 def test_the_granularity_script_rounds_through_e4m3_at_each_scale():
     """benchmarks/fp8_kv_granularity.py: each granularity's rounding is e4m3's (within half a step of 3
     mantissa bits of the scaled value), its largest scaled magnitude lands on 448, and scale 1.0 clips."""
-    spec = importlib.util.spec_from_file_location("fp8_kv_granularity", SCRIPT.parent / "fp8_kv_granularity.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/fp8_kv_granularity.py")
     import numpy as np
 
     x = np.random.default_rng(0).normal(0, 3, (5, 4, 64)).astype(np.float32)  # [T, H, D]

@@ -1,7 +1,6 @@
 """The hostile corpus (tests/data/hostile_jobs.jsonl, written by scripts/make_hostile_corpus.py)
 through the real CLI on a tiny model: one record per non-blank line, no traceback, exit 1, bounded
 CPU time and memory, and a rerun resumes instead of crashing again."""
-import importlib.util
 import json
 import os
 import re
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures_scripts import load_script
 from fixtures_tiny_model import write_tiny_model
 from offline_paged.job.job_output import is_error, record_key
 
@@ -36,11 +36,7 @@ SUCCEED = {"good-after-bom", "good-1", "good-2", "good-last", "cr-between-tokens
 
 
 def _corpus_script():
-    spec = importlib.util.spec_from_file_location("make_hostile_corpus",
-                                                  REPO / "scripts" / "make_hostile_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/make_hostile_corpus.py")
 
 
 def _non_blank_lines(data: bytes) -> int:

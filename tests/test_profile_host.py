@@ -2,20 +2,13 @@
 diagnostic for the JSON step's extra host time), checked on the CPU with the tiny preset."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_host.py"
+from fixtures_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def profile_host():
-    spec = importlib.util.spec_from_file_location("profile_host", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/profile_host.py")
 
 
 def test_each_structured_run_is_profiled_apart(profile_host, capsys):
