@@ -364,3 +364,26 @@ def test_a_request_aborted_while_the_next_step_is_scheduled_ahead_ends_alone(lau
     assert _tokens(results) == _tokens(alone)
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_gpu_blocks
     eng.close()
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["before-launch", "in-launch"])
+@pytest.mark.parametrize("workload", [_async_workload, _workload], ids=["mixed", "json"])
+def test_masked_sampling_queued_before_the_ahead_launch_gives_the_same_tokens(workload, before):
+    """LLMEngine.sample_before_ahead_launch (session 51's proposal, off by default): the step's masked sampling is
+    queued before the next step's launch instead of inside it; the tokens stay those of in-process masks."""
+    local = run_to_completion(tiny_engine(async_scheduling=True, grammar_mask_processes=0), workload())
+    eng = tiny_engine(async_scheduling=True, grammar_mask_processes=2)
+    eng.sample_before_ahead_launch = before
+    queued_at_launch = []  # per ahead launch: whether the in-flight step's sampling was queued already
+    execute = eng.executor.execute
+
+    def recording(output, in_flight=None, defer_grammar_sampling=False):
+        if in_flight is not None and getattr(in_flight.samples, "early", False):  # (a MaskServer's LateSamples)
+            queued_at_launch.append(in_flight.samples.launched)
+        return execute(output, in_flight, defer_grammar_sampling)
+
+    eng.executor.execute = recording
+    got = run_to_completion(eng, workload())
+    assert _tokens(got) == _tokens(local)
+    assert queued_at_launch and set(queued_at_launch) == {before}
+    eng.close()

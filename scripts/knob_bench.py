@@ -1,0 +1,53 @@
+"""`offline-paged` with module or class attributes set first: the device A/Bs of experiment knobs that have no flag
+(e.g. `LLMEngine.sample_before_ahead_launch`, session 51; `mask_server.SPIN_S`, session 49).
+
+    python3 scripts/knob_bench.py DOTTED.NAME=VALUE [...] bench ARGS...
+    e.g. BENCH="python3 scripts/knob_bench.py offline_paged.engine.LLMEngine.sample_before_ahead_launch=True" \\
+         scripts/device_structured.sh
+
+DOTTED.NAME: a module's path, then the attribute (a class's too); VALUE: a Python literal. A name that does not
+exist already is refused, so a typo never runs the bench unchanged.
+"""
+import ast
+import importlib
+import sys
+
+
+def set_knob(assignment: str) -> None:
+    name, _, text = assignment.partition("=")
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+        try:
+            target = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        break
+    else:
+        raise SystemExit(f"knob_bench.py: {name}: no module to import in it")
+    try:
+        for part in parts[split:-1]:
+            target = getattr(target, part)
+        getattr(target, parts[-1])
+    except AttributeError:
+        raise SystemExit(f"knob_bench.py: {name} does not exist") from None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise SystemExit(f"knob_bench.py: {assignment}: the value is not a Python literal") from None
+    setattr(target, parts[-1], value)
+    print(f"knob_bench.py: {name} = {value!r}", file=sys.stderr)
+
+
+def main(argv: list[str]) -> None:
+    knobs = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
+    if not knobs or argv[:len(knobs)] != knobs:
+        raise SystemExit("usage: knob_bench.py DOTTED.NAME=VALUE [...] bench ARGS...")
+    for knob in knobs:
+        set_knob(knob)
+    from offline_paged.cli.main import cli
+
+    cli(argv[len(knobs):], prog_name="offline-paged")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

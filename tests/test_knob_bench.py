@@ -1,0 +1,35 @@
+"""scripts/knob_bench.py sets the named attributes before the CLI runs, and refuses a name or value it cannot set."""
+from __future__ import annotations
+
+import pytest
+from fixtures_scripts import load_script
+
+from offline_paged.engine import LLMEngine
+
+KNOB = "offline_paged.engine.LLMEngine.sample_before_ahead_launch"
+
+
+@pytest.fixture
+def knob_bench(monkeypatch):
+    monkeypatch.setattr(LLMEngine, "sample_before_ahead_launch", LLMEngine.sample_before_ahead_launch)
+    return load_script("scripts/knob_bench.py")
+
+
+def test_a_class_attribute_is_set_before_the_cli_runs(knob_bench, monkeypatch):
+    seen = []
+    monkeypatch.setattr("offline_paged.cli.main.cli", lambda argv, prog_name: seen.append(
+        (argv, LLMEngine.sample_before_ahead_launch)))
+    knob_bench.main([f"{KNOB}=True", "bench", "--device", "cpu"])
+    assert seen == [(["bench", "--device", "cpu"], True)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([f"{KNOB}x=True", "bench"], "does not exist"),
+    (["no_such_module.X=1", "bench"], "no module to import"),
+    ([f"{KNOB}=yes", "bench"], "not a Python literal"),
+    (["bench", f"{KNOB}=True"], "usage"),
+])
+def test_what_it_cannot_set_is_refused(knob_bench, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        knob_bench.main(argv)
+    assert LLMEngine.sample_before_ahead_launch is False
