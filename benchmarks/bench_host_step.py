@@ -7,7 +7,7 @@ sampler's kernels are stubbed out, so what is timed is the Python the GPU path r
                                          [--dataset nano-vllm|sharegpt-like]
                                          [--gc paced|default]
                                          [--job ids|chat [--tokenizer-dir DIR]]
-                                         [--structured json --mask-processes K]
+                                         [--structured json --mask-processes K [--sample-before-ahead-launch]]
                                          [--swap-from REF --swap MODULE.CLASS.METHOD ...]
 
 The workload is the `bench` random one scaled down in output length: prompts 100..1024, every request
@@ -33,7 +33,10 @@ samples are unpacked by gpu_sampler._results, as PendingSamples.of_graph's are.
 --structured json constrains every request by the bench's JSON schema (the engine's async grammar path: feed
 the matchers ahead, dispatch the mask fill to --mask-processes worker processes, read their outcomes, sample
 masked in the "graph"). The stand-in samplers draw a random allowed token from each row's mask; that draw
-is not engine work, so it is timed apart ("stub token draw") and left out of "engine step".
+is not engine work, so it is timed apart ("stub token draw") and left out of "engine step". "tokens -> masked
+sampling queued" is the step loop's part of the JSON step's cycle: from a step's tokens reaching the host to the
+queueing of the next step's masked sampling (on the device the forward must outlast it); --sample-before-ahead-launch
+runs it with `LLMEngine.sample_before_ahead_launch` on.
 --swap-from REF --swap offline_paged.core.scheduler.Scheduler._schedule (repeatable) measures a host change
 against git revision REF in one process: once every prompt is in, a seeded coin gives each step REF's version of
 each named method (its module loaded from `git show`) or this tree's, and each figure is printed for both sides
@@ -320,6 +323,35 @@ class Timer:
         setattr(obj, name, timed)
 
 
+@contextlib.contextmanager
+def time_the_sampling_cycle(timer: Timer):
+    """"tokens -> masked sampling queued": from a step's tokens reaching the host (the first return of its
+    `LaunchedStep.wait`) to the queueing of the next step's late (masked) sampling. On the device the step loop
+    must do this within the forward, or the device idles (benchmarks/NOTES.md, session 51's cycle)."""
+    from offline_paged.worker.launched_step import LateSamples, LaunchedStep
+
+    tokens_at = {"step": None, "time": None}
+    waited, launch = LaunchedStep.wait, LateSamples.launch
+
+    def wait(step):
+        done = waited(step)
+        if tokens_at["step"] is not step:
+            tokens_at.update(step=step, time=timer.clock())
+        return done
+
+    def queue(samples):
+        if samples._samples is None and tokens_at["time"] is not None:
+            timer.add("tokens -> masked sampling queued", timer.clock() - tokens_at["time"])
+            tokens_at["time"] = None
+        return launch(samples)
+
+    LaunchedStep.wait, LateSamples.launch = wait, queue  # (the classes': every step's instances)
+    try:
+        yield
+    finally:
+        LaunchedStep.wait, LateSamples.launch = waited, launch
+
+
 def load_swaps(ref: str, specs: list[str]) -> list[tuple[type, str, object, object]]:
     """(class, method name, this tree's function, REF's function) for each MODULE.CLASS.METHOD of specs; REF's
     module is read with `git show` and loaded under a name of its own (its imports are this tree's)."""
@@ -349,6 +381,7 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     engine = build_engine(args.num_requests, args.graphs, async_scheduling=not args.sync,
                           mask_processes=args.mask_processes, draw=draw, max_num_seqs=args.max_num_seqs,
                           tokenizer=tokenizer)
+    engine.sample_before_ahead_launch = args.sample_before_ahead_launch
     timer = Timer(clock)
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "_prepare", "runner._prepare")
@@ -384,8 +417,9 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     swaps = load_swaps(args.swap_from, args.swap) if args.swap else []
     coin, swapping = random.Random(0), False
     pacing = gc_pacing.paced() if args.gc == "paced" else contextlib.nullcontext()
+    cycle = time_the_sampling_cycle(timer) if args.structured else contextlib.nullcontext()
     try:
-        with pacing, timed_collections(timer):
+        with pacing, timed_collections(timer), cycle:
             while engine.has_unfinished_requests():
                 # With --swap, once every prompt is in (the prefill steps, few and long, would weigh on whichever
                 # side drew them), a seeded coin picks each step's side (a fixed alternation would meet periodic
@@ -500,6 +534,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="constrain every request like `bench --structured` (with --graphs: the graph's masked path)")
     parser.add_argument("--mask-processes", type=int, default=0,
                         help="grammar mask worker processes (EngineConfig.grammar_mask_processes)")
+    parser.add_argument("--sample-before-ahead-launch", action="store_true",
+                        help="LLMEngine.sample_before_ahead_launch on (session 51's proposal for the JSON step)")
     parser.add_argument("--swap-from", default=None,
                         help="git revision whose --swap methods a seeded coin's half of the steady steps runs")
     parser.add_argument("--swap", action="append", default=[], metavar="MODULE.CLASS.METHOD",
