@@ -453,6 +453,9 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     totals = {} if swaps else {"whole step": whole}
     if args.structured and not swaps:
         totals.update({"stub token draw": drawn, "engine step": whole - drawn})
+        if engine.mask_server is not None:  # (wall clock, whatever --clock says: waits use no CPU)
+            waits = engine.mask_server.stats()
+            totals["mask server waits (wall)"] = waits["outcome_wait_s"] + waits["mask_wait_s"]
     engine.close()
     return num_steps, {**totals, **timer.totals}
 
