@@ -340,7 +340,7 @@ def time_the_sampling_cycle(timer: Timer):
         return done
 
     def queue(samples):
-        if samples._samples is None and tokens_at["time"] is not None:
+        if not samples.launched and tokens_at["time"] is not None:
             timer.add("tokens -> masked sampling queued", timer.clock() - tokens_at["time"])
             tokens_at["time"] = None
         return launch(samples)
