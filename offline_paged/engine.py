@@ -58,7 +58,8 @@ class LLMEngine:
     launch_ahead = True  # see `_launched_ahead` (off: the A/B's other side)
     # Launched ahead: queue this step's masked sampling right after the next step is scheduled, before that
     # step's launch packs its inputs, so the device samples while the host packs (benchmarks/NOTES.md,
-    # session 51: the packing then leaves the tokens -> masks -> sampling cycle). Off until a device A/B.
+    # session 51: the packing then leaves the tokens -> masks -> sampling cycle). Off: on an H200 it lost
+    # (session 52: 0.868 against 0.904 like for like, six rounds each; the masks, not the packing, hold it back).
     sample_before_ahead_launch = False
 
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
