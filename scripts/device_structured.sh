@@ -40,7 +40,8 @@ record = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 reference = {r["label"].partition(" plain@json lengths")[2]: r["output_tokens_per_s"] for r in record["runs"]
              if " plain@json lengths" in r["label"]}
 print(f"{'run':<30}{'out tok/s':>10}{'like4like':>10}{'step ms':>9}{'sched':>7}{'exec':>7}{'post':>7}{'tok wait':>9}"
-      f"{'dispatch':>9}{'fwd dev':>8}{'outcome wait':>13}{'mask wait':>10}{'errors':>7}")
+      f"{'dispatch':>9}{'fwd dev':>8}{'outcome wait':>13}{'mask wait':>10}{'errors':>7}{'loop cpu':>9}{'invol':>6}"
+      f"{'steal':>6}{'cpus':>7}")
 for r in record["runs"]:
     t, m = r["time_split"], r.get("mask_server") or {}
     base = reference.get(r["label"][r["label"].rfind(" #"):] if " #" in r["label"] else "")
@@ -49,6 +50,9 @@ for r in record["runs"]:
           f"{t['execute_ms']:>7.2f}{t['postprocess_ms']:>7.2f}{t.get('token_wait_ms', 0):>9.2f}"
           f"{t.get('mask_dispatch_ms', 0):>9.2f}{t['forward_device_ms'] or 0:>8.2f}"
           f"{m.get('outcome_wait_ms', float('nan')):>13.2f}{m.get('mask_wait_ms', float('nan')):>10.2f}"
-          f"{r.get('num_errors', 0):>7}")  # requests ended by a grammar error: a masking bug shows here first
+          f"{r.get('num_errors', 0):>7}"  # requests ended by a grammar error: a masking bug shows here first
+          # the step loop thread's CPU ms and involuntary switches a step, the host's steal (host_load.py)
+          + (f"{h['thread_cpu_ms']:>9.2f}{h['involuntary_switches'] or 0:>6.2f}{h['host_steal_share'] or 0:>6.1%}"
+             f"{h['cpu_first']!s:>4}>{h['cpu_last']!s:<2}" if (h := r.get("host_load")) else ""))
 print("commit", record.get("git_commit"), "device", record.get("device"))
 PY

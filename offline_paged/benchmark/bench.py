@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from offline_paged.benchmark.host_load import LoadSnapshot, over_run
 from offline_paged.core import gc_pacing
 from offline_paged.core.outputs import RequestError
 from offline_paged.core.sampling_params import SamplingParams
@@ -343,6 +344,7 @@ class BenchResult:
     output_lengths: list[int] = field(default_factory=list)  # tokens of each request's first output, in order
     errors: list[str] = field(default_factory=list)  # requests that ended with an error: "id: message"
     engine_start_s: float | None = None  # the engine's construction (KV sizing, graph captures) and warm-up
+    host_load: dict | None = None  # the step loop thread's CPU time and switches, the host's steal (host_load.py)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -434,7 +436,7 @@ class BenchResult:
             "kv_block_usage": self.kv_block_usage, "max_concurrent_seqs": self.max_concurrent_seqs,
             "num_preemptions": self.num_preemptions, "time_split": self.time_split(), "step_kinds": self.step_kinds(),
             "roofline": self.roofline(), "mask_server": self.mask_server, "num_errors": len(self.errors),
-            "errors": self.errors[:10], "engine_start_s": self.engine_start_s,
+            "errors": self.errors[:10], "engine_start_s": self.engine_start_s, "host_load": self.host_load,
         }
 
     def to_json(self, with_steps: bool = False) -> str:
@@ -495,6 +497,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
     # three of them cost about 100 ms of a 3.4 s run on the H200's host, while a `generate` job keeps no
     # such records. Freezing moves everything alive into a generation the collector never scans (the
     # engine's own objects too, which a `generate` job's collections still walk, at gc_pacing's pace).
+    load_before = LoadSnapshot.take()
     start = time.perf_counter()
     try:
         with gc_pacing.paced():  # what a `generate` job runs with
@@ -519,6 +522,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
     finally:
         gc.unfreeze()
     wall = time.perf_counter() - start
+    host_load = over_run(load_before, LoadSnapshot.take(), len(steps), wall)
     memory.sample()
     no_forward = 0.0 if engine.backend.name == "cuda" else None  # a GPU step without a forward took 0 s
     previous = None
@@ -540,7 +544,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
         tensor_parallel_size=tensor_parallel_size, max_num_seqs=engine.config.max_num_seqs,
         kv_cache_dtype=engine.kv_cache_dtype, quantization=quantization,
         mask_server=None if server is None else _counters_over_run(server_before, server.stats()),
-        output_lengths=output_lengths, errors=errors)
+        output_lengths=output_lengths, errors=errors, host_load=host_load)
 
 
 def _counters_over_run(before: dict, after: dict) -> dict:

@@ -92,6 +92,8 @@ def format_details(r: BenchResult) -> list[str]:
     ]
     if r.steps and r.steps[0].forward_s is not None:  # measured on the device
         out.append(_format_kinds(r.step_kinds()))
+    if r.host_load is not None:
+        out.append(_format_host_load(r.host_load))
     if r.errors:
         out.append(f"{len(r.errors)} request(s) ended with an error (not counted in the tokens), first: {r.errors[0]}")
     roof = r.roofline()
@@ -101,6 +103,18 @@ def format_details(r: BenchResult) -> list[str]:
             f"= {roof['fraction_of_floor']:.1%} of the floor reached; measured {roof['bandwidth_gb_s']:,.0f} GB/s, "
             f"{roof['matmul_tflop_s']:,.1f} TFLOP/s ({roof['ceilings']})")
     return out
+
+
+def _format_host_load(load: dict) -> str:
+    text = f"step loop thread: {load['thread_cpu_ms']:.2f} ms of CPU a step"
+    if load["thread_cpu_share"] is not None:
+        text += f" ({load['thread_cpu_share']:.0%} of the wall)"
+    if load["involuntary_switches"] is not None:
+        text += (f", {load['voluntary_switches']:.2f} voluntary and {load['involuntary_switches']:.2f} involuntary "
+                 f"context switches a step")
+    if load["host_steal_share"] is not None:
+        text += f"; the host's steal {load['host_steal_share']:.1%}"
+    return text
 
 
 def _format_split(split: dict) -> str:
