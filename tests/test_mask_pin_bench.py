@@ -16,9 +16,10 @@ BENCH = ["bench", "--device", "cpu", "--dummy-weights", "tiny", "--num-requests"
          "--json"]
 
 
-def run(mode: str) -> subprocess.CompletedProcess:
+def run(mode: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "mask_pin_bench.py"), mode, *BENCH],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **env})
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning apart needs two CPUs")
@@ -43,3 +44,15 @@ def test_free_leaves_placement_alone():
 def test_a_mode_it_does_not_know_is_refused():
     done = run("pinned")
     assert done.returncode != 0 and "usage: mask_pin_bench.py pin|free" in done.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning apart needs two CPUs")
+def test_pin_avoid_keeps_the_workers_off_the_named_cpus_and_refuses_to_leave_them_none():
+    cpus = sorted(os.sched_getaffinity(0))
+    done = run("pin", PIN_AVOID=",".join(map(str, cpus)))
+    assert done.returncode != 0 and "leaves the workers no CPU" in done.stderr
+    if len(cpus) >= 3:
+        done = run("pin", PIN_AVOID=str(cpus[1]))
+        assert done.returncode == 0, done.stderr[-2000:]
+        line = next(line for line in done.stderr.splitlines() if line.startswith("mask_pin_bench.py:"))
+        assert json.loads(line.split("workers on CPUs ")[1]) == cpus[2:]
