@@ -4,6 +4,7 @@ import time
 
 from tiny_engine import VOCAB_SIZE, tiny_engine
 
+from offline_paged.benchmark import bench
 from offline_paged.benchmark.bench import random_workload, run_bench, warm_up
 from offline_paged.benchmark.bench_report import format_details
 from offline_paged.benchmark.host_load import LoadSnapshot, _cpu_ticks, _last_cpu, over_run
@@ -30,13 +31,13 @@ def test_last_cpu_counts_fields_after_a_command_name_with_spaces(tmp_path):
 
 
 def test_over_run_per_step_and_shares():
-    before = LoadSnapshot(1.0, 10, 4, 100, 10_000, 3)
-    after = LoadSnapshot(1.5, 30, 24, 150, 11_000, 5)
-    load = over_run(before, after, num_steps=100, wall_s=2.0)
+    before = LoadSnapshot(7.0, 1.0, 10, 4, 100, 10_000, 3)
+    after = LoadSnapshot(9.0, 1.5, 30, 24, 150, 11_000, 5)
+    load = over_run(before, after, num_steps=100)
     assert load == {"thread_cpu_ms": 5.0, "thread_cpu_share": 0.25, "voluntary_switches": 0.2,
                     "involuntary_switches": 0.2, "host_steal_share": 0.05, "cpu_first": 3, "cpu_last": 5}
-    unknown = LoadSnapshot(1.0, None, None, None, None, None)
-    load = over_run(unknown, unknown, num_steps=0, wall_s=0.0)
+    unknown = LoadSnapshot(7.0, 1.0, None, None, None, None, None)
+    load = over_run(unknown, unknown, num_steps=0)
     assert load["involuntary_switches"] is None and load["host_steal_share"] is None
     assert load["thread_cpu_share"] is None and load["thread_cpu_ms"] == 0.0
 
@@ -46,15 +47,20 @@ def test_a_snapshot_on_this_host_counts_this_threads_work():
     deadline = time.thread_time() + 0.05
     while time.thread_time() < deadline:  # 50 ms of this thread's CPU
         pass
-    load = over_run(before, LoadSnapshot.take(), num_steps=10, wall_s=0.05)
+    load = over_run(before, LoadSnapshot.take(), num_steps=10)
     assert load["thread_cpu_ms"] >= 5.0  # 50 ms over 10 steps
+    assert 0.5 < load["thread_cpu_share"] <= 1.01  # (one busy thread: its CPU time is nearly all the wall)
     assert load["involuntary_switches"] is not None and load["host_steal_share"] is not None  # (Linux)
     assert isinstance(load["cpu_first"], int)
 
 
-def test_a_bench_record_carries_the_host_load():
+def test_a_bench_record_carries_the_host_load_when_asked(monkeypatch):
     engine = tiny_engine()
     warm_up(engine, VOCAB_SIZE)
+    requests = random_workload(8, (4, 16), (4, 12), vocab_size=VOCAB_SIZE, seed=2)
+    assert bench.RECORD_HOST_LOAD is False  # (off until a device has run it)
+    assert json.loads(run_bench(engine, requests).to_json())["host_load"] is None
+    monkeypatch.setattr(bench, "RECORD_HOST_LOAD", True)
     result = run_bench(engine, random_workload(8, (4, 16), (4, 12), vocab_size=VOCAB_SIZE, seed=2))
     load = json.loads(result.to_json())["host_load"]
     assert load["thread_cpu_ms"] > 0 and 0 < load["thread_cpu_share"] < 1.5

@@ -465,6 +465,9 @@ def warm_up(engine, vocab_size: int, num_requests: int = 4) -> None:
 
 
 FREEZE_EVERY = 32  # steps between gc.freeze() calls in run_bench
+# Each run's record carries `host_load` (host_load.py). Off until a device has run it (session 52 ran out of
+# device time); on for an A/B with scripts/knob_bench.py offline_paged.benchmark.bench.RECORD_HOST_LOAD=True.
+RECORD_HOST_LOAD = False
 
 
 def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layout: str = "paged",
@@ -497,7 +500,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
     # three of them cost about 100 ms of a 3.4 s run on the H200's host, while a `generate` job keeps no
     # such records. Freezing moves everything alive into a generation the collector never scans (the
     # engine's own objects too, which a `generate` job's collections still walk, at gc_pacing's pace).
-    load_before = LoadSnapshot.take()
+    load_before = LoadSnapshot.take() if RECORD_HOST_LOAD else None
     start = time.perf_counter()
     try:
         with gc_pacing.paced():  # what a `generate` job runs with
@@ -522,7 +525,7 @@ def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layou
     finally:
         gc.unfreeze()
     wall = time.perf_counter() - start
-    host_load = over_run(load_before, LoadSnapshot.take(), len(steps), wall)
+    host_load = None if load_before is None else over_run(load_before, LoadSnapshot.take(), len(steps))
     memory.sample()
     no_forward = 0.0 if engine.backend.name == "cuda" else None  # a GPU step without a forward took 0 s
     previous = None

@@ -19,6 +19,7 @@ _STEAL = 7  # the aggregate "cpu" line's fields: user nice system idle iowait ir
 
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
+    wall_s: float  # time.perf_counter(), read beside thread_cpu_s
     thread_cpu_s: float
     voluntary_switches: int | None
     involuntary_switches: int | None
@@ -32,11 +33,11 @@ class LoadSnapshot:
         if hasattr(resource, "RUSAGE_THREAD"):
             usage = resource.getrusage(resource.RUSAGE_THREAD)
             voluntary, involuntary = usage.ru_nvcsw, usage.ru_nivcsw
-        steal, total = _cpu_ticks(proc_stat)
-        return cls(time.thread_time(), voluntary, involuntary, steal, total, _last_cpu(thread_stat))
+        steal, total, cpu = *_cpu_ticks(proc_stat), _last_cpu(thread_stat)
+        return cls(time.perf_counter(), time.thread_time(), voluntary, involuntary, steal, total, cpu)
 
 
-def over_run(before: LoadSnapshot, after: LoadSnapshot, num_steps: int, wall_s: float) -> dict:
+def over_run(before: LoadSnapshot, after: LoadSnapshot, num_steps: int) -> dict:
     """The bench record's `host_load`: the step loop thread's CPU ms a step and share of the wall, its context
     switches a step, the host's steal share over the run, and the CPU the thread ran on at each end."""
     steps = max(num_steps, 1)
@@ -45,7 +46,7 @@ def over_run(before: LoadSnapshot, after: LoadSnapshot, num_steps: int, wall_s: 
         a, b = getattr(before, name), getattr(after, name)
         return None if a is None or b is None else (b - a) / steps
 
-    cpu_s = after.thread_cpu_s - before.thread_cpu_s
+    cpu_s, wall_s = after.thread_cpu_s - before.thread_cpu_s, after.wall_s - before.wall_s
     steal = None
     if None not in (before.steal_ticks, after.steal_ticks, before.total_ticks, after.total_ticks):
         ticks = after.total_ticks - before.total_ticks
