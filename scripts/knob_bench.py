@@ -38,15 +38,21 @@ def set_knob(assignment: str) -> None:
     print(f"knob_bench.py: {name} = {value!r}", file=sys.stderr)
 
 
-def main(argv: list[str]) -> None:
-    knobs = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
-    if not knobs or argv[:len(knobs)] != knobs:
-        raise SystemExit("usage: knob_bench.py DOTTED.NAME=VALUE [...] bench ARGS...")
-    for knob in knobs:
-        set_knob(knob)
+def run_with_knobs(argv: list[str]) -> None:
+    """Set the leading DOTTED.NAME=VALUE arguments (none is fine), then run `offline-paged` on the rest."""
+    count = 0
+    while count < len(argv) and "=" in argv[count] and not argv[count].startswith("-"):
+        set_knob(argv[count])
+        count += 1
     from offline_paged.cli.main import cli
 
-    cli(argv[len(knobs):], prog_name="offline-paged")
+    cli(argv[count:], prog_name="offline-paged")
+
+
+def main(argv: list[str]) -> None:
+    if not argv or "=" not in argv[0] or argv[0].startswith("-"):
+        raise SystemExit("usage: knob_bench.py DOTTED.NAME=VALUE [...] bench ARGS...")
+    run_with_knobs(argv)
 
 
 if __name__ == "__main__":

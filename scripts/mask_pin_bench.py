@@ -1,7 +1,7 @@
 """`offline-paged` with the mask workers kept off the step loop's CPU (the session 51 experiment: on the device
 host the JSON run's schedule and processing ran slower than the plain run's, as if the workers slowed the loop).
 
-    python3 scripts/mask_pin_bench.py pin|free bench --structured json ...
+    python3 scripts/mask_pin_bench.py pin|free [DOTTED.NAME=VALUE ...] bench --structured json ...
     e.g. in a device call: BENCH="python3 scripts/mask_pin_bench.py pin" scripts/device_structured.sh
 
 pin: at a MaskServer's first fill, the calling thread (the step loop) is pinned to the lowest CPU it may run on
@@ -40,9 +40,9 @@ def pin_at_first_fill() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in ("pin", "free"):
-        raise SystemExit("usage: mask_pin_bench.py pin|free bench ARGS...")
+        raise SystemExit("usage: mask_pin_bench.py pin|free [DOTTED.NAME=VALUE ...] bench ARGS...")
     if sys.argv[1] == "pin":
         pin_at_first_fill()
-    from offline_paged.cli.main import cli
+    from knob_bench import run_with_knobs  # (this script's folder leads sys.path)
 
-    cli(sys.argv[2:], prog_name="offline-paged")
+    run_with_knobs(sys.argv[2:])

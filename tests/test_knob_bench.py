@@ -33,3 +33,10 @@ def test_what_it_cannot_set_is_refused(knob_bench, argv, message):
     with pytest.raises(SystemExit, match=message):
         knob_bench.main(argv)
     assert LLMEngine.sample_before_ahead_launch is False
+
+
+def test_run_with_knobs_takes_none_too(knob_bench, monkeypatch):
+    seen = []
+    monkeypatch.setattr("offline_paged.cli.main.cli", lambda argv, prog_name: seen.append(argv))
+    knob_bench.run_with_knobs(["bench", "--device", "cpu"])
+    assert seen == [["bench", "--device", "cpu"]]
