@@ -8,9 +8,13 @@ grow, CPU time does not). These counters tell them apart. Linux only: elsewhere 
 """
 from __future__ import annotations
 
-import resource
 import time
 from dataclasses import dataclass
+
+try:
+    import resource  # (POSIX only)
+except ImportError:
+    resource = None
 
 PROC_STAT = "/proc/stat"
 THREAD_STAT = "/proc/thread-self/stat"
@@ -30,7 +34,7 @@ class LoadSnapshot:
     @classmethod
     def take(cls, proc_stat: str = PROC_STAT, thread_stat: str = THREAD_STAT) -> LoadSnapshot:
         voluntary = involuntary = None
-        if hasattr(resource, "RUSAGE_THREAD"):
+        if hasattr(resource, "RUSAGE_THREAD"):  # (Linux)
             usage = resource.getrusage(resource.RUSAGE_THREAD)
             voluntary, involuntary = usage.ru_nvcsw, usage.ru_nivcsw
         steal, total, cpu = *_cpu_ticks(proc_stat), _last_cpu(thread_stat)
