@@ -75,21 +75,21 @@ def print_per_run(runs: list[tuple[str, int, dict]], top: int, diff: tuple[int, 
     if not runs:
         raise SystemExit("profile_host.py: the bench ran no runs")
     try:
-        names = [range(len(runs))[i] for i in diff]
+        a, b = [range(len(runs))[i] for i in diff]
     except IndexError:
         raise SystemExit(f"profile_host.py: --diff {diff[0]} {diff[1]}: the bench ran {len(runs)} run(s)") from None
     per_step = [{func: seconds * 1e6 / steps for func, seconds in own.items()} for _, steps, own in runs]
     funcs = set().union(*per_step)
-    first, last = per_step[names[1]], per_step[names[0]]
-    order = sorted(funcs, key=lambda f: -abs(last.get(f, 0.0) - first.get(f, 0.0)))
+    run_a, run_b = per_step[a], per_step[b]
+    order = sorted(funcs, key=lambda f: -abs(run_a.get(f, 0.0) - run_b.get(f, 0.0)))
     print("own time, us per step; runs: " + "; ".join(f"[{i}] {label} ({steps} steps)"
                                                      for i, (label, steps, _) in enumerate(runs)))
-    print("".join(f"{f'[{i}]':>9}" for i in range(len(runs))) + f"{f'[{names[0]}]-[{names[1]}]':>11}  function")
+    print("".join(f"{f'[{i}]':>9}" for i in range(len(runs))) + f"{f'[{a}]-[{b}]':>11}  function")
     print("".join(f"{sum(p.values()):>9.1f}" for p in per_step)
-          + f"{sum(last.values()) - sum(first.values()):>11.1f}  (all)")
+          + f"{sum(run_a.values()) - sum(run_b.values()):>11.1f}  (all)")
     for func in order[:top]:
         print("".join(f"{p.get(func, 0.0):>9.1f}" for p in per_step)
-              + f"{last.get(func, 0.0) - first.get(func, 0.0):>11.1f}  {func}")
+              + f"{run_a.get(func, 0.0) - run_b.get(func, 0.0):>11.1f}  {func}")
 
 
 if __name__ == "__main__":
