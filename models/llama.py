@@ -84,12 +84,6 @@ class Llama:
             raise ValueError(f"this checkpoint's FP8 weights (quantization_config quant_method "
                              f"{config.quantization.method!r}) are not supported with tensor parallelism"
                              + ("" if FP8_WEIGHTS_ON_CUDA else " or on CUDA (use device='cpu')") + " yet")
-        if (ops.xp is not np and is_fp8(np.dtype(kv_cache_dtype or dtype)) and not calculate_kv_scales
-                and any(layer_kv_scales(weights, i) != (None, None) for i in range(config.num_hidden_layers))):
-            # Switched off on CUDA: the GPU test of checkpoint scales (test_gpu_engine_fp8.py) has not run yet.
-            raise ValueError("this checkpoint's k_scale / v_scale tensors seed the FP8 KV cache on the CPU backend "
-                             "only for now (device='cpu'); on CUDA use kv_cache_dtype='auto' or "
-                             "calculate_kv_scales=True")
         # A pre-quantized checkpoint decides which linears are FP8 (quantization="fp8" then changes nothing).
         self.quantization = "fp8" if config.quantization is not None else quantization
         self._fp8_modules = set(quantized_modules(config))

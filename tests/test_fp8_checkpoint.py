@@ -357,18 +357,6 @@ def test_checkpoint_kv_scales_act_as_manual_scales(plain, tmp_path, spelling):
     np.testing.assert_array_equal(_logits(_model(directory)), _logits(_model(plain)))
 
 
-def test_checkpoint_kv_scales_are_refused_on_cuda_until_verified(plain, tmp_path):
-    """Their GPU test has not run on the device yet: a non-NumPy backend refuses them for an FP8 KV cache
-    (before touching the device), and takes them with a 16-bit cache (ignored) or calculated scales."""
-    loaded = load_model(_with_kv_scales(plain, tmp_path / "kv", "vllm"))
-    not_numpy = types.SimpleNamespace(xp=types.SimpleNamespace())
-    with pytest.raises(ValueError, match=r"k_scale / v_scale tensors seed the FP8 KV cache on the CPU backend only"):
-        Llama(loaded.config, loaded.weights, not_numpy, kv_cache_dtype=FP8_E4M3)
-    for kwargs in ({}, {"kv_cache_dtype": FP8_E4M3, "calculate_kv_scales": True}):
-        with pytest.raises(AttributeError):  # past the refusal: the stand-in has no dtype to upload with
-            Llama(loaded.config, loaded.weights, not_numpy, **kwargs)
-
-
 def test_calculate_kv_scales_still_recomputes_over_checkpoint_scales(plain, tmp_path):
     directory = _with_kv_scales(plain, tmp_path / "kv", "vllm")
     calculated = _model(directory, kv_cache_dtype=FP8_E4M3, calculate_kv_scales=True)

@@ -117,9 +117,6 @@ def test_fp8_pool_holds_twice_the_16_bit_blocks_and_swaps_bytes():
     assert identical >= 6
 
 
-@pytest.mark.xfail(reason="checkpoint KV scales are switched off on CUDA (models/llama.py refuses them): this "
-                          "test has not run on the device yet; turn them on with its first pass", raises=ValueError,
-                   strict=True)
 def test_checkpoint_kv_scales_reach_the_gpu_kernels():
     """k_scale / v_scale tensors in the checkpoint (vLLM's names) seed each layer's [2] device scale buffer, which
     the kernels and the decode graphs read: the buffers hold them after the run (nothing recalculated), the

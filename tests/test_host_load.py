@@ -58,7 +58,8 @@ def test_a_bench_record_carries_the_host_load_when_asked(monkeypatch):
     engine = tiny_engine()
     warm_up(engine, VOCAB_SIZE)
     requests = random_workload(8, (4, 16), (4, 12), vocab_size=VOCAB_SIZE, seed=2)
-    assert bench.RECORD_HOST_LOAD is False  # (off until a device has run it)
+    assert bench.RECORD_HOST_LOAD is True  # (on by default)
+    monkeypatch.setattr(bench, "RECORD_HOST_LOAD", False)
     assert json.loads(run_bench(engine, requests).to_json())["host_load"] is None
     monkeypatch.setattr(bench, "RECORD_HOST_LOAD", True)
     result = run_bench(engine, random_workload(8, (4, 16), (4, 12), vocab_size=VOCAB_SIZE, seed=2))

@@ -465,9 +465,9 @@ def warm_up(engine, vocab_size: int, num_requests: int = 4) -> None:
 
 
 FREEZE_EVERY = 32  # steps between gc.freeze() calls in run_bench
-# Each run's record carries `host_load` (host_load.py). Off until a device has run it (session 52 ran out of
-# device time); on for an A/B with scripts/knob_bench.py offline_paged.benchmark.bench.RECORD_HOST_LOAD=True.
-RECORD_HOST_LOAD = False
+# Each run's record carries `host_load` (host_load.py): the step loop thread's CPU time and switches, the host's
+# steal. Two /proc reads a run; False leaves the record's `host_load` null.
+RECORD_HOST_LOAD = True
 
 
 def run_bench(engine, requests: list[BenchRequest], *, label: str = "", kv_layout: str = "paged",
