@@ -7,7 +7,7 @@ sampler's kernels are stubbed out, so what is timed is the Python the GPU path r
                                          [--dataset nano-vllm|sharegpt-like]
                                          [--gc paced|default]
                                          [--job ids|chat [--tokenizer-dir DIR]]
-                                         [--structured json --mask-processes K [--sample-before-ahead-launch]]
+                                         [--structured json --mask-processes K]
                                          [--swap-from REF --swap MODULE.CLASS.METHOD ...]
 
 The workload is the `bench` random one scaled down in output length: prompts 100..1024, every request
@@ -35,8 +35,7 @@ the matchers ahead, dispatch the mask fill to --mask-processes worker processes,
 masked in the "graph"). The stand-in samplers draw a random allowed token from each row's mask; that draw
 is not engine work, so it is timed apart ("stub token draw") and left out of "engine step". "tokens -> masked
 sampling queued" is the step loop's part of the JSON step's cycle: from a step's tokens reaching the host to the
-queueing of the next step's masked sampling (on the device the forward must outlast it); --sample-before-ahead-launch
-runs it with `LLMEngine.sample_before_ahead_launch` on.
+queueing of the next step's masked sampling (on the device the forward must outlast it).
 --swap-from REF --swap offline_paged.core.scheduler.Scheduler._schedule (repeatable) measures a host change
 against git revision REF in one process: once every prompt is in, a seeded coin gives each step REF's version of
 each named method (its module loaded from `git show`) or this tree's, and each figure is printed for both sides
@@ -381,7 +380,6 @@ def run_once(args, profiler: cProfile.Profile | None = None) -> tuple[int, dict[
     engine = build_engine(args.num_requests, args.graphs, async_scheduling=not args.sync,
                           mask_processes=args.mask_processes, draw=draw, max_num_seqs=args.max_num_seqs,
                           tokenizer=tokenizer)
-    engine.sample_before_ahead_launch = args.sample_before_ahead_launch
     timer = Timer(clock)
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "_prepare", "runner._prepare")
@@ -537,8 +535,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="constrain every request like `bench --structured` (with --graphs: the graph's masked path)")
     parser.add_argument("--mask-processes", type=int, default=0,
                         help="grammar mask worker processes (EngineConfig.grammar_mask_processes)")
-    parser.add_argument("--sample-before-ahead-launch", action="store_true",
-                        help="LLMEngine.sample_before_ahead_launch on (session 51's proposal for the JSON step)")
     parser.add_argument("--swap-from", default=None,
                         help="git revision whose --swap methods a seeded coin's half of the steady steps runs")
     parser.add_argument("--swap", action="append", default=[], metavar="MODULE.CLASS.METHOD",

@@ -56,11 +56,6 @@ class LLMEngine:
     """
 
     launch_ahead = True  # see `_launched_ahead` (off: the A/B's other side)
-    # Launched ahead: queue this step's masked sampling right after the next step is scheduled, before that
-    # step's launch packs its inputs, so the device samples while the host packs (benchmarks/NOTES.md,
-    # session 51: the packing then leaves the tokens -> masks -> sampling cycle). Off: on an H200 it lost
-    # (session 52: 0.868 against 0.904 like for like, six rounds each; the masks, not the packing, hold it back).
-    sample_before_ahead_launch = False
 
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
         if loaded_model is None and config.model is not None:  # a hub id -> its local snapshot
@@ -357,8 +352,6 @@ class LLMEngine:
             ahead = self._schedule()
             t4 = time.perf_counter()
             if self.launch_ahead:
-                if self.sample_before_ahead_launch:
-                    launched.queue_early_sampling()  # (counted as the launch's time)
                 self._launched_ahead = (ahead, self.executor.execute(ahead, launched, defer_grammar_sampling=True),
                                         t4 - t3, time.perf_counter() - t4)
             else:

@@ -1,8 +1,8 @@
 """`offline-paged` with module or class attributes set first: the device A/Bs of experiment knobs that have no flag
-(e.g. `LLMEngine.sample_before_ahead_launch`, session 51; `mask_server.SPIN_S`, session 49).
+(e.g. `mask_server.SPIN_S`, session 49; `LLMEngine.launch_ahead`).
 
     python3 scripts/knob_bench.py DOTTED.NAME=VALUE [...] bench ARGS...
-    e.g. BENCH="python3 scripts/knob_bench.py offline_paged.engine.LLMEngine.sample_before_ahead_launch=True" \\
+    e.g. BENCH="python3 scripts/knob_bench.py offline_paged.engine.LLMEngine.launch_ahead=False" \\
          scripts/device_structured.sh
 
 DOTTED.NAME: a module's path, then the attribute (a class's too); VALUE: a Python literal. A name that does not

@@ -26,20 +26,6 @@ def test_the_host_step_bench_runs_a_small_workload(bench, structured, graphs):
         assert 0 < totals["tokens -> masked sampling queued"] < totals["whole step"]
 
 
-def test_the_sampling_cycle_is_timed_with_the_sampling_queued_before_the_ahead_launch(bench):
-    """--sample-before-ahead-launch: the engine's knob on for the run (and off again after it)."""
-    from offline_paged.engine import LLMEngine
-    from offline_paged.worker.launched_step import LateSamples, LaunchedStep
-
-    wait, launch = LaunchedStep.wait, LateSamples.launch
-    args = bench.parse_args(["--num-requests", "12", "--output-len", "6", "--graphs", "--structured", "json",
-                             "--mask-processes", "1", "--sample-before-ahead-launch"])
-    _, totals = bench.run_once(args)
-    assert totals["tokens -> masked sampling queued"] > 0
-    assert LLMEngine.sample_before_ahead_launch is False  # (set on the bench's engine only)
-    assert (LaunchedStep.wait, LateSamples.launch) == (wait, launch)  # the timing wrappers are gone
-
-
 def test_swap_runs_the_named_methods_of_a_git_revision_on_part_of_the_steps(bench):
     """--swap-from HEAD --swap ...: the steady steps split between this tree's methods and HEAD's (loaded from git),
     each figure reported for both sides; the methods are this tree's again afterwards."""
