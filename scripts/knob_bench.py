@@ -1,5 +1,5 @@
 """`offline-paged` with module or class attributes set first: the device A/Bs of experiment knobs that have no flag
-(e.g. `mask_server.SPIN_S`, session 49; `LLMEngine.launch_ahead`).
+(e.g. `LLMEngine.launch_ahead`, `cublaslt.COLD_BYTES`).
 
     python3 scripts/knob_bench.py DOTTED.NAME=VALUE [...] bench ARGS...
     e.g. BENCH="python3 scripts/knob_bench.py offline_paged.engine.LLMEngine.launch_ahead=False" \\

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from offline_paged.core.grammar_compiler import GrammarCompiler
-from offline_paged.core import mask_server
 from offline_paged.core.mask_server import _SHM_DIR, MaskServer, _Replies
 from offline_paged.core.structured_matcher import advance_ahead, fill_bitmask_rows
 from offline_paged.core.structured_outputs import StructuredOutputsParams
@@ -27,15 +26,11 @@ SPECS = [StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
          StructuredOutputsParams(choice=["yes", "no", "maybe"])]
 
 
-@pytest.fixture(scope="module", params=[0.0, 0.002], ids=["blocking", "polling"])
-def compiler(request):
-    """A compiler with a 2-worker server; "polling": the workers and this process poll their sockets for up to
-    2 ms before they block (mask_server.SPIN_S)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mask_server, "SPIN_S", request.param)
-        compiler = GrammarCompiler(TOKENIZER, VOCAB_SIZE, (EOS_ID,), mask_processes=2)
-        compiler.tokenizer  # (starts the server)
-    assert compiler.mask_server._spin_s == request.param
+@pytest.fixture(scope="module")
+def compiler():
+    """A compiler with a 2-worker server."""
+    compiler = GrammarCompiler(TOKENIZER, VOCAB_SIZE, (EOS_ID,), mask_processes=2)
+    compiler.tokenizer  # (starts the server)
     yield compiler
     compiler.close()
 

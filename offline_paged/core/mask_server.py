@@ -28,7 +28,6 @@ import itertools
 import mmap
 import os
 import pickle
-import select
 import socket
 import struct
 import subprocess
@@ -49,11 +48,6 @@ _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _SEGMENT_IDS = itertools.count()
 _EXIT_GRACE_S = 2.0  # close(): how long the workers get to exit together before they are killed
 _ALLOWED = (None, False)  # the outcome of a token the grammar allows, not finishing it (error, stopped)
-# Seconds a process polls its socket before it blocks reading it (the workers between fills, this process
-# waiting for their replies); 0 blocks at once. A process blocked in a read is woken by the kernel when the
-# bytes come, which on a busy many-core host can take longer than the read itself; a polling one sees them
-# at once but keeps its core busy. (An experiment's knob: see benchmarks/NOTES.md, session 49.)
-SPIN_S = 0.0
 
 
 class MaskServer:
@@ -65,12 +59,11 @@ class MaskServer:
         if num_workers < 1 or threads < 1:
             raise ValueError(f"a mask server needs at least one worker of one thread, got {num_workers} x {threads}")
         self._pipes, self._workers = [], []
-        self._spin_s = SPIN_S
         for _ in range(num_workers):
             worker, pipe = _start_worker()
             self._workers.append(worker)
             self._pipes.append(pipe)
-            pipe.send((tokenizer_source, threads, self._spin_s))
+            pipe.send((tokenizer_source, threads))
         self._replies = [_Replies(pipe.fileno()) for pipe in self._pipes]  # every read of a worker's socket
         self._send_lock = threading.Lock()  # add_grammar comes from the compiler's threads
         self._ready = [False] * num_workers
@@ -318,11 +311,8 @@ class MaskServer:
             raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].poll()})") from None
 
     def _receive(self, index: int, expect_list: bool = False):
-        replies = self._replies[index]
-        if self._spin_s and not replies.has_reply():
-            _spin(replies.poller, self._spin_s)
         try:
-            reply = replies.next()
+            reply = self._replies[index].next()
         except EOFError:
             raise RuntimeError(f"mask worker {index} died (exit code {self._workers[index].poll()})") from None
         if isinstance(reply, str):
@@ -346,16 +336,16 @@ def worker_main(fd: int) -> None:
     """A worker process's entry point: serve the parent at the other end of socket `fd` until it goes."""
     pipe = Connection(fd)
     try:
-        tokenizer_source, threads, spin_s = pipe.recv()
+        tokenizer_source, threads = pipe.recv()
     except EOFError:
         return
     try:
-        _serve(pipe, tokenizer_source, threads, spin_s)
+        _serve(pipe, tokenizer_source, threads)
     except (BrokenPipeError, ConnectionResetError):  # the parent went away while we answered: nothing to do
         return
 
 
-def _serve(pipe, tokenizer_source: tuple, threads: int, spin_s: float = 0.0) -> None:
+def _serve(pipe, tokenizer_source: tuple, threads: int) -> None:
     """A worker's loop: build the tokenizer, answer `ready`, then two replies per fill (outcomes, then
     None; or the error in their place)."""
     import llguidance
@@ -381,10 +371,7 @@ def _serve(pipe, tokenizer_source: tuple, threads: int, spin_s: float = 0.0) -> 
                                                    limits=llguidance.LLParserLimits(verbose_errors=False))
         return templates[text]
 
-    poller = _poller(pipe.fileno())
     while True:
-        if spin_s:
-            _spin(poller, spin_s)
         try:
             message = pipe.recv()
         except EOFError:
@@ -444,7 +431,6 @@ class _Replies:
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._buffer = bytearray()
-        self.poller = _poller(fd)  # (for `_spin`)
 
     def has_reply(self) -> bool:
         """Whether a whole reply is in the buffer already (`next` would not read)."""
@@ -468,21 +454,6 @@ class _Replies:
         if size < 0:  # Connection's frame of 2 GiB or more: no reply is near that
             raise RuntimeError(f"a mask worker's reply of {size} bytes")
         return 4 + size if len(self._buffer) >= 4 + size else None
-
-
-def _poller(fd: int) -> select.poll:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return poller
-
-
-def _spin(poller: select.poll, spin_s: float) -> None:
-    """Poll without blocking until the socket has bytes to read or spin_s has passed."""
-    if poller.poll(0):
-        return
-    deadline = time.perf_counter() + spin_s
-    while not poller.poll(0) and time.perf_counter() < deadline:
-        pass
 
 
 def _map_rows(path: str, shape: tuple[int, int], create: bool = False) -> np.ndarray:
