@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
-import statistics
 
 import cupy
 import numpy as np
 from bench_gemm import projections
-from bench_kernels import copy_bandwidth_gbs
+from bench_kernels import copy_bandwidth_gbs, graph_ms
 
 from offline_paged.ops import cublaslt
 from offline_paged.ops.cublaslt import TunedGemm
@@ -45,22 +44,7 @@ extern "C" __global__ void reduce_parts(const float* parts, __half* out, int n, 
 
 def replay_us(stream, fn, calls: int, repeats: int) -> float:
     """Median µs per call of fn (which makes `calls` products) replayed from a CUDA graph on `stream`."""
-    with stream:
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        fn()
-        graph = stream.end_capture()
-        graph.launch(stream)
-        times = []
-        for _ in range(repeats):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / calls)
-    return statistics.median(times)
+    return graph_ms(fn, repeats, stream) * 1e3 / calls
 
 
 def split_k(cublas: CublasGemm, x, w, parts, splits: int) -> None:

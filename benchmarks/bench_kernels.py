@@ -55,10 +55,11 @@ def random_f16(n: int):
     return out
 
 
-def graph_ms(fn, repeats: int) -> float:
+def graph_ms(fn, repeats: int, stream=None) -> float:
     """GPU time of fn without Python launch overhead: fn is captured into a CUDA graph once (after a
-    warm-up on the capture stream, so the memory pool serves its allocations) and replays are timed."""
-    stream = cupy.cuda.Stream(non_blocking=True)
+    warm-up on the capture stream, so the memory pool serves its allocations) and replays are timed.
+    `stream`: the capture stream (None: a new one), for callees bound to a stream (TunedGemm)."""
+    stream = stream or cupy.cuda.Stream(non_blocking=True)
     with stream:
         fn()
         stream.synchronize()
