@@ -3,9 +3,8 @@ from HBM once, against what TunedGemm's tuning sees, the same weights replayed h
 
 For each shape and row count, every time is a CUDA-graph replay of the product over `copies` distinct weight
 arrays in turn (together at least --cold-mb, so none is in L2 when its turn comes), per product:
-- `hot us`: TunedGemm's choice as it was tuned before (the same weights replayed, hot), replayed hot;
+- `hot us`: TunedGemm's choice (tuned as the engine tunes it: the same weights replayed, hot), replayed hot;
 - `tuned`: that choice, cold;
-- `cold-tuned`: TunedGemm's choice as the engine tunes it now (cycling through copies of the weights), cold;
 - `best cand`: the fastest of the same cuBLASLt candidates timed cold here, and its index in the list (the hot
   tuning's index after the slash);
 - `split s`: split-K by hand, one cublasGemmStridedBatchedEx of s batches (K / s each) into float32 partials,
@@ -25,7 +24,6 @@ import numpy as np
 from bench_gemm import projections
 from bench_kernels import copy_bandwidth_gbs, graph_ms
 
-from offline_paged.ops import cublaslt
 from offline_paged.ops.cublaslt import TunedGemm
 from offline_paged.ops.graphs import (_CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT, _CUDA_R_16F, _CUDA_R_32F, _OP_N,
                                       CublasGemm, check_status)
@@ -75,8 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     copy = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy:,.0f} GB/s")
-    head = (f"{'preset':<14}{'proj':<9}{'rows':>5}{'copies':>7}{'hot us':>8}{'tuned':>8}{'cold-tuned':>13}"
-            f"{'best cand':>13}")
+    head = f"{'preset':<14}{'proj':<9}{'rows':>5}{'copies':>7}{'hot us':>8}{'tuned':>8}{'best cand':>13}"
     head += "".join(f"{f'split {s}':>9}{'+red':>7}" for s in args.splits) + f"{'bytes us':>9}{'flops us':>9}"
     print(head)
     rng = np.random.default_rng(0)
@@ -93,27 +90,17 @@ def main() -> None:
                 out = cupy.empty((rows, num_out), dtype=np.float16)
                 stream = cupy.cuda.Stream(non_blocking=True)
                 tuned = TunedGemm(stream)
-                cold_bytes, cublaslt.COLD_BYTES = cublaslt.COLD_BYTES, 0
-                try:
-                    with stream:
-                        tuned(x, ws[0], out=out)  # tuned hot, as before TunedGemm's cold tuning
-                    stream.synchronize()
-                finally:
-                    cublaslt.COLD_BYTES = cold_bytes
-                cold_tuned = TunedGemm(stream)
                 with stream:
-                    cold_tuned(x, ws[0], out=out)  # tuned as the engine tunes it now
+                    tuned(x, ws[0], out=out)  # tuned as the engine tunes it: the same weights replayed, hot
                 stream.synchronize()
                 plan = next(iter(tuned.plans.values()))
                 hot = replay_us(stream, lambda: [tuned(x, ws[0], out=out) for _ in range(copies)], copies, args.repeats)
                 cold = replay_us(stream, lambda: [tuned(x, w, out=out) for w in ws], copies, args.repeats)
-                now = replay_us(stream, lambda: [cold_tuned(x, w, out=out) for w in ws], copies, args.repeats)
                 per_algo = [replay_us(stream, lambda a=algo: [tuned._run(plan, a, x, w, out, stream) for w in ws],
                                       copies, args.repeats) for algo in plan.algos]
                 best = int(np.argmin(per_algo))
-                chosen_now = next(iter(cold_tuned.plans.values())).chosen
                 line = (f"{preset:<14}{name:<9}{rows:>5}{copies:>7}{hot:>8.1f}{cold:>8.1f}"
-                        f"{f'{now:.1f} ({chosen_now})':>13}{f'{per_algo[best]:.1f} ({best}/{plan.chosen})':>13}")
+                        f"{f'{per_algo[best]:.1f} ({best}/{plan.chosen})':>13}")
                 cublas = CublasGemm(stream)
                 for s in args.splits:
                     if inner % s:

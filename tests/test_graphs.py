@@ -79,34 +79,6 @@ def test_tuned_gemm_keeps_the_fastest_candidate_and_writes_fp32(dtype):
     assert rel_error(out.get(), host_matmul(x, w)) < 1e-5
 
 
-@pytest.mark.parametrize("order", ["C", "F"])
-def test_tuned_gemm_times_its_candidates_over_cold_copies_of_the_weights(order, monkeypatch):
-    """The tuning cycles through copies of w (same values, same layout) that together pass COLD_BYTES, at most
-    MAX_COLD_COPIES of them; a w that passes it alone is timed by itself."""
-    from offline_paged.ops import cublaslt
-
-    monkeypatch.setattr(cublaslt, "COLD_BYTES", 8 << 20)
-    rng = np.random.default_rng(9)
-    w = cupy.asarray(rng.standard_normal((1024, 1536)).astype(np.float16))  # [K, N], 3 MiB
-    w = cupy.asfortranarray(w) if order == "F" else w
-    copies = cublaslt._cold_copies(w)
-    assert len(copies) == 3 and copies[0] is w
-    for copy in copies[1:]:
-        assert copy.data.ptr != w.data.ptr and copy.strides == w.strides and bool((copy == w).all())
-    monkeypatch.setattr(cublaslt, "MAX_COLD_COPIES", 1)
-    assert len(cublaslt._cold_copies(w)) == 2
-    assert len(cublaslt._cold_copies(cupy.empty((4096, 1024), dtype=np.float16))) == 1  # 8 MiB: alone
-    x = cupy.asarray(rng.standard_normal((64, 1024)).astype(np.float16))
-    stream = cupy.cuda.Stream(non_blocking=True)
-    gemm = TunedGemm(stream)
-    with stream:
-        out = gemm(x, w)
-        stream.synchronize()
-    (plan,) = gemm.plans.values()
-    assert len(plan.times_ms) == len(plan.algos) and plan.times_ms[plan.chosen] == min(plan.times_ms)
-    assert rel_error(out.get(), host_matmul(x, w)) < ROUNDING[np.dtype(np.float16)]
-
-
 def test_tuned_gemm_first_seen_inside_a_capture_takes_the_first_candidate():
     rng = np.random.default_rng(8)
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -44,8 +44,6 @@ _CUBLAS_COMPUTE_32F = 68
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 NUM_CANDIDATES = 16  # heuristic candidates asked for per shape
-COLD_BYTES = 128 << 20  # the weight bytes a tuning cycles through (twice a 50-60 MB L2 and more)
-MAX_COLD_COPIES = 31  # (smaller weights stay partly in L2: their candidates are timed a little warm)
 
 
 class _Algo(ctypes.Structure):  # cublasLtMatmulAlgo_t
@@ -229,20 +227,17 @@ class TunedGemm:
     def _tune(self, plan: _Plan, x, w, out) -> None:
         """Time every candidate and keep the fastest. Each is captured `repeats` times into a graph on a
         private stream and the median of three replays is taken: launched one by one from Python, a call
-        of a few microseconds would time the host's launch instead. The weights are cold, as in a step (each
-        layer's come from memory once): the calls cycle through copies of `w` that together pass COLD_BYTES."""
+        of a few microseconds would time the host's launch instead."""
         self.stream.synchronize()  # x and w are ready
         stream = cupy.cuda.Stream(non_blocking=True)
-        weights = _cold_copies(w)
-        calls = max(self.repeats, len(weights))  # each copy once a replay
         plan.times_ms = []
         for algo in plan.algos:
             self._run(plan, algo, x, w, out, stream)  # warm-up (loads the kernel)
             with gc_paused():
                 stream.begin_capture()
                 try:
-                    for i in range(calls):
-                        self._run(plan, algo, x, weights[i % len(weights)], out, stream)
+                    for _ in range(self.repeats):
+                        self._run(plan, algo, x, w, out, stream)
                 finally:
                     graph = stream.end_capture()
             times = []
@@ -252,7 +247,7 @@ class TunedGemm:
                 graph.launch(stream)
                 end.record(stream)
                 end.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, end) / calls)
+                times.append(cupy.cuda.get_elapsed_time(start, end) / self.repeats)
             plan.times_ms.append(statistics.median(times))
         plan.chosen = int(np.argmin(plan.times_ms))
 
@@ -261,17 +256,6 @@ class TunedGemm:
         handle = getattr(self, "_handle", None)
         if handle is not None and handle.value:
             self._lib.cublasLtDestroy(handle)
-
-
-def _cold_copies(w) -> list:
-    """`w` and enough copies of it (at most MAX_COLD_COPIES) that cycling through them passes COLD_BYTES (twice a
-    large L2), so no call finds its weights in L2; just `w` where it alone is that large, or where the copies do not
-    fit in memory now."""
-    copies = min(-(-COLD_BYTES // max(w.nbytes, 1)) - 1, MAX_COLD_COPIES)
-    try:
-        return [w] + [w.copy(order="K") for _ in range(copies)]  # (the same layout: the plan's op on w)
-    except cupy.cuda.memory.OutOfMemoryError:
-        return [w]
 
 
 def check_fp8_args(xq, wq, acc, acc_dtype) -> tuple:
