@@ -1,5 +1,5 @@
 """`offline-paged` with module or class attributes set first: the device A/Bs of experiment knobs that have no flag
-(e.g. `LLMEngine.launch_ahead`, `cublaslt.COLD_BYTES`).
+(e.g. `LLMEngine.launch_ahead`, `bench.RECORD_HOST_LOAD`).
 
     python3 scripts/knob_bench.py DOTTED.NAME=VALUE [...] bench ARGS...
     e.g. BENCH="python3 scripts/knob_bench.py offline_paged.engine.LLMEngine.launch_ahead=False" \\
