@@ -3,10 +3,8 @@
 # runs (benchmarks/NOTES.md, session 52). (1) scripts/cpu_sibling_probe.py on CPU 0 and the middle CPU: which CPUs
 # slow them when busy (a VM's hidden hyperthread siblings); (2) ROUNDS interleaved rounds of the JSON bench, free
 # placement against pin (the loop on CPU 0, the workers off it and off the CPUs the probe named for it), each run's
-# record with `host_load` on (the loop thread's CPU ms and switches a step, the host's steal); (3) (TESTS=1) the
-# GPU tests the bench's host_load needs before it is on by default: `bench` with CUDA graphs on and off, the CLI
-# `generate` on the GPU.
-# Usage: OUT=/tmp/out [COMMIT=abc1234] [ROUNDS=2] [TESTS=1] [TESTS_LIMIT=150] scripts/device_host_load.sh
+# record with its `host_load` (the loop thread's CPU ms and switches a step, the host's steal).
+# Usage: OUT=/tmp/out [COMMIT=abc1234] [ROUNDS=2] scripts/device_host_load.sh
 #   (carry .whl: device_structured.sh installs llguidance from it)
 set -u
 OUT=${OUT:-/tmp/host-load-out}
@@ -17,21 +15,11 @@ head -4 "$OUT/probe.txt"
 avoid=$(tail -1 "$OUT/probe.txt" | python3 -c \
   "import json, sys; print(','.join(map(str, json.load(sys.stdin)['results'][0]['siblings'])))" 2>/dev/null)
 echo "PIN_AVOID=$avoid"
-knob=offline_paged.benchmark.bench.RECORD_HOST_LOAD=True
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for side in free pin; do
     echo "== round $round, $side"
-    PIN_AVOID=$avoid BENCH="python3 scripts/mask_pin_bench.py $side $knob" NAME=json_${side}_r$round LENGTHS=default \
+    PIN_AVOID=$avoid BENCH="python3 scripts/mask_pin_bench.py $side" NAME=json_${side}_r$round LENGTHS=default \
       COUNTS=8 REPEAT=1 BENCH_LIMIT=${BENCH_LIMIT:-90} OUT=$OUT scripts/device_structured.sh 2>&1 \
       | grep -E "^paged|^run|rror|CPUs"
   done
 done
-if [ "${TESTS:-1}" = 1 ]; then
-  [ -d /tmp/site ] && export PYTHONPATH=/tmp/site  # (device_structured.sh put the carried wheels there)
-  # host_load on for the tests' benches: a sitecustomize in a folder of its own, read by every Python started here
-  mkdir -p /tmp/host_load_on && printf 'import offline_paged.benchmark.bench as b\nb.RECORD_HOST_LOAD = True\n' \
-    >/tmp/host_load_on/sitecustomize.py
-  PYTHONPATH=/tmp/host_load_on:${PYTHONPATH:-} timeout ${TESTS_LIMIT:-150} python3 -m pytest -v -x \
-    tests/test_gpu_bench.py tests/test_gpu_engine.py::test_cli_job_runs_on_the_gpu >"$OUT/gpu_tests.log" 2>&1
-  echo "gpu tests (host_load on) rc=$? $(tail -1 "$OUT/gpu_tests.log")"
-fi
