@@ -29,12 +29,27 @@ E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)  # 448
 ROWS = [("one scale of 1.0, K and V", "one", "one"), ("per token, K and V", "token", "token"),
         ("per (token, head), K and V", "token_head", "token_head"),
-        ("per (token, head), K alone", "token_head", None), ("per (token, head), V alone", None, "token_head")]
+        ("per (token, head), K alone", "token_head", None), ("per (token, head), V alone", None, "token_head"),
+        ("K rotated, scale 1.0, K alone", "rotated", None), ("K rotated, V plain, scale 1.0", "rotated", "one"),
+        ("K and V rotated, scale 1.0", "rotated", "rotated")]
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix of order n (a power of two)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    if h.shape[0] != n:
+        raise ValueError(f"head size {n} is not a power of two")
+    return h / np.sqrt(n)
 
 
 def round_e4m3(x: np.ndarray, granularity: str) -> np.ndarray:
     """x [T, H, D] rounded through e4m3 with scales of `granularity` ("one": 1.0; "token": amax of each
     token's [H, D]; "token_head": of each [D] row), back in x's dtype."""
+    if granularity == "rotated":  # rounded in the Hadamard basis: the same as rotating q and k alike
+        h = hadamard(x.shape[-1]).astype(x.dtype)
+        return round_e4m3(x @ h, "one") @ h.T
     if granularity == "one":
         return np.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3).astype(x.dtype)
     axes = (-2, -1) if granularity == "token" else (-1,)

@@ -15,15 +15,16 @@
 //   max through warp shuffles and shared memory, then the quantizing pass).
 //
 // scale_fp8_output_{f16,bf16} (the epilogue cuBLASLt on sm_90 cannot do: per-row x per-column scales)
-//   acc     [R, Np] float32 contiguous: the GEMM's accumulator sum_c xq[r, c] wq[j, c] (Np >= N)
+//   acc     [R, Np] float32 contiguous: the GEMM's accumulator sum_c xq[r, c] wq[j, c] (Np >= N); in the
+//           scale_fp8_output_bf16acc_* forms bfloat16, those sums rounded once by the GEMM
 //   x_scale [R] float32, w_scale [Np] float32
 //   out     [R, N] T contiguous: (acc[r, j] * x_scale[r]) * w_scale[j], rounded to T once (the reference's order)
 //   Grid: y = row (strided by gridDim.y); x * blockDim.x + threadIdx.x = column (strided).
 //
 // quantize_rows_fp8_vec_* / scale_fp8_output_vec_*: the same bytes and values, a thread taking 8 elements per 16-byte
 // load (quantize: 8 e4m3 bytes per 8-byte store; scale: 4 columns per float4 load, 8 bytes of T per store). They need
-// K % 8 == 0 (quantize) or N % 4 == 0 (scale) and aligned arrays; fp8_launcher.py checks and falls back to the
-// scalar kernels. Grids as above, with the columns counted in vectors.
+// K % 8 == 0 (quantize) or N % 4 == 0 (scale; a bfloat16 accumulator's 4 entries in one 8-byte load) and aligned
+// arrays; fp8_launcher.py checks and falls back to the scalar kernels. Grids as above, with the columns counted in vectors.
 #include <cuda_fp16.h>
 #include "fp8.cuh"
 
@@ -38,6 +39,7 @@ namespace {
 
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(bf16_t x) { return __uint_as_float((unsigned)x.bits << 16); }
+__device__ __forceinline__ float to_float(float x) { return x; }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
@@ -83,16 +85,16 @@ __device__ void quantize_rows(const T* __restrict__ x, unsigned char* __restrict
   }
 }
 
-template <typename T>
-__device__ void scale_output(const float* __restrict__ acc, const float* __restrict__ x_scale,
+template <typename T, typename A>
+__device__ void scale_output(const A* __restrict__ acc, const float* __restrict__ x_scale,
                              const float* __restrict__ w_scale, T* __restrict__ out, long long num_rows, int num_out,
                              int padded_out) {
   for (long long row = blockIdx.y; row < num_rows; row += gridDim.y) {
     const float row_scale = x_scale[row];
-    const float* in = acc + row * padded_out;
+    const A* in = acc + row * padded_out;
     T* dst = out + row * num_out;
     for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < num_out; col += gridDim.x * blockDim.x)
-      dst[col] = from_float<T>(__fmul_rn(__fmul_rn(in[col], row_scale), w_scale[col]));
+      dst[col] = from_float<T>(__fmul_rn(__fmul_rn(to_float(in[col]), row_scale), w_scale[col]));
   }
 }
 
@@ -157,17 +159,25 @@ __device__ void quantize_rows_vec(const T* __restrict__ x, unsigned char* __rest
   }
 }
 
-template <typename T>
-__device__ void scale_output_vec(const float* __restrict__ acc, const float* __restrict__ x_scale,
+// Four accumulator entries from one 16-byte (float32) or 8-byte (bfloat16) load.
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4(const bf16_t* p) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                     __uint_as_float(v.y & 0xffff0000u));
+}
+
+template <typename T, typename A>
+__device__ void scale_output_vec(const A* __restrict__ acc, const float* __restrict__ x_scale,
                                  const float* __restrict__ w_scale, T* __restrict__ out, long long num_rows,
                                  int num_out, int padded_out) {
   const float4* w4 = reinterpret_cast<const float4*>(w_scale);
   for (long long row = blockIdx.y; row < num_rows; row += gridDim.y) {
     const float row_scale = x_scale[row];
-    const float4* in = reinterpret_cast<const float4*>(acc + row * padded_out);
+    const A* in = acc + row * padded_out;
     uint2* dst = reinterpret_cast<uint2*>(out + row * num_out);
     for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < num_out / 4; v += gridDim.x * blockDim.x) {
-      const float4 a = in[v], w = w4[v];  // (acc x x_scale) x w_scale, the scalar kernel's order
+      const float4 a = load4(in + 4 * v), w = w4[v];  // (acc x x_scale) x w_scale, the scalar kernel's order
       const float o0 = __fmul_rn(__fmul_rn(a.x, row_scale), w.x), o1 = __fmul_rn(__fmul_rn(a.y, row_scale), w.y);
       const float o2 = __fmul_rn(__fmul_rn(a.z, row_scale), w.z), o3 = __fmul_rn(__fmul_rn(a.w, row_scale), w.w);
       dst[v] = make_uint2(pack2<T>(o0, o1), pack2<T>(o2, o3));
@@ -177,26 +187,32 @@ __device__ void scale_output_vec(const float* __restrict__ acc, const float* __r
 
 }  // namespace
 
+// scale_fp8_output{,_vec} for an accumulator of A (TAG: nothing for float32, _bf16acc for bfloat16).
+#define FP8_SCALE_KERNELS(T, SUFFIX, A, TAG)                                                                         \
+  extern "C" __global__ void scale_fp8_output##TAG##_##SUFFIX(const A* acc, const float* x_scale,                   \
+                                                              const float* w_scale, T* out, long long num_rows,      \
+                                                              int num_out, int padded_out) {                         \
+    scale_output<T, A>(acc, x_scale, w_scale, out, num_rows, num_out, padded_out);                                   \
+  }                                                                                                                  \
+  extern "C" __global__ void scale_fp8_output_vec##TAG##_##SUFFIX(const A* acc, const float* x_scale,               \
+                                                                  const float* w_scale, T* out, long long num_rows,  \
+                                                                  int num_out, int padded_out) {                     \
+    scale_output_vec<T, A>(acc, x_scale, w_scale, out, num_rows, num_out, padded_out);                               \
+  }
+
 #define FP8_LINEAR_KERNELS(T, SUFFIX)                                                                                \
   extern "C" __global__ void __launch_bounds__(QUANT_THREADS)                                                        \
       quantize_rows_fp8_##SUFFIX(const T* x, unsigned char* xq, float* scales, long long num_rows, int width,        \
                                  int padded_width, float static_scale) {                                             \
     quantize_rows<T>(x, xq, scales, num_rows, width, padded_width, static_scale);                                    \
   }                                                                                                                  \
-  extern "C" __global__ void scale_fp8_output_##SUFFIX(const float* acc, const float* x_scale, const float* w_scale, \
-                                                       T* out, long long num_rows, int num_out, int padded_out) {    \
-    scale_output<T>(acc, x_scale, w_scale, out, num_rows, num_out, padded_out);                                      \
-  }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(QUANT_THREADS)                                                        \
       quantize_rows_fp8_vec_##SUFFIX(const T* x, unsigned char* xq, float* scales, long long num_rows, int width,    \
                                      int padded_width, float static_scale) {                                         \
     quantize_rows_vec<T>(x, xq, scales, num_rows, width, padded_width, static_scale);                                \
   }                                                                                                                  \
-  extern "C" __global__ void scale_fp8_output_vec_##SUFFIX(const float* acc, const float* x_scale,                   \
-                                                           const float* w_scale, T* out, long long num_rows,         \
-                                                           int num_out, int padded_out) {                            \
-    scale_output_vec<T>(acc, x_scale, w_scale, out, num_rows, num_out, padded_out);                                  \
-  }
+  FP8_SCALE_KERNELS(T, SUFFIX, float, )                                                                              \
+  FP8_SCALE_KERNELS(T, SUFFIX, bf16_t, _bf16acc)
 
 FP8_LINEAR_KERNELS(__half, f16)
 FP8_LINEAR_KERNELS(bf16_t, bf16)

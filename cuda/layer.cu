@@ -167,26 +167,27 @@ struct RowOf16 {
 };
 
 // RowOfFp8Product: a row of an FP8 GEMM's product before its scale epilogue (offline_paged/ops/cuda_fp8_linear.py's
-// Fp8Product): acc [.., Np] float32, the row's x_scale, w_scale [Np]; element j is T((acc[j] x_scale) x w_scale[j])
-// rounded once, as fp8_linear.cu's scale_fp8_output writes it, bit for bit.
-template <typename T>
+// Fp8Product): acc [.., Np] of A (float32, or bfloat16 when the GEMM rounded its sums to it), the row's x_scale,
+// w_scale [Np]; element j is T((float(acc[j]) x_scale) x w_scale[j]) rounded once, as fp8_linear.cu's
+// scale_fp8_output writes it, bit for bit.
+template <typename T, typename A>
 struct RowOfFp8Product {
-  const float* acc;
+  const A* acc;
   float x_scale;
   const float* w_scale;
   __device__ __forceinline__ T scaled(float a, float w) const {
     return from_float<T>(__fmul_rn(__fmul_rn(a, x_scale), w));
   }
   __device__ __forceinline__ Pack8<T> chunk(int col) const {
-    const float4 a0 = *reinterpret_cast<const float4*>(acc + col), a1 = *reinterpret_cast<const float4*>(acc + col + 4);
-    const float4 w0 = *reinterpret_cast<const float4*>(w_scale + col);
-    const float4 w1 = *reinterpret_cast<const float4*>(w_scale + col + 4);
+    float a[VEC], w[VEC];
+    load8_float(acc + col, a);
+    load8_float(w_scale + col, w);
     Pack8<T> r;
-    r.v[0] = scaled(a0.x, w0.x), r.v[1] = scaled(a0.y, w0.y), r.v[2] = scaled(a0.z, w0.z), r.v[3] = scaled(a0.w, w0.w);
-    r.v[4] = scaled(a1.x, w1.x), r.v[5] = scaled(a1.y, w1.y), r.v[6] = scaled(a1.z, w1.z), r.v[7] = scaled(a1.w, w1.w);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) r.v[i] = scaled(a[i], w[i]);
     return r;
   }
-  __device__ __forceinline__ T one(int col) const { return scaled(acc[col], w_scale[col]); }
+  __device__ __forceinline__ T one(int col) const { return scaled(to_float(acc[col]), w_scale[col]); }
   __device__ __forceinline__ bool aligned() const { return aligned16(acc) && aligned16(w_scale); }
 };
 
@@ -794,25 +795,33 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
     rms_norm_fp8_impl<T>(RowOf16<T>{x + (size_t)blockIdx.x * hidden}, residual, weight, xq, x_scale,         \
                          residual_out, hidden, padded_width, eps, static_scale);                            \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(1024) rms_norm_fp8_product_##SUFFIX(                         \
-      const float* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const T* residual, \
-      const T* weight, unsigned char* xq, float* x_scale, T* residual_out, int hidden, int padded_width,      \
-      float eps, float static_scale) {                                                                      \
-    const RowOfFp8Product<T> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale};   \
-    rms_norm_fp8_impl<T>(x, residual, weight, xq, x_scale, residual_out, hidden, padded_width, eps,          \
-                         static_scale);                                                                     \
-  }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(1024)                                                        \
       silu_mul_fp8_##SUFFIX(const T* gate_up, unsigned char* xq, float* x_scale, int inter, int padded_width, \
                             float static_scale) {                                                           \
     silu_mul_fp8_impl<T>(RowOf16<T>{gate_up + (size_t)blockIdx.x * 2 * inter}, xq, x_scale, inter,           \
                          padded_width, static_scale);                                                       \
-  }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(1024) silu_mul_fp8_product_##SUFFIX(                         \
-      const float* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, unsigned char* xq, \
-      float* x_scale, int inter, int padded_width, float static_scale) {                                    \
-    const RowOfFp8Product<T> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale};   \
-    silu_mul_fp8_impl<T>(x, xq, x_scale, inter, padded_width, static_scale);                                \
+  }
+
+// The product-reading forms of rms_norm_fp8 and silu_mul_fp8, for an accumulator of A (TAG: nothing for float32,
+// _bf16acc for bfloat16).
+#define DEFINE_PRODUCT_KERNELS(T, SUFFIX, A, TAG)                                                              \
+  extern "C" __global__ void __launch_bounds__(1024) rms_norm_fp8_product##TAG##_##SUFFIX(                     \
+      const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const T* residual,     \
+      const T* weight, unsigned char* xq, float* x_scale, T* residual_out, int hidden, int padded_width,      \
+      float eps, float static_scale) {                                                                        \
+    const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
+    rms_norm_fp8_impl<T>(x, residual, weight, xq, x_scale, residual_out, hidden, padded_width, eps,            \
+                         static_scale);                                                                       \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(1024) silu_mul_fp8_product##TAG##_##SUFFIX(                    \
+      const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, unsigned char* xq,     \
+      float* x_scale, int inter, int padded_width, float static_scale) {                                      \
+    const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
+    silu_mul_fp8_impl<T>(x, xq, x_scale, inter, padded_width, static_scale);                                  \
   }
 DEFINE_LAYER_KERNELS(__half, f16)
 DEFINE_LAYER_KERNELS(bf16_t, bf16)
+DEFINE_PRODUCT_KERNELS(__half, f16, float, )
+DEFINE_PRODUCT_KERNELS(bf16_t, bf16, float, )
+DEFINE_PRODUCT_KERNELS(__half, f16, bf16_t, _bf16acc)
+DEFINE_PRODUCT_KERNELS(bf16_t, bf16, bf16_t, _bf16acc)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from fixtures_fp8_checkpoint import (add_tensors, calibrated_input_scales, quantization_config, quantize_weight,
                                      write_fp8_checkpoint, write_plain_model)
+from test_fp8_linear import explicit_product
 from tiny_engine import run_to_completion
 
 from offline_paged.benchmark.bench import random_workload, run_bench
@@ -32,6 +33,7 @@ from offline_paged.models.quant_config import Fp8CheckpointConfig
 from offline_paged.models.safetensors_io import read_safetensors
 from offline_paged.models.simple_runner import SimpleRunner
 from offline_paged.models.tp_shard import check_divisible
+from offline_paged.ops import fp8_linear
 from offline_paged.ops.fp8_linear import Fp8Linear, quantize_rows
 from offline_paged.ops.kv_scales import FP8_E4M3, KvScales, quantize_fp8
 from offline_paged.ops.ops_numpy import NumpyOps
@@ -146,11 +148,12 @@ def test_static_product_equals_the_explicit_per_tensor_reference():
     w, x = rng.standard_normal((40, 16)), rng.standard_normal((6, 40)) * 3
     parts = [quantize_weight(w[:, :10].T.copy(), "tensor"), quantize_weight(w[:, 10:].T.copy(), "channel")]
     layer = Fp8Linear.from_quantized([p[0] for p in parts], [p[1] for p in parts], input_scales=[0.01, 0.02])
-    xq = np.clip(x / 0.02, -448, 448).astype(FP8_E4M3).astype(np.float64) * 0.02  # saturates past |8.96|
-    np.testing.assert_allclose(x @ layer, xq @ layer.dequantized(np.float64), rtol=1e-6, atol=1e-9)
+    xq = np.clip(x / 0.02, -448, 448).astype(FP8_E4M3)  # saturates past |8.96|
+    np.testing.assert_allclose(x @ layer, explicit_product(xq, np.full(6, 0.02), layer, fp8_linear.BF16_PRODUCTS),
+                               rtol=1e-6, atol=1e-9)
     dynamic = Fp8Linear.from_quantized([p[0] for p in parts], [p[1] for p in parts])
     xq, x_scale = quantize_rows(x)
-    np.testing.assert_allclose(x @ dynamic, (xq.astype(np.float64) * x_scale[:, None]) @ dynamic.dequantized(np.float64),
+    np.testing.assert_allclose(x @ dynamic, explicit_product(xq, x_scale, dynamic, fp8_linear.BF16_PRODUCTS),
                                rtol=1e-6, atol=1e-9)
 
 

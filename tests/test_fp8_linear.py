@@ -1,8 +1,9 @@
 """FP8 weights on the CPU (ops/fp8_linear.py, quantization="fp8"): the NumPy reference a GPU FP8 GEMM must match.
 
 What is checked: per-output-channel weight scales (max |column| / 448) and e4m3 values; per-token activation
-scales; `x @ Fp8Linear` equals the explicit dequantized product and stays within e4m3's rounding of the
-exact one; zero columns / rows quantize to zeros without NaN; the model quantizes the layers' linears only;
+scales; `x @ Fp8Linear` equals the explicit product (its sums rounded to bfloat16, or not) and stays within
+e4m3's rounding of the exact one; zero columns / rows quantize to zeros without NaN; the model quantizes the
+layers' linears only;
 LLM(quantization="fp8") runs end to end, its logits stay close to fp32's and its greedy tokens equal fp32's
 up to near-ties; bad values, CUDA and tensor parallelism are refused by name; the bench counts 1-byte
 linear weights.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import types
 
+import ml_dtypes
 import numpy as np
 import pytest
 from fixtures_tiny_model import write_tiny_model
@@ -24,6 +26,7 @@ from offline_paged.core.config import EngineConfig
 from offline_paged.core.sampling_params import SamplingParams
 from offline_paged.models.llama import Llama
 from offline_paged.models.simple_runner import SimpleRunner
+from offline_paged.ops import fp8_linear
 from offline_paged.ops.fp8_linear import QUANTIZATIONS, Fp8Linear, quantize_rows
 from offline_paged.ops.kv_scales import FP8_E4M3
 from offline_paged.ops.ops_numpy import NumpyOps
@@ -51,15 +54,29 @@ def test_activation_scales_are_per_token():
     assert np.isfinite(xq.astype(np.float32)).all()
 
 
-def test_product_equals_the_dequantized_reference_and_stays_near_the_exact_one():
+def explicit_product(xq, x_scale, layer: Fp8Linear, bf16_products: bool):
+    """The module docstring's product, spelled out in float64: the e4m3 values' sums, rounded to bfloat16 when
+    `bf16_products`, times x_scale per row and weight_scale per column."""
+    sums = xq.astype(np.float64) @ layer.weight.astype(np.float64)  # [T, out]
+    if bf16_products:
+        sums = sums.astype(ml_dtypes.bfloat16).astype(np.float64)
+    return sums * np.asarray(x_scale, np.float64)[:, None] * layer.weight_scale.astype(np.float64)[None, :]
+
+
+@pytest.mark.parametrize("bf16_products", [True, False])
+def test_product_equals_the_dequantized_reference_and_stays_near_the_exact_one(bf16_products, monkeypatch):
+    monkeypatch.setattr(fp8_linear, "BF16_PRODUCTS", bf16_products)
     rng = np.random.default_rng(2)
     w, x = rng.standard_normal((64, 24)), rng.standard_normal((7, 64))
     w[:, 3] = 0.0  # an all-zero output channel
     layer = Fp8Linear.quantize(w)
     got = x @ layer  # NumPy defers to Fp8Linear.__rmatmul__
     xq, x_scale = quantize_rows(x)
-    want = (xq.astype(np.float64) * x_scale[:, None]) @ layer.dequantized(np.float64)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(got, explicit_product(xq, x_scale, layer, bf16_products), rtol=1e-6, atol=1e-9)
+    unrounded = (xq.astype(np.float64) * x_scale[:, None]) @ layer.dequantized(np.float64)
+    # bfloat16's rounding of the sums, and nothing more, is what sets the two forms apart.
+    np.testing.assert_allclose(got, unrounded, rtol=2.0 ** -8 if bf16_products else 1e-6, atol=1e-9)
+    assert bf16_products == (not np.allclose(got, unrounded, rtol=1e-6, atol=1e-9))
     assert got.dtype == x.dtype and not got[:, 3].any()
     exact = x @ w
     # Each product term carries two e4m3 roundings; random signs make the sum's error far smaller.

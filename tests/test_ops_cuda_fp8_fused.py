@@ -7,10 +7,10 @@ two-launch path's, with and without a residual, with a static input scale, on th
 padding to 16, and rows longer than the registers hold) and the scalar one (odd widths, a misaligned array); a zero
 row; CudaOps hands an FP8 layer Fp8Rows that give the same product as its 16-bit rows, eagerly and replayed from a
 CUDA graph; rows made for another layer are refused. The product-reading forms (rms_norm_fp8_product,
-silu_mul_fp8_product: an FP8 GEMM's product read before its scale epilogue) equal scale_fp8_output followed by the
-16-bit-input form, and CudaOps.deferred layers hand them Fp8Product with the same final bytes. The vector e4m3
-rounding every vector FP8 write goes through (fp8.cuh's float8_to_e4m3x8: the hardware cvt on sm_89+) equals
-ml_dtypes' on every fp16 and bf16 value, ties and saturation edges, and keeps a NaN's sign.
+silu_mul_fp8_product: an FP8 GEMM's product, float32 or bfloat16, read before its scale epilogue) equal
+scale_fp8_output followed by the 16-bit-input form, and CudaOps.deferred layers hand them Fp8Product with the same
+final bytes. The vector e4m3 rounding every vector FP8 write goes through (fp8.cuh's float8_to_e4m3x8: the hardware
+cvt on sm_89+) equals ml_dtypes' on every fp16 and bf16 value, ties and saturation edges, and keeps a NaN's sign.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from test_fp8_conversions import E4M3, _inputs  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="bf16")]
+ACC_DTYPES = [pytest.param(np.dtype(np.float32), id="acc-fp32"), pytest.param(BF16, id="acc-bf16")]
 # (rows, width): decode and prefill rows at Llama widths (vector path), widths padded to 16 (40, 36: the second
 # takes the scalar path), and rows longer than the 4 x 1024 chunks of 8 a block keeps in registers; with more rows
 # than SMs, the rule of launchers.fp8_input_threads takes blocks of at most 512 threads, so rows past 4 x 512 chunks
@@ -186,23 +187,25 @@ def test_cuda_ops_feed_fp8_rows_to_the_layer_with_the_same_product(dtype, monkey
     assert isinstance(ops.silu_mul(gate_up, feeds=cupy.zeros((768, 512), dtype)), cupy.ndarray)
 
 
-def product(rng, num_rows: int, width: int, padded: int, dtype):
-    """An FP8 GEMM's unscaled product (acc [R, Np] float32 at the magnitude e4m3 sums reach, x_scale [R], w_scale
-    [Np]) and its width; row 1 zero."""
+def product(rng, num_rows: int, width: int, padded: int, acc_dtype):
+    """An FP8 GEMM's unscaled product (acc [R, Np] of `acc_dtype` at the magnitude e4m3 sums reach, x_scale [R],
+    w_scale [Np] float32) and its width; row 1 zero."""
     acc = rng.standard_normal((num_rows, padded)) * 1e4
     if num_rows > 1:
         acc[1] = 0.0
     x_scale = 10.0 ** rng.uniform(-4, -1, num_rows)
     w_scale = 10.0 ** rng.uniform(-4, -2, padded)
-    return tuple(cupy.asarray(a.astype(np.float32)) for a in (acc, x_scale, w_scale)) + (width,)
+    scales = tuple(cupy.asarray(a.astype(np.float32)) for a in (x_scale, w_scale))
+    return (cupy.asarray(acc.astype(acc_dtype)), *scales, width)
 
 
+@pytest.mark.parametrize("acc_dtype", ACC_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows, hidden, padded", [(256, 4096, 4096), (7, 2048, 2048), (5, 40, 48), (3, 36, 48),
                                                       (2, 33_024, 33_024), (140, 17_408, 17_408)])
-def test_rms_norm_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, hidden, padded, dtype):
+def test_rms_norm_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, hidden, padded, dtype, acc_dtype):
     rng = np.random.default_rng(hidden + num_rows)
-    args = product(rng, num_rows, hidden, padded, dtype)
+    args = product(rng, num_rows, hidden, padded, acc_dtype)
     residual = rows(rng, num_rows, hidden, dtype)
     weight = cupy.asarray((1 + 0.5 * rng.standard_normal(hidden)).astype(dtype))
     x = scale_fp8_output(*args[:3], hidden, dtype)
@@ -213,12 +216,13 @@ def test_rms_norm_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, hidden
     assert (np.delete(scales.get(), 1) != 1.0).all()
 
 
+@pytest.mark.parametrize("acc_dtype", ACC_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows, inter, padded", [(256, 14_336, 28_672), (7, 8192, 16_384), (3, 36, 80),
                                                      (5, 40, 96), (2, 33_000, 66_000), (140, 16_800, 33_600)])
-def test_silu_mul_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, inter, padded, dtype):
+def test_silu_mul_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, inter, padded, dtype, acc_dtype):
     rng = np.random.default_rng(inter + num_rows)
-    args = product(rng, num_rows, 2 * inter, padded, dtype)
+    args = product(rng, num_rows, 2 * inter, padded, acc_dtype)
     gate_up = scale_fp8_output(*args[:3], 2 * inter, dtype)
     want_xq, want_scales = launchers.silu_mul_fp8(gate_up)
     xq, scales = launchers.silu_mul_fp8(None, product=args, dtype=dtype)

@@ -10,11 +10,12 @@ inside a capture takes the heuristic's first candidate (timing there is impossib
 Layout: row-major x [T, K] @ W [K, N] -> out [T, N] is column-major out^T [N, T] = W^T [N, K] x^T [K, T],
 as in graphs.py: A = W (op N with ld N when C-contiguous, op T with ld K when F-contiguous), B = x
 (column-major [K, T], ld K), C = D = out (column-major [N, T], ld N).
-FP8 (`fp8`): xq [T, Kp] e4m3 @ wq [Np, Kp] e4m3 (a weight kept [out, in]) -> acc [T, Np] float32, the same
-machinery with key (T, Kp, Np, op T, CUDA_R_8F_E4M3, CUDA_R_32F): A = wq as column-major [Kp, Np] ld Kp with op T,
-B = xq column-major [Kp, T] ld Kp with op N: both operands K-major, the "TN" form Hopper's FP8 GEMM requires;
-Kp, Np multiples of 16 (its rule for the inner and leading dimensions). No A/B scales (1.0) and no fast
-accumulation: the per-token and per-channel scales are applied by our epilogue (ops/cuda_fp8_linear.py).
+FP8 (`fp8`): xq [T, Kp] e4m3 @ wq [Np, Kp] e4m3 (a weight kept [out, in]) -> acc [T, Np] float32 or bfloat16, the
+same machinery with key (T, Kp, Np, op T, CUDA_R_8F_E4M3, CUDA_R_32F or CUDA_R_16BF): A = wq as column-major
+[Kp, Np] ld Kp with op T, B = xq column-major [Kp, T] ld Kp with op N: both operands K-major, the "TN" form
+Hopper's FP8 GEMM requires; Kp, Np multiples of 16 (its rule for the inner and leading dimensions). No A/B scales
+(1.0) and no fast accumulation: the per-token and per-channel scales are applied by our epilogue
+(ops/cuda_fp8_linear.py).
 `fp8_scaled` tries cuBLASLt's own epilogue instead: the outer-vector scale modes (A: one float32 per output channel,
 B: one per token) and a 16-bit D, so no float32 accumulator goes through memory. Where cuBLASLt has no algorithm
 for that (older libraries, architectures without it) it returns False once per shape and the caller falls back.
@@ -166,9 +167,12 @@ class TunedGemm:
 
     def fp8(self, xq, wq, acc):
         """xq [T, Kp] uint8 (e4m3 bits, C-contiguous) @ wq [Np, Kp] uint8 (C-contiguous, [out, in]) -> acc [T, Np]
-        float32 (written and returned): acc[t, j] = sum_k xq[t, k] wq[j, k], accumulated in fp32. See the
-        module docstring; the algorithm is picked per shape as for 16-bit products."""
-        return self._matmul(check_fp8_args(xq, wq, acc, np.float32), xq, wq, acc)
+        float32 or bfloat16 (written and returned): acc[t, j] = sum_k xq[t, k] wq[j, k], accumulated in fp32 and
+        rounded once to acc's type. See the module docstring; the algorithm is picked per shape as for 16-bit
+        products."""
+        if _cuda_type(getattr(acc, "dtype", np.float64)) not in (_CUDA_R_32F, _CUDA_R_16BF):
+            raise ValueError(f"acc must be float32 or bfloat16, got {getattr(acc, 'dtype', type(acc))}")
+        return self._matmul(check_fp8_args(xq, wq, acc, acc.dtype), xq, wq, acc)
 
     def fp8_scaled(self, xq, wq, x_scale, w_scale, out) -> bool:
         """out [T, Np] (float16 / bfloat16, written) = (sum_k xq[t, k] wq[j, k]) x_scale[t] w_scale[j], the scales

@@ -7,10 +7,11 @@ one float32 scale per output channel [Np] (1.0 on padding rows).
 Product x [T, K] (float16 / bfloat16) -> [T, N] of x's dtype, three launches on the current stream, none of which
 allocates outside CuPy's pool or synchronises (so a decode graph captures them):
 1. quantize_rows_fp8: xq [T, Kp] e4m3 and x_scale [T] (per token: max|x[t]| / 448; or the static input_scale);
-2. TunedGemm.fp8: acc [T, Np] float32 = xq @ wq^T (cuBLASLt, fp32 accumulation, algorithm timed per shape);
+2. TunedGemm.fp8: acc [T, Np] = xq @ wq^T (cuBLASLt, fp32 accumulation, algorithm timed per shape), written as
+   bfloat16 (fp8_linear.BF16_PRODUCTS: half the bytes of float32 through memory) or float32;
 3. scale_fp8_output: out[t, j] = (acc[t, j] x_scale[t]) w_scale[j], rounded once to x's dtype.
 cuBLASLt's per-tensor A/B scales cannot express per-token x per-channel ones, so they are step 3 (our epilogue); the
-fp32 accumulator also keeps fp16 from overflowing (unscaled sums reach 448^2 K). Where the library offers its
+accumulator's type keeps fp16 from overflowing (unscaled sums reach 448^2 K). Where the library offers its
 outer-vector scale modes for the shape (CUDA 12.9+; whether sm_90 has them was not known when this was written), steps
 2-3 are one cuBLASLt call writing x's dtype directly (`SCALES_IN_CUBLASLT`; padded output widths always take 2-3).
 
@@ -28,6 +29,7 @@ import cupy
 import numpy as np
 
 from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output
+from offline_paged.ops import fp8_linear
 from offline_paged.ops.fp8_linear import Fp8Linear
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA
 from offline_paged.ops.launchers import fp8_padded
@@ -67,7 +69,7 @@ class Fp8Product:
     is (acc[t, j] x_scale[t]) x w_scale[j] rounded once, which CudaOps.rms_norm and silu_mul read in directly
     (`args` for launchers' `product=`); `materialize` writes it as scale_fp8_output does."""
 
-    acc: Any  # [T, Np] float32
+    acc: Any  # [T, Np] bfloat16 (fp8_linear.BF16_PRODUCTS) or float32
     x_scale: Any  # [T] float32
     w_scale: Any  # [Np] float32
     width: int  # N
@@ -161,7 +163,8 @@ class CudaFp8Linear:
             out = cupy.empty((x.shape[0], self.out_features), dtype=x.dtype)  # [T, N]
             if gemm.fp8_scaled(xq, self.weight, x_scale, self.weight_scale, out):
                 return out
-        acc = cupy.empty((x.shape[0], self.weight.shape[0]), dtype=cupy.float32)  # [T, Np]
+        acc_dtype = fp8_linear.BFLOAT16 if fp8_linear.BF16_PRODUCTS else np.float32
+        acc = cupy.empty((x.shape[0], self.weight.shape[0]), dtype=acc_dtype)  # [T, Np]
         gemm.fp8(xq, self.weight, acc)
         product = Fp8Product(acc, x_scale, self.weight_scale, self.out_features, x.dtype)
         return product if self.deferred else product.materialize()  # [T, N]

@@ -11,7 +11,7 @@ import numpy as np
 
 from offline_paged.ops.kernel_modules import kernel
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA as FP8_STORAGE
-from offline_paged.ops.launchers import _vector_path, fp8_padded, fp8_rows
+from offline_paged.ops.launchers import _vector_path, accumulator_tag, fp8_padded, fp8_rows
 
 try:
     import ml_dtypes
@@ -27,6 +27,9 @@ KERNELS = (
     ("fp8_linear.cu", "scale_fp8_output_f16"), ("fp8_linear.cu", "scale_fp8_output_bf16"),
     ("fp8_linear.cu", "quantize_rows_fp8_vec_f16"), ("fp8_linear.cu", "quantize_rows_fp8_vec_bf16"),
     ("fp8_linear.cu", "scale_fp8_output_vec_f16"), ("fp8_linear.cu", "scale_fp8_output_vec_bf16"),
+    # ... reading a bfloat16 accumulator (fp8_linear.BF16_PRODUCTS):
+    ("fp8_linear.cu", "scale_fp8_output_bf16acc_f16"), ("fp8_linear.cu", "scale_fp8_output_bf16acc_bf16"),
+    ("fp8_linear.cu", "scale_fp8_output_vec_bf16acc_f16"), ("fp8_linear.cu", "scale_fp8_output_vec_bf16acc_bf16"),
 )
 # The 16-byte forms of both kernels (the same bytes and values; 8 elements a thread per load) where the shapes and
 # alignments allow. On since session 30's device run (tests/test_ops_cuda_fp8_linear.py passed with both forms; at
@@ -95,14 +98,16 @@ def quantize_rows_fp8(x, padded_width: int | None = None, static_scale: float | 
 
 
 def scale_fp8_output(acc, x_scale, w_scale, num_out: int, dtype, out=None):
-    """acc [R, Np] float32 (the FP8 GEMM's accumulator), x_scale [R], w_scale [Np] float32 -> out [R, N] of
-    `dtype` (float16 / bfloat16): (acc[r, j] * x_scale[r]) * w_scale[j] rounded once, N = num_out <= Np."""
+    """acc [R, Np] float32 or bfloat16 (the FP8 GEMM's sums, rounded or not), x_scale [R], w_scale [Np] float32 ->
+    out [R, N] of `dtype` (float16 / bfloat16): (acc[r, j] * x_scale[r]) * w_scale[j] in float32, rounded once,
+    N = num_out <= Np."""
     if not isinstance(acc, cupy.ndarray) or acc.ndim != 2:
         raise ValueError(f"acc must be a 2-D cupy.ndarray, got {getattr(acc, 'shape', type(acc).__name__)}")
     num_rows, padded_out = acc.shape
     if not 0 <= num_out <= padded_out:
         raise ValueError(f"num_out must be in [0, {padded_out}], got {num_out}")
-    _check("acc", acc, np.float32, (num_rows, padded_out))
+    acc_tag = accumulator_tag(acc)
+    _check("acc", acc, acc.dtype, (num_rows, padded_out))
     _check("x_scale", x_scale, np.float32, (num_rows,))
     _check("w_scale", w_scale, np.float32, (padded_out,))
     out = cupy.empty((num_rows, num_out), dtype=dtype) if out is None else out  # [R, N]
@@ -113,12 +118,7 @@ def scale_fp8_output(acc, x_scale, w_scale, num_out: int, dtype, out=None):
                   and w_scale.data.ptr % 16 == 0 and out.data.ptr % 8 == 0)
         columns = num_out // 4 if vector else num_out  # a thread's unit: 4 columns, or one
         grid = (min(-(-columns // 256), _COLUMN_BLOCKS), min(num_rows, MAX_ROW_BLOCKS))
-        if vector:
-            scale = (_kernel(SOURCE, "scale_fp8_output_vec_f16") if suffix == "f16"
-                     else _kernel(SOURCE, "scale_fp8_output_vec_bf16"))
-        else:
-            scale = (_kernel(SOURCE, "scale_fp8_output_f16") if suffix == "f16"
-                     else _kernel(SOURCE, "scale_fp8_output_bf16"))
+        scale = _kernel(SOURCE, f"scale_fp8_output{'_vec' if vector else ''}{acc_tag}_{suffix}")
         scale(
             grid, (256,), (acc, x_scale, w_scale, out, np.int64(num_rows), np.int32(num_out),
                                 np.int32(padded_out)))

@@ -9,8 +9,9 @@ Static activations (a pre-quantized checkpoint's `input_scale` s): x_scale[t] = 
 e4m3(clip(x / s, +-448)).
 A pre-quantized checkpoint's linear (`from_quantized`) keeps its e4m3 values and scales as they are: a per-tensor
 scale becomes that value on each of its output channels (a fused qkv keeps each part's own scale, exactly).
-Product: y[t, j] = (sum_i xq[t, i] wq[i, j]) x_scale[t] weight_scale[j], accumulated in float32 or wider
-(the GEMM's epilogue applies the two scales on a GPU).
+Product: y[t, j] = (bf16(sum_i xq[t, i] wq[i, j]) x_scale[t]) weight_scale[j], the sum accumulated in float32 or
+wider and rounded once to bfloat16 (BF16_PRODUCTS; on a GPU the GEMM writes it so, and an epilogue applies the two
+scales).
 
 `x @ layer` works for a NumPy x (the model's `matmul` is operator.matmul on the CPU): `__array_ufunc__ =
 None` makes NumPy defer to `Fp8Linear.__rmatmul__`. On the CPU the e4m3 values are also kept widened to
@@ -20,11 +21,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 
 from offline_paged.ops.kv_scales import FP8_E4M3, FP8_E4M3_MAX, quantize_fp8
 
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization values besides None
+# Round each unscaled sum to bfloat16 before the scales multiply it. On a GPU the [T, out] sums go through memory
+# between cuBLASLt's GEMM and the epilogue that applies per-token x per-channel scales (sm_90's cuBLASLt cannot), so
+# bfloat16 moves half float32's bytes; it costs 2^-9 relative, against e4m3's 2^-4 on every weight and input. Not
+# float16: the sums reach 448^2 x K. False: the float32 sums (the GPU's accumulator then float32 too).
+BF16_PRODUCTS = True
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def fp8_scales(amax):
@@ -101,6 +109,8 @@ class Fp8Linear:
         acc_dtype = np.promote_types(x.dtype, np.float32)
         xq, x_scale = quantize_rows(x) if self.input_scale is None else quantize_static(x, self.input_scale)
         acc = xq.astype(acc_dtype) @ self._widened.astype(acc_dtype, copy=False)  # [T, out]
+        if BF16_PRODUCTS:
+            acc = acc.astype(BFLOAT16).astype(acc_dtype)
         return (acc * x_scale[:, None].astype(acc_dtype) * self.weight_scale[None, :].astype(acc_dtype)).astype(
             x.dtype, copy=False)
 

@@ -73,6 +73,8 @@ KERNELS = (
     # ... reading an FP8 GEMM's product before its scale epilogue (the epilogue folded in):
     ("layer.cu", "rms_norm_fp8_product_f16"), ("layer.cu", "rms_norm_fp8_product_bf16"),
     ("layer.cu", "silu_mul_fp8_product_f16"), ("layer.cu", "silu_mul_fp8_product_bf16"),
+    ("layer.cu", "rms_norm_fp8_product_bf16acc_f16"), ("layer.cu", "rms_norm_fp8_product_bf16acc_bf16"),
+    ("layer.cu", "silu_mul_fp8_product_bf16acc_f16"), ("layer.cu", "silu_mul_fp8_product_bf16acc_bf16"),
     # Qwen3's per-head q_norm and k_norm in one launch:
     ("layer.cu", "head_rms_norm_f16"), ("layer.cu", "head_rms_norm_bf16"),
 )
@@ -565,9 +567,9 @@ def rms_norm_fp8(x, weight, eps: float, residual=None, padded_width: int | None 
     float32, new residual [T, E]), byte for byte rms_norm then fp8_launcher.quantize_rows_fp8(normed,
     padded_width, static_scale) (per row: scale max|normed| / 448, or static_scale). Kp = padded_width (default:
     E rounded up to 16); columns E..Kp-1 of xq are 0.
-    product = (acc [T, Np] float32, acc_x_scale [T], acc_w_scale [Np], E), with x None: x is an FP8 GEMM's product
-    before its scale epilogue, read in: byte for byte fp8_launcher.scale_fp8_output(acc, acc_x_scale, acc_w_scale,
-    E, weight's dtype) first."""
+    product = (acc [T, Np] float32 / bfloat16, acc_x_scale [T], acc_w_scale [Np], E), with x None: x is an FP8
+    GEMM's product before its scale epilogue, read in: byte for byte fp8_launcher.scale_fp8_output(acc,
+    acc_x_scale, acc_w_scale, E, weight's dtype) first."""
     suffix = _element_suffix("weight", weight)
     _check_array("weight", weight, weight.dtype, 1)
     hidden = weight.shape[0]
@@ -576,9 +578,9 @@ def rms_norm_fp8(x, weight, eps: float, residual=None, padded_width: int | None 
         _require(x.shape[1] == hidden, f"weight has {hidden} entries for hidden size {x.shape[1]}")
         num_tokens, name, x_args = x.shape[0], f"rms_norm_fp8_{suffix}", (x,)
     else:
-        num_tokens, width, x_args = _product_args(product)
+        num_tokens, width, x_args, acc_tag = _product_args(product)
         _require(width == hidden, f"weight has {hidden} entries for a product {width} wide")
-        name = f"rms_norm_fp8_product_{suffix}"
+        name = f"rms_norm_fp8_product{acc_tag}_{suffix}"
     if residual is not None:
         _check_array("residual", residual, weight.dtype, 2)
         _require(residual.shape == (num_tokens, hidden),
@@ -596,19 +598,31 @@ def rms_norm_fp8(x, weight, eps: float, residual=None, padded_width: int | None 
 
 
 def _product_args(product) -> tuple:
-    """Checks an FP8 GEMM's unscaled product (acc [T, Np] float32, x_scale [T], w_scale [Np] float32, all
-    contiguous on the device; N its width, Np >= N a multiple of 4); returns (T, N, the kernel's product
-    arguments)."""
+    """Checks an FP8 GEMM's unscaled product (acc [T, Np] float32 or bfloat16, x_scale [T], w_scale [Np] float32,
+    all contiguous on the device; N its width, Np >= N a multiple of 4); returns (T, N, the kernel's product
+    arguments, the kernel-name tag of acc's dtype)."""
     _require(isinstance(product, tuple) and len(product) == 4, "product must be (acc, x_scale, w_scale, width)")
     acc, x_scale, w_scale, width = product
-    _check_array("acc", acc, np.float32, 2)
+    acc_tag = accumulator_tag(acc)
+    _check_array("acc", acc, acc.dtype, 2)
     _check_array("x_scale", x_scale, np.float32, 1)
     _check_array("w_scale", w_scale, np.float32, 1)
     num_rows, padded = acc.shape
     _require(padded >= width and padded % 4 == 0, f"acc is {padded} wide: not a multiple of 4 >= {width}")
     _require(x_scale.shape[0] == num_rows and w_scale.shape[0] == padded,
              f"scales of {x_scale.shape[0]} rows and {w_scale.shape[0]} columns for acc {acc.shape}")
-    return num_rows, int(width), (acc, x_scale, w_scale, np.int32(padded))
+    return num_rows, int(width), (acc, x_scale, w_scale, np.int32(padded)), acc_tag
+
+
+def accumulator_tag(acc) -> str:
+    """The kernel-name tag of an FP8 GEMM's accumulator: "" for float32, "_bf16acc" for bfloat16 (its sums rounded
+    once by the GEMM; fp8_linear.BF16_PRODUCTS); ValueError for anything else."""
+    dtype = np.dtype(getattr(acc, "dtype", np.float64))
+    if dtype == np.float32:
+        return ""
+    if dtype == BFLOAT16:
+        return "_bf16acc"
+    raise ValueError(f"acc must be float32 or bfloat16, got {dtype.name}")
 
 
 def _check_rope_inputs(q, k, positions, cos_sin) -> tuple[int, int]:
@@ -700,8 +714,8 @@ def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float |
     """silu_mul whose output goes straight into an FP8 linear: (xq [T, Kp] uint8 e4m3 bits, scales [T] float32),
     byte for byte silu_mul then fp8_launcher.quantize_rows_fp8(out, padded_width, static_scale). Kp =
     padded_width (default: I rounded up to 16); columns I..Kp-1 of xq are 0. One block per token row.
-    product = (acc [T, Np] float32, acc_x_scale [T], acc_w_scale [Np], 2I) with gate_up None and `dtype` (float16
-    / bfloat16): gate_up is an FP8 GEMM's product before its epilogue, read in (rms_norm_fp8's `product`)."""
+    product = (acc [T, Np] float32 / bfloat16, acc_x_scale [T], acc_w_scale [Np], 2I) with gate_up None and `dtype`
+    (float16 / bfloat16): gate_up is an FP8 GEMM's product before its epilogue, read in (rms_norm_fp8's `product`)."""
     if product is None:
         suffix = _element_suffix("gate_up", gate_up)
         _check_array("gate_up", gate_up, gate_up.dtype, 2)
@@ -710,8 +724,8 @@ def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float |
     else:
         suffix = ELEMENT_SUFFIX.get(np.dtype(dtype))
         _require(suffix is not None, f"dtype must be float16 or bfloat16, got {dtype}")
-        num_tokens, width, x_args = _product_args(product)
-        name = f"silu_mul_fp8_product_{suffix}"
+        num_tokens, width, x_args, acc_tag = _product_args(product)
+        name = f"silu_mul_fp8_product{acc_tag}_{suffix}"
     _require(width % 2 == 0, f"gate_up width {width} is odd")
     inter = width // 2
     xq, scales = fp8_rows(num_tokens, inter, padded_width, static_scale)
