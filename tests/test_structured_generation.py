@@ -71,8 +71,25 @@ _BRANCHES = st.lists(_PIECES, min_size=1, max_size=4).map("".join)
 REGEXES = st.lists(_BRANCHES, min_size=1, max_size=3).map(lambda b: b[0] if len(b) == 1 else f"({'|'.join(b)})")
 
 
-def _json_params(schema, temperature: float, seed: int = 0, **kwargs) -> SamplingParams:
-    return SamplingParams(max_tokens=400, temperature=temperature, seed=seed,
+def _max_json_bytes(schema) -> int:
+    """The longest JSON text of a value `schema` (of the strategies above) admits, in bytes: an upper bound on its
+    tokens (each token is at least one byte). A string character counts 12 (a surrogate pair's two escapes)."""
+    if "enum" in schema:
+        return max(len(json.dumps(value).encode()) for value in schema["enum"])
+    kind = schema["type"]
+    if kind == "integer":
+        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    if kind == "boolean":
+        return len("false")
+    if kind == "string":
+        return 2 + 12 * schema["maxLength"]
+    if kind == "array":
+        return 2 + schema["maxItems"] * (_max_json_bytes(schema["items"]) + 1)
+    return 2 + sum(len(json.dumps(name)) + 2 + _max_json_bytes(value) for name, value in schema["properties"].items())
+
+
+def _json_params(schema, temperature: float, seed: int = 0, max_tokens: int = 400, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                           structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
                           **kwargs)
 
@@ -86,9 +103,12 @@ def _assert_valid_json(completion, schema) -> None:
 @_SETTINGS
 @given(schema=TOP_SCHEMAS, seed=st.integers(0, 2**32))
 def test_every_json_output_validates_greedy_and_sampled(schema, seed):
-    outputs = generate({"greedy": (PROMPT, _json_params(schema, 0.0)),
-                        "sampled": (PROMPT, _json_params(schema, 1.0, seed)),
-                        "hot": (PROMPT, _json_params(schema, 2.0, seed + 1, top_k=50))})
+    # Room for the schema's longest value (twice it, plus some: a grammar may admit spellings the bound does not
+    # count, e.g. an integer as 1.0), so every output must end by the grammar's stop; 400 cut off 0.8% of schemas.
+    budget = 2 * _max_json_bytes(schema) + 16
+    outputs = generate({"greedy": (PROMPT, _json_params(schema, 0.0, max_tokens=budget)),
+                        "sampled": (PROMPT, _json_params(schema, 1.0, seed, max_tokens=budget)),
+                        "hot": (PROMPT, _json_params(schema, 2.0, seed + 1, max_tokens=budget, top_k=50))})
     for output in outputs.values():
         _assert_valid_json(output.outputs[0], schema)
 
