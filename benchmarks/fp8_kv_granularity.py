@@ -4,14 +4,17 @@ K and V are rounded to e4m3 as they are written to the cache of the float32 CPU 
 so no request reads another's unrounded blocks), with scales of four granularities, and the mean per-item
 |loglikelihood difference| against float32 is taken over the seeded (context, continuation) pairs of
 benchmarks/fp8_accuracy.py. Rows: one scale of 1.0 for everything (the engine's default; it matches the
-engine's own FP8 KV run), amax / 448 per token, per (token, head), and per (token, head) on K alone or V alone.
+engine's own FP8 KV run), amax / 448 per token, per (token, head), and per (token, head) on K alone or V alone; then
+K (and V) rounded in a Hadamard basis (the cache holding H^T e4m3(H k): the same logits as rotating q and k alike).
 
     .venv/bin/python benchmarks/fp8_kv_granularity.py [--num-pairs 300] [--seed 0]
 
 Measured 2026-12-02 (CPU, 300 pairs): scale 1.0 0.222 (the engine's FP8 KV: 0.228), per token 0.159, per
 (token, head) 0.229, K alone 0.188, V alone 0.061. e4m3 is a floating-point format: a scale moves the range,
 not the 3-bit mantissa's relative rounding, so finer scales do not help, and rounding K alone already
-exceeds the issue's 0.05.
+exceeds the issue's 0.05. Measured 2026-12-07: K rotated, K alone 0.172; K rotated, V plain 0.236; K and V rotated
+0.183. A rotation spreads the error of q.k over the channels, which helps only where q and k concentrate in the same
+few; on this model they do not enough to matter.
 """
 from __future__ import annotations
 
