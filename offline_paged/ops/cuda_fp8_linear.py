@@ -28,8 +28,8 @@ from typing import Any, Callable
 import cupy
 import numpy as np
 
-from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output
 from offline_paged.ops import fp8_linear
+from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output
 from offline_paged.ops.fp8_linear import Fp8Linear
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA
 from offline_paged.ops.launchers import fp8_padded
@@ -42,7 +42,8 @@ from offline_paged.ops.launchers import fp8_padded
 FUSED_FP8_INPUTS = True
 
 # Let cuBLASLt apply the scales itself where it can (TunedGemm.fp8_scaled: outer-vector scale modes, a 16-bit D, and
-# no float32 accumulator through memory); False: always steps 2-3 above. Either way the result is the same product.
+# no accumulator through memory); False: always steps 2-3 above. Either way the same product, except that cuBLASLt's
+# epilogue scales the float32 sums before their one rounding (no BF16_PRODUCTS step; sm_90 has no such algorithm).
 SCALES_IN_CUBLASLT = True
 
 
