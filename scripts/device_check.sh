@@ -3,7 +3,9 @@
 # tests), run the GPU tests every session runs before landing (the CLI `generate` on the GPU and `bench` with
 # CUDA graphs on and off among them), then bench runs, each record appended to one file: $OUT/records.jsonl,
 # with its `call_label` (the device returns at most 8 files a call). A short table is printed last.
-# Usage: OUT=/tmp/out [TESTS=1] [PRESET=llama-3.2-1b] scripts/device_check.sh COMMIT 'LABEL: bench args' ...
+# Usage: OUT=/tmp/out [TESTS=1] [TEST_FILES="tests/..."] [PRESET=llama-3.2-1b] scripts/device_check.sh COMMIT \
+#          'LABEL: bench args' ...
+#   TEST_FILES replaces the default list (the files session 53's 118-test run took, 246 s on an H100).
 #   e.g. scripts/device_check.sh $(git rev-parse --short HEAD) 'n1024_t2048: --num-requests 1024 --max-num-batched-tokens 2048'
 #   COMMIT names the tree in the records (the device copy's .git is the session start's).
 set -u
@@ -19,9 +21,10 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
   # -v: each test's name in the log, so a run cut off by TESTS_LIMIT shows where it stopped (resume from there)
-  timeout ${TESTS_LIMIT:-300} python3 -m pytest -v -x tests/test_cuda_graph_runner.py tests/test_mixed_graphs.py \
-    tests/test_gpu_engine.py tests/test_gpu_bench.py tests/test_gpu_structured.py tests/test_gpu_async.py \
-    tests/test_gc_pacing.py >"$OUT/gpu_tests.log" 2>&1
+  read -ra files <<<"${TEST_FILES:-tests/test_gpu_engine.py tests/test_gpu_bench.py tests/test_graphs.py \
+    tests/test_gpu_engine_fp8.py tests/test_cuda_graph_runner.py tests/test_mixed_graphs.py tests/test_gpu_structured.py \
+    tests/test_gpu_async.py tests/test_gc_pacing.py}"
+  timeout ${TESTS_LIMIT:-300} python3 -m pytest -v -x --durations=12 "${files[@]}" >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   echo "gpu tests rc=$rc $(tail -1 "$OUT/gpu_tests.log")"
   [ $rc = 124 ] && echo "cut off by TESTS_LIMIT in: $(grep -E '^tests/.*::' "$OUT/gpu_tests.log" | grep -vE \
