@@ -37,6 +37,9 @@ DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="
 # Largest |error| / max |reference|: one rounding of the output to the dtype (2^-11 fp16, 2^-8 bf16), with room.
 ROUNDING = {np.dtype(np.float16): 2e-3, BF16: 1e-2}
 ACC_DTYPES = [pytest.param(np.dtype(np.float32), id="acc-fp32"), pytest.param(BF16, id="acc-bf16")]
+# (in, out) of each fused linear: qkv, o_proj, gate_up, down.
+LAYER_SHAPES = {"1b": [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)],
+                "8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]}
 
 
 def product_tolerance(dtype) -> float:
@@ -44,9 +47,6 @@ def product_tolerance(dtype) -> float:
     sums are rounded to bfloat16, here and in the reference, but summed in another order: a sum near a rounding
     boundary may land one bfloat16 step away (2^-8 of it), so every output dtype then has bfloat16's room."""
     return ROUNDING[BF16] if fp8_linear.BF16_PRODUCTS else ROUNDING[np.dtype(dtype)]
-# (in, out) of each fused linear: qkv, o_proj, gate_up, down.
-LAYER_SHAPES = {"1b": [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)],
-                "8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]}
 
 
 def activations(rng, num_rows: int, width: int, dtype):
@@ -213,7 +213,8 @@ def test_eager_matmul_operator_runs_the_fp8_product(dtype):
     x = activations(rng, 19, 512, dtype)
     out = cupy.asarray(x) @ layer
     assert out.dtype == dtype and out.shape == (19, 384)
-    assert rel_error(out.get(), x.astype(np.float32) @ Fp8Linear.quantize(w.astype(np.float32).T)) < product_tolerance(dtype)
+    want = x.astype(np.float32) @ Fp8Linear.quantize(w.astype(np.float32).T)
+    assert rel_error(out.get(), want) < product_tolerance(dtype)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         again = cupy.asarray(x) @ layer
