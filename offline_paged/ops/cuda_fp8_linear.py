@@ -28,8 +28,8 @@ from typing import Any, Callable
 import cupy
 import numpy as np
 
-from offline_paged.ops import fp8_linear
 from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output
+from offline_paged.ops import fp8_linear
 from offline_paged.ops.fp8_linear import Fp8Linear
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA
 from offline_paged.ops.launchers import fp8_padded
