@@ -14,8 +14,11 @@ FP8 (`fp8`): xq [T, Kp] e4m3 @ wq [Np, Kp] e4m3 (a weight kept [out, in]) -> acc
 same machinery with key (T, Kp, Np, op T, CUDA_R_8F_E4M3, CUDA_R_32F or CUDA_R_16BF): A = wq as column-major
 [Kp, Np] ld Kp with op T, B = xq column-major [Kp, T] ld Kp with op N: both operands K-major, the "TN" form
 Hopper's FP8 GEMM requires; Kp, Np multiples of 16 (its rule for the inner and leading dimensions). No A/B scales
-(1.0) and no fast accumulation: the per-token and per-channel scales are applied by our epilogue
-(ops/cuda_fp8_linear.py).
+(1.0): the per-token and per-channel scales are applied by our epilogue (ops/cuda_fp8_linear.py).
+Fast accumulation (`FP8_FAST_ACCUM`, cuBLASLt's FAST_ACCUM flag): Hopper's FP8 tensor cores keep their running
+sums at reduced precision, and by default cuBLASLt moves them into float32 registers every few k-steps, which costs
+instructions beside the tensor cores; with the flag the sums stay in the tensor cores' accumulator for the whole
+inner dimension (vLLM's CUTLASS FP8 kernels for sm_90 run so), faster and less exact.
 `fp8_scaled` tries cuBLASLt's own epilogue instead: the outer-vector scale modes (A: one float32 per output channel,
 B: one per token) and a 16-bit D, so no float32 accumulator goes through memory. Where cuBLASLt has no algorithm
 for that (older libraries, architectures without it) it returns False once per shape and the caller falls back.
@@ -40,11 +43,15 @@ _CUDA_R_32F = 0
 _CUDA_R_8F_E4M3 = 28
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18  # cublasLtMatmulDescAttributes_t
 _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
+_DESC_FAST_ACCUM = 25  # int8_t
 _SCALE_OUTER_VEC_32F = 3  # cublasLtMatmulMatrixScale_t: one float32 per row of op(A) / per column of op(B)
 _CUBLAS_COMPUTE_32F = 68
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 NUM_CANDIDATES = 16  # heuristic candidates asked for per shape
+# FP8 products accumulate in the tensor cores for the whole inner dimension (see the module docstring): the
+# default of every TunedGemm made after it is set.
+FP8_FAST_ACCUM = False
 
 
 class _Algo(ctypes.Structure):  # cublasLtMatmulAlgo_t
@@ -91,7 +98,7 @@ class NoAlgorithm(RuntimeError):
 class _Plan:
     """The descriptors of one shape and its candidate algorithms; `chosen` indexes the one that runs."""
 
-    def __init__(self, lib, handle, key, workspace_bytes: int) -> None:
+    def __init__(self, lib, handle, key, workspace_bytes: int, fast_accum: bool = False) -> None:
         num_rows, inner, num_out, op_w, in_type, out_type, *scale_mode = key
         self._lib = lib
         self.desc, self.a, self.b, self.c = (ctypes.c_void_p() for _ in range(4))
@@ -105,6 +112,10 @@ class _Plan:
             if status != 0 and scale_mode:
                 raise NoAlgorithm(f"cuBLASLt refuses scale mode {scale_mode[0]} (status {status})")
             check_status(status, "MatmulDescSetAttribute")
+        if fast_accum and in_type == _CUDA_R_8F_E4M3:
+            flag = ctypes.c_int8(1)
+            check_status(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_FAST_ACCUM, ctypes.byref(flag), 1),
+                         "MatmulDescSetAttribute (fast accumulation)")
         a_rows, a_cols, a_ld = (num_out, inner, num_out) if op_w == _OP_N else (inner, num_out, inner)
         for layout, args in ((self.a, (in_type, a_rows, a_cols, a_ld)), (self.b, (in_type, inner, num_rows, inner)),
                              (self.c, (out_type, num_out, num_rows, num_out))):
@@ -142,13 +153,14 @@ class TunedGemm:
     docstring). The same calls as CublasGemm; call it inside `with stream:`."""
 
     def __init__(self, stream: cupy.cuda.Stream, workspace_bytes: int = WORKSPACE_BYTES, repeats: int = 5,
-                 tune: bool = True) -> None:
+                 tune: bool = True, fp8_fast_accum: bool | None = None) -> None:
         self._lib = _liblt()
         self._handle = ctypes.c_void_p()
         check_status(self._lib.cublasLtCreate(ctypes.byref(self._handle)), "cublasLtCreate")
         self.stream = stream
         self.repeats = repeats
         self.tune = tune  # False: always the heuristic's first candidate
+        self.fp8_fast_accum = FP8_FAST_ACCUM if fp8_fast_accum is None else fp8_fast_accum
         self._workspace = cupy.empty(workspace_bytes, dtype=cupy.uint8)  # [bytes]
         self._one = np.ones(1, dtype=np.float32)  # host scalars, read when the call is made
         self._zero = np.zeros(1, dtype=np.float32)
@@ -210,7 +222,7 @@ class TunedGemm:
         plan = self.plans.get(key)
         fresh = plan is None
         if fresh:
-            plan = _Plan(self._lib, self._handle, key, self._workspace.nbytes)
+            plan = _Plan(self._lib, self._handle, key, self._workspace.nbytes, self.fp8_fast_accum)
             self.plans[key] = plan
         if scales is not None:
             for attr, array in zip((_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER), scales):
