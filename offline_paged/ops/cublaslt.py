@@ -37,7 +37,7 @@ import numpy as np
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear
 from offline_paged.ops.graphs import (_CUDA_R_16BF, _CUDA_R_16F, _OP_N, _OP_T, WORKSPACE_BYTES, _cuda_type,
                                       check_gemm_args, check_status, gc_paused, libcublas_paths)
-from offline_paged.ops.launchers import FP8_ALIGN  # cuBLASLt's FP8 GEMM: widths multiples of 16
+from offline_paged.ops.launchers import FP8_ALIGN, accumulator_tag  # FP8_ALIGN: cuBLASLt's FP8 GEMM's width rule
 
 _CUDA_R_32F = 0
 _CUDA_R_8F_E4M3 = 28
@@ -179,11 +179,10 @@ class TunedGemm:
 
     def fp8(self, xq, wq, acc):
         """xq [T, Kp] uint8 (e4m3 bits, C-contiguous) @ wq [Np, Kp] uint8 (C-contiguous, [out, in]) -> acc [T, Np]
-        float32 or bfloat16 (written and returned): acc[t, j] = sum_k xq[t, k] wq[j, k], accumulated in fp32 and
-        rounded once to acc's type. See the module docstring; the algorithm is picked per shape as for 16-bit
-        products."""
-        if _cuda_type(getattr(acc, "dtype", np.float64)) not in (_CUDA_R_32F, _CUDA_R_16BF):
-            raise ValueError(f"acc must be float32 or bfloat16, got {getattr(acc, 'dtype', type(acc))}")
+        float32 or bfloat16 (written and returned): acc[t, j] = sum_k xq[t, k] wq[j, k], accumulated in fp32 (in
+        the tensor cores' own accumulator with fp8_fast_accum) and rounded once to acc's type. See the module
+        docstring; the algorithm is picked per shape as for 16-bit products."""
+        accumulator_tag(acc)  # float32 or bfloat16, or ValueError
         return self._matmul(check_fp8_args(xq, wq, acc, acc.dtype), xq, wq, acc)
 
     def fp8_scaled(self, xq, wq, x_scale, w_scale, out) -> bool:
