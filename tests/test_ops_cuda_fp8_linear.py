@@ -274,6 +274,36 @@ def test_the_gemm_writes_its_float32_sums_rounded_to_bfloat16(num_rows, num_in, 
     assert np.abs(narrow.astype(np.float32)).max() > 1e3  # real sums, not zeros
 
 
+# Largest |sum - exact| / sum_k |x_k w_k| of an FP8 GEMM's float32 sums: promoted to float32 every few k-steps
+# (the default), and in the tensor cores' own accumulator for the whole inner dimension (fp8_fast_accum).
+PROMOTED_ERROR, FAST_ACCUM_ERROR = 2e-5, 2e-4
+
+
+@pytest.mark.parametrize("num_in, num_out", [(4096, 6144), (14336, 4096)])
+def test_fast_accumulation_moves_the_sums_but_keeps_them_near_exact(num_in, num_out):
+    """TunedGemm(fp8_fast_accum=True) against the default GEMM and an exact float64 product of the same e4m3 values:
+    the flag reaches cuBLASLt (sums differ from the promoted ones), and each sum stays within FAST_ACCUM_ERROR of
+    the entry's sum of |terms| (the scale of what was added; the promoted ones within PROMOTED_ERROR)."""
+    rng = np.random.default_rng(num_in)
+    layer = CudaFp8Linear.upload(shared_layer(num_in, num_out))
+    xq, _ = quantize_rows_fp8(cupy.asarray(activations(rng, 64, num_in, BF16)))
+    sums = {}
+    for fast in (False, True):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            acc = cupy.empty((64, layer.weight.shape[0]), np.float32)
+            sums[fast] = TunedGemm(stream, fp8_fast_accum=fast).fp8(xq, layer.weight, acc).get().astype(np.float64)
+    x = xq.get().view(FP8_E4M3).astype(np.float64)  # [64, K]
+    w = layer.weight.get().view(FP8_E4M3).astype(np.float64)  # [N, K]
+    exact, terms = x @ w.T, np.abs(x) @ np.abs(w).T
+    scale = np.maximum(terms, 1.0)  # the zero row's entries: exact 0, terms 0
+    promoted, fast = np.abs(sums[False] - exact) / scale, np.abs(sums[True] - exact) / scale
+    assert promoted.max() <= PROMOTED_ERROR, f"promoted sums {promoted.max():.2e} of sum|terms| from exact"
+    assert fast.max() <= FAST_ACCUM_ERROR, f"fast-accumulated sums {fast.max():.2e} of sum|terms| from exact"
+    assert (sums[True] != sums[False]).mean() > 0.01, "fast accumulation changed no sum: the flag did not reach it"
+    assert np.abs(exact).max() > 1e3  # real sums, not zeros
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cublaslt_outer_vector_scales(dtype):
     """TunedGemm.fp8_scaled on this device: cuBLASLt applies x_scale per token and w_scale per channel and writes the
