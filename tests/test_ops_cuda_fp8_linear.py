@@ -177,9 +177,11 @@ def test_weight_quantized_on_the_device_equals_fp8_linear_quantize(dtype, vector
 @pytest.mark.parametrize("model", list(LAYER_SHAPES))
 def test_fp8_product_equals_numpy_fp8_linear_at_llama_shapes(model, dtype, num_rows, scales_in_cublaslt,
                                                             vector_kernels):
+    """Our kernels around the GEMM against NumPy, the GEMM's sums promoted to float32 (fast accumulation's own
+    error, ~1% of the largest output at K = 14336 and 2,048 rows, is bounded in its test below)."""
     rng = np.random.default_rng(num_rows)
     stream = cupy.cuda.Stream(non_blocking=True)
-    gemm = TunedGemm(stream)
+    gemm = TunedGemm(stream, fp8_fast_accum=False)
     for num_in, num_out in LAYER_SHAPES[model]:
         host = shared_layer(num_in, num_out)
         x = activations(rng, num_rows, num_in, dtype)
@@ -276,7 +278,7 @@ def test_the_gemm_writes_its_float32_sums_rounded_to_bfloat16(num_rows, num_in, 
 
 # Largest |sum - exact| / sum_k |x_k w_k| of an FP8 GEMM's float32 sums: promoted to float32 every few k-steps
 # (the default), and in the tensor cores' own accumulator for the whole inner dimension (fp8_fast_accum).
-PROMOTED_ERROR, FAST_ACCUM_ERROR = 2e-5, 2e-4
+PROMOTED_ERROR, FAST_ACCUM_ERROR = 2.0**-11, 2.0**-7
 
 
 @pytest.mark.parametrize("num_in, num_out", [(4096, 6144), (14336, 4096)])

@@ -51,7 +51,7 @@ _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 NUM_CANDIDATES = 16  # heuristic candidates asked for per shape
 # FP8 products accumulate in the tensor cores for the whole inner dimension (see the module docstring): the
 # default of every TunedGemm made after it is set.
-FP8_FAST_ACCUM = False
+FP8_FAST_ACCUM = True
 
 
 class _Algo(ctypes.Structure):  # cublasLtMatmulAlgo_t
