@@ -7,8 +7,9 @@ one float32 scale per output channel [Np] (1.0 on padding rows).
 Product x [T, K] (float16 / bfloat16) -> [T, N] of x's dtype, three launches on the current stream, none of which
 allocates outside CuPy's pool or synchronises (so a decode graph captures them):
 1. quantize_rows_fp8: xq [T, Kp] e4m3 and x_scale [T] (per token: max|x[t]| / 448; or the static input_scale);
-2. TunedGemm.fp8: acc [T, Np] = xq @ wq^T (cuBLASLt, fp32 accumulation, algorithm timed per shape), written as
-   bfloat16 (fp8_linear.BF16_PRODUCTS: half the bytes of float32 through memory) or float32;
+2. TunedGemm.fp8: acc [T, Np] = xq @ wq^T (cuBLASLt; its tensor cores' fast accumulation, cublaslt.FP8_FAST_ACCUM,
+   or sums promoted to float32; algorithm timed per shape), written as bfloat16 (fp8_linear.BF16_PRODUCTS: half the
+   bytes of float32 through memory) or float32;
 3. scale_fp8_output: out[t, j] = (acc[t, j] x_scale[t]) w_scale[j], rounded once to x's dtype.
 cuBLASLt's per-tensor A/B scales cannot express per-token x per-channel ones, so they are step 3 (our epilogue); the
 accumulator's type keeps fp16 from overflowing (unscaled sums reach 448^2 K). Where the library offers its
