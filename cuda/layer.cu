@@ -155,39 +155,12 @@ __device__ __forceinline__ float block_sum(float value) {
   return warp_sum(value);
 }
 
-// Eight GEMM sums as loaded (float32 or 16-bit, one or two 16-byte accesses), converted when used: a kernel
-// can issue the loads of all its chunks before the arithmetic of any (one memory round trip, not one a chunk).
-template <typename A>
-struct Sums8 {
-  Pack8<A> p;
-  __device__ __forceinline__ float at(int i) const { return to_float(p.v[i]); }
-};
-template <>
-struct Sums8<float> {
-  float v[VEC];
-  __device__ __forceinline__ float at(int i) const { return v[i]; }
-};
-template <typename A>
-__device__ __forceinline__ Sums8<A> load_sums8(const A* p) {
-  Sums8<A> r;
-  r.p = load8(p);
-  return r;
-}
-__device__ __forceinline__ Sums8<float> load_sums8(const float* p) {
-  Sums8<float> r;
-  load8_float(p, r.v);
-  return r;
-}
-
 // Where a kernel reads its input row from (the block's row; `chunk` needs col % 8 == 0 and the source's vector
 // alignment, which `aligned` reports):
 // RowOf16: a 16-bit activation row.
 template <typename T>
 struct RowOf16 {
   const T* p;
-  using Raw = Pack8<T>;
-  __device__ __forceinline__ Raw raw(int col) const { return load8(p + col); }
-  __device__ __forceinline__ Pack8<T> value(const Raw& r, int) const { return r; }
   __device__ __forceinline__ Pack8<T> chunk(int col) const { return load8(p + col); }
   __device__ __forceinline__ T one(int col) const { return p[col]; }
   __device__ __forceinline__ bool aligned() const { return aligned16(p); }
@@ -202,20 +175,18 @@ struct RowOfFp8Product {
   const A* acc;
   float x_scale;
   const float* w_scale;
-  using Raw = Sums8<A>;
   __device__ __forceinline__ T scaled(float a, float w) const {
     return from_float<T>(__fmul_rn(__fmul_rn(a, x_scale), w));
   }
-  __device__ __forceinline__ Raw raw(int col) const { return load_sums8(acc + col); }
-  __device__ __forceinline__ Pack8<T> value(const Raw& a, int col) const {
-    float w[VEC];
+  __device__ __forceinline__ Pack8<T> chunk(int col) const {
+    float a[VEC], w[VEC];
+    load8_float(acc + col, a);
     load8_float(w_scale + col, w);
     Pack8<T> r;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) r.v[i] = scaled(a.at(i), w[i]);
+    for (int i = 0; i < VEC; ++i) r.v[i] = scaled(a[i], w[i]);
     return r;
   }
-  __device__ __forceinline__ Pack8<T> chunk(int col) const { return value(raw(col), col); }
   __device__ __forceinline__ T one(int col) const { return scaled(to_float(acc[col]), w_scale[col]); }
   __device__ __forceinline__ bool aligned() const { return aligned16(acc) && aligned16(w_scale); }
 };
@@ -243,32 +214,18 @@ __device__ __forceinline__ Pack8<T> rms_residual8(const X& x, const T* residual,
 
 // The normed output of 8 residual entries h, rounded to T (weight entries col..col+7).
 template <typename T>
-__device__ __forceinline__ Pack8<T> rms_normed8(const Pack8<T>& h, const Pack8<T>& w, float inv_rms) {
+__device__ __forceinline__ Pack8<T> rms_normed8(const Pack8<T>& h, const T* weight, int col, float inv_rms) {
+  const Pack8<T> w = load8(weight + col);
   Pack8<T> o;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h.v[i]) * inv_rms * to_float(w.v[i]));
   return o;
-}
-template <typename T>
-__device__ __forceinline__ Pack8<T> rms_normed8(const Pack8<T>& h, const T* weight, int col, float inv_rms) {
-  return rms_normed8(h, load8(weight + col), inv_rms);
 }
 
 // One entry of it (the scalar path), as a float.
 template <typename T>
 __device__ __forceinline__ float rms_normed1(T h, T w, float inv_rms) {
   return to_float(from_float<T>(to_float(h) * inv_rms * to_float(w)));
-}
-
-// The weight chunks of the thread's first RMS_HELD chunks, loaded before the row's block-wide sum: loaded after it
-// (where they are used) each would wait out its own round trip behind the barrier.
-template <typename T>
-__device__ __forceinline__ void load_weight_chunks(const T* weight, int chunks, Pack8<T> (&w)[RMS_HELD]) {
-#pragma unroll
-  for (int n = 0; n < RMS_HELD; ++n) {
-    const int c = threadIdx.x + n * blockDim.x;
-    if (c < chunks) w[n] = load8(weight + c * VEC);
-  }
 }
 
 // The vector path's first pass of a row (x: the row's source; `row`: its first element's index in residual and
@@ -319,13 +276,12 @@ __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T*
                    aligned16(out) && aligned16(residual_out);
   if (vec) {
     const int chunks = hidden / VEC;
-    Pack8<T> held[RMS_HELD], w[RMS_HELD];  // w: as in rms_norm_fp8_impl, loaded before the block-wide sum
-    load_weight_chunks(weight, chunks, w);
+    Pack8<T> held[RMS_HELD];
     const float inv_rms = rms_first_pass8(RowOf16<T>{x + row}, residual, residual_out, row, hidden, eps, held);
 #pragma unroll
     for (int n = 0; n < RMS_HELD; ++n) {
       const int c = threadIdx.x + n * blockDim.x;
-      if (c < chunks) store8(out + row + (size_t)c * VEC, rms_normed8(held[n], w[n], inv_rms));
+      if (c < chunks) store8(out + row + (size_t)c * VEC, rms_normed8(held[n], weight, c * VEC, inv_rms));
     }
     for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
       const Pack8<T> h = load8(residual_out + row + (size_t)c * VEC);
@@ -600,16 +556,13 @@ __device__ __forceinline__ float silu_times(float gate, float up) { return gate 
 
 // silu(gate) * up of columns col..col+7 of a gate_up row (x: its source; up starts at column `inter`), each
 // rounded to T.
-template <typename T>
-__device__ __forceinline__ Pack8<T> silu_mul8(const Pack8<T>& gate, const Pack8<T>& up) {
+template <typename T, typename X>
+__device__ __forceinline__ Pack8<T> silu_mul8(const X& x, int inter, int col) {
+  const Pack8<T> gate = x.chunk(col), up = x.chunk(inter + col);
   Pack8<T> y;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) y.v[i] = from_float<T>(silu_times(to_float(gate.v[i]), to_float(up.v[i])));
   return y;
-}
-template <typename T, typename X>
-__device__ __forceinline__ Pack8<T> silu_mul8(const X& x, int inter, int col) {
-  return silu_mul8<T>(x.chunk(col), x.chunk(inter + col));
 }
 
 // Rows: blockIdx.y strided by gridDim.y; columns (8-element chunks on the vector path, elements
@@ -683,14 +636,13 @@ __device__ void rms_norm_fp8_impl(const X& x, const T* residual, const T* weight
   float amax = 0.f;
   if (vec) {
     const int chunks = hidden / VEC;
-    Pack8<T> held[RMS_HELD], w[RMS_HELD];  // h, then the normed output; the weight chunks
-    load_weight_chunks(weight, chunks, w);
+    Pack8<T> held[RMS_HELD];  // h, then the normed output
     const float inv_rms = rms_first_pass8(x, residual, residual_out, row, hidden, eps, held);
 #pragma unroll
     for (int n = 0; n < RMS_HELD; ++n) {
       const int c = threadIdx.x + n * blockDim.x;
       if (c < chunks) {
-        held[n] = rms_normed8(held[n], w[n], inv_rms);
+        held[n] = rms_normed8(held[n], weight, c * VEC, inv_rms);
         amax = amax8(held[n], amax);
       }
     }
@@ -734,23 +686,11 @@ __device__ void silu_mul_fp8_impl(const X& x, unsigned char* xq, float* x_scale,
   if (vec) {
     const int chunks = inter / VEC;
     Pack8<T> held[SILU_HELD];
-    // The held chunks' loads first, one memory round trip instead of one a chunk (unconditional: a chunk past the
-    // row repeats the last, unused). Not for float32 sums: their 32 bytes a chunk would spill registers.
-    constexpr bool early = sizeof(typename X::Raw) <= 16;
-    typename X::Raw gate[SILU_HELD], up[SILU_HELD];
-#pragma unroll
-    for (int n = 0; n < SILU_HELD && early && chunks > 0; ++n) {
-      const int col = min(threadIdx.x + n * blockDim.x, chunks - 1) * VEC;
-      gate[n] = x.raw(col);
-      up[n] = x.raw(inter + col);
-    }
 #pragma unroll
     for (int n = 0; n < SILU_HELD; ++n) {
       const int c = threadIdx.x + n * blockDim.x;
       if (c < chunks) {
-        const int col = c * VEC;
-        held[n] = silu_mul8<T>(x.value(early ? gate[n] : x.raw(col), col),
-                               x.value(early ? up[n] : x.raw(inter + col), inter + col));
+        held[n] = silu_mul8<T>(x, inter, c * VEC);
         amax = amax8(held[n], amax);
       }
     }
