@@ -9,7 +9,10 @@ values, relative to sum_k |x_k w_k| of the entry (the scale of the terms summed,
 it): its maximum and its 99th percentile over the output. Inputs: Gaussian rows and weight columns quantized as
 the engine quantizes them (per row and per output channel to e4m3's range).
 
-    PYTHONPATH=benchmarks python3 benchmarks/fp8_fast_accum.py [--rows 256 8192] [--preset llama-3.1-8b]
+--heuristic: cuBLASLt's first candidate instead of the tuned pick (what the engine's eager steps run: their
+TunedGemm does not time shapes), times only.
+
+    PYTHONPATH=benchmarks python3 benchmarks/fp8_fast_accum.py [--rows 256 8192] [--preset llama-3.1-8b] [--heuristic]
 """
 from __future__ import annotations
 
@@ -42,9 +45,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", type=int, default=[256, 8192])
     parser.add_argument("--preset", default="llama-3.1-8b")
+    parser.add_argument("--heuristic", action="store_true", help="the heuristic's first candidate; times only")
     args = parser.parse_args()
     decode = cupy.asarray(np.arange(256, dtype=np.uint8).view(FP8_E4M3).astype(np.float32))  # byte -> value
-    print(f"{args.preset}: FP8 GEMMs, bfloat16 sums timed; errors of float32 sums / sum|terms|")
+    print(f"{args.preset}: FP8 GEMMs ({'heuristic' if args.heuristic else 'tuned'} pick), bfloat16 sums timed; "
+          f"errors of float32 sums / sum|terms|")
     print(f"{'linear':>8}{'rows':>6}{'off us':>9}{'fast us':>9}{'speed-up':>10}{'off max':>10}{'off p99':>10}"
           f"{'fast max':>10}{'fast p99':>10}")
     cupy.random.seed(0)
@@ -53,13 +58,14 @@ def main() -> None:
         w = decode[wq]
         for rows in args.rows:
             xq = cupy.asarray(e4m3_rows(rows, k))  # [R, K]
-            x = decode[xq]
-            exact, terms = x @ w.T, cupy.abs(x) @ cupy.abs(w).T  # [R, N] float32
+            if not args.heuristic:
+                x = decode[xq]
+                exact, terms = x @ w.T, cupy.abs(x) @ cupy.abs(w).T  # [R, N] float32
             line = f"{name:>8}{rows:>6}"
             times, errors = [], []
             for fast in (False, True):
                 stream = cupy.cuda.Stream(non_blocking=True)
-                gemm = TunedGemm(stream, fp8_fast_accum=fast)
+                gemm = TunedGemm(stream, tune=not args.heuristic, fp8_fast_accum=fast)
                 acc16 = cupy.empty((rows, n), dtype=BFLOAT16)
                 acc32 = cupy.empty((rows, n), dtype=np.float32)
                 with stream:
@@ -67,10 +73,12 @@ def main() -> None:
                     gemm.fp8(xq, wq, acc32)
                 stream.synchronize()
                 times.append(graph_ms(lambda: gemm.fp8(xq, wq, acc16), repeats=20, stream=stream) * 1e3)
-                errors.extend(relative_errors(acc32, exact, terms))
+                if not args.heuristic:
+                    errors.extend(relative_errors(acc32, exact, terms))
             line += f"{times[0]:>9.1f}{times[1]:>9.1f}{times[0] / times[1]:>9.3f}x"
             print(line + "".join(f"{e:>10.2e}" for e in errors), flush=True)
-            del x, exact, terms
+            if not args.heuristic:
+                del x, exact, terms
         del w
 
 
