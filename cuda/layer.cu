@@ -44,6 +44,12 @@
 //   the device = (k_scale, v_scale): the rotated k and v are rounded to T, divided by their scale and
 //   quantized (ties to even, saturating at +-448), so the bytes equal rope + write_kv_fp8's.
 //
+// rope_write_kv{,_fp8}_product{,_bf16acc}_{f16,bf16} (the qkv projection's FP8 product, its epilogue folded in)
+//   acc [T, Np] (fp32, or bf16 for _bf16acc), acc_x_scale [T], acc_w_scale [Np] fp32: q, k, v are columns
+//   [0, H D), [H D, (H + Hkv) D), [(H + Hkv) D, (H + 2 Hkv) D) of T((acc x x_scale) x w_scale) (RowOfFp8Product);
+//   cos_sin [P, D] T; the rest as rope_write_kv(_fp8), byte for byte scale_fp8_output then that kernel.
+//   Vector path only (D/2 % 8 == 0, Np % 8 == 0, 16-byte aligned arrays; the launcher checks), its units.
+//
 // add_bias_{f16,bf16}
 //   x [T, N] T contiguous, updated in place: x[t, j] + bias[j] rounded once; bias [N] T.
 //   Grid-stride loop over the T*N entries. (A CuPy `+` on bf16 arrays broke CUDA-graph capture.)
@@ -300,12 +306,14 @@ __device__ void rms_norm_impl(const T* x, const T* residual, const T* weight, T*
 // arithmetic (and the compiler's contraction of it) is one and the same: their outputs agree bit for bit.
 // (The FP8 write rotates through rotate8_values / rotate1_values, the same arithmetic, then rounds to T
 // before it quantizes: its cache bytes are those of rope's k written by write_kv_fp8.)
+// (rotate8_pack: the same from the 8 elements at j and at j + D/2 already loaded, for sources that are not a
+// plain array: rope_write_kv_product_impl.)
 template <typename T, typename CacheT>
-__device__ __forceinline__ void rotate8_values(const T* src, const CacheT* cs, int half_dim, float (&y1)[VEC],
-                                               float (&y2)[VEC]) {
+__device__ __forceinline__ void rotate8_pack(const Pack8<T>& a, const Pack8<T>& b, const CacheT* cs, int half_dim,
+                                             float (&y1)[VEC], float (&y2)[VEC]) {
   float x1[VEC], x2[VEC], c[VEC], s[VEC];
-  load8_float(src, x1);
-  load8_float(src + half_dim, x2);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) x1[i] = to_float(a.v[i]), x2[i] = to_float(b.v[i]);
   load8_float(cs, c);
   load8_float(cs + half_dim, s);
 #pragma unroll
@@ -313,6 +321,12 @@ __device__ __forceinline__ void rotate8_values(const T* src, const CacheT* cs, i
     y1[i] = x1[i] * c[i] - x2[i] * s[i];
     y2[i] = x2[i] * c[i] + x1[i] * s[i];
   }
+}
+
+template <typename T, typename CacheT>
+__device__ __forceinline__ void rotate8_values(const T* src, const CacheT* cs, int half_dim, float (&y1)[VEC],
+                                               float (&y2)[VEC]) {
+  rotate8_pack(load8(src), load8(src + half_dim), cs, half_dim, y1, y2);
 }
 
 template <typename T, typename CacheT>
@@ -548,6 +562,66 @@ __device__ void rope_write_kv_fp8_impl(const T* q, const T* k, const T* v, const
       k_dst[head * head_dim + j + half_dim] = (unsigned char)quantize1<T>(y2, k_scale);
     } else {
       v_dst[i - rotations] = (unsigned char)quantize1<T>(to_float(v_row[i - rotations]), v_scale);
+    }
+  }
+}
+
+// 8 rotated or copied K/V values into a cache row: a 16-bit cache stores them rounded to T, an FP8 one as
+// store8_fp8 (scale unused for 16-bit).
+template <typename T>
+__device__ __forceinline__ void store8_kv(T* p, const float (&y)[VEC], float) { store8_float(p, y); }
+template <typename T>
+__device__ __forceinline__ void store8_kv(unsigned char* p, const float (&y)[VEC], float scale) {
+  store8_fp8<T>(p, y, scale);
+}
+
+// rope_write_kv reading q, k and v from the qkv projection's FP8 product before its scale epilogue: the token's
+// row x (RowOfFp8Product) holds q in columns [0, H D), k in [H D, (H + Hkv) D), v after; each element is the
+// epilogue's value (RowOfFp8Product), so every output is byte for byte scale_fp8_output then rope_write_kv(_fp8)
+// of its q, k, v views. Vector path only (the launcher checks its condition): 8-pair units as rope_write_kv_impl.
+// KvT: T (16-bit cache; kv_scale unused) or unsigned char (FP8 cache, kv_scale = (k_scale, v_scale)).
+template <typename T, typename CacheT, typename KvT, typename X>
+__device__ void rope_write_kv_product_impl(const X& x, const int* positions, const CacheT* cos_sin,
+                                           const int* slot_mapping, const float* kv_scale, T* q_out, KvT* k_cache,
+                                           KvT* v_cache, int num_heads, int num_kv_heads, int head_dim) {
+  const int token = blockIdx.x;
+  const int half_dim = head_dim / 2;
+  const int slot = slot_mapping[token];
+  const int kv_heads = slot < 0 ? 0 : num_kv_heads;  // KV heads this token writes
+  const bool fp8 = sizeof(KvT) == 1;
+  const float k_scale = fp8 ? kv_scale[0] : 1.f, v_scale = fp8 ? kv_scale[1] : 1.f;
+  const CacheT* table = cos_sin + (size_t)positions[token] * head_dim;
+  T* q_out_row = q_out + (size_t)token * num_heads * head_dim;
+  const size_t cache_row = (size_t)(slot < 0 ? 0 : slot) * num_kv_heads * head_dim;
+  KvT* k_dst = k_cache + cache_row;
+  KvT* v_dst = v_cache + cache_row;
+  const int k_col = num_heads * head_dim, v_col = k_col + num_kv_heads * head_dim;
+  const int units_per_head = half_dim / VEC;
+  const int q_units = num_heads * units_per_head;
+  const int rotations = q_units + kv_heads * units_per_head;
+  const int units = rotations + kv_heads * head_dim / VEC;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    if (u < rotations) {
+      const bool is_q = u < q_units;
+      const int unit = is_q ? u : u - q_units;
+      const int head = unit / units_per_head, j = (unit - head * units_per_head) * VEC;
+      const int col = (is_q ? 0 : k_col) + head * head_dim + j;
+      float y1[VEC], y2[VEC];
+      rotate8_pack(x.chunk(col), x.chunk(col + half_dim), table + j, half_dim, y1, y2);
+      if (is_q) {
+        store8_float(q_out_row + head * head_dim + j, y1);
+        store8_float(q_out_row + head * head_dim + j + half_dim, y2);
+      } else {
+        store8_kv<T>(k_dst + head * head_dim + j, y1, k_scale);
+        store8_kv<T>(k_dst + head * head_dim + j + half_dim, y2, k_scale);
+      }
+    } else {
+      const int at = (u - rotations) * VEC;
+      const Pack8<T> v = x.chunk(v_col + at);
+      float y[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) y[i] = to_float(v.v[i]);
+      store8_kv<T>(v_dst + at, y, v_scale);
     }
   }
 }
@@ -812,6 +886,22 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
     const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
     rms_norm_fp8_impl<T>(x, residual, weight, xq, x_scale, residual_out, hidden, padded_width, eps,            \
                          static_scale);                                                                       \
+  }                                                                                                           \
+  extern "C" __global__ void rope_write_kv_product##TAG##_##SUFFIX(                                            \
+      const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const int* positions,  \
+      const T* cos_sin, const int* slot_mapping, T* q_out, T* k_cache, T* v_cache, int num_heads,             \
+      int num_kv_heads, int head_dim) {                                                                       \
+    const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
+    rope_write_kv_product_impl<T, T, T>(x, positions, cos_sin, slot_mapping, nullptr, q_out, k_cache,        \
+                                            v_cache, num_heads, num_kv_heads, head_dim);                      \
+  }                                                                                                           \
+  extern "C" __global__ void rope_write_kv_fp8_product##TAG##_##SUFFIX(                                        \
+      const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const int* positions,  \
+      const T* cos_sin, const int* slot_mapping, const float* kv_scale, T* q_out, unsigned char* k_cache,      \
+      unsigned char* v_cache, int num_heads, int num_kv_heads, int head_dim) {                                \
+    const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
+    rope_write_kv_product_impl<T, T, unsigned char>(x, positions, cos_sin, slot_mapping, kv_scale, q_out,     \
+                                                        k_cache, v_cache, num_heads, num_kv_heads, head_dim); \
   }                                                                                                           \
   extern "C" __global__ void __launch_bounds__(1024) silu_mul_fp8_product##TAG##_##SUFFIX(                    \
       const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, unsigned char* xq,     \

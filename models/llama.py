@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from offline_paged.ops.attention import AttentionMetadata
+from offline_paged.ops.attention import AttentionMetadata, split_qkv
 from offline_paged.ops.fp8_linear import QUANTIZATIONS, Fp8Linear
 from offline_paged.ops.kv_scales import KvScales, is_fp8
 from .checkpoint_scales import FUSED_LINEARS, fused_parts, layer_kv_scales, quantized_modules
@@ -251,21 +251,23 @@ class Llama:
         c = self.config
         num_tokens = hidden.shape[0]
         q_dim = c.num_attention_heads * c.head_dim
-        kv_dim = c.num_key_value_heads * c.head_dim
-        qkv = matmul(hidden, layer.qkv)  # [T, (H + 2 Hkv) D]
-        if layer.qkv_bias is not None:
-            qkv = self.ops.add_bias(qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
-        q = qkv[:, :q_dim].reshape(num_tokens, c.num_attention_heads, c.head_dim)  # [T, H, D]
-        k = qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
-        v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
-        if layer.q_norm is not None:
-            q, k = self.ops.head_rms_norm(q, k, layer.q_norm, layer.k_norm, c.rms_norm_eps)  # one kernel on the GPU
         # RoPE and the KV-cache write in one op (one kernel on the GPU): attention reads K/V from the
         # cache only, so the rotated k goes straight there.
         # An FP8 cache passes the layer's scales (only then: a 16-bit call keeps its plain signature).
         fp8 = {} if layer.kv_scales is None else {"kv_scales": layer.kv_scales}
-        q = self.ops.rope_write_kv(q, k, v, positions, self.cos_sin_cache, layer_cache[0], layer_cache[1],
-                                   meta.slot_mapping, **fp8)  # [T, H, D]
+        rope_args = (positions, self.cos_sin_cache, layer_cache[0], layer_cache[1], meta.slot_mapping)
+        if layer.qkv_bias is None and layer.q_norm is None:
+            # The projection goes into rope_write_kv only, so an FP8 one may come before its scale epilogue.
+            qkv = matmul(hidden, self.ops.deferred(layer.qkv))  # [T, (H + 2 Hkv) D]
+            q = self.ops.qkv_rope_write_kv(qkv, c.num_attention_heads, *rope_args, **fp8)  # [T, H, D]
+        else:
+            qkv = matmul(hidden, layer.qkv)  # [T, (H + 2 Hkv) D]
+            if layer.qkv_bias is not None:
+                qkv = self.ops.add_bias(qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
+            q, k, v = split_qkv(qkv, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q, k = self.ops.head_rms_norm(q, k, layer.q_norm, layer.k_norm, c.rms_norm_eps)  # one GPU kernel
+            q = self.ops.rope_write_kv(q, k, v, *rope_args, **fp8)  # [T, H, D]
         out = attention(q, layer_cache[0], layer_cache[1], meta, self.scale,
                         sliding_window=c.sliding_window, **fp8)  # [T, H, D]
         o_proj = self.ops.deferred(layer.o_proj)  # its output goes into the post-attention rms_norm only

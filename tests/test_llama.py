@@ -187,8 +187,9 @@ def test_all_rows_and_an_injected_matmul_equal_the_default_path(tiny):
 def test_each_linears_input_and_output_hooks_name_the_right_layers(tiny):
     """The forward tells the backend where each output goes (CudaOps fuses an FP8 layer's quantize and scale
     epilogue into those kernels; NumpyOps ignores it): input_norm feeds qkv, post_norm gate_up, silu_mul down;
-    o_proj, gate_up and every down but the last are deferred (their outputs go only into rms_norm / silu_mul;
-    the last down's rows are picked before the final norm). The final norm feeds nothing."""
+    qkv (no bias or q/k norm here: its output goes only into qkv_rope_write_kv), o_proj, gate_up and every down but
+    the last are deferred (their outputs go only into rope_write_kv / rms_norm / silu_mul; the last down's rows are
+    picked before the final norm). The final norm feeds nothing."""
     _, config, weights = tiny
 
     @dataclasses.dataclass(frozen=True)
@@ -231,7 +232,7 @@ def test_each_linears_input_and_output_hooks_name_the_right_layers(tiny):
     for i, layer in enumerate(model.layers):
         expected_feeds += [("rms_norm", layer.qkv), ("rms_norm", layer.gate_up), ("silu_mul", layer.down)]
         last = i == len(model.layers) - 1
-        expected_products += [layer.qkv, Deferred(layer.o_proj), Deferred(layer.gate_up),
+        expected_products += [Deferred(layer.qkv), Deferred(layer.o_proj), Deferred(layer.gate_up),
                               layer.down if last else Deferred(layer.down)]
     expected_feeds.append(("rms_norm", None))  # the final norm
     assert len(ops.feeds) == len(expected_feeds) and len(products) == len(expected_products)

@@ -9,7 +9,8 @@ row; CudaOps hands an FP8 layer Fp8Rows that give the same product as its 16-bit
 CUDA graph; rows made for another layer are refused. The product-reading forms (rms_norm_fp8_product,
 silu_mul_fp8_product: an FP8 GEMM's product, float32 or bfloat16, read before its scale epilogue) equal
 scale_fp8_output followed by the 16-bit-input form, and CudaOps.deferred layers hand them Fp8Product with the same
-final bytes. The vector e4m3 rounding every vector FP8 write goes through (fp8.cuh's float8_to_e4m3x8: the hardware
+final bytes; rope_write_kv_product (the qkv projection's product read by rope_write_kv) equals scale_fp8_output then
+rope_write_kv into 16-bit and FP8 caches, and CudaOps.qkv_rope_write_kv takes it or falls back. The vector e4m3 rounding every vector FP8 write goes through (fp8.cuh's float8_to_e4m3x8: the hardware
 cvt on sm_89+) equals ml_dtypes' on every fp16 and bf16 value, ties and saturation edges, and keeps a NaN's sign.
 """
 from __future__ import annotations
@@ -29,7 +30,9 @@ from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output  
 from offline_paged.ops.graphs import gc_paused  # noqa: E402
 from offline_paged.ops.kernel_modules import inline_headers  # noqa: E402
 from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
+from offline_paged.ops.attention import split_qkv  # noqa: E402
 from test_fp8_conversions import E4M3, _inputs  # noqa: E402
+from test_launchers import rope_write_kv_case  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [pytest.param(np.dtype(np.float16), id="fp16"), pytest.param(BF16, id="bf16")]
@@ -273,6 +276,92 @@ def test_deferred_layers_hand_their_product_to_rms_norm_and_silu_mul(dtype, monk
     weight16 = cupy.zeros((384, 512), dtype)
     monkeypatch.setattr(cuda_fp8_linear, "FUSED_FP8_INPUTS", True)
     assert ops.deferred(weight16) is weight16
+
+
+def qkv_product_case(rng, num_tokens: int, head_dim: int, dtype, acc_dtype, fp8_cache: bool, pad: int = 0):
+    """(qkv product args (9 q heads, 3 KV heads; acc padded `pad` columns wider), positions, cos_sin table, slots,
+    k_cache, v_cache, kv_scale) on the GPU: rope_write_kv_case's, the caches random bytes when FP8."""
+    qkv, positions, table, slots, k_host, v_host = rope_write_kv_case(rng, num_tokens, head_dim, dtype, "same")
+    width = qkv.shape[1]
+    args = product(rng, num_tokens, width, width + pad, acc_dtype)
+    if fp8_cache:
+        k_host, v_host = (rng.integers(0, 256, k_host.shape).astype(np.uint8) for _ in range(2))
+    kv_scale = cupy.asarray(np.array([0.05, 0.03], np.float32)) if fp8_cache else None
+    return (args, cupy.asarray(positions), cupy.asarray(table), cupy.asarray(slots), k_host, v_host, kv_scale)
+
+
+def cache_bits(a):
+    return cupy.asnumpy(a).view(np.uint8)
+
+
+@pytest.mark.parametrize("acc_dtype", ACC_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["cache-16bit", "cache-fp8"])
+@pytest.mark.parametrize("num_tokens, head_dim, pad", [(1, 128, 0), (7, 64, 16), (300, 128, 0)])
+def test_rope_write_kv_reads_a_qkv_product_as_its_epilogue_writes_it(num_tokens, head_dim, pad, fp8_cache, dtype,
+                                                                      acc_dtype):
+    """rope_write_kv_product = scale_fp8_output, then rope_write_kv of its q, k, v views: q, both caches (the rows
+    of negative slots and untargeted rows untouched), byte for byte."""
+    rng = np.random.default_rng([num_tokens, head_dim, pad])
+    args, positions, table, slots, k_host, v_host, kv_scale = qkv_product_case(rng, num_tokens, head_dim, dtype,
+                                                                               acc_dtype, fp8_cache, pad)
+    qkv = scale_fp8_output(*args[:3], args[3], dtype)
+    k_want, v_want = cupy.asarray(k_host), cupy.asarray(v_host)
+    q_want = launchers.rope_write_kv(*split_qkv(qkv, 9, 3, head_dim), positions, table, k_want, v_want, slots,
+                                     kv_scale=kv_scale)
+    k_got, v_got = cupy.asarray(k_host), cupy.asarray(v_host)
+    assert launchers.rope_write_kv_product_fits(args, dtype, head_dim, table)
+    q_got = launchers.rope_write_kv_product(args, dtype, 9, positions, table, k_got, v_got, slots, kv_scale=kv_scale)
+    assert q_got.dtype == dtype and q_got.shape == (num_tokens, 9, head_dim)
+    np.testing.assert_array_equal(q_got.get().view(np.uint16), q_want.get().view(np.uint16))
+    np.testing.assert_array_equal(cache_bits(k_got), cache_bits(k_want))
+    np.testing.assert_array_equal(cache_bits(v_got), cache_bits(v_want))
+    assert (cache_bits(k_got) != cache_bits(cupy.asarray(k_host))).any()  # it wrote something
+
+
+def test_rope_write_kv_product_refuses_what_its_kernel_cannot_take():
+    rng = np.random.default_rng(3)
+    args, positions, table, slots, k_host, v_host, _ = qkv_product_case(rng, 4, 64, BF16, BF16, False)
+    k_cache, v_cache = cupy.asarray(k_host), cupy.asarray(v_host)
+    table32 = table.astype(np.float32)
+    assert not launchers.rope_write_kv_product_fits(args, BF16, 64, table32)
+    with pytest.raises(ValueError, match="cos_sin of the outputs' dtype"):
+        launchers.rope_write_kv_product(args, BF16, 9, positions, table32, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="does not hold 8"):
+        launchers.rope_write_kv_product(args, BF16, 8, positions, table, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="kv_scale is only for an FP8"):
+        launchers.rope_write_kv_product(args, BF16, 9, positions, table, k_cache, v_cache, slots,
+                                        kv_scale=cupy.ones(2, np.float32))
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["cache-16bit", "cache-fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_ops_fold_the_qkv_epilogue_into_rope_write_kv(dtype, fp8_cache, monkeypatch):
+    """CudaOps.qkv_rope_write_kv of a deferred FP8 qkv's product (one kernel) writes what it writes from the 16-bit
+    output, and so do its fallbacks (FOLD_QKV_EPILOGUE off; a float32 cos_sin table the kernel does not take)."""
+    from offline_paged.ops import ops_cuda
+    from offline_paged.ops.kv_scales import KvScales
+
+    rng = np.random.default_rng(21)
+    ops = CudaOps()
+    head_dim = 64
+    qkv_layer = ops.quantize_linear(cupy.asarray(rng.standard_normal((15 * head_dim, 256)).astype(dtype)))
+    x = rows(rng, 11, 256, dtype)
+    _, positions, table, slots, k_host, v_host, _ = qkv_product_case(rng, 11, head_dim, dtype, BF16, fp8_cache)
+    scales = KvScales(0.05, 0.03) if fp8_cache else None
+    fp8 = {"kv_scales": scales} if fp8_cache else {}
+    product_out = x @ ops.deferred(qkv_layer)
+    assert isinstance(product_out, Fp8Product)
+    results = []
+    for qkv, cos_sin, fold in ((x @ qkv_layer, table, True), (product_out, table, True),
+                               (product_out, table, False), (product_out, table.astype(np.float32), True)):
+        monkeypatch.setattr(ops_cuda, "FOLD_QKV_EPILOGUE", fold)
+        k_cache, v_cache = cupy.asarray(k_host), cupy.asarray(v_host)
+        q = ops.qkv_rope_write_kv(qkv, 9, positions, cos_sin, k_cache, v_cache, slots, **fp8)
+        results.append((q.get().view(np.uint16), cache_bits(k_cache), cache_bits(v_cache)))
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            np.testing.assert_array_equal(a, b)
 
 
 VECTOR_ROUNDING = r"""

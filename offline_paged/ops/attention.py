@@ -63,6 +63,14 @@ class AttentionMetadata:
         return int(self.context_lens.shape[0])
 
 
+def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int):
+    """The q [T, H, D], k [T, Hkv, D] and v [T, Hkv, D] views of a fused qkv projection's output [T, (H + 2 Hkv) D]."""
+    num_tokens, q_dim, kv_dim = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    return (qkv[:, :q_dim].reshape(num_tokens, num_heads, head_dim),
+            qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, num_kv_heads, head_dim),
+            qkv[:, q_dim + kv_dim:].reshape(num_tokens, num_kv_heads, head_dim))
+
+
 def write_kv_reference(xp, k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0,
                        v_scale: float = 1.0) -> None:
     """Scatter new K/V rows into the cache by slot; rows whose slot is negative are skipped.

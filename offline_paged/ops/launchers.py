@@ -75,6 +75,11 @@ KERNELS = (
     ("layer.cu", "silu_mul_fp8_product_f16"), ("layer.cu", "silu_mul_fp8_product_bf16"),
     ("layer.cu", "rms_norm_fp8_product_bf16acc_f16"), ("layer.cu", "rms_norm_fp8_product_bf16acc_bf16"),
     ("layer.cu", "silu_mul_fp8_product_bf16acc_f16"), ("layer.cu", "silu_mul_fp8_product_bf16acc_bf16"),
+    # rope_write_kv reading the qkv projection's FP8 product (its scale epilogue folded in), 16-bit and FP8 caches:
+    ("layer.cu", "rope_write_kv_product_f16"), ("layer.cu", "rope_write_kv_product_bf16"),
+    ("layer.cu", "rope_write_kv_product_bf16acc_f16"), ("layer.cu", "rope_write_kv_product_bf16acc_bf16"),
+    ("layer.cu", "rope_write_kv_fp8_product_f16"), ("layer.cu", "rope_write_kv_fp8_product_bf16"),
+    ("layer.cu", "rope_write_kv_fp8_product_bf16acc_f16"), ("layer.cu", "rope_write_kv_fp8_product_bf16acc_bf16"),
     # Qwen3's per-head q_norm and k_norm in one launch:
     ("layer.cu", "head_rms_norm_f16"), ("layer.cu", "head_rms_norm_bf16"),
 )
@@ -691,6 +696,50 @@ def rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k
              np.int64(q_stride),
              np.int64(k_stride), np.int64(v_stride), np.int32(num_heads), np.int32(num_kv_heads),
              np.int32(head_dim)))
+    return q_out
+
+
+def rope_write_kv_product_fits(product, dtype, head_dim: int, cos_sin) -> bool:
+    """Whether rope_write_kv_product can take this qkv product (its kernel has only the 16-byte path): head_dim / 2
+    a multiple of 8, the product's padded row a multiple of 8 wide, cos_sin of the activations' dtype, every array
+    16-byte aligned."""
+    acc, x_scale, w_scale, _ = product
+    return (head_dim // 2 % VECTOR_WIDTH == 0 and head_dim % 2 == 0 and acc.shape[1] % VECTOR_WIDTH == 0
+            and getattr(cos_sin, "dtype", None) == np.dtype(dtype) and _vector_path(head_dim, acc, w_scale, cos_sin))
+
+
+def rope_write_kv_product(product, dtype, num_heads: int, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                          kv_scale=None):
+    """rope_write_kv of the q, k, v columns of the qkv projection's FP8 product before its scale epilogue (`product`
+    as silu_mul_fp8's: (acc [T, Np], x_scale [T], w_scale [Np], N = (H + 2 Hkv) D), the outputs of `dtype`): byte
+    for byte scale_fp8_output, then rope_write_kv of its q, k, v views, in one launch. Returns the rotated q [T, H, D];
+    Hkv and D come from the cache ([N, B, Hkv, D]); needs rope_write_kv_product_fits."""
+    suffix = ELEMENT_SUFFIX.get(np.dtype(dtype))
+    _require(suffix is not None, f"dtype must be float16 or bfloat16, got {dtype}")
+    num_tokens, width, x_args, acc_tag = _product_args(product)
+    fp8 = _cache_is_fp8(k_cache, kv_scale)
+    _check_array("k_cache", k_cache, FP8_STORAGE if fp8 else np.dtype(dtype), 4)
+    _check_array("v_cache", v_cache, k_cache.dtype, 4)
+    _require(k_cache.shape == v_cache.shape, f"k_cache shape {k_cache.shape} != v_cache shape {v_cache.shape}")
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    _require(width == (num_heads + 2 * num_kv_heads) * head_dim,
+             f"a qkv product {width} wide does not hold {num_heads} + 2 x {num_kv_heads} heads of {head_dim}")
+    _check_array("positions", positions, np.int32, 1)
+    _check_array("slot_mapping", slot_mapping, np.int32, 1)
+    _require(positions.shape[0] == num_tokens and slot_mapping.shape[0] == num_tokens,
+             f"{positions.shape[0]} positions and {slot_mapping.shape[0]} slots for {num_tokens} tokens")
+    _require(isinstance(cos_sin, cupy.ndarray) and cos_sin.ndim == 2 and cos_sin.flags.c_contiguous
+             and cos_sin.shape[1] == head_dim, f"cos_sin_cache must be a contiguous [P, {head_dim}] cupy array")
+    _require(rope_write_kv_product_fits(product, dtype, head_dim, cos_sin),
+             "rope_write_kv_product needs head_dim / 2 a multiple of 8, 16-byte aligned rows and cos_sin of the "
+             "outputs' dtype")
+    q_out = cupy.empty((num_tokens, num_heads, head_dim), dtype=dtype)
+    if num_tokens:
+        units = ((num_heads + num_kv_heads) * (head_dim // 2) + num_kv_heads * head_dim) // VECTOR_WIDTH
+        _kernel("layer.cu", f"rope_write_kv_{'fp8_' if fp8 else ''}product{acc_tag}_{suffix}")(
+            (num_tokens,), (_block_threads(units, 256),),
+            (*x_args, positions, cos_sin, slot_mapping, *((kv_scale,) if fp8 else ()), q_out, k_cache, v_cache,
+             np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim)))
     return q_out
 
 

@@ -21,7 +21,7 @@ import dataclasses
 import cupy
 import numpy as np
 
-from offline_paged.ops.attention import AttentionMetadata
+from offline_paged.ops.attention import AttentionMetadata, split_qkv
 from offline_paged.ops import cuda_fp8_linear
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear, Fp8Product, Fp8Rows
 from offline_paged.ops.fp8_linear import Fp8Linear
@@ -30,6 +30,11 @@ from offline_paged.ops.logits_rows import logits_buckets, logits_rows
 
 from offline_paged.ops import launchers
 from offline_paged.ops.swap import BlockSwapper
+
+# An FP8 qkv projection's product goes into rope_write_kv before its scale epilogue (CudaOps.qkv_rope_write_kv: one
+# launch and the [T, (H + 2 Hkv) D] 16-bit output's trip through memory fewer a layer); False: the epilogue, then
+# rope_write_kv (the same bytes either way).
+FOLD_QKV_EPILOGUE = True
 
 
 def _int32(values):
@@ -143,6 +148,22 @@ class CudaOps:
             return q
         return launchers.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots,
                                        kv_scale=self.kv_scale_buffer(kv_scales))
+
+    def qkv_rope_write_kv(self, qkv, num_heads: int, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                          kv_scales: KvScales | None = None):
+        """NumpyOps.qkv_rope_write_kv. qkv may be an FP8 projection's Fp8Product (CudaOps.deferred): one kernel
+        then reads it before its scale epilogue (launchers.rope_write_kv_product, byte for byte the epilogue and
+        rope_write_kv), where that kernel fits it and no KvScales is still to be calculated."""
+        if isinstance(qkv, Fp8Product):
+            calculating = kv_scales is not None and kv_scales.calculate and not _capturing()
+            if FOLD_QKV_EPILOGUE and not calculating and launchers.rope_write_kv_product_fits(
+                    qkv.args, qkv.dtype, k_cache.shape[3], cos_sin_cache):
+                return launchers.rope_write_kv_product(
+                    qkv.args, qkv.dtype, num_heads, _int32(positions), cos_sin_cache, k_cache, v_cache,
+                    _int32(slot_mapping), kv_scale=self.kv_scale_buffer(kv_scales))
+            qkv = qkv.materialize()
+        q, k, v = split_qkv(qkv, num_heads, *k_cache.shape[2:])
+        return self.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kv_scales)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                   sliding_window: int | None = None, kv_scales: KvScales | None = None, out=None):

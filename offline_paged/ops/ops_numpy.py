@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from offline_paged.ops.attention import AttentionMetadata, paged_attention_reference, write_kv_reference
+from offline_paged.ops.attention import (AttentionMetadata, paged_attention_reference, split_qkv,
+                                        write_kv_reference)
 from offline_paged.ops.attention_fast import paged_attention_fast
 from offline_paged.ops.fp8_linear import Fp8Linear
 from offline_paged.ops.kv_scales import KvScales
@@ -87,6 +88,13 @@ class NumpyOps:
         q, k = self.rope(q, k, positions, cos_sin_cache)
         self.write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
         return q
+
+    def qkv_rope_write_kv(self, qkv, num_heads: int, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                          kv_scales: KvScales | None = None):
+        """rope_write_kv of the q, k, v columns of a qkv projection's output [T, (H + 2 Hkv) D] (Hkv and D: the
+        cache's); returns the rotated q [T, H, D]. CudaOps reads an FP8 projection's product before its epilogue."""
+        q, k, v = split_qkv(qkv, num_heads, *k_cache.shape[2:])
+        return self.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kv_scales)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                   sliding_window: int | None = None, kv_scales: KvScales | None = None):
