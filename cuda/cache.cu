@@ -61,11 +61,11 @@ __device__ __forceinline__ float elem_to_float(unsigned short bits, bool bf16) {
 
 // Eight fp16/bf16 elements (a 16-byte vector) divided by `scale`, quantized to eight e4m3 bytes.
 template <bool BF16>
-__device__ __forceinline__ uint2 quantize8(const uint4& in, float scale) {
+__device__ __forceinline__ uint2 quantize8(const uint4& in, const Fp8Divisor& scale) {
   const unsigned words[4] = {in.x, in.y, in.z, in.w};
   float f[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] = elem_to_float((unsigned short)(words[i / 2] >> (16 * (i % 2))), BF16) / scale;
+  for (int i = 0; i < 8; ++i) f[i] = scale(elem_to_float((unsigned short)(words[i / 2] >> (16 * (i % 2))), BF16));
   return float8_to_e4m3x8(f);
 }
 
@@ -76,7 +76,7 @@ __device__ void write_kv_fp8_impl(const elem16* k, const elem16* v, unsigned cha
   const int token = blockIdx.x;
   const int slot = slot_mapping[token];
   if (slot < 0) return;
-  const float k_scale = kv_scale[0], v_scale = kv_scale[1];
+  const Fp8Divisor k_scale = fp8_divisor(kv_scale[0]), v_scale = fp8_divisor(kv_scale[1]);
   const uint4* k_src = reinterpret_cast<const uint4*>(k + token * k_row_stride);
   const uint4* v_src = reinterpret_cast<const uint4*>(v + token * v_row_stride);
   uint2* k_dst = reinterpret_cast<uint2*>(k_cache + (size_t)slot * row_elems);

@@ -147,4 +147,30 @@ __device__ __forceinline__ float fp8_row_scale(float amax, float static_scale) {
   if (static_scale > 0.f) return static_scale;
   return amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;  // NaN > 0 is false: 1
 }
+
+// x / scale as __fdiv_rn rounds it, for many x over one scale (a row's, or a layer's K or V scale): the reciprocal
+// rounded once, then per value one product and two FMAs (Markstein's correction: q = x r, q + (x - scale q) r), about
+// 4 instructions against __fdiv_rn's ~12 and its branch to a slow path. For scales in [2^-60, 2^60] it equals
+// __fdiv_rn bit for bit wherever the quotient reaches e4m3's range (|x / scale| >= 2^-10), and below that both give
+// an e4m3 zero of x's sign (checked on the host over every fp16 and bf16 value and 4e8 random floats, against 7,000
+// scales, 1.3e9 quotients: session 56). Other scales, and quotients that are not finite (a NaN or infinite x, an
+// overflow), take __fdiv_rn.
+#ifndef FP8_DIVISOR_RECIPROCAL
+#define FP8_DIVISOR_RECIPROCAL 1  // 0: every quotient through __fdiv_rn (the same bytes; for A/B timings)
+#endif
+struct Fp8Divisor {
+  float scale, reciprocal;
+  bool fast;
+  __device__ __forceinline__ float operator()(float x) const {
+#if FP8_DIVISOR_RECIPROCAL
+    const float q = __fmul_rn(x, reciprocal);
+    const float d = copysignf(__fmaf_rn(__fmaf_rn(-scale, q, x), reciprocal, q), x);
+    if (fast && fabsf(d) <= 0x1.fffffep127f) return d;  // finite
+#endif
+    return __fdiv_rn(x, scale);
+  }
+};
+__device__ __forceinline__ Fp8Divisor fp8_divisor(float scale) {
+  return Fp8Divisor{scale, __frcp_rn(scale), scale >= 0x1p-60f && scale <= 0x1p60f};
+}
 #endif  // OFFLINE_PAGED_FP8_CUH

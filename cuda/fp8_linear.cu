@@ -10,7 +10,7 @@
 //   scales [R] float32, written: static_scale when static_scale > 0 (a checkpoint's input_scale), else
 //          amax / 448 with amax = max_c |x[r, c]| (1 when amax is 0, or NaN: fp8_linear.fp8_scales' rule)
 //   xq[r, c] = e4m3(x[r, c] / scales[r]) rounded to nearest even, saturating at +-448 (fp8.cuh), the division
-//          IEEE-rounded (__fdiv_rn): byte for byte quantize_rows / quantize_static of x as float32
+//          as IEEE rounds it (fp8.cuh's Fp8Divisor): byte for byte quantize_rows / quantize_static of x as float32
 //   Grid: x = row (strided by gridDim.x); block: QUANT_THREADS threads stride over the columns (a block-wide
 //   max through warp shuffles and shared memory, then the quantizing pass).
 //
@@ -80,8 +80,9 @@ __device__ void quantize_rows(const T* __restrict__ x, unsigned char* __restrict
       scale = fp8_row_scale(block_max(amax), 0.f);
     }
     if (threadIdx.x == 0) scales[row] = scale;
+    const Fp8Divisor divide = fp8_divisor(scale);
     for (int c = threadIdx.x; c < padded_width; c += QUANT_THREADS)
-      out[c] = c < width ? (unsigned char)float_to_e4m3(__fdiv_rn(to_float(in[c]), scale)) : 0;
+      out[c] = c < width ? (unsigned char)float_to_e4m3(divide(to_float(in[c]))) : 0;
   }
 }
 
@@ -145,12 +146,13 @@ __device__ void quantize_rows_vec(const T* __restrict__ x, unsigned char* __rest
       scale = fp8_row_scale(block_max(amax), 0.f);
     }
     if (threadIdx.x == 0) scales[row] = scale;
+    const Fp8Divisor divide = fp8_divisor(scale);
     for (int v = threadIdx.x; v < padded_vectors; v += QUANT_THREADS) {
       if (v < vectors) {
         const uint4 piece = in[v];
         float f[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] = __fdiv_rn(element<T>(piece, i), scale);
+        for (int i = 0; i < 8; ++i) f[i] = divide(element<T>(piece, i));
         out[v] = float8_to_e4m3x8(f);
       } else {
         out[v] = make_uint2(0u, 0u);

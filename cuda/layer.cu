@@ -357,15 +357,15 @@ __device__ __forceinline__ void rotate1(const T* src, const CacheT* cs, int half
 // FP8 cache stores (cuda/fp8.cuh): each value rounded to T first (what the 16-bit cache would hold),
 // then divided by the scale and quantized to e4m3.
 template <typename T>
-__device__ __forceinline__ unsigned quantize1(float y, float scale) {
-  return float_to_e4m3(to_float(from_float<T>(y)) / scale);
+__device__ __forceinline__ unsigned quantize1(float y, const Fp8Divisor& scale) {
+  return float_to_e4m3(scale(to_float(from_float<T>(y))));
 }
 
 template <typename T>
-__device__ __forceinline__ void store8_fp8(unsigned char* p, const float (&y)[VEC], float scale) {
+__device__ __forceinline__ void store8_fp8(unsigned char* p, const float (&y)[VEC], const Fp8Divisor& scale) {
   float f[VEC];
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) f[i] = to_float(from_float<T>(y[i])) / scale;
+  for (int i = 0; i < VEC; ++i) f[i] = scale(to_float(from_float<T>(y[i])));
   *reinterpret_cast<uint2*>(p) = float8_to_e4m3x8(f);
 }
 
@@ -510,7 +510,7 @@ __device__ void rope_write_kv_fp8_impl(const T* q, const T* k, const T* v, const
   const int half_dim = head_dim / 2;
   const int slot = slot_mapping[token];
   const int kv_heads = slot < 0 ? 0 : num_kv_heads;  // KV heads this token writes
-  const float k_scale = kv_scale[0], v_scale = kv_scale[1];
+  const Fp8Divisor k_scale = fp8_divisor(kv_scale[0]), v_scale = fp8_divisor(kv_scale[1]);
   const CacheT* table = cos_sin + (size_t)positions[token] * head_dim;
   const T* q_row = q + token * q_stride;
   const T* k_row = k + token * k_stride;
@@ -569,9 +569,9 @@ __device__ void rope_write_kv_fp8_impl(const T* q, const T* k, const T* v, const
 // 8 rotated or copied K/V values into a cache row: a 16-bit cache stores them rounded to T, an FP8 one as
 // store8_fp8 (scale unused for 16-bit).
 template <typename T>
-__device__ __forceinline__ void store8_kv(T* p, const float (&y)[VEC], float) { store8_float(p, y); }
+__device__ __forceinline__ void store8_kv(T* p, const float (&y)[VEC], const Fp8Divisor&) { store8_float(p, y); }
 template <typename T>
-__device__ __forceinline__ void store8_kv(unsigned char* p, const float (&y)[VEC], float scale) {
+__device__ __forceinline__ void store8_kv(unsigned char* p, const float (&y)[VEC], const Fp8Divisor& scale) {
   store8_fp8<T>(p, y, scale);
 }
 
@@ -589,7 +589,8 @@ __device__ void rope_write_kv_product_impl(const X& x, const int* positions, con
   const int slot = slot_mapping[token];
   const int kv_heads = slot < 0 ? 0 : num_kv_heads;  // KV heads this token writes
   const bool fp8 = sizeof(KvT) == 1;
-  const float k_scale = fp8 ? kv_scale[0] : 1.f, v_scale = fp8 ? kv_scale[1] : 1.f;
+  const Fp8Divisor k_scale = fp8_divisor(fp8 ? kv_scale[0] : 1.f);
+  const Fp8Divisor v_scale = fp8_divisor(fp8 ? kv_scale[1] : 1.f);
   const CacheT* table = cos_sin + (size_t)positions[token] * head_dim;
   T* q_out_row = q_out + (size_t)token * num_heads * head_dim;
   const size_t cache_row = (size_t)(slot < 0 ? 0 : slot) * num_kv_heads * head_dim;
@@ -626,7 +627,19 @@ __device__ void rope_write_kv_product_impl(const X& x, const int* positions, con
   }
 }
 
-__device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.f + __expf(-gate)) * up; }
+// silu(gate) * up. The division is the hardware's approximate one (__fdividef, ~2 ulp; 2 instructions against
+// IEEE division's ~12 and a branch), beside __expf's own approximation. For gate below about -87 it gives -0 where
+// IEEE division gives -0 or a value under 1e-36. SILU_FAST_DIVISION 0: IEEE division (for A/B timings).
+#ifndef SILU_FAST_DIVISION
+#define SILU_FAST_DIVISION 1
+#endif
+__device__ __forceinline__ float silu_times(float gate, float up) {
+#if SILU_FAST_DIVISION
+  return __fdividef(gate, 1.f + __expf(-gate)) * up;
+#else
+  return gate / (1.f + __expf(-gate)) * up;
+#endif
+}
 
 // silu(gate) * up of columns col..col+7 of a gate_up row (x: its source; up starts at column `inter`), each
 // rounded to T.
@@ -687,10 +700,10 @@ __device__ __forceinline__ float amax8(const Pack8<T>& y, float amax) {
 
 // 8 values of T / scale as 8 e4m3 bytes at p (8-byte aligned).
 template <typename T>
-__device__ __forceinline__ void store8_e4m3(unsigned char* p, const Pack8<T>& y, float scale) {
+__device__ __forceinline__ void store8_e4m3(unsigned char* p, const Pack8<T>& y, const Fp8Divisor& scale) {
   float f[VEC];
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) f[i] = __fdiv_rn(to_float(y.v[i]), scale);
+  for (int i = 0; i < VEC; ++i) f[i] = scale(to_float(y.v[i]));
   *reinterpret_cast<uint2*>(p) = float8_to_e4m3x8(f);
 }
 
@@ -723,8 +736,9 @@ __device__ void rms_norm_fp8_impl(const X& x, const T* residual, const T* weight
     for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
       amax = amax8(rms_normed8(load8(residual_out + row + (size_t)c * VEC), weight, c * VEC, inv_rms), amax);
     }
-    const float scale = fp8_row_scale(block_amax(amax), static_scale);
-    if (threadIdx.x == 0) x_scale[blockIdx.x] = scale;
+    const float row_scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = row_scale;
+    const Fp8Divisor scale = fp8_divisor(row_scale);
 #pragma unroll
     for (int n = 0; n < RMS_HELD; ++n) {
       const int c = threadIdx.x + n * blockDim.x;
@@ -738,10 +752,11 @@ __device__ void rms_norm_fp8_impl(const X& x, const T* residual, const T* weight
     const float inv_rms = rms_first_pass1(x, residual, residual_out, row, hidden, eps);
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
       amax = nan_max(amax, fabsf(rms_normed1(residual_out[row + i], weight[i], inv_rms)));
-    const float scale = fp8_row_scale(block_amax(amax), static_scale);
-    if (threadIdx.x == 0) x_scale[blockIdx.x] = scale;
+    const float row_scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = row_scale;
+    const Fp8Divisor scale = fp8_divisor(row_scale);
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-      q_row[i] = (unsigned char)float_to_e4m3(__fdiv_rn(rms_normed1(residual_out[row + i], weight[i], inv_rms), scale));
+      q_row[i] = (unsigned char)float_to_e4m3(scale(rms_normed1(residual_out[row + i], weight[i], inv_rms)));
   }
   zero_padding(q_row, hidden, padded_width);
 }
@@ -770,8 +785,9 @@ __device__ void silu_mul_fp8_impl(const X& x, unsigned char* xq, float* x_scale,
     }
     for (int c = threadIdx.x + SILU_HELD * blockDim.x; c < chunks; c += blockDim.x)
       amax = amax8(silu_mul8<T>(x, inter, c * VEC), amax);
-    const float scale = fp8_row_scale(block_amax(amax), static_scale);
-    if (threadIdx.x == 0) x_scale[blockIdx.x] = scale;
+    const float row_scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = row_scale;
+    const Fp8Divisor scale = fp8_divisor(row_scale);
 #pragma unroll
     for (int n = 0; n < SILU_HELD; ++n) {
       const int c = threadIdx.x + n * blockDim.x;
@@ -782,11 +798,12 @@ __device__ void silu_mul_fp8_impl(const X& x, unsigned char* xq, float* x_scale,
   } else {
     for (int i = threadIdx.x; i < inter; i += blockDim.x)
       amax = nan_max(amax, fabsf(to_float(from_float<T>(silu_times(to_float(x.one(i)), to_float(x.one(inter + i)))))));
-    const float scale = fp8_row_scale(block_amax(amax), static_scale);
-    if (threadIdx.x == 0) x_scale[blockIdx.x] = scale;
+    const float row_scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = row_scale;
+    const Fp8Divisor scale = fp8_divisor(row_scale);
     for (int i = threadIdx.x; i < inter; i += blockDim.x) {
       const float y = to_float(from_float<T>(silu_times(to_float(x.one(i)), to_float(x.one(inter + i)))));
-      q_row[i] = (unsigned char)float_to_e4m3(__fdiv_rn(y, scale));
+      q_row[i] = (unsigned char)float_to_e4m3(scale(y));
     }
   }
   zero_padding(q_row, inter, padded_width);

@@ -10,8 +10,11 @@ CUDA graph; rows made for another layer are refused. The product-reading forms (
 silu_mul_fp8_product: an FP8 GEMM's product, float32 or bfloat16, read before its scale epilogue) equal
 scale_fp8_output followed by the 16-bit-input form, and CudaOps.deferred layers hand them Fp8Product with the same
 final bytes; rope_write_kv_product (the qkv projection's product read by rope_write_kv) equals scale_fp8_output then
-rope_write_kv into 16-bit and FP8 caches, and CudaOps.qkv_rope_write_kv takes it or falls back. The vector e4m3 rounding every vector FP8 write goes through (fp8.cuh's float8_to_e4m3x8: the hardware
-cvt on sm_89+) equals ml_dtypes' on every fp16 and bf16 value, ties and saturation edges, and keeps a NaN's sign.
+rope_write_kv into 16-bit and FP8 caches, and CudaOps.qkv_rope_write_kv takes it or falls back. fp8.cuh's
+Fp8Divisor, which every FP8 write divides through, quantizes as __fdiv_rn does on every 16-bit value over scales
+across its range. The vector e4m3 rounding every vector FP8 write goes through (fp8.cuh's float8_to_e4m3x8: the
+hardware cvt on sm_89+) equals ml_dtypes' on every fp16 and bf16 value, ties and saturation edges, and keeps a NaN's
+sign.
 """
 from __future__ import annotations
 
@@ -391,6 +394,42 @@ def test_vector_e4m3_rounding_equals_ml_dtypes():
     assert not wrong.any(), f"{wrong.sum()} inputs differ, e.g. {x[wrong][:5]}: {got[wrong][:5]} != {expected[wrong][:5]}"
     nan = np.isnan(x)
     np.testing.assert_array_equal(got[nan], np.where(np.signbit(x[nan]), 0xFF, 0x7F))
+
+
+DIVISION = r"""
+#include "fp8.cuh"
+// counts[0]: quotients whose e4m3 bytes differ from __fdiv_rn's; counts[1]: quotients of at least 2^-10 (e4m3's
+// range) whose float32 bits differ.
+extern "C" __global__ void divide_both(const float* x, const float* scales, long long num_x, long long num_pairs,
+                                       unsigned long long* counts) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < num_pairs;
+       i += (long long)gridDim.x * blockDim.x) {
+    const float s = scales[i / num_x], v = x[i % num_x];
+    const float got = fp8_divisor(s)(v), want = __fdiv_rn(v, s);
+    if (float_to_e4m3(got) != float_to_e4m3(want)) atomicAdd(&counts[0], 1ull);
+    if (fabsf(want) >= 0x1p-10f && __float_as_uint(got) != __float_as_uint(want)) atomicAdd(&counts[1], 1ull);
+  }
+}
+"""
+
+
+def test_fp8_divisor_quantizes_as_ieee_division_does():
+    """fp8.cuh's Fp8Divisor (a row's reciprocal once, then a product and two FMAs a value) gives __fdiv_rn's e4m3
+    bytes for every fp16 and bf16 value (NaN, infinities, zeros of both signs and subnormals among them) over scales
+    from 2^-70 to 2^70 (its fast range [2^-60, 2^60] and beyond; significands 1, 1 + 2^-23, 2 - 2^-23 among them),
+    and __fdiv_rn's float32 bits wherever the quotient reaches e4m3's range."""
+    every16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    as_bf16 = (every16.astype(np.uint32) << 16).view(np.float32)
+    x = np.concatenate([every16.view(np.float16).astype(np.float32), as_bf16])
+    rng = np.random.default_rng(5)
+    significands = np.concatenate([[1.0, 1 + 2.0 ** -23, 2 - 2.0 ** -23, 1.5, 1 + 2.0 ** -22], rng.uniform(1, 2, 6)])
+    scales = np.ldexp(significands[None, :], np.arange(-70, 71, 7)[:, None]).astype(np.float32).ravel()
+    scales = np.concatenate([scales, np.float32([1 / 448, 448.0, 2.0 ** -60, 2.0 ** 60, 3e-3, 0.0217])])
+    module = cupy.RawModule(code=inline_headers(DIVISION), options=("--std=c++17",))
+    counts = cupy.zeros(2, dtype=np.uint64)
+    module.get_function("divide_both")((1024,), (256,), (cupy.asarray(x), cupy.asarray(scales), np.int64(x.size),
+                                                         np.int64(x.size * scales.size), counts))
+    assert counts.get().tolist() == [0, 0], f"{counts.get()} of {x.size * scales.size} quotients differ"
 
 
 def test_rows_made_for_another_layer_are_refused():
