@@ -122,11 +122,36 @@ __device__ __forceinline__ unsigned pair_halves(const uint4& a, const uint4& b, 
   return __byte_perm(word_of(a, h >> 1), word_of(b, h >> 1), (h & 1) ? 0x7632 : 0x5410);
 }
 
-__device__ __forceinline__ void store_float(__half* p, float x) { *p = __float2half(x); }
-__device__ __forceinline__ void store_float(bf16_t* p, float x) {
+// x rounded to T and stored at p; returns the stored value as a float.
+__device__ __forceinline__ float store_float(__half* p, float x) {
+  const __half h = __float2half(x);
+  *p = h;
+  return __half2float(h);
+}
+__device__ __forceinline__ float store_float(bf16_t* p, float x) {
   unsigned short bits;
   asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(x));
   p->bits = bits;
+  return __uint_as_float((unsigned)bits << 16);
+}
+
+// Eight T in a 16-byte vector as floats.
+__device__ __forceinline__ void floats_of8(const uint4& v, __half, float (&f)[8]) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+    f[2 * i] = pair.x;
+    f[2 * i + 1] = pair.y;
+  }
+}
+__device__ __forceinline__ void floats_of8(const uint4& v, bf16_t, float (&f)[8]) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
 }
 
 template <typename T>
@@ -252,6 +277,12 @@ struct Params {
   int block_shift;   // log2(block_size) when it is a power of two, else -1
   int window;        // sliding window in positions; 0 = none
   float v_scale;     // FP8 cache: the V scale, applied to O (the K scale is folded into scale_log2)
+  // The output's token rows quantized for an FP8 linear as well (null xq: not asked); see quantize_token_row.
+  unsigned char* xq;  // [T, xq_width] e4m3 bytes
+  float* x_scale;     // [T]
+  unsigned* row_sync; // [T, 2] (amax bits, CTAs arrived), zeros between launches
+  int xq_width;
+  float static_scale;
 };
 
 // Slot of key k0 when its whole 16-key chunk lies in one block (block size a power of two >= 16: chunks
@@ -434,10 +465,12 @@ __device__ __forceinline__ void read_dense(const uint4* stage, int g, int t, uin
 
 // Combine `num_parts` (max, sum, O) partial results per row held in shared memory and write them out:
 // normalised T when there is one split, else un-normalised fp32 partials for merge_partials.
+// Returns the largest |value| the thread stored (NaN kept; 0 for partials).
 template <int D, int ROWS_T, typename T, typename C>
-__device__ void finish_rows(const Params<T, C>& P, const float* so, const float* sm, const float* sl, int num_parts,
-                            int tid, int num_threads, int row0, int num_rows, int q_start, int kvh, int split) {
+__device__ float finish_rows(const Params<T, C>& P, const float* so, const float* sm, const float* sl, int num_parts,
+                             int tid, int num_threads, int row0, int num_rows, int q_start, int kvh, int split) {
   const int H = P.num_kv_heads * P.group;
+  float amax = 0.f;
   for (int idx = tid; idx < ROWS_T * D; idx += num_threads) {
     const int r = idx / D, d = idx % D;
     const int row = row0 + r;
@@ -457,7 +490,7 @@ __device__ void finish_rows(const Params<T, C>& P, const float* so, const float*
     const int head = kvh * P.group + row % P.group;
     const size_t th = (size_t)token * H + head;
     if (P.num_splits == 1) {
-      store_float(P.out + th * D + d, l > 0.f ? o / l : 0.f);
+      amax = nan_max(amax, fabsf(store_float(P.out + th * D + d, l > 0.f ? o / l : 0.f)));
     } else {
       const size_t base = (size_t)split * P.num_tokens * H;
       P.partial_o[(base + th) * D + d] = o;
@@ -467,6 +500,59 @@ __device__ void finish_rows(const Params<T, C>& P, const float* so, const float*
       }
     }
   }
+  return amax;
+}
+
+// The token row out[token] [H D] quantized as fp8_linear.cu's quantize_rows_fp8 quantizes it (same amax, scale and
+// bytes), for a launch where every CTA holds rows of one token only and the token's rows are spread over all
+// gridDim.x x gridDim.y CTAs of its sequence (one query token per sequence, one key split: launchers.py checks).
+// Each CTA adds its largest |value| to the token's amax and counts itself in; the last CTA of the token to arrive
+// reads the whole row back from L2, writes x_scale and xq, and zeroes the token's row_sync for the next launch.
+// `amax`: the thread's largest |value| stored (finish_rows). Called by every thread of the CTA.
+// Out of line, its arguments as scalars: inlined into the decode kernel it cost registers inside the key loop.
+#ifndef ATTENTION_QUANTIZES
+#define ATTENTION_QUANTIZES 1  // 0: the tail compiled out (A/B timings of the kernel without it; launchers must not ask)
+#endif
+template <typename T>
+__device__ __noinline__ void quantize_token_row(const T* out, unsigned char* xq, float* x_scale, unsigned* row_sync,
+                                                int width, int xq_width, float static_scale, float amax, int token) {
+  __shared__ float warp_max[WARPS];
+  __shared__ float token_amax;  // the row's amax (set for the last CTA only)
+  __shared__ bool last;
+  __threadfence();  // this thread's stores of out before its CTA counts itself in
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) m = nan_max(m, warp_max[w]);
+    unsigned* sync = row_sync + 2 * (size_t)token;
+    atomicMax(sync, __float_as_uint(m));  // |values| (and a NaN of sign 0) order as their bits do
+    __threadfence();
+    last = atomicAdd(sync + 1, 1u) == gridDim.x * gridDim.y - 1;
+    if (last) {
+      __threadfence();
+      token_amax = __uint_as_float(atomicExch(sync, 0u));
+      sync[1] = 0u;
+    }
+  }
+  __syncthreads();
+  if (!last) return;
+  const float scale = fp8_row_scale(token_amax, static_scale);
+  if (threadIdx.x == 0) x_scale[token] = scale;
+  const Fp8Divisor divide = fp8_divisor(scale);
+  const T* row = out + (size_t)token * width;
+  unsigned char* q_row = xq + (size_t)token * xq_width;
+  for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
+    float f[8];
+    floats_of8(__ldcg(reinterpret_cast<const uint4*>(row + c)), T{}, f);  // L2: other CTAs wrote them
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = divide(f[i]);
+    *reinterpret_cast<uint2*>(q_row + c) = float8_to_e4m3x8(f);
+  }
+  for (int c = width + threadIdx.x; c < xq_width; c += blockDim.x) q_row[c] = 0;
 }
 
 // movmatrix: the transpose of an 8 x 8 matrix of 16-bit elements held as an mma fragment (lane (g, t) holds row
@@ -915,7 +1001,12 @@ __device__ void attention_impl(const Params<T, C>& P) {
                                  q_start, kvh, split);
   } else {
     __syncthreads();
-    finish_rows<D, ROWS_T, T, C>(P, s_o, s_m, s_l, WARPS, threadIdx.x, blockDim.x, row0, num_rows, q_start, kvh, split);
+    const float amax = finish_rows<D, ROWS_T, T, C>(P, s_o, s_m, s_l, WARPS, threadIdx.x, blockDim.x, row0, num_rows,
+                                                    q_start, kvh, split);
+    if (ATTENTION_QUANTIZES && P.xq != nullptr) {
+      quantize_token_row(P.out, P.xq, P.x_scale, P.row_sync, P.num_kv_heads * P.group * D, P.xq_width,
+                         P.static_scale, amax, q_start);
+    }
   }
 }
 
@@ -931,10 +1022,11 @@ __device__ void attention_impl(const Params<T, C>& P) {
       const int* block_tables, const int* context_lens, const int* query_start_loc,                               \
       const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                       \
       int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,              \
-      int window) {                                                                                               \
+      int window, unsigned char* xq, float* x_scale, unsigned* row_sync, int xq_width, float static_scale) {      \
     const Params<T> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,                \
                       query_start_loc, launch_order, num_tokens, num_kv_heads, group, block_size,                 \
-                      max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window, 1.f};      \
+                      max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window, 1.f,       \
+                      xq, x_scale, row_sync, xq_width, static_scale};                                             \
     attention_impl<D, ROW_SPLIT, T, T, TILE<D>>(p);                                                               \
   }                                                                                                               \
   extern "C" __global__ void __launch_bounds__(128, FP8_MIN_CTAS) paged_attention_d##D##_##MODE##_##SUFFIX##_fp8( \
@@ -942,11 +1034,13 @@ __device__ void attention_impl(const Params<T, C>& P) {
       float* partial_ml, const int* block_tables, const int* context_lens, const int* query_start_loc,            \
       const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                       \
       int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,              \
-      int window, const float* kv_scale) {                                                                        \
+      int window, const float* kv_scale, unsigned char* xq, float* x_scale, unsigned* row_sync, int xq_width,      \
+      float static_scale) {                                                                                       \
     const Params<T, fp8_e4m3_t> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables,                  \
                                   context_lens, query_start_loc, launch_order, num_tokens, num_kv_heads,          \
                                   group, block_size, max_blocks_per_seq, partition_size, num_splits,              \
-                                  scale_log2 * kv_scale[0], block_shift, window, kv_scale[1]};                    \
+                                  scale_log2 * kv_scale[0], block_shift, window, kv_scale[1],                     \
+                                  xq, x_scale, row_sync, xq_width, static_scale};                                 \
     attention_impl<D, ROW_SPLIT, T, fp8_e4m3_t, TILE<D>>(p);                                                      \
   }
 #define DEFINE_ATTENTION_ALL(T, SUFFIX)                                                                           \

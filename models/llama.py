@@ -249,8 +249,6 @@ class Llama:
     def _attention(self, layer: LlamaLayer, hidden, positions, layer_cache, meta: AttentionMetadata,
                    matmul, attention):
         c = self.config
-        num_tokens = hidden.shape[0]
-        q_dim = c.num_attention_heads * c.head_dim
         # RoPE and the KV-cache write in one op (one kernel on the GPU): attention reads K/V from the
         # cache only, so the rotated k goes straight there.
         # An FP8 cache passes the layer's scales (only then: a 16-bit call keeps its plain signature).
@@ -268,7 +266,8 @@ class Llama:
             if layer.q_norm is not None:
                 q, k = self.ops.head_rms_norm(q, k, layer.q_norm, layer.k_norm, c.rms_norm_eps)  # one GPU kernel
             q = self.ops.rope_write_kv(q, k, v, *rope_args, **fp8)  # [T, H, D]
+        # o_proj's input rows [T, H D]: an FP8 o_proj may get them quantized by the attention kernel itself.
         out = attention(q, layer_cache[0], layer_cache[1], meta, self.scale,
-                        sliding_window=c.sliding_window, **fp8)  # [T, H, D]
+                        sliding_window=c.sliding_window, feeds=layer.o_proj, **fp8)
         o_proj = self.ops.deferred(layer.o_proj)  # its output goes into the post-attention rms_norm only
-        return self._all_reduce(matmul(out.reshape(num_tokens, q_dim), o_proj))  # [T, E]
+        return self._all_reduce(matmul(out, o_proj))  # [T, E]

@@ -225,7 +225,7 @@ def choose_attention_kernel(max_query_len: int, group: int) -> str:
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                     max_query_len: int, max_context_len: int, scale: float, num_splits: int | None = None,
                     window: int = 0, zero_fill: bool = True, launch_order=None, kernel: str | None = None,
-                    kv_scale=None, out=None):
+                    kv_scale=None, out=None, quantize=None):
     """Causal GQA attention of q [T, H, D] against paged K/V [N, B, Hkv, D]; returns out [T, H, D].
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1] and has context_lens[s] cached tokens
@@ -244,6 +244,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     kv_scale [2] float32 on the device; attention reads cached K x k_scale and cached V x v_scale.
     out: a C-contiguous array like q to write into and return (the mixed-step graphs' persistent buffer); None:
     a new one.
+    quantize = (padded_width, static_scale), either None for the default: out's token rows [T, H D] go into an FP8
+    linear, and (out, xq [T, Kp] uint8, scales [T] float32) comes back, byte for byte
+    fp8_launcher.quantize_rows_fp8(out.reshape(T, H D), padded_width, static_scale). The attention kernel quantizes
+    them itself (each token's last CTA to finish, attention.cu's quantize_token_row) where every sequence has one
+    query token, every row belongs to a sequence (zero_fill False) and one key split covers the keys: a decode
+    step's launch, as the decode graphs make it. Elsewhere a quantize_rows_fp8 launch after it does.
     """
     suffix = _element_suffix("q", q)
     fp8 = _cache_is_fp8(k_cache, kv_scale)
@@ -265,7 +271,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
                            query_start_loc.shape[0], None if launch_order is None else launch_order.shape[0],
                            int(max_query_len), int(max_context_len), num_splits, int(window), kernel, suffix, fp8)
     if plan is None:
-        return cupy.zeros(q.shape, dtype=q.dtype) if out is None else _zeroed(out)
+        out = cupy.zeros(q.shape, dtype=q.dtype) if out is None else _zeroed(out)
+        if quantize is None:
+            return out
+        rows = _quantized_rows(q, quantize)
+        _quantize_rows_after(out, quantize, rows)
+        return (out, *rows)
     # One split writes rows in place (rows of no sequence must read 0); with several, the merge writes all.
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)
@@ -276,14 +287,65 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         partial_ml = cupy.zeros((plan.num_splits, *q.shape[:2], 2), dtype=cupy.float32)  # [splits, T, H, 2]
     else:
         partial_o = partial_ml = out  # never read or written with one split
+    rows = _quantized_rows(q, quantize) if quantize is not None else None
+    row_sync = (_row_sync(q.shape[0]) if rows is not None and FUSED_ATTENTION_QUANTIZE and plan.quantizes
+                and plan.num_splits == 1 and int(max_query_len) == 1 and not zero_fill else None)
+    fused = (rows[0], rows[1], row_sync, np.int32(rows[0].shape[1]), np.float32(quantize[1] or 0.0))
     plan.function(plan.grid, (plan.threads,),
                   (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
                    np.uint64(0) if launch_order is None else launch_order,  # a null pointer: index order
-                   *plan.sizes, np.float32(scale * LOG2_E), *plan.tail, *((kv_scale,) if fp8 else ())),
+                   *plan.sizes, np.float32(scale * LOG2_E), *plan.tail, *((kv_scale,) if fp8 else ()),
+                   *(fused if row_sync is not None else _NOT_QUANTIZED)),
                   shared_mem=plan.shared_bytes)
     if plan.num_splits > 1:
         plan.merge((plan.merge_rows,), (q.shape[2],), (partial_o, partial_ml, out, *plan.merge_sizes))
-    return out
+    if rows is None:
+        return out
+    if row_sync is None:
+        _quantize_rows_after(out, quantize, rows)
+    return (out, *rows)
+
+
+# Attention's decode launches quantize their output for an FP8 linear themselves when asked (`quantize`); False: a
+# quantize_rows_fp8 launch after each (the same bytes; for A/B timings, with -DATTENTION_QUANTIZES=0 in
+# kernel_modules.COMPILE_OPTIONS to compile the kernels' tail out as well).
+FUSED_ATTENTION_QUANTIZE = True
+ROW_SYNC_TOKENS = 16384  # tokens a fused launch may have (more: the quantize launch after it)
+_NOT_QUANTIZED = (np.uint64(0), np.uint64(0), np.uint64(0), np.int32(0), np.float32(0.0))
+_row_sync_buffers: dict[int, Any] = {}  # device id -> [ROW_SYNC_TOKENS, 2] uint32
+
+
+def _row_sync(num_tokens: int):
+    """The device's [ROW_SYNC_TOKENS, 2] uint32 counters of fused quantizing launches (each token's amax bits and
+    CTAs arrived, zero between launches: the last CTA of a token zeroes its pair). Made on first use outside a graph
+    capture, then kept for good (captured graphs hold its address); None where it cannot serve (too many tokens, or
+    not made yet while the stream captures): the caller then quantizes after the launch."""
+    if num_tokens > ROW_SYNC_TOKENS:
+        return None
+    device = cupy.cuda.Device().id
+    buffer = _row_sync_buffers.get(device)
+    if buffer is None:
+        stream = cupy.cuda.get_current_stream()
+        if cupy.cuda.runtime.streamIsCapturing(stream.ptr):
+            return None
+        buffer = cupy.zeros((ROW_SYNC_TOKENS, 2), dtype=cupy.uint32)
+        stream.synchronize()  # zeroed before any stream's launch reads it
+        _row_sync_buffers[device] = buffer
+    return buffer
+
+
+def _quantized_rows(q, quantize) -> tuple:
+    """(xq [T, Kp] uint8, scales [T] float32) to hold q's shape of attention output quantized by `quantize`."""
+    _require(isinstance(quantize, tuple) and len(quantize) == 2, "quantize must be (padded_width, static_scale)")
+    padded_width, static_scale = quantize
+    return fp8_rows(q.shape[0], q.shape[1] * q.shape[2], padded_width, static_scale)
+
+
+def _quantize_rows_after(out, quantize, rows) -> None:
+    """out's token rows quantized into rows = (xq, scales) by a quantize_rows_fp8 launch."""
+    from offline_paged.ops.fp8_launcher import quantize_rows_fp8  # (it imports this module)
+
+    quantize_rows_fp8(out.reshape(out.shape[0], -1), rows[0].shape[1], quantize[1], xq=rows[0], scales=rows[1])
 
 
 LOG2_E = math.log2(math.e)
@@ -305,6 +367,7 @@ class AttentionPlan:
     tail: tuple  # int32 (log2 of block_size or -1, window)
     merge_rows: int  # T x H
     merge_sizes: tuple  # int32 (num_splits, T x H, D)
+    quantizes: bool  # the kernel can quantize its output rows (decode, keysplit: one token's rows per CTA)
 
 
 def clear_plans() -> None:
@@ -354,7 +417,8 @@ def _plan_attention(q_shape, k_shape, v_shape, table_shape, num_seqs: int, num_s
         merge=_kernel("attention.cu", f"merge_partials_{suffix}"), grid=grid, threads=launch.threads,
         shared_bytes=launch.shared_bytes, num_splits=num_splits, sizes=tuple(np.int32(v) for v in sizes),
         tail=(np.int32(shift), np.int32(window)), merge_rows=num_tokens * num_heads,
-        merge_sizes=(np.int32(num_splits), np.int32(num_tokens * num_heads), np.int32(head_dim)))
+        merge_sizes=(np.int32(num_splits), np.int32(num_tokens * num_heads), np.int32(head_dim)),
+        quantizes=kernel in ("decode", "keysplit"))
 
 
 def _zeroed(array):

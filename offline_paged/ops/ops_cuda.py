@@ -166,16 +166,28 @@ class CudaOps:
         return self.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kv_scales)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                  sliding_window: int | None = None, kv_scales: KvScales | None = None, out=None):
+                  sliding_window: int | None = None, kv_scales: KvScales | None = None, out=None, feeds=None):
         """Paged causal GQA attention; [T, H, D] -> [T, H, D]. sliding_window: a query at position p
         sees only keys at positions > p - sliding_window (None or 0: the whole causal context).
         With meta.num_leading_decodes = d (0 < d < S, a longer query after them), rows [0, d) go through
         the decode kernel and the rest through the kernel of their longest query, in two launches writing
         one output. With `kv_scales` (an FP8 pool) cached K and V are read times its scales.
-        out: a C-contiguous [T, H, D] array to write the result into (None: a new one)."""
+        out: a C-contiguous [T, H, D] array to write the result into (None: a new one).
+        feeds: as NumpyOps.attention's; an FP8 layer (fusion on) gets its Fp8Rows, which the decode kernel itself
+        quantizes where it can (launchers.paged_attention's `quantize`), else a quantize launch after it."""
         q = cupy.ascontiguousarray(q)
         kv_scale = self.kv_scale_buffer(kv_scales)
         window = int(sliding_window or 0)
+        quantize = (feeds.weight.shape[1], feeds.input_scale) if out is None and _takes_fp8_rows(feeds) else None
+        result = self._attention(q, k_cache, v_cache, meta, scale, window, kv_scale, out, quantize)
+        if isinstance(result, tuple):  # (out, xq, scales)
+            return Fp8Rows(result[1], result[2], q.shape[1] * q.shape[2], q.dtype)
+        return result if feeds is None else result.reshape(result.shape[0], -1)  # (an FP8 feeds quantizes it)
+
+    def _attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int, kv_scale, out,
+                   quantize):
+        """`attention`'s launches: out [T, H, D], or with `quantize` (launchers.paged_attention's) in one launch,
+        (out, xq, scales)."""
         d = meta.num_leading_decodes
         if 0 < d < meta.context_lens.shape[0] and meta.launch_order is None and meta.max_query_len > 1:
             out = cupy.empty(q.shape, dtype=q.dtype) if out is None else out
@@ -191,7 +203,7 @@ class CudaOps:
             q, k_cache, v_cache, _int32(meta.block_tables), _int32(meta.context_lens), _int32(meta.query_start_loc),
             int(meta.max_query_len), int(meta.max_context_len), scale, window=window, zero_fill=meta.unqueried_rows,
             launch_order=None if meta.launch_order is None else _int32(meta.launch_order), kv_scale=kv_scale,
-            out=out)
+            out=out, quantize=quantize)
 
     def _split(self, meta: AttentionMetadata):
         """((block tables, context lens, query_start_loc) of meta's d = num_leading_decodes decodes, the same of

@@ -97,14 +97,15 @@ class NumpyOps:
         return self.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kv_scales)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                  sliding_window: int | None = None, kv_scales: KvScales | None = None):
+                  sliding_window: int | None = None, kv_scales: KvScales | None = None, feeds=None):
         """Paged causal GQA attention; [T, H, D] -> [T, H, D]. With `sliding_window` w, a query at
         position p reads only keys p - w < k <= p (None: the whole context). With `kv_scales` the
-        cached K and V are dequantized by its scales on load."""
-        if kv_scales is None:
-            return self._attention(np, q, k_cache, v_cache, meta, scale, sliding_window)
-        return self._attention(np, q, k_cache, v_cache, meta, scale, sliding_window,
-                               kv_scales.k_scale, kv_scales.v_scale)
+        cached K and V are dequantized by its scales on load. `feeds`: the one linear the output goes into
+        (o_proj); the result is then its input rows [T, H D] (CudaOps may hand an FP8 layer its quantized input
+        instead, as rms_norm's `feeds`)."""
+        scales = () if kv_scales is None else (kv_scales.k_scale, kv_scales.v_scale)
+        out = self._attention(np, q, k_cache, v_cache, meta, scale, sliding_window, *scales)  # [T, H, D]
+        return out if feeds is None else out.reshape(out.shape[0], -1)
 
     def logits(self, hidden, lm_head):
         """hidden [K, E] @ lm_head [E, V] -> [K, V] float32 (computed in the model's dtype)."""

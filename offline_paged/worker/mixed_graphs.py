@@ -137,7 +137,7 @@ class MixedGraphs:
         with cupy.cuda.using_allocator(self._pool.malloc), self._stream:
             bucket.out = cupy.zeros((size, config.num_attention_heads, config.head_dim), dtype=self.model.dtype)
             self.model.final_hidden(ids, positions, self.kv_cache, meta, matmul=self._gemm,
-                                    attention=lambda *args, **kwargs: bucket.out)  # warm-up: kernels, algorithms
+                                    attention=lambda *args, **kwargs: _held_output(bucket, kwargs))  # warm-up
             self._stream.synchronize()
             with gc_paused():
                 self._stream.begin_capture()
@@ -159,11 +159,18 @@ class MixedGraphs:
         piece and returns the bucket's attention output for the next piece to read."""
         def cut(q, k_cache, v_cache, meta, scale, **kwargs):
             bucket.pieces.append(self._stream.end_capture())
-            bucket.cuts.append(_Cut(_unowned(q), k_cache, v_cache, scale, kwargs))
+            replay_kwargs = {key: value for key, value in kwargs.items() if key != "feeds"}  # (run writes `out`)
+            bucket.cuts.append(_Cut(_unowned(q), k_cache, v_cache, scale, replay_kwargs))
             self._stream.begin_capture()
-            return bucket.out
+            return _held_output(bucket, kwargs)
 
         return cut
+
+
+def _held_output(bucket: _Bucket, kwargs):
+    """What the model's attention call gets back inside a capture: the bucket's output [b, H, D], or with `feeds`
+    (the linear it goes into) its rows [b, H D], which the next piece reads (and quantizes, for an FP8 layer)."""
+    return bucket.out if kwargs.get("feeds") is None else bucket.out.reshape(bucket.out.shape[0], -1)
 
 
 def _unowned(array):
