@@ -290,12 +290,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     rows = _quantized_rows(q, quantize) if quantize is not None else None
     row_sync = (_row_sync(q.shape[0]) if rows is not None and FUSED_ATTENTION_QUANTIZE and plan.quantizes
                 and plan.num_splits == 1 and int(max_query_len) == 1 and not zero_fill else None)
-    fused = (rows[0], rows[1], row_sync, np.int32(rows[0].shape[1]), np.float32(quantize[1] or 0.0))
+    fused = (_NOT_QUANTIZED if row_sync is None else
+             (rows[0], rows[1], row_sync, np.int32(rows[0].shape[1]), np.float32(quantize[1] or 0.0)))
     plan.function(plan.grid, (plan.threads,),
                   (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
                    np.uint64(0) if launch_order is None else launch_order,  # a null pointer: index order
                    *plan.sizes, np.float32(scale * LOG2_E), *plan.tail, *((kv_scale,) if fp8 else ()),
-                   *(fused if row_sync is not None else _NOT_QUANTIZED)),
+                   *fused),
                   shared_mem=plan.shared_bytes)
     if plan.num_splits > 1:
         plan.merge((plan.merge_rows,), (q.shape[2],), (partial_o, partial_ml, out, *plan.merge_sizes))
