@@ -1,7 +1,7 @@
 """Attention's output quantized for an FP8 o_proj by the decode kernel itself (launchers.paged_attention's `quantize`,
-attention.cu's quantize_token_row, CudaOps.attention's `feeds`): byte for byte the plain launch followed by
-fp8_launcher.quantize_rows_fp8, which tests/test_ops_cuda_fp8_linear.py checks against the NumPy reference. Needs a
-GPU.
+attention.cu's quantize_token_row, CudaOps.attention's `feeds`; off by default, FUSED_ATTENTION_QUANTIZE, as it
+measured slower, so the tests switch it on): byte for byte the plain launch followed by fp8_launcher.quantize_rows_fp8,
+which tests/test_ops_cuda_fp8_linear.py checks against the NumPy reference. Needs a GPU.
 
 What is checked, in fp16 and bf16, over 16-bit and FP8 pools with shuffled block tables: the e4m3 bytes and float32
 row scales equal the two-launch path's, and the 16-bit output is the plain launch's, for the decode kernel (8-row
@@ -68,9 +68,12 @@ def assert_quantized_as_after(fused, plain, padded=None, static=None):
 
 
 def no_launch_after(monkeypatch):
+    """The fused path switched on (FUSED_ATTENTION_QUANTIZE, off by default: it measured slower), and the launch after
+    the kernel made to fail."""
     def fail(*args):
         raise AssertionError("the attention kernel should have quantized these rows itself")
 
+    monkeypatch.setattr(launchers, "FUSED_ATTENTION_QUANTIZE", True)
     monkeypatch.setattr(launchers, "_quantize_rows_after", fail)
 
 
@@ -99,8 +102,8 @@ def test_replays_leave_the_counters_at_zero_and_give_the_same_bytes(dtype, monke
     rng = np.random.default_rng(5)
     case = decode_case(rng, 37, 8, 4, 128, dtype, fp8_cache=True)
     plain = launch(case, True, num_splits=1, zero_fill=False)
-    first = launch(case, True, num_splits=1, zero_fill=False, quantize=(None, None))  # the counters made eagerly
     no_launch_after(monkeypatch)
+    first = launch(case, True, num_splits=1, zero_fill=False, quantize=(None, None))  # the counters made eagerly
     stream = cupy.cuda.Stream(non_blocking=True)
     inputs = [cupy.asarray(a) for a in case]
     q, k, v, tables, ctx, qsl = inputs
@@ -126,6 +129,7 @@ def test_where_the_kernel_cannot_quantize_a_launch_after_it_does(dtype, monkeypa
     rng = np.random.default_rng(9)
     case = decode_case(rng, 11, 4, 4, 128, dtype, fp8_cache=False)
     after = []
+    monkeypatch.setattr(launchers, "FUSED_ATTENTION_QUANTIZE", True)
     real = launchers._quantize_rows_after
     monkeypatch.setattr(launchers, "_quantize_rows_after", lambda *args: after.append(1) or real(*args))
     for kwargs in [dict(num_splits=3, zero_fill=False), dict(num_splits=1, zero_fill=True)]:
@@ -137,7 +141,7 @@ def test_where_the_kernel_cannot_quantize_a_launch_after_it_does(dtype, monkeypa
     assert_quantized_as_after(launch(chunked, False, num_splits=1, zero_fill=False, quantize=(None, None)),
                               launch(chunked, False, num_splits=1, zero_fill=False))
     assert len(after) == 3
-    monkeypatch.setattr(launchers, "FUSED_ATTENTION_QUANTIZE", False)  # switched off
+    monkeypatch.setattr(launchers, "FUSED_ATTENTION_QUANTIZE", False)  # switched off (the default)
     assert_quantized_as_after(launch(case, False, num_splits=1, zero_fill=False, quantize=(None, None)),
                               launch(case, False, num_splits=1, zero_fill=False))
     assert len(after) == 4

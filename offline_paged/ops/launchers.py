@@ -247,9 +247,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     quantize = (padded_width, static_scale), either None for the default: out's token rows [T, H D] go into an FP8
     linear, and (out, xq [T, Kp] uint8, scales [T] float32) comes back, byte for byte
     fp8_launcher.quantize_rows_fp8(out.reshape(T, H D), padded_width, static_scale). The attention kernel quantizes
-    them itself (each token's last CTA to finish, attention.cu's quantize_token_row) where every sequence has one
-    query token, every row belongs to a sequence (zero_fill False) and one key split covers the keys: a decode
-    step's launch, as the decode graphs make it. Elsewhere a quantize_rows_fp8 launch after it does.
+    them itself (each token's last CTA to finish, attention.cu's quantize_token_row) where FUSED_ATTENTION_QUANTIZE is
+    on, every sequence has one query token, every row belongs to a sequence (zero_fill False) and one key split covers
+    the keys: a decode step's launch, as the decode graphs make it. Elsewhere a quantize_rows_fp8 launch after it does.
     """
     suffix = _element_suffix("q", q)
     fp8 = _cache_is_fp8(k_cache, kv_scale)
@@ -307,10 +307,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     return (out, *rows)
 
 
-# Attention's decode launches quantize their output for an FP8 linear themselves when asked (`quantize`); False: a
-# quantize_rows_fp8 launch after each (the same bytes; for A/B timings, with -DATTENTION_QUANTIZES=0 in
-# kernel_modules.COMPILE_OPTIONS to compile the kernels' tail out as well).
-FUSED_ATTENTION_QUANTIZE = True
+# True: attention's decode launches quantize their output for an FP8 linear themselves when asked (`quantize`); False
+# (the default): a quantize_rows_fp8 launch after each (the same bytes). Off because it lost: at 8B FP8 w + KV on an
+# H100 (session 57, one pair) the decode step took 7.99 ms fused against 7.81 ms with the launch after it (13,638
+# against 13,886 out tok/s). Every CTA's fence, atomics and two barriers at its end hold its slot longer than the
+# quantize launch costs. -DATTENTION_QUANTIZES=0 in kernel_modules.COMPILE_OPTIONS compiles the kernels' tail out.
+FUSED_ATTENTION_QUANTIZE = False
 ROW_SYNC_TOKENS = 16384  # tokens a fused launch may have (more: the quantize launch after it)
 _NOT_QUANTIZED = (np.uint64(0), np.uint64(0), np.uint64(0), np.int32(0), np.float32(0.0))
 _row_sync_buffers: dict[int, Any] = {}  # device id -> [ROW_SYNC_TOKENS, 2] uint32
