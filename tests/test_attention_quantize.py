@@ -1,6 +1,6 @@
 """Attention's output quantized for an FP8 o_proj by the decode kernel itself (launchers.paged_attention's `quantize`,
-attention.cu's quantize_token_row, CudaOps.attention's `feeds`; off by default, FUSED_ATTENTION_QUANTIZE, as it
-measured slower, so the tests switch it on): byte for byte the plain launch followed by fp8_launcher.quantize_rows_fp8,
+attention.cu's quantize_token_row, CudaOps.attention's `feeds`; off by default, FUSED_ATTENTION_QUANTIZE, until it
+is shown to be faster, so the tests switch it on): byte for byte the plain launch followed by fp8_launcher.quantize_rows_fp8,
 which tests/test_ops_cuda_fp8_linear.py checks against the NumPy reference. Needs a GPU.
 
 What is checked, in fp16 and bf16, over 16-bit and FP8 pools with shuffled block tables: the e4m3 bytes and float32
@@ -68,8 +68,8 @@ def assert_quantized_as_after(fused, plain, padded=None, static=None):
 
 
 def no_launch_after(monkeypatch):
-    """The fused path switched on (FUSED_ATTENTION_QUANTIZE, off by default: it measured slower), and the launch after
-    the kernel made to fail."""
+    """The fused path switched on (FUSED_ATTENTION_QUANTIZE, off by default), and the launch after the kernel made to
+    fail."""
     def fail(*args):
         raise AssertionError("the attention kernel should have quantized these rows itself")
 
