@@ -1,7 +1,8 @@
 """Attention's output quantized for an FP8 o_proj by the decode kernel itself (launchers.paged_attention's `quantize`,
 attention.cu's quantize_token_row, CudaOps.attention's `feeds`; off by default, FUSED_ATTENTION_QUANTIZE, until it
-is shown to be faster, so the tests switch it on): byte for byte the plain launch followed by fp8_launcher.quantize_rows_fp8,
-which tests/test_ops_cuda_fp8_linear.py checks against the NumPy reference. Needs a GPU.
+is shown to be faster, so the tests switch it on): byte for byte the plain launch followed by
+fp8_launcher.quantize_rows_fp8, which tests/test_ops_cuda_fp8_linear.py checks against the NumPy reference. Needs a
+GPU.
 
 What is checked, in fp16 and bf16, over 16-bit and FP8 pools with shuffled block tables: the e4m3 bytes and float32
 row scales equal the two-launch path's, and the 16-bit output is the plain launch's, for the decode kernel (8-row
