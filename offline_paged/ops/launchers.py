@@ -308,10 +308,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 
 
 # True: attention's decode launches quantize their output for an FP8 linear themselves when asked (`quantize`); False
-# (the default): a quantize_rows_fp8 launch after each (the same bytes). Off until it is shown to win: the one pair
-# measured (session 57, 8B FP8 w + KV, H100) gave the fused decode step 7.99 ms against 7.81 ms, but that run's own
-# ceilings read 3.5% less copy bandwidth and 8% less matmul throughput than the next run's, so the pair says nothing
-# either way (benchmarks/NOTES.md). -DATTENTION_QUANTIZES=0 in kernel_modules.COMPILE_OPTIONS compiles the tail out.
+# (the default): a quantize_rows_fp8 launch after each (the same bytes). Off because it lost in the one pair measured
+# (session 57, 8B FP8 w + KV, H100): decode steps 7.99 ms fused against 7.81 ms, while the prefill steps, which it does
+# not touch, took the same time (113.7 / 113.6 ms); benchmarks/NOTES.md has the caveats and why it may lose.
+# -DATTENTION_QUANTIZES=0 in kernel_modules.COMPILE_OPTIONS compiles the kernels' tail out.
 FUSED_ATTENTION_QUANTIZE = False
 ROW_SYNC_TOKENS = 16384  # tokens a fused launch may have (more: the quantize launch after it)
 _NOT_QUANTIZED = (np.uint64(0), np.uint64(0), np.uint64(0), np.int32(0), np.float32(0.0))
