@@ -186,9 +186,9 @@ def test_all_rows_and_an_injected_matmul_equal_the_default_path(tiny):
 
 def test_each_linears_input_and_output_hooks_name_the_right_layers(tiny):
     """The forward tells the backend where each output goes (CudaOps fuses an FP8 layer's quantize and scale
-    epilogue into those kernels; NumpyOps ignores it): input_norm feeds qkv, post_norm gate_up, silu_mul down;
-    qkv (no bias or q/k norm here: its output goes only into qkv_rope_write_kv), o_proj, gate_up and every down but
-    the last are deferred (their outputs go only into rope_write_kv / rms_norm / silu_mul; the last down's rows are
+    epilogue into those kernels; NumpyOps ignores it): input_norm feeds qkv, attention o_proj, post_norm gate_up,
+    silu_mul down; qkv (no bias or q/k norm here: its output goes only into qkv_rope_write_kv), o_proj, gate_up and
+    every down but the last are deferred (their outputs go only into rope_write_kv / rms_norm / silu_mul; the last down's rows are
     picked before the final norm). The final norm feeds nothing."""
     _, config, weights = tiny
 
@@ -208,6 +208,10 @@ def test_each_linears_input_and_output_hooks_name_the_right_layers(tiny):
         def silu_mul(self, gate_up, feeds=None):
             self.feeds.append(("silu_mul", feeds))
             return super().silu_mul(gate_up)
+
+        def attention(self, *args, feeds=None, **kwargs):
+            self.feeds.append(("attention", feeds))
+            return super().attention(*args, feeds=feeds, **kwargs)
 
         def deferred(self, linear):
             return Deferred(linear)
@@ -230,7 +234,8 @@ def test_each_linears_input_and_output_hooks_name_the_right_layers(tiny):
 
     expected_feeds, expected_products = [], []
     for i, layer in enumerate(model.layers):
-        expected_feeds += [("rms_norm", layer.qkv), ("rms_norm", layer.gate_up), ("silu_mul", layer.down)]
+        expected_feeds += [("rms_norm", layer.qkv), ("attention", layer.o_proj), ("rms_norm", layer.gate_up),
+                           ("silu_mul", layer.down)]
         last = i == len(model.layers) - 1
         expected_products += [Deferred(layer.qkv), Deferred(layer.o_proj), Deferred(layer.gate_up),
                               layer.down if last else Deferred(layer.down)]
