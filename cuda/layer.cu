@@ -442,20 +442,6 @@ __device__ void rope_impl(const T* q, const T* k, const int* positions, const Ca
   }
 }
 
-// A token's rope_write_kv work on the vector path, in 8-element units: q's 8-pair rotations (units_per_head for each
-// of num_heads heads), then k's (kv_heads heads), then v's 8-element copies; `slice` gives a rotation unit's head and
-// its first pair j (unit counted from the start of q's or of k's units).
-struct RopeUnits {
-  int units_per_head, q_units, rotations, units;
-  __device__ RopeUnits(int num_heads, int kv_heads, int head_dim)
-      : units_per_head(head_dim / 2 / VEC), q_units(num_heads * units_per_head),
-        rotations(q_units + kv_heads * units_per_head), units(rotations + kv_heads * head_dim / VEC) {}
-  __device__ void slice(int unit, int& head, int& j) const {
-    head = unit / units_per_head;
-    j = (unit - head * units_per_head) * VEC;
-  }
-};
-
 // rope followed by write_kv in one pass: q rotated into q_out, k rotated straight into its cache row,
 // v copied there unchanged; a token with a negative slot has only its q rotated.
 template <typename T, typename CacheT>
@@ -478,17 +464,20 @@ __device__ void rope_write_kv_impl(const T* q, const T* k, const T* v, const int
   const bool vec = half_dim % VEC == 0 && q_stride % VEC == 0 && k_stride % VEC == 0 && v_stride % VEC == 0 &&
                    aligned16(q) && aligned16(k) && aligned16(v) && aligned16(cos_sin) && aligned16(q_out) &&
                    aligned16(k_cache) && aligned16(v_cache);
-  if (vec) {  // RopeUnits: q's and k's 8-pair rotations (as rope_impl), then v's 8-element copies
-    const RopeUnits r(num_heads, kv_heads, head_dim);
-    for (int u = threadIdx.x; u < r.units; u += blockDim.x) {
-      if (u < r.rotations) {
-        const bool is_q = u < r.q_units;
-        int head, j;
-        r.slice(is_q ? u : u - r.q_units, head, j);
+  if (vec) {  // units: q's and k's 8-pair rotations (as rope_impl), then v's 8-element copies
+    const int units_per_head = half_dim / VEC;
+    const int q_units = num_heads * units_per_head;
+    const int rotations = q_units + kv_heads * units_per_head;
+    const int units = rotations + kv_heads * head_dim / VEC;
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      if (u < rotations) {
+        const bool is_q = u < q_units;
+        const int unit = is_q ? u : u - q_units;
+        const int head = unit / units_per_head, j = (unit - head * units_per_head) * VEC;
         rotate8((is_q ? q_row : k_row) + head * head_dim + j, table + j, half_dim,
                 (is_q ? q_out_row : k_dst) + head * head_dim + j);
       } else {
-        const int at = (u - r.rotations) * VEC;
+        const int at = (u - rotations) * VEC;
         *reinterpret_cast<uint4*>(v_dst + at) = *reinterpret_cast<const uint4*>(v_row + at);
       }
     }
@@ -534,21 +523,24 @@ __device__ void rope_write_kv_fp8_impl(const T* q, const T* k, const T* v, const
   const bool vec = half_dim % VEC == 0 && q_stride % VEC == 0 && k_stride % VEC == 0 && v_stride % VEC == 0 &&
                    aligned16(q) && aligned16(k) && aligned16(v) && aligned16(cos_sin) && aligned16(q_out) &&
                    aligned16(k_cache) && aligned16(v_cache);
-  if (vec) {  // RopeUnits: q's 8-pair rotations, k's (quantized), then v's 8-element quantized copies
-    const RopeUnits r(num_heads, kv_heads, head_dim);
-    for (int u = threadIdx.x; u < r.units; u += blockDim.x) {
-      int head, j;
-      if (u < r.q_units) {
-        r.slice(u, head, j);
+  if (vec) {  // units: q's 8-pair rotations, k's (quantized), then v's 8-element quantized copies
+    const int units_per_head = half_dim / VEC;
+    const int q_units = num_heads * units_per_head;
+    const int rotations = q_units + kv_heads * units_per_head;
+    const int units = rotations + kv_heads * head_dim / VEC;
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      if (u < q_units) {
+        const int head = u / units_per_head, j = (u - head * units_per_head) * VEC;
         rotate8(q_row + head * head_dim + j, table + j, half_dim, q_out_row + head * head_dim + j);
-      } else if (u < r.rotations) {
-        r.slice(u - r.q_units, head, j);
+      } else if (u < rotations) {
+        const int unit = u - q_units;
+        const int head = unit / units_per_head, j = (unit - head * units_per_head) * VEC;
         float y1[VEC], y2[VEC];
         rotate8_values(k_row + head * head_dim + j, table + j, half_dim, y1, y2);
         store8_fp8<T>(k_dst + head * head_dim + j, y1, k_scale);
         store8_fp8<T>(k_dst + head * head_dim + j + half_dim, y2, k_scale);
       } else {
-        const int at = (u - r.rotations) * VEC;
+        const int at = (u - rotations) * VEC;
         float y[VEC];
         load8_float(v_row + at, y);
         store8_fp8<T>(v_dst + at, y, v_scale);
@@ -587,7 +579,7 @@ __device__ __forceinline__ void store8_kv(unsigned char* p, const float (&y)[VEC
 // rope_write_kv reading q, k and v from the qkv projection's FP8 product before its scale epilogue: the token's
 // row x (RowOfFp8Product) holds q in columns [0, H D), k in [H D, (H + Hkv) D), v after; each element is the
 // epilogue's value (RowOfFp8Product), so every output is byte for byte scale_fp8_output then rope_write_kv(_fp8)
-// of its q, k, v views. Vector path only (the launcher checks its condition): RopeUnits as rope_write_kv_impl.
+// of its q, k, v views. Vector path only (the launcher checks its condition): 8-pair units as rope_write_kv_impl.
 // KvT: T (16-bit cache; kv_scale unused) or unsigned char (FP8 cache, kv_scale = (k_scale, v_scale)).
 template <typename T, typename CacheT, typename KvT, typename X>
 __device__ void rope_write_kv_product_impl(const X& x, const int* positions, const CacheT* cos_sin,
@@ -606,12 +598,15 @@ __device__ void rope_write_kv_product_impl(const X& x, const int* positions, con
   KvT* k_dst = k_cache + cache_row;
   KvT* v_dst = v_cache + cache_row;
   const int k_col = num_heads * head_dim, v_col = k_col + num_kv_heads * head_dim;
-  const RopeUnits r(num_heads, kv_heads, head_dim);
-  for (int u = threadIdx.x; u < r.units; u += blockDim.x) {
-    if (u < r.rotations) {
-      const bool is_q = u < r.q_units;
-      int head, j;
-      r.slice(is_q ? u : u - r.q_units, head, j);
+  const int units_per_head = half_dim / VEC;
+  const int q_units = num_heads * units_per_head;
+  const int rotations = q_units + kv_heads * units_per_head;
+  const int units = rotations + kv_heads * head_dim / VEC;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    if (u < rotations) {
+      const bool is_q = u < q_units;
+      const int unit = is_q ? u : u - q_units;
+      const int head = unit / units_per_head, j = (unit - head * units_per_head) * VEC;
       const int col = (is_q ? 0 : k_col) + head * head_dim + j;
       float y1[VEC], y2[VEC];
       rotate8_pack(x.chunk(col), x.chunk(col + half_dim), table + j, half_dim, y1, y2);
@@ -623,7 +618,7 @@ __device__ void rope_write_kv_product_impl(const X& x, const int* positions, con
         store8_kv<T>(k_dst + head * head_dim + j + half_dim, y2, k_scale);
       }
     } else {
-      const int at = (u - r.rotations) * VEC;
+      const int at = (u - rotations) * VEC;
       const Pack8<T> v = x.chunk(v_col + at);
       float y[VEC];
 #pragma unroll
