@@ -75,7 +75,7 @@ def no_launch_after(monkeypatch):
         raise AssertionError("the attention kernel should have quantized these rows itself")
 
     monkeypatch.setattr(launchers, "FUSED_ATTENTION_QUANTIZE", True)
-    monkeypatch.setattr(launchers, "_quantized_after", fail)
+    monkeypatch.setattr(launchers, "_quantize_rows_after", fail)
 
 
 @pytest.mark.parametrize("fp8_cache", FP8_CACHE)
@@ -131,8 +131,8 @@ def test_where_the_kernel_cannot_quantize_a_launch_after_it_does(dtype, monkeypa
     case = decode_case(rng, 11, 4, 4, 128, dtype, fp8_cache=False)
     after = []
     monkeypatch.setattr(launchers, "FUSED_ATTENTION_QUANTIZE", True)
-    real = launchers._quantized_after
-    monkeypatch.setattr(launchers, "_quantized_after", lambda *args: after.append(1) or real(*args))
+    real = launchers._quantize_rows_after
+    monkeypatch.setattr(launchers, "_quantize_rows_after", lambda *args: after.append(1) or real(*args))
     for kwargs in [dict(num_splits=3, zero_fill=False), dict(num_splits=1, zero_fill=True)]:
         assert_quantized_as_after(launch(case, False, quantize=(None, None), **kwargs), launch(case, False, **kwargs))
     assert len(after) == 2

@@ -272,7 +272,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
                            int(max_query_len), int(max_context_len), num_splits, int(window), kernel, suffix, fp8)
     if plan is None:
         out = cupy.zeros(q.shape, dtype=q.dtype) if out is None else _zeroed(out)
-        return out if quantize is None else _quantized_after(out, q, quantize)
+        if quantize is None:
+            return out
+        rows = _quantized_rows(q, quantize)
+        _quantize_rows_after(out, quantize, rows)
+        return (out, *rows)
     # One split writes rows in place (rows of no sequence must read 0); with several, the merge writes all.
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)
@@ -283,10 +287,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         partial_ml = cupy.zeros((plan.num_splits, *q.shape[:2], 2), dtype=cupy.float32)  # [splits, T, H, 2]
     else:
         partial_o = partial_ml = out  # never read or written with one split
-    row_sync = (_row_sync(q.shape[0]) if quantize is not None and FUSED_ATTENTION_QUANTIZE and plan.quantizes
+    rows = _quantized_rows(q, quantize) if quantize is not None else None
+    row_sync = (_row_sync(q.shape[0]) if rows is not None and FUSED_ATTENTION_QUANTIZE and plan.quantizes
                 and plan.num_splits == 1 and int(max_query_len) == 1 and not zero_fill else None)
-    rows = None if row_sync is None else _quantized_rows(q, quantize)  # the kernel quantizes into them
-    fused = (_NOT_QUANTIZED if rows is None else
+    fused = (_NOT_QUANTIZED if row_sync is None else
              (rows[0], rows[1], row_sync, np.int32(rows[0].shape[1]), np.float32(quantize[1] or 0.0)))
     plan.function(plan.grid, (plan.threads,),
                   (q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens, query_start_loc,
@@ -296,9 +300,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
                   shared_mem=plan.shared_bytes)
     if plan.num_splits > 1:
         plan.merge((plan.merge_rows,), (q.shape[2],), (partial_o, partial_ml, out, *plan.merge_sizes))
-    if rows is not None:
-        return (out, *rows)
-    return out if quantize is None else _quantized_after(out, q, quantize)
+    if rows is None:
+        return out
+    if row_sync is None:
+        _quantize_rows_after(out, quantize, rows)
+    return (out, *rows)
 
 
 # True: attention's decode launches quantize their output for an FP8 linear themselves when asked (`quantize`); False
@@ -338,13 +344,11 @@ def _quantized_rows(q, quantize) -> tuple:
     return fp8_rows(q.shape[0], q.shape[1] * q.shape[2], padded_width, static_scale)
 
 
-def _quantized_after(out, q, quantize) -> tuple:
-    """(out, xq, scales): out's token rows quantized by a quantize_rows_fp8 launch after attention's."""
+def _quantize_rows_after(out, quantize, rows) -> None:
+    """out's token rows quantized into rows = (xq, scales) by a quantize_rows_fp8 launch."""
     from offline_paged.ops.fp8_launcher import quantize_rows_fp8  # (it imports this module)
 
-    xq, scales = _quantized_rows(q, quantize)
-    quantize_rows_fp8(out.reshape(out.shape[0], -1), xq.shape[1], quantize[1], xq=xq, scales=scales)
-    return out, xq, scales
+    quantize_rows_fp8(out.reshape(out.shape[0], -1), rows[0].shape[1], quantize[1], xq=rows[0], scales=rows[1])
 
 
 LOG2_E = math.log2(math.e)
@@ -766,7 +770,7 @@ def rope_write_kv_product_fits(product, dtype, head_dim: int, cos_sin) -> bool:
     """Whether rope_write_kv_product can take this qkv product (its kernel has only the 16-byte path): head_dim / 2
     a multiple of 8, the product's padded row a multiple of 8 wide, cos_sin of the activations' dtype, every array
     16-byte aligned."""
-    acc, _, w_scale, _ = product
+    acc, x_scale, w_scale, _ = product
     return (head_dim // 2 % VECTOR_WIDTH == 0 and head_dim % 2 == 0 and acc.shape[1] % VECTOR_WIDTH == 0
             and getattr(cos_sin, "dtype", None) == np.dtype(dtype) and _vector_path(head_dim, acc, w_scale, cos_sin))
 
