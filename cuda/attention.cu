@@ -50,7 +50,6 @@
 // fp8.cuh before common.cuh, which uses it
 #include "fp8.cuh"
 #include "common.cuh"
-#include "launch.cuh"
 
 namespace {
 
@@ -1024,7 +1023,6 @@ __device__ void attention_impl(const Params<T, C>& P) {
       const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                       \
       int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,              \
       int window, unsigned char* xq, float* x_scale, unsigned* row_sync, int xq_width, float static_scale) {      \
-    grid_dependency_sync();                                                                                       \
     const Params<T> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,                \
                       query_start_loc, launch_order, num_tokens, num_kv_heads, group, block_size,                 \
                       max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window, 1.f,       \
@@ -1038,7 +1036,6 @@ __device__ void attention_impl(const Params<T, C>& P) {
       int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,              \
       int window, const float* kv_scale, unsigned char* xq, float* x_scale, unsigned* row_sync, int xq_width,      \
       float static_scale) {                                                                                       \
-    grid_dependency_sync();                                                                                       \
     const Params<T, fp8_e4m3_t> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables,                  \
                                   context_lens, query_start_loc, launch_order, num_tokens, num_kv_heads,          \
                                   group, block_size, max_blocks_per_seq, partition_size, num_splits,              \
@@ -1082,7 +1079,6 @@ __device__ void merge_partials_impl(const float* partial_o, const float* partial
 #define DEFINE_MERGE(T, SUFFIX)                                                                          \
   extern "C" __global__ void merge_partials_##SUFFIX(const float* partial_o, const float* partial_ml,    \
                                                      T* out, int num_splits, int num_rows, int D) {      \
-    grid_dependency_sync();                                                                              \
     merge_partials_impl<T>(partial_o, partial_ml, out, num_splits, num_rows, D);                         \
   }
 DEFINE_MERGE(__half, f16)

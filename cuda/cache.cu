@@ -25,14 +25,12 @@
 //   Grid: x = token; block: threads striding over the row's Hkv*D/8 8-element units (16 bytes in, 8 out).
 #include <cuda_fp16.h>
 #include "fp8.cuh"
-#include "launch.cuh"
 
 typedef unsigned short elem16;  // the bits of one fp16 or bf16 element
 
 extern "C" __global__ void write_kv(const elem16* k, const elem16* v, elem16* k_cache, elem16* v_cache,
                                     const int* slot_mapping, long long k_row_stride, long long v_row_stride,
                                     int row_elems) {
-  grid_dependency_sync();
   const int token = blockIdx.x;
   const int slot = slot_mapping[token];
   if (slot < 0) return;
@@ -48,7 +46,6 @@ extern "C" __global__ void write_kv(const elem16* k, const elem16* v, elem16* k_
 
 extern "C" __global__ void copy_blocks(elem16* kv_cache, const int* src_ids, const int* dst_ids,
                                        long long num_blocks, int block_elems) {
-  grid_dependency_sync();
   const int pair = blockIdx.x;
   const size_t plane = (size_t)blockIdx.y * num_blocks * block_elems;  // start of kv_cache[l, kind]
   const uint4* src = reinterpret_cast<const uint4*>(kv_cache + plane + (size_t)src_ids[pair] * block_elems);
@@ -97,7 +94,6 @@ __device__ void write_kv_fp8_impl(const elem16* k, const elem16* v, unsigned cha
                                                    unsigned char* v_cache, const int* slot_mapping,          \
                                                    const float* kv_scale, long long k_row_stride,            \
                                                    long long v_row_stride, int row_elems) {                  \
-    grid_dependency_sync();                                                                                  \
     write_kv_fp8_impl<BF16>(k, v, k_cache, v_cache, slot_mapping, kv_scale, k_row_stride, v_row_stride,      \
                             row_elems);                                                                      \
   }

@@ -27,7 +27,6 @@
 // arrays; fp8_launcher.py checks and falls back to the scalar kernels. Grids as above, with the columns counted in vectors.
 #include <cuda_fp16.h>
 #include "fp8.cuh"
-#include "launch.cuh"
 
 // A bfloat16 as its 16 bits (no cuda_bf16.h under NVRTC; see common.cuh).
 struct __align__(2) bf16_t {
@@ -195,13 +194,11 @@ __device__ void scale_output_vec(const A* __restrict__ acc, const float* __restr
   extern "C" __global__ void scale_fp8_output##TAG##_##SUFFIX(const A* acc, const float* x_scale,                   \
                                                               const float* w_scale, T* out, long long num_rows,      \
                                                               int num_out, int padded_out) {                         \
-    grid_dependency_sync();                                                                                          \
     scale_output<T, A>(acc, x_scale, w_scale, out, num_rows, num_out, padded_out);                                   \
   }                                                                                                                  \
   extern "C" __global__ void scale_fp8_output_vec##TAG##_##SUFFIX(const A* acc, const float* x_scale,               \
                                                                   const float* w_scale, T* out, long long num_rows,  \
                                                                   int num_out, int padded_out) {                     \
-    grid_dependency_sync();                                                                                          \
     scale_output_vec<T, A>(acc, x_scale, w_scale, out, num_rows, num_out, padded_out);                               \
   }
 
@@ -209,13 +206,11 @@ __device__ void scale_output_vec(const A* __restrict__ acc, const float* __restr
   extern "C" __global__ void __launch_bounds__(QUANT_THREADS)                                                        \
       quantize_rows_fp8_##SUFFIX(const T* x, unsigned char* xq, float* scales, long long num_rows, int width,        \
                                  int padded_width, float static_scale) {                                             \
-    grid_dependency_sync();                                                                                          \
     quantize_rows<T>(x, xq, scales, num_rows, width, padded_width, static_scale);                                    \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(QUANT_THREADS)                                                        \
       quantize_rows_fp8_vec_##SUFFIX(const T* x, unsigned char* xq, float* scales, long long num_rows, int width,    \
                                      int padded_width, float static_scale) {                                         \
-    grid_dependency_sync();                                                                                          \
     quantize_rows_vec<T>(x, xq, scales, num_rows, width, padded_width, static_scale);                                \
   }                                                                                                                  \
   FP8_SCALE_KERNELS(T, SUFFIX, float, )                                                                              \

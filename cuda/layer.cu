@@ -60,7 +60,6 @@
 //   columns when I % 8 == 0 and both pointers are 16-byte aligned, else one.
 #include <cuda_fp16.h>
 #include "fp8.cuh"
-#include "launch.cuh"
 
 // A bfloat16 as its 16 bits (see attention.cu: NVRTC may lack a matching cuda_bf16.h).
 struct __align__(2) bf16_t {
@@ -839,14 +838,12 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
   extern "C" __global__ void __launch_bounds__(1024)                                                        \
       rms_norm_##SUFFIX(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int hidden, \
                         float eps) {                                                                         \
-    grid_dependency_sync();                                                                                  \
     rms_norm_impl<T>(x, residual, weight, out, residual_out, hidden, eps);                                  \
   }                                                                                                         \
   extern "C" __global__ void rope_same_cache_##SUFFIX(const T* q, const T* k, const int* positions,       \
                                                         const T* cos_sin, T* q_out, T* k_out,               \
                                                         long long q_stride, long long k_stride,             \
                                                         int num_heads, int num_kv_heads, int head_dim) {    \
-    grid_dependency_sync();                                                                                 \
     rope_impl<T, T>(q, k, positions, cos_sin, q_out, k_out, q_stride, k_stride, num_heads, num_kv_heads,    \
                     head_dim);                                                                              \
   }                                                                                                         \
@@ -854,7 +851,6 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
                                                        const float* cos_sin, T* q_out, T* k_out,            \
                                                        long long q_stride, long long k_stride,              \
                                                        int num_heads, int num_kv_heads, int head_dim) {     \
-    grid_dependency_sync();                                                                                 \
     rope_impl<T, float>(q, k, positions, cos_sin, q_out, k_out, q_stride, k_stride, num_heads,              \
                         num_kv_heads, head_dim);                                                            \
   }                                                                                                         \
@@ -862,7 +858,6 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
       const T* q, const T* k, const T* v, const int* positions, const T* cos_sin, const int* slot_mapping,    \
       T* q_out, T* k_cache, T* v_cache, long long q_stride, long long k_stride, long long v_stride,           \
       int num_heads, int num_kv_heads, int head_dim) {                                                        \
-    grid_dependency_sync();                                                                                   \
     rope_write_kv_impl<T, T>(q, k, v, positions, cos_sin, slot_mapping, q_out, k_cache, v_cache, q_stride,    \
                              k_stride, v_stride, num_heads, num_kv_heads, head_dim);                          \
   }                                                                                                           \
@@ -870,7 +865,6 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
       const T* q, const T* k, const T* v, const int* positions, const float* cos_sin, const int* slot_mapping, \
       T* q_out, T* k_cache, T* v_cache, long long q_stride, long long k_stride, long long v_stride,           \
       int num_heads, int num_kv_heads, int head_dim) {                                                        \
-    grid_dependency_sync();                                                                                   \
     rope_write_kv_impl<T, float>(q, k, v, positions, cos_sin, slot_mapping, q_out, k_cache, v_cache, q_stride, \
                                  k_stride, v_stride, num_heads, num_kv_heads, head_dim);                      \
   }                                                                                                           \
@@ -878,7 +872,6 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
       const T* q, const T* k, const T* v, const int* positions, const T* cos_sin, const int* slot_mapping,    \
       const float* kv_scale, T* q_out, unsigned char* k_cache, unsigned char* v_cache, long long q_stride,    \
       long long k_stride, long long v_stride, int num_heads, int num_kv_heads, int head_dim) {                \
-    grid_dependency_sync();                                                                                   \
     rope_write_kv_fp8_impl<T, T>(q, k, v, positions, cos_sin, slot_mapping, kv_scale, q_out, k_cache,         \
                                  v_cache, q_stride, k_stride, v_stride, num_heads, num_kv_heads, head_dim);   \
   }                                                                                                           \
@@ -886,7 +879,6 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
       const T* q, const T* k, const T* v, const int* positions, const float* cos_sin, const int* slot_mapping, \
       const float* kv_scale, T* q_out, unsigned char* k_cache, unsigned char* v_cache, long long q_stride,    \
       long long k_stride, long long v_stride, int num_heads, int num_kv_heads, int head_dim) {                \
-    grid_dependency_sync();                                                                                   \
     rope_write_kv_fp8_impl<T, float>(q, k, v, positions, cos_sin, slot_mapping, kv_scale, q_out, k_cache,     \
                                      v_cache, q_stride, k_stride, v_stride, num_heads, num_kv_heads,          \
                                      head_dim);                                                               \
@@ -894,29 +886,24 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
   extern "C" __global__ void head_rms_norm_##SUFFIX(const T* q, const T* k, const T* q_weight, const T* k_weight,   \
                                                      T* q_out, T* k_out, long long q_stride, long long k_stride, \
                                                      int num_heads, int num_kv_heads, int head_dim, float eps) { \
-    grid_dependency_sync();                                                                                      \
     head_rms_norm_impl<T>(q, k, q_weight, k_weight, q_out, k_out, q_stride, k_stride, num_heads, num_kv_heads,   \
                           head_dim, eps);                                                                       \
   }                                                                                                             \
   extern "C" __global__ void silu_mul_##SUFFIX(const T* gate_up, T* out, long long num_tokens, int inter) { \
-    grid_dependency_sync();                                                                                 \
     silu_mul_impl<T>(gate_up, out, num_tokens, inter);                                                      \
   }                                                                                                         \
   extern "C" __global__ void add_bias_##SUFFIX(T* x, const T* bias, long long total, int width) {           \
-    grid_dependency_sync();                                                                                 \
     add_bias_impl<T>(x, bias, total, width);                                                                \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(1024)                                                        \
       rms_norm_fp8_##SUFFIX(const T* x, const T* residual, const T* weight, unsigned char* xq, float* x_scale, \
                             T* residual_out, int hidden, int padded_width, float eps, float static_scale) {  \
-    grid_dependency_sync();                                                                                  \
     rms_norm_fp8_impl<T>(RowOf16<T>{x + (size_t)blockIdx.x * hidden}, residual, weight, xq, x_scale,         \
                          residual_out, hidden, padded_width, eps, static_scale);                            \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(1024)                                                        \
       silu_mul_fp8_##SUFFIX(const T* gate_up, unsigned char* xq, float* x_scale, int inter, int padded_width, \
                             float static_scale) {                                                           \
-    grid_dependency_sync();                                                                                 \
     silu_mul_fp8_impl<T>(RowOf16<T>{gate_up + (size_t)blockIdx.x * 2 * inter}, xq, x_scale, inter,           \
                          padded_width, static_scale);                                                       \
   }
@@ -928,7 +915,6 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
       const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const T* residual,     \
       const T* weight, unsigned char* xq, float* x_scale, T* residual_out, int hidden, int padded_width,      \
       float eps, float static_scale) {                                                                        \
-    grid_dependency_sync();                                                                                   \
     const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
     rms_norm_fp8_impl<T>(x, residual, weight, xq, x_scale, residual_out, hidden, padded_width, eps,            \
                          static_scale);                                                                       \
@@ -937,7 +923,6 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
       const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const int* positions,  \
       const T* cos_sin, const int* slot_mapping, T* q_out, T* k_cache, T* v_cache, int num_heads,             \
       int num_kv_heads, int head_dim) {                                                                       \
-    grid_dependency_sync();                                                                                   \
     const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
     rope_write_kv_product_impl<T, T, T>(x, positions, cos_sin, slot_mapping, nullptr, q_out, k_cache,        \
                                             v_cache, num_heads, num_kv_heads, head_dim);                      \
@@ -946,7 +931,6 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
       const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const int* positions,  \
       const T* cos_sin, const int* slot_mapping, const float* kv_scale, T* q_out, unsigned char* k_cache,      \
       unsigned char* v_cache, int num_heads, int num_kv_heads, int head_dim) {                                \
-    grid_dependency_sync();                                                                                   \
     const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
     rope_write_kv_product_impl<T, T, unsigned char>(x, positions, cos_sin, slot_mapping, kv_scale, q_out,     \
                                                         k_cache, v_cache, num_heads, num_kv_heads, head_dim); \
@@ -954,7 +938,6 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
   extern "C" __global__ void __launch_bounds__(1024) silu_mul_fp8_product##TAG##_##SUFFIX(                    \
       const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, unsigned char* xq,     \
       float* x_scale, int inter, int padded_width, float static_scale) {                                      \
-    grid_dependency_sync();                                                                                   \
     const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
     silu_mul_fp8_impl<T>(x, xq, x_scale, inter, padded_width, static_scale);                                  \
   }

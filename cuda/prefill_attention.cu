@@ -41,7 +41,6 @@
 // fp8.cuh before common.cuh, which uses it
 #include "fp8.cuh"
 #include "common.cuh"
-#include "launch.cuh"
 
 namespace {
 
@@ -479,7 +478,6 @@ __device__ void prefill_impl(const Params<T, C>& P) {
       const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                  \
       int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,         \
       int window) {                                                                                          \
-    grid_dependency_sync();                                                                                  \
     const Params<T> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables, context_lens,           \
                       query_start_loc, launch_order, num_tokens, num_kv_heads, group, block_size,            \
                       max_blocks_per_seq, partition_size, num_splits, scale_log2, block_shift, window, 1.f}; \
@@ -491,7 +489,6 @@ __device__ void prefill_impl(const Params<T, C>& P) {
       const int* launch_order, int num_tokens, int num_kv_heads, int group, int block_size,                  \
       int max_blocks_per_seq, int partition_size, int num_splits, float scale_log2, int block_shift,         \
       int window, const float* kv_scale) {                                                                   \
-    grid_dependency_sync();                                                                                  \
     const Params<T, fp8_e4m3_t> p{q, k_cache, v_cache, out, partial_o, partial_ml, block_tables,             \
                                   context_lens, query_start_loc, launch_order, num_tokens, num_kv_heads,     \
                                   group, block_size, max_blocks_per_seq, partition_size, num_splits,         \

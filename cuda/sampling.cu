@@ -66,8 +66,6 @@
 //   threads in RACE_SPLIT blocks, writing partials [R, 1024, 2] fp32 (each thread's OnlineStats) and [R, RACE_SPLIT]
 //   (best key fp64, its index int32); race_merge: grid R, 1024 threads (and the min-p rows whole).
 
-#include "launch.cuh"
-
 #define BLOCK 1024
 #define WARPS (BLOCK / 32)
 #define NEG_INF (-__longlong_as_double(0x7ff0000000000000LL))
@@ -182,7 +180,6 @@ __device__ void block_stats(const OnlineStats& t, double* scratch, double& max_o
 
 extern "C" __global__ void __launch_bounds__(BLOCK) prepare_rows(const float* logits, const int* rows, double* adjusted, double* raw_stats,
                                         int vocab) {
-  grid_dependency_sync();
   __shared__ double scratch[WARPS];
   const float* in = logits + (size_t)rows[blockIdx.x] * vocab;
   double* out = adjusted + (size_t)blockIdx.x * vocab;
@@ -200,7 +197,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK) prepare_rows(const float* lo
 }
 
 extern "C" __global__ void count_tokens(const int* tokens, int* seen, int* counts, int num_tokens, int vocab) {
-  grid_dependency_sync();
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens; t += gridDim.x * blockDim.x) {
     const size_t at = (size_t)tokens[3 * t] * vocab + tokens[3 * t + 1];
     seen[at] = 1;
@@ -210,7 +206,6 @@ extern "C" __global__ void count_tokens(const int* tokens, int* seen, int* count
 
 extern "C" __global__ void apply_penalties(double* adjusted, const int* penalty_rows, const double* penalties,
                                            const int* seen, const int* counts, int vocab) {
-  grid_dependency_sync();
   const int v = blockIdx.x * blockDim.x + threadIdx.x;
   if (v >= vocab) return;
   const int slot = blockIdx.y;
@@ -227,7 +222,6 @@ extern "C" __global__ void apply_penalties(double* adjusted, const int* penalty_
 }
 
 extern "C" __global__ void ban_tokens(double* adjusted, const int* pairs, int num_pairs, int vocab) {
-  grid_dependency_sync();
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < num_pairs; q += gridDim.x * blockDim.x) {
     adjusted[(size_t)pairs[2 * q] * vocab + pairs[2 * q + 1]] = NEG_INF;
   }
@@ -326,7 +320,6 @@ __device__ void top_cut_impl(const double* adjusted, const float* logits, const 
 
 extern "C" __global__ void apply_token_bitmask(double* adjusted, const int* mask_rows, const int* bitmask,
                                                int words, int vocab) {
-  grid_dependency_sync();
   const int slot = blockIdx.y;
   const int v = blockIdx.x * 256 + threadIdx.x;
   if (v >= vocab) return;
@@ -338,13 +331,11 @@ extern "C" __global__ void apply_token_bitmask(double* adjusted, const int* mask
 
 extern "C" __global__ void __launch_bounds__(BLOCK) top_cut(const double* adjusted, const double* params, double* cut,
                                                           int vocab) {
-  grid_dependency_sync();
   top_cut_impl<false>(adjusted, nullptr, nullptr, params, cut, vocab);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK) top_cut_logits(const float* logits, const int* rows,
                                                                  const double* params, double* cut, int vocab) {
-  grid_dependency_sync();
   top_cut_impl<true>(nullptr, logits, rows, params, cut, vocab);
 }
 
@@ -352,7 +343,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK) top_cut_logits_masked(const 
                                                                         const int* bitmask, int words,
                                                                         const double* params, double* cut,
                                                                         int vocab) {
-  grid_dependency_sync();
   top_cut_impl<true, true>(nullptr, logits, rows, params, cut, vocab, bitmask, words);
 }
 
@@ -361,7 +351,6 @@ extern "C" __global__ void gather_row_params(const int* slot_rows, const int* sa
                                              const double* row_params, const unsigned long long* row_seeds,
                                              double* params, unsigned long long* seeds,
                                              unsigned long long* positions, int num_slots) {
-  grid_dependency_sync();
   const int slot = blockIdx.x * blockDim.x + threadIdx.x;
   if (slot >= num_slots) return;
   const int row = slot_rows[slot];
@@ -372,7 +361,6 @@ extern "C" __global__ void gather_row_params(const int* slot_rows, const int* sa
 
 // out [R, 2] fp64 (token id, logprob) -> token_ids [R] int32 (the next step's input ids).
 extern "C" __global__ void chosen_ids(const double* out, int* token_ids, int num_rows) {
-  grid_dependency_sync();
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r < num_rows) token_ids[r] = (int)out[2 * r];
 }
@@ -596,7 +584,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK) race(const double* adjusted,
                                                        const int* rows, const double* params,
                                                        const unsigned long long* seeds,
                                                        const unsigned long long* positions, double* out, int vocab) {
-  grid_dependency_sync();
   race_impl<false>(adjusted, cut, logits, rows, params, seeds, positions, out, vocab);
 }
 
@@ -605,7 +592,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK) race(const double* adjusted,
 extern "C" __global__ void __launch_bounds__(BLOCK / RACE_SPLIT) race_part(
     const double* cut, const float* logits, const int* rows, const double* params, const unsigned long long* seeds,
     const unsigned long long* positions, float* part_stats, double* part_key, int* part_index, int vocab) {
-  grid_dependency_sync();
   race_impl<true, false, RACE_SPLIT>(nullptr, cut, logits, rows, params, seeds, positions, nullptr, vocab, nullptr, 0,
                                      Partials{part_stats, part_key, part_index});
 }
@@ -614,7 +600,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK / RACE_SPLIT) race_part_maske
     const double* cut, const float* logits, const int* rows, const int* bitmask, int words, const double* params,
     const unsigned long long* seeds, const unsigned long long* positions, float* part_stats, double* part_key,
     int* part_index, int vocab) {
-  grid_dependency_sync();
   race_impl<true, true, RACE_SPLIT>(nullptr, cut, logits, rows, params, seeds, positions, nullptr, vocab, bitmask,
                                     words, Partials{part_stats, part_key, part_index});
 }
@@ -623,7 +608,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK) race_merge(
     const double* cut, const float* logits, const int* rows, const double* params, const unsigned long long* seeds,
     const unsigned long long* positions, const float* part_stats, const double* part_key, const int* part_index,
     double* out, int vocab) {
-  grid_dependency_sync();
   race_merge_impl<false>(cut, logits, rows, params, seeds, positions, out, vocab, nullptr, 0,
                          Partials{const_cast<float*>(part_stats), const_cast<double*>(part_key),
                                   const_cast<int*>(part_index)});
@@ -633,7 +617,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK) race_merge_masked(
     const double* cut, const float* logits, const int* rows, const int* bitmask, int words, const double* params,
     const unsigned long long* seeds, const unsigned long long* positions, const float* part_stats,
     const double* part_key, const int* part_index, double* out, int vocab) {
-  grid_dependency_sync();
   race_merge_impl<true>(cut, logits, rows, params, seeds, positions, out, vocab, bitmask, words,
                         Partials{const_cast<float*>(part_stats), const_cast<double*>(part_key),
                                  const_cast<int*>(part_index)});

@@ -22,10 +22,7 @@
 //   grid). Thread i counts the sequences ranked before it, O(n^2) over shared-memory tiles (n <= a few
 //   hundred: microseconds). Grid: x = ceil(n / 256); block: 256 threads.
 
-#include "launch.cuh"
-
 extern "C" __global__ void scatter_table_entries(const int* changes, int* row_tables, int num_changes, int row_width) {
-  grid_dependency_sync();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= num_changes) return;
   row_tables[(size_t)changes[3 * c] * row_width + changes[3 * c + 1]] = changes[3 * c + 2];
@@ -35,7 +32,6 @@ extern "C" __global__ void decode_inputs(const int* slot_rows, const int* positi
                                          const int* row_tables, int row_width, int* slot_mapping,
                                          int* context_lens, int* query_start_loc, int* block_tables,
                                          int width, int block_size, int num_slots) {
-  grid_dependency_sync();
   const int slot = blockIdx.x;
   const int row = slot_rows[slot];
   const int p = row >= 0 ? positions[slot] : 0;
@@ -52,7 +48,6 @@ extern "C" __global__ void decode_inputs(const int* slot_rows, const int* positi
 }
 
 extern "C" __global__ void launch_order(const int* context_lens, int* order, int n) {
-  grid_dependency_sync();
   constexpr int TILE = 256;
   __shared__ int tile[TILE];
   const int i = blockIdx.x * TILE + threadIdx.x;

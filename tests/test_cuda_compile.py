@@ -203,35 +203,3 @@ def test_prefill_kernel_at_head_dim_128_keeps_everything_in_registers(tmp_path):
     assert {n for n in spills if "d128" in n} == {f"prefill_attention_d128_{s}{c}" for s in ("f16", "bf16")
                                                   for c in ("", "_fp8")}
     assert all(spills[n] == "0" for n in spills if "d128" in n), spills
-
-
-# Programmatic dependent launch (ops/kernel_launch.py, cuda/launch.cuh): every kernel may be launched while the one
-# before it still runs, so each must wait for it before it reads or writes global memory.
-_GLOBAL_ACCESS = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|atom|red|cp\.async)(?!\.(?:param|shared|local|const))\.",
-                            re.M)
-
-
-@needs_nvcc
-@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
-def test_every_kernel_waits_for_the_kernel_before_it_first(source, tmp_path):
-    entries = _ptx_entries(source, tmp_path)
-    assert entries, f"{source.name}: no entry points in its PTX"
-    for name, body in entries.items():
-        wait = body.find("griddepcontrol.wait;")
-        assert wait >= 0 and "griddepcontrol.launch_dependents;" in body, \
-            f"{name} does not call grid_dependency_sync() (cuda/launch.cuh)"
-        first = _GLOBAL_ACCESS.search(body)
-        assert first is None or first.start() > wait, \
-            f"{name} touches memory before grid_dependency_sync(): {first.group(0).strip()}"
-
-
-@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
-def test_every_kernel_body_starts_with_grid_dependency_sync(source):
-    """The same rule read from the source, where nvcc is missing: the first statement of every __global__ body."""
-    code = re.sub(r"//[^\n]*", "", source.read_text(encoding="utf-8"))
-    starts = [m.end() for m in re.finditer(r"__global__", code)]
-    assert starts, f"{source.name} defines no kernel"
-    for start in starts:
-        body = code[code.index("{", start) + 1:].lstrip(" \\\n")
-        assert body.startswith("grid_dependency_sync();"), \
-            f"{source.name}: a kernel body starts with {body[:60]!r}, not grid_dependency_sync();"

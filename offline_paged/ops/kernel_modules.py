@@ -64,14 +64,11 @@ def _module(filename: str):
 
 @functools.cache
 def kernel(filename: str, name: str):
-    """The kernel `name` from `filename` (a kernel_launch.Kernel around CuPy's RawKernel), compiling the file on
-    first use."""
+    """The RawKernel `name` from `filename`, compiling the file on first use."""
     import cupy
 
-    from offline_paged.ops.kernel_launch import Kernel
-
     try:
-        return Kernel(_module(filename).get_function(name))
+        return _module(filename).get_function(name)
     except cupy.cuda.compiler.CompileException as exc:
         raise RuntimeError(f"CUDA kernel {name!r} ({filename}) failed to compile:\n{exc}") from None
 
