@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Session 59's device calls (~9.5 min each on an H100 or H200; carry .whl):
+#   COMMIT=<hash> OUT=$OUT [PART=1|2] scripts/device_s59.sh
+# PART=1: main's GPU tests that session 58 ran only on its branch (engine with the CLI generate on the GPU, graphs,
+# bench with graphs on and off), the 8B FP8 w + KV bench at the defaults and with 64 cuBLASLt candidates instead of
+# 16, the 8B bf16 bench (issue 25's ratio in this call), a second FP8 default run, the kernel profile with its
+# launch gaps, then the kernel test files until the time runs out.
+# PART=2: the FP8 test files and the rest of the GPU files, then A/B pairs given in PAIRS (label:knob ...).
+set -u
+export PYTHONUNBUFFERED=1 OFFLINE_PAGED_GIT_COMMIT=${COMMIT:?}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; START=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || tail /tmp/pip.log
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name --format=csv,noheader
+left() { echo $(( ${BUDGET:-585} - ($(date +%s) - START) )); }
+bench() {  # label knobs... -- args...
+  local label=$1; shift; local knobs=(); while [ "$1" != "--" ]; do knobs+=("$1"); shift; done; shift
+  [ $(left) -lt 60 ] && { echo "$label SKIPPED (time)"; return; }
+  timeout 120 python3 scripts/knob_bench.py "${knobs[@]}" bench --device cuda --json "$@" \
+    >/tmp/bench.json 2>/tmp/bench.err || { echo "$label FAILED"; tail -5 /tmp/bench.err; return; }
+  python3 -c "import json, sys; d = json.loads(open('/tmp/bench.json').read().strip().splitlines()[-1]); \
+d['call_label'] = sys.argv[1]; print(json.dumps(d))" "$label" >>"$OUT/records.jsonl"
+  python3 -c "import json, sys; d = json.loads(open('/tmp/bench.json').read().strip().splitlines()[-1]); r = d['runs'][0]; \
+k = r['step_kinds']; print(sys.argv[1], round(r['output_tokens_per_s']), 'tok/s', \
+' '.join(f\"{n}: {v['num_steps']} x {v['forward_device_ms']:.2f} ms\" for n, v in k.items()))" "$label" 2>&1 | cut -c1-300
+}
+F8="--dummy-weights llama-3.1-8b --dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8"
+B16="--dummy-weights llama-3.1-8b --dtype bfloat16"
+B1="--dummy-weights llama-3.2-1b --dtype bfloat16"
+B1F8="--dummy-weights llama-3.2-1b --dtype bfloat16 --kv-cache-dtype fp8"
+C64=offline_paged.ops.cublaslt.NUM_CANDIDATES=64
+NOKNOB=offline_paged.ops.cublaslt.NUM_CANDIDATES=16
+run_tests() {  # name limit files...
+  local name=$1 limit=$2; shift 2
+  [ $(left) -lt 30 ] && { echo "$name SKIPPED (time)"; return; }
+  [ $limit -gt $(left) ] && limit=$(left)
+  timeout $limit python3 -m pytest -q -x --durations=3 "$@" >"$OUT/gpu_tests_$name.log" 2>&1
+  local rc=$?; echo "$name rc=$rc $(tail -1 $OUT/gpu_tests_$name.log) [$(( $(date +%s) - START )) s]"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests_$name.log" | head -8
+}
+profile() {  # name bench args...
+  local name=$1; shift
+  [ $(left) -lt 120 ] && { echo "profile $name SKIPPED (time)"; return; }
+  timeout 150 python3 benchmarks/profile_kernels.py --top 30 --gap-us 20 -- "$@" --no-roofline >"$OUT/profile_$name.txt" 2>&1
+  echo "profile $name rc=$?"; sed -n '/kernel time over/,$p' "$OUT/profile_$name.txt" | cut -c1-130 | head -70
+}
+if [ "${PART:-1}" = 1 ]; then
+run_tests quick 140 tests/test_gpu_engine.py tests/test_graphs.py tests/test_gpu_bench.py
+bench fp8_a $NOKNOB -- $F8; bench fp8_c64 $C64 -- $F8; bench bf16 $NOKNOB -- $B16; bench fp8_b $NOKNOB -- $F8
+profile fp8 $F8
+run_tests kernels 200 tests/test_launchers.py tests/test_attention_quantize.py tests/test_ops_cuda.py \
+  tests/test_prefill_attention.py tests/test_step_inputs_launcher.py tests/test_sampling_launcher.py
+elif [ "${PART}" = 2 ]; then
+run_tests fp8 200 tests/test_gpu_engine_fp8.py tests/test_ops_cuda_fp8_fused.py tests/test_gpu_engine_fp8_weights.py \
+  tests/test_ops_cuda_fp8.py tests/test_ops_cuda_fp8_linear.py
+for pair in ${PAIRS:-}; do bench "${pair%%:*}" "${pair#*:}" -- $F8; done
+run_tests rest 300 tests/test_mixed_graphs.py tests/test_cuda_graph_runner.py tests/test_gpu_async.py tests/test_gc_pacing.py \
+  tests/test_gpu_structured.py tests/test_gpu_sampler.py tests/test_graph_sampling.py tests/test_swap.py \
+  tests/test_weight_upload.py tests/test_embeddings.py tests/test_loader.py
+fi
+echo "done [$(( $(date +%s) - START )) s]"
