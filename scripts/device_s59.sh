@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Session 59's device calls (~9.5 min each on an H100 or H200; carry .whl):
 #   COMMIT=<hash> OUT=$OUT [PART=1|2] scripts/device_s59.sh
-# PART=1: main's GPU tests that session 58 ran only on its branch (engine with the CLI generate on the GPU, graphs,
-# bench with graphs on and off), the 8B FP8 w + KV bench at the defaults and with 64 cuBLASLt candidates instead of
-# 16, the 8B bf16 bench (issue 25's ratio in this call), a second FP8 default run, the kernel profile with its
-# launch gaps, then the kernel test files until the time runs out.
+# PART=1: silu_mul_fp8's rows split over clusters: its tests, a planted bug (no peer's amax) that must fail them, its
+# kernel bench at 256-16 rows; the 8B FP8 w + KV bench with the split and without (two pairs), with 64 cuBLASLt
+# candidates instead of 16, the 8B bf16 bench (issue 25's ratio in this call); the engine GPU tests (the CLI generate
+# on the GPU, graphs, bench with graphs on and off), the kernel profile with its launch gaps, then the kernel test
+# files until the time runs out.
 # PART=2: the FP8 test files and the rest of the GPU files, then A/B pairs given in PAIRS (label:knob ...).
 set -u
 export PYTHONUNBUFFERED=1 OFFLINE_PAGED_GIT_COMMIT=${COMMIT:?}
@@ -31,6 +32,7 @@ B1="--dummy-weights llama-3.2-1b --dtype bfloat16"
 B1F8="--dummy-weights llama-3.2-1b --dtype bfloat16 --kv-cache-dtype fp8"
 C64=offline_paged.ops.cublaslt.NUM_CANDIDATES=64
 NOKNOB=offline_paged.ops.cublaslt.NUM_CANDIDATES=16
+NOSPLIT="offline_paged.ops.launchers.SILU_FP8_SPLITS=(1,)"
 run_tests() {  # name limit files...
   local name=$1 limit=$2; shift 2
   [ $(left) -lt 30 ] && { echo "$name SKIPPED (time)"; return; }
@@ -46,8 +48,21 @@ profile() {  # name bench args...
   echo "profile $name rc=$?"; sed -n '/kernel time over/,$p' "$OUT/profile_$name.txt" | cut -c1-130 | head -70
 }
 if [ "${PART:-1}" = 1 ]; then
+run_tests silu_split 120 tests/test_ops_cuda_fp8_fused.py -k "silu_mul_fp8_reads_a_product"
+cp cuda/layer.cu /tmp/layer.cu.keep  # planted: each CTA of a split row takes its own block's amax only
+python3 - <<'PY'
+p = "cuda/layer.cu"; s = open(p).read()
+old = "for (int rank = 0; rank < SPLIT; ++rank) value = nan_max"
+assert old in s, "planted bug: row_amax's loop not found"
+open(p, "w").write(s.replace(old, "for (int rank = 0; rank < 1; ++rank) value = nan_max"))
+PY
+run_tests planted 90 tests/test_ops_cuda_fp8_fused.py -k "silu_mul_fp8_reads_a_product and split-4 and acc-bf16 and bf16"
+cp /tmp/layer.cu.keep cuda/layer.cu
+PYTHONPATH=benchmarks:$PYTHONPATH timeout 90 python3 benchmarks/bench_fp8_inputs.py --product --rows 256 200 136 64 16 \
+  2>&1 | tail -32
+bench fp8_split $NOKNOB -- $F8; bench fp8_nosplit $NOSPLIT -- $F8; bench bf16 $NOKNOB -- $B16
+bench fp8_split_b $NOKNOB -- $F8; bench fp8_nosplit_b $NOSPLIT -- $F8; bench fp8_c64 $C64 -- $F8
 run_tests quick 140 tests/test_gpu_engine.py tests/test_graphs.py tests/test_gpu_bench.py
-bench fp8_a $NOKNOB -- $F8; bench fp8_c64 $C64 -- $F8; bench bf16 $NOKNOB -- $B16; bench fp8_b $NOKNOB -- $F8
 profile fp8 $F8
 run_tests kernels 200 tests/test_launchers.py tests/test_attention_quantize.py tests/test_ops_cuda.py \
   tests/test_prefill_attention.py tests/test_step_inputs_launcher.py tests/test_sampling_launcher.py

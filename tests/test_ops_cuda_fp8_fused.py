@@ -222,11 +222,19 @@ def test_rms_norm_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, hidden
     assert (np.delete(scales.get(), 1) != 1.0).all()
 
 
+@pytest.mark.parametrize("split", [None, 1, 2, 4], ids=lambda s: f"split-{s or 'rule'}")
 @pytest.mark.parametrize("acc_dtype", ACC_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows, inter, padded", [(256, 14_336, 28_672), (7, 8192, 16_384), (3, 36, 80),
-                                                     (5, 40, 96), (2, 33_000, 66_000), (140, 16_800, 33_600)])
-def test_silu_mul_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, inter, padded, dtype, acc_dtype):
+                                                     (5, 40, 96), (2, 33_000, 66_000), (140, 16_800, 33_600),
+                                                     (136, 14_336, 28_672)])
+def test_silu_mul_fp8_reads_a_product_as_its_epilogue_writes_it(num_rows, inter, padded, dtype, acc_dtype, split,
+                                                                 monkeypatch):
+    """The product form, one block a row or (sm_90) a row split over a cluster of 2 or 4 CTAs (the rule's pick at
+    136 rows, forced elsewhere: the scalar path, rows past the registers), against the one-block 16-bit form."""
+    if split not in (None, 1) and launchers._compute_capability() < 90:
+        pytest.skip("thread block clusters need sm_90")
+    monkeypatch.setattr(launchers, "SILU_FP8_FORCE_SPLIT", split)
     rng = np.random.default_rng(inter + num_rows)
     args = product(rng, num_rows, 2 * inter, padded, acc_dtype)
     gate_up = scale_fp8_output(*args[:3], 2 * inter, dtype)
