@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 59's device calls (~9.5 min each on an H100 or H200; carry .whl):
 #   COMMIT=<hash> OUT=$OUT [PART=1|2] scripts/device_s59.sh
-# PART=1: silu_mul_fp8's rows split over clusters: its tests, a planted bug (no peer's amax) that must fail them, its
-# kernel bench at 256-16 rows; the 8B FP8 w + KV bench with the split and without (two pairs), with 64 cuBLASLt
-# candidates instead of 16, the 8B bf16 bench (issue 25's ratio in this call); the engine GPU tests (the CLI generate
+# PART=1: rms_norm_fp8 / silu_mul_fp8's rows split over clusters: their tests, planted bugs (no peer's amax; every
+# CTA's warp sums read from rank 0) that must fail them, their kernel bench at 256-16 rows; the 8B FP8 w + KV bench
+# with the split and without (two pairs), with 64 cuBLASLt candidates instead of 16, the 8B bf16 bench (issue 25's ratio in this call); the engine GPU tests (the CLI generate
 # on the GPU, graphs, bench with graphs on and off), the kernel profile with its launch gaps, then the kernel test
 # files until the time runs out.
 # PART=2: the FP8 test files and the rest of the GPU files, then A/B pairs given in PAIRS (label:knob ...).
@@ -32,7 +32,7 @@ B1="--dummy-weights llama-3.2-1b --dtype bfloat16"
 B1F8="--dummy-weights llama-3.2-1b --dtype bfloat16 --kv-cache-dtype fp8"
 C64=offline_paged.ops.cublaslt.NUM_CANDIDATES=64
 NOKNOB=offline_paged.ops.cublaslt.NUM_CANDIDATES=16
-NOSPLIT="offline_paged.ops.launchers.SILU_FP8_SPLITS=(1,)"
+NOSPLIT="offline_paged.ops.launchers.FP8_SPLITS=(1,)"
 run_tests() {  # name limit files...
   local name=$1 limit=$2; shift 2
   [ $(left) -lt 30 ] && { echo "$name SKIPPED (time)"; return; }
@@ -48,15 +48,18 @@ profile() {  # name bench args...
   echo "profile $name rc=$?"; sed -n '/kernel time over/,$p' "$OUT/profile_$name.txt" | cut -c1-130 | head -70
 }
 if [ "${PART:-1}" = 1 ]; then
-run_tests silu_split 120 tests/test_ops_cuda_fp8_fused.py -k "silu_mul_fp8_reads_a_product"
-cp cuda/layer.cu /tmp/layer.cu.keep  # planted: each CTA of a split row takes its own block's amax only
+run_tests split 150 tests/test_ops_cuda_fp8_fused.py -k "reads_a_product"
+cp cuda/layer.cu /tmp/layer.cu.keep  # planted: a split row's amax from its own CTA only; its sum in rank order reversed
 python3 - <<'PY'
 p = "cuda/layer.cu"; s = open(p).read()
-old = "for (int rank = 0; rank < SPLIT; ++rank) value = nan_max"
-assert old in s, "planted bug: row_amax's loop not found"
-open(p, "w").write(s.replace(old, "for (int rank = 0; rank < 1; ++rank) value = nan_max"))
+for old, new in [("for (int rank = 0; rank < SPLIT; ++rank) value = nan_max", "for (int rank = 0; rank < 1; ++rank) value = nan_max"),
+                 ("load_cluster_shared(&warp_sums[lane % warps], lane / warps)", "load_cluster_shared(&warp_sums[lane % warps], 0)")]:
+    assert old in s, f"planted bug: {old!r} not found"
+    s = s.replace(old, new)
+open(p, "w").write(s)
 PY
-run_tests planted 90 tests/test_ops_cuda_fp8_fused.py -k "silu_mul_fp8_reads_a_product and split-4 and acc-bf16 and bf16"
+run_tests planted_silu 90 tests/test_ops_cuda_fp8_fused.py -k "silu_mul_fp8_reads_a_product and split-4 and acc-bf16"
+run_tests planted_norm 90 tests/test_ops_cuda_fp8_fused.py -k "rms_norm_fp8_reads_a_product and split-4 and acc-bf16"
 cp /tmp/layer.cu.keep cuda/layer.cu
 PYTHONPATH=benchmarks:$PYTHONPATH timeout 90 python3 benchmarks/bench_fp8_inputs.py --product --rows 256 200 136 64 16 \
   2>&1 | tail -32

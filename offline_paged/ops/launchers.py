@@ -81,6 +81,10 @@ KERNELS = (
     ("layer.cu", "silu_mul_fp8_product_bf16acc_x2_f16"), ("layer.cu", "silu_mul_fp8_product_bf16acc_x2_bf16"),
     ("layer.cu", "silu_mul_fp8_product_x4_f16"), ("layer.cu", "silu_mul_fp8_product_x4_bf16"),
     ("layer.cu", "silu_mul_fp8_product_bf16acc_x4_f16"), ("layer.cu", "silu_mul_fp8_product_bf16acc_x4_bf16"),
+    ("layer.cu", "rms_norm_fp8_product_x2_f16"), ("layer.cu", "rms_norm_fp8_product_x2_bf16"),
+    ("layer.cu", "rms_norm_fp8_product_bf16acc_x2_f16"), ("layer.cu", "rms_norm_fp8_product_bf16acc_x2_bf16"),
+    ("layer.cu", "rms_norm_fp8_product_x4_f16"), ("layer.cu", "rms_norm_fp8_product_x4_bf16"),
+    ("layer.cu", "rms_norm_fp8_product_bf16acc_x4_f16"), ("layer.cu", "rms_norm_fp8_product_bf16acc_x4_bf16"),
     # rope_write_kv reading the qkv projection's FP8 product (its scale epilogue folded in), 16-bit and FP8 caches:
     ("layer.cu", "rope_write_kv_product_f16"), ("layer.cu", "rope_write_kv_product_bf16"),
     ("layer.cu", "rope_write_kv_product_bf16acc_f16"), ("layer.cu", "rope_write_kv_product_bf16acc_bf16"),
@@ -673,8 +677,14 @@ def rms_norm_fp8(x, weight, eps: float, residual=None, padded_width: int | None 
     residual_out = cupy.empty((num_tokens, hidden), dtype=weight.dtype)
     if num_tokens:
         units = hidden // VECTOR_WIDTH if _vector_path(hidden, residual, weight, residual_out, xq) else hidden
+        threads = fp8_input_threads(units, num_tokens, _num_sms(), sums=True)  # the row's, rms_norm's
+        split = fp8_split(num_tokens) if product is not None else 1
+        if threads % (32 * split):  # each CTA whole warps of the row's: its sum then adds up in rms_norm's order
+            split = 1
+        if split > 1:
+            name = f"rms_norm_fp8_product{acc_tag}_x{split}_{suffix}"
         _kernel("layer.cu", name)(
-            (num_tokens,), (fp8_input_threads(units, num_tokens, _num_sms(), sums=True),),
+            (num_tokens * split,), (threads // split,),
             (*x_args, residual if residual is not None else np.uint64(0), weight, xq, scales, residual_out,
              np.int32(hidden), np.int32(padded_width), np.float32(eps), np.float32(static_scale or 0.0)))
     return xq, scales, residual_out
@@ -841,7 +851,7 @@ def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float |
     """silu_mul whose output goes straight into an FP8 linear: (xq [T, Kp] uint8 e4m3 bits, scales [T] float32),
     byte for byte silu_mul then fp8_launcher.quantize_rows_fp8(out, padded_width, static_scale). Kp =
     padded_width (default: I rounded up to 16); columns I..Kp-1 of xq are 0. One block per token row, or (product
-    form, sm_90) a cluster of silu_fp8_split(T) blocks.
+    form, sm_90) a cluster of fp8_split(T) blocks.
     product = (acc [T, Np] float32 / bfloat16, acc_x_scale [T], acc_w_scale [Np], 2I) with gate_up None and `dtype`
     (float16 / bfloat16): gate_up is an FP8 GEMM's product before its epilogue, read in (rms_norm_fp8's `product`)."""
     if product is None:
@@ -860,7 +870,7 @@ def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float |
     padded_width = xq.shape[1]
     if num_tokens:
         units = inter // VECTOR_WIDTH if (inter % VECTOR_WIDTH == 0 and xq.data.ptr % 16 == 0) else inter
-        split = silu_fp8_split(num_tokens) if product is not None else 1
+        split = fp8_split(num_tokens) if product is not None else 1
         if split == 1:
             threads = fp8_input_threads(units, num_tokens, _num_sms())
         else:
@@ -872,19 +882,20 @@ def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float |
     return xq, scales
 
 
-# The product-reading silu_mul_fp8 splits a row over a cluster of SILU_FP8_SPLITS CTAs where that leaves the busiest
-# SM less work (ops/row_split.py); clusters need sm_90. A number forces that split (tests and A/Bs); (1,): never.
-SILU_FP8_SPLITS: tuple[int, ...] = SPLITS
-SILU_FP8_FORCE_SPLIT: int | None = None
+# The product-reading rms_norm_fp8 / silu_mul_fp8 split a row over a cluster of FP8_SPLITS CTAs where that leaves the
+# busiest SM less work (ops/row_split.py); clusters need sm_90. A number forces that split (tests and A/Bs); (1,):
+# never.
+FP8_SPLITS: tuple[int, ...] = SPLITS
+FP8_FORCE_SPLIT: int | None = None
 
 
-def silu_fp8_split(num_rows: int) -> int:
-    """CTAs a row for silu_mul_fp8_product over `num_rows` rows on this GPU (1 before sm_90)."""
+def fp8_split(num_rows: int) -> int:
+    """CTAs a row for rms_norm_fp8_product / silu_mul_fp8_product over `num_rows` rows on this GPU (1 before sm_90)."""
     if _compute_capability() < 90:
         return 1
-    if SILU_FP8_FORCE_SPLIT is not None:
-        return SILU_FP8_FORCE_SPLIT
-    return row_split(num_rows, _num_sms(), SILU_FP8_SPLITS)
+    if FP8_FORCE_SPLIT is not None:
+        return FP8_FORCE_SPLIT
+    return row_split(num_rows, _num_sms(), FP8_SPLITS)
 
 
 def add_bias(x, bias):
