@@ -790,7 +790,7 @@ __device__ __forceinline__ void store8_e4m3(unsigned char* p, const Pack8<T>& y,
 }
 
 // The block's row of xq: columns [width, padded_width) are zeros (they pad the GEMM's inner dimension), written by
-// threads `thread` of `threads` (a cluster's, for silu_mul_fp8 split over one).
+// threads `thread` of `threads` (a cluster's, for a row split over one: SplitRow).
 __device__ __forceinline__ void zero_padding(unsigned char* q_row, int width, int padded_width,
                                              int thread = threadIdx.x, int threads = blockDim.x) {
   for (int c = width + thread; c < padded_width; c += threads) q_row[c] = 0;
