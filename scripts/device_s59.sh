@@ -3,10 +3,10 @@
 #   COMMIT=<hash> OUT=$OUT [PART=1|2] scripts/device_s59.sh
 # PART=1: rms_norm_fp8 / silu_mul_fp8's rows split over clusters: their tests, planted bugs (no peer's amax; every
 # CTA's warp sums read from rank 0) that must fail them, their kernel bench at 256-16 rows; the 8B FP8 w + KV bench
-# with the split and without (two pairs), with 64 cuBLASLt candidates instead of 16, the 8B bf16 bench (issue 25's ratio in this call); the engine GPU tests (the CLI generate
-# on the GPU, graphs, bench with graphs on and off), the kernel profile with its launch gaps, then the kernel test
-# files until the time runs out.
-# PART=2: the FP8 test files and the rest of the GPU files, then A/B pairs given in PAIRS (label:knob ...).
+# with the split and without (two pairs) and the 8B bf16 bench (issue 25's ratio in this call); the engine GPU tests
+# (the CLI generate on the GPU, graphs, bench with graphs on and off) and the FP8 engine tests.
+# PART=2: the FP8 kernel test files, the other kernel files, 64 cuBLASLt candidates against 16, the kernel profile
+# with its launch gaps, then the rest of the GPU files until the time runs out.
 set -u
 export PYTHONUNBUFFERED=1 OFFLINE_PAGED_GIT_COMMIT=${COMMIT:?}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; START=$(date +%s)
@@ -49,7 +49,7 @@ profile() {  # name bench args...
 }
 if [ "${PART:-1}" = 1 ]; then
 run_tests split 150 tests/test_ops_cuda_fp8_fused.py -k "reads_a_product"
-cp cuda/layer.cu /tmp/layer.cu.keep  # planted: a split row's amax from its own CTA only; its sum in rank order reversed
+cp cuda/layer.cu /tmp/layer.cu.keep  # planted: a split row's amax from its own CTA only; every warp sum read from rank 0
 python3 - <<'PY'
 p = "cuda/layer.cu"; s = open(p).read()
 for old, new in [("for (int rank = 0; rank < SPLIT; ++rank) value = nan_max", "for (int rank = 0; rank < 1; ++rank) value = nan_max"),
@@ -64,15 +64,15 @@ cp /tmp/layer.cu.keep cuda/layer.cu
 PYTHONPATH=benchmarks:$PYTHONPATH timeout 90 python3 benchmarks/bench_fp8_inputs.py --product --rows 256 200 136 64 16 \
   2>&1 | tail -32
 bench fp8_split $NOKNOB -- $F8; bench fp8_nosplit $NOSPLIT -- $F8; bench bf16 $NOKNOB -- $B16
-bench fp8_split_b $NOKNOB -- $F8; bench fp8_nosplit_b $NOSPLIT -- $F8; bench fp8_c64 $C64 -- $F8
+bench fp8_split_b $NOKNOB -- $F8; bench fp8_nosplit_b $NOSPLIT -- $F8
 run_tests quick 140 tests/test_gpu_engine.py tests/test_graphs.py tests/test_gpu_bench.py
-profile fp8 $F8
+run_tests fp8_engine 200 tests/test_gpu_engine_fp8_weights.py tests/test_gpu_engine_fp8.py
+elif [ "${PART}" = 2 ]; then
+run_tests fp8 200 tests/test_ops_cuda_fp8_fused.py tests/test_ops_cuda_fp8.py tests/test_ops_cuda_fp8_linear.py
 run_tests kernels 200 tests/test_launchers.py tests/test_attention_quantize.py tests/test_ops_cuda.py \
   tests/test_prefill_attention.py tests/test_step_inputs_launcher.py tests/test_sampling_launcher.py
-elif [ "${PART}" = 2 ]; then
-run_tests fp8 200 tests/test_gpu_engine_fp8.py tests/test_ops_cuda_fp8_fused.py tests/test_gpu_engine_fp8_weights.py \
-  tests/test_ops_cuda_fp8.py tests/test_ops_cuda_fp8_linear.py
-for pair in ${PAIRS:-}; do bench "${pair%%:*}" "${pair#*:}" -- $F8; done
+bench fp8_c64 $C64 -- $F8; bench fp8_c16 $NOKNOB -- $F8
+profile fp8 $F8
 run_tests rest 300 tests/test_mixed_graphs.py tests/test_cuda_graph_runner.py tests/test_gpu_async.py tests/test_gc_pacing.py \
   tests/test_gpu_structured.py tests/test_gpu_sampler.py tests/test_graph_sampling.py tests/test_swap.py \
   tests/test_weight_upload.py tests/test_embeddings.py tests/test_loader.py
