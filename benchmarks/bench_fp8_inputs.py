@@ -4,8 +4,7 @@ Llama-3.2-1B and Llama-3.1-8B in bf16, with the launchers' rule for threads per 
 and with launchers.FP8_INPUT_CHUNKS_PER_THREAD forced to 1, 2, 4.
 --product: the forms the FP8 model runs, reading the previous FP8 GEMM's bfloat16 sums with its per-token and
 per-channel scales (`product=`), against their bytes at the copy bandwidth (session 55's profile: silu_mul_fp8's
-at ~16 us a decode step of 136 rows at the 8B shape, ~5x its bytes); each with its rows split over clusters of 1, 2,
-4 CTAs (sm_90; forced) and by the launcher's rule.
+at ~16 us a decode step of 136 rows at the 8B shape, ~5x its bytes).
 Timing as bench_layer_kernels.py (graph replays over input sets larger than L2; median us per call).
 
     python benchmarks/bench_fp8_inputs.py [--rows 256 64] [--product]
@@ -59,30 +58,20 @@ def product_rows(rows: int, hidden: int, inter: int, copy_gbs: float) -> list[tu
     weight = randn(hidden)
     norm_sets = [(product(rows, hidden), randn(rows, hidden)) for _ in range(num_sets(9 * rows * hidden))]
     silu_sets = [product(rows, 2 * inter) for _ in range(num_sets(5 * rows * inter))]
+    norm = graph_us([lambda p=p, r=r: launchers.rms_norm_fp8(None, weight, 1e-5, r, product=p) for p, r in norm_sets])
+    silu = graph_us([lambda p=p: launchers.silu_mul_fp8(None, product=p, dtype=BF16) for p in silu_sets])
     norm_bytes, silu_bytes = rows * hidden * (2 + 2 + 2 + 1), rows * inter * (2 * 2 + 1)
-    timed = []
-    for split in SPLITS:  # rows split over clusters (launchers.fp8_split), forced or the rule
-        launchers.FP8_FORCE_SPLIT = split
-        norm = graph_us([lambda p=p, r=r: launchers.rms_norm_fp8(None, weight, 1e-5, r, product=p)
-                         for p, r in norm_sets])
-        silu = graph_us([lambda p=p: launchers.silu_mul_fp8(None, product=p, dtype=BF16) for p in silu_sets])
-        timed += [(f"rms_norm/{split or 'rule'}", norm, norm_bytes / copy_gbs / 1e3),
-                  (f"silu_mul/{split or 'rule'}", silu, silu_bytes / copy_gbs / 1e3)]
-    launchers.FP8_FORCE_SPLIT = None
-    return timed
-
-
-SPLITS = (1, 2, 4, None)  # CTAs a row (sm_90), None: launchers.fp8_split's rule
+    return [("rms_norm", norm, norm_bytes / copy_gbs / 1e3), ("silu_mul", silu, silu_bytes / copy_gbs / 1e3)]
 
 
 def main_product(rows_list: list[int]) -> None:
     copy_gbs = copy_bandwidth_gbs()
     print(f"product-reading forms (bfloat16 sums), bf16; copy {copy_gbs:,.0f} GB/s")
-    print(f"{'shape':<14}{'rows':>6}{'kernel':>14}{'us':>9}{'bytes us':>10}{'of copy':>9}")
+    print(f"{'shape':<14}{'rows':>6}{'kernel':>10}{'us':>9}{'bytes us':>10}{'of copy':>9}")
     for name, (hidden, inter, *_) in SHAPES.items():
         for rows in rows_list:
             for kernel, us, bytes_us in product_rows(rows, hidden, inter, copy_gbs):
-                print(f"{name:<14}{rows:>6}{kernel:>14}{us:>9.1f}{bytes_us:>10.1f}{bytes_us / us:>9.0%}")
+                print(f"{name:<14}{rows:>6}{kernel:>10}{us:>9.1f}{bytes_us:>10.1f}{bytes_us / us:>9.0%}")
 
 
 def main() -> None:

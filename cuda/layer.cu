@@ -161,55 +161,6 @@ __device__ __forceinline__ float block_sum(float value) {
   return warp_sum(value);
 }
 
-// ---- A row split over a thread block cluster (sm_90): the SPLIT CTAs of a cluster (1-D, SPLIT consecutive blocks)
-// share one row and stride over it as one block of SPLIT x blockDim.x threads would: CTA r's thread i is the row's
-// thread r x blockDim.x + i. With one block a row, a decode step of 136 rows on 132 SMs puts two rows on 4 SMs, and
-// the kernel takes two rows' time; split in four, the busiest SM holds 5 quarters. SPLIT = 1: the block is the row.
-template <int SPLIT>
-struct SplitRow {
-  int row = blockIdx.x / SPLIT;
-  int thread = (blockIdx.x % SPLIT) * blockDim.x + threadIdx.x;
-  int threads = SPLIT * blockDim.x;
-};
-
-// Every CTA of the cluster past this point has reached it, and what each wrote to its shared memory before it is
-// visible to the others (barrier.cluster's default release / acquire semantics).
-__device__ __forceinline__ void cluster_sync() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-#endif
-}
-
-// The float at `p` (a __shared__ variable) in the shared memory of the cluster's CTA `rank`.
-__device__ __forceinline__ float load_cluster_shared(const float* p, int rank) {
-  float value = 0.f;
-#if __CUDA_ARCH__ >= 900
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
-#endif
-  return value;
-}
-
-// block_sum over the SPLIT CTAs of a cluster sharing a row (SplitRow), returned to every thread of each: the same
-// float operations in the same order as block_sum over one block of SPLIT x blockDim.x threads (the row's warps in
-// rank order), so a row's bytes do not depend on SPLIT. Once per block.
-template <int SPLIT>
-__device__ __forceinline__ float row_sum(float value) {
-  if constexpr (SPLIT == 1) {
-    return block_sum(value);
-  } else {
-    __shared__ float warp_sums[32];
-    value = warp_sum(value);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    if (lane == 0) warp_sums[warp] = value;
-    cluster_sync();
-    value = lane < SPLIT * warps ? load_cluster_shared(&warp_sums[lane % warps], lane / warps) : 0.f;
-    cluster_sync();  // no CTA leaves, nor reuses warp_sums, while another still reads it
-    return warp_sum(value);
-  }
-}
-
 // Where a kernel reads its input row from (the block's row; `chunk` needs col % 8 == 0 and the source's vector
 // alignment, which `aligned` reports):
 // RowOf16: a 16-bit activation row.
@@ -286,43 +237,41 @@ __device__ __forceinline__ float rms_normed1(T h, T w, float inv_rms) {
 // The vector path's first pass of a row (x: the row's source; `row`: its first element's index in residual and
 // residual_out): h = x (+ residual) rounded to T, written to residual_out, the thread's first RMS_HELD chunks kept
 // in `held`; returns 1 / rms of the row (block-wide).
-// The row's threads: `at` (one block, or a cluster's CTAs sharing the row).
-template <typename T, int SPLIT = 1, typename X>
+template <typename T, typename X>
 __device__ __forceinline__ float rms_first_pass8(const X& x, const T* residual, T* residual_out, size_t row,
-                                                 int hidden, float eps, Pack8<T> (&held)[RMS_HELD],
-                                                 const SplitRow<SPLIT>& at = {}) {
+                                                 int hidden, float eps, Pack8<T> (&held)[RMS_HELD]) {
   const int chunks = hidden / VEC;
   float sum = 0.f;
 #pragma unroll
   for (int n = 0; n < RMS_HELD; ++n) {  // all loads first (store8 is an asm barrier to reordering)
-    const int c = at.thread + n * at.threads;
+    const int c = threadIdx.x + n * blockDim.x;
     if (c < chunks) held[n] = rms_residual8(x, residual, row + (size_t)c * VEC, c * VEC, sum);
   }
 #pragma unroll
   for (int n = 0; n < RMS_HELD; ++n) {
-    const int c = at.thread + n * at.threads;
+    const int c = threadIdx.x + n * blockDim.x;
     if (c < chunks) store8(residual_out + row + (size_t)c * VEC, held[n]);
   }
-  for (int c = at.thread + RMS_HELD * at.threads; c < chunks; c += at.threads) {
+  for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
     store8(residual_out + row + (size_t)c * VEC, rms_residual8(x, residual, row + (size_t)c * VEC, c * VEC, sum));
   }
-  return rsqrtf(row_sum<SPLIT>(sum) / hidden + eps);
+  return rsqrtf(block_sum(sum) / hidden + eps);
 }
 
 // The scalar path's first pass: as rms_first_pass8, one element per step (the output pass reads back the
 // residual_out entries the same thread wrote).
-template <typename T, int SPLIT = 1, typename X>
+template <typename T, typename X>
 __device__ __forceinline__ float rms_first_pass1(const X& x, const T* residual, T* residual_out, size_t row,
-                                                 int hidden, float eps, const SplitRow<SPLIT>& at = {}) {
+                                                 int hidden, float eps) {
   float sum = 0.f;
-  for (int i = at.thread; i < hidden; i += at.threads) {
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
     T h = x.one(i);
     if (residual != nullptr) h = add_rounded(h, residual[row + i]);  // the exact sum rounded once to T
     residual_out[row + i] = h;
     const float f = to_float(h);
     sum += f * f;
   }
-  return rsqrtf(row_sum<SPLIT>(sum) / hidden + eps);
+  return rsqrtf(block_sum(sum) / hidden + eps);
 }
 
 template <typename T>
@@ -757,22 +706,6 @@ __device__ __forceinline__ float block_amax(float value) {
   return value;
 }
 
-// block_amax over the SPLIT CTAs of a cluster sharing a row (SplitRow), returned to every thread of each. Once per
-// block. A max has no order, so the row's amax, and its bytes, do not depend on SPLIT.
-template <int SPLIT>
-__device__ __forceinline__ float row_amax(float value) {
-  value = block_amax(value);
-  if constexpr (SPLIT > 1) {
-    __shared__ float block_max;
-    if (threadIdx.x == 0) block_max = value;
-    cluster_sync();
-#pragma unroll
-    for (int rank = 0; rank < SPLIT; ++rank) value = nan_max(value, load_cluster_shared(&block_max, rank));
-    cluster_sync();  // no CTA leaves (its shared memory with it) while another still reads its block_max
-  }
-  return value;
-}
-
 template <typename T>
 __device__ __forceinline__ float amax8(const Pack8<T>& y, float amax) {
 #pragma unroll
@@ -789,73 +722,69 @@ __device__ __forceinline__ void store8_e4m3(unsigned char* p, const Pack8<T>& y,
   *reinterpret_cast<uint2*>(p) = float8_to_e4m3x8(f);
 }
 
-// The block's row of xq: columns [width, padded_width) are zeros (they pad the GEMM's inner dimension), written by
-// threads `thread` of `threads` (a cluster's, for a row split over one: SplitRow).
-__device__ __forceinline__ void zero_padding(unsigned char* q_row, int width, int padded_width,
-                                             int thread = threadIdx.x, int threads = blockDim.x) {
-  for (int c = width + thread; c < padded_width; c += threads) q_row[c] = 0;
+// The block's row of xq: columns [width, padded_width) are zeros (they pad the GEMM's inner dimension).
+__device__ __forceinline__ void zero_padding(unsigned char* q_row, int width, int padded_width) {
+  for (int c = width + threadIdx.x; c < padded_width; c += blockDim.x) q_row[c] = 0;
 }
 
-// x: the row of the input (RowOf16 or RowOfFp8Product); SPLIT CTAs a row (SplitRow).
-template <typename T, int SPLIT, typename X>
+// x: the block's row of the input (RowOf16 or RowOfFp8Product).
+template <typename T, typename X>
 __device__ void rms_norm_fp8_impl(const X& x, const T* residual, const T* weight, unsigned char* xq, float* x_scale,
                                   T* residual_out, int hidden, int padded_width, float eps, float static_scale) {
-  const SplitRow<SPLIT> at;
-  const size_t row = (size_t)at.row * hidden;
-  unsigned char* q_row = xq + (size_t)at.row * padded_width;
+  const size_t row = (size_t)blockIdx.x * hidden;
+  unsigned char* q_row = xq + (size_t)blockIdx.x * padded_width;
   const bool vec = hidden % VEC == 0 && x.aligned() && aligned16(residual) && aligned16(weight) &&
                    aligned16(residual_out) && aligned16(xq) && padded_width % 16 == 0;
   float amax = 0.f;
   if (vec) {
     const int chunks = hidden / VEC;
     Pack8<T> held[RMS_HELD];  // h, then the normed output
-    const float inv_rms = rms_first_pass8(x, residual, residual_out, row, hidden, eps, held, at);
+    const float inv_rms = rms_first_pass8(x, residual, residual_out, row, hidden, eps, held);
 #pragma unroll
     for (int n = 0; n < RMS_HELD; ++n) {
-      const int c = at.thread + n * at.threads;
+      const int c = threadIdx.x + n * blockDim.x;
       if (c < chunks) {
         held[n] = rms_normed8(held[n], weight, c * VEC, inv_rms);
         amax = amax8(held[n], amax);
       }
     }
-    for (int c = at.thread + RMS_HELD * at.threads; c < chunks; c += at.threads) {
+    for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
       amax = amax8(rms_normed8(load8(residual_out + row + (size_t)c * VEC), weight, c * VEC, inv_rms), amax);
     }
-    const float row_scale = fp8_row_scale(row_amax<SPLIT>(amax), static_scale);
-    if (at.thread == 0) x_scale[at.row] = row_scale;
+    const float row_scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = row_scale;
     const Fp8Divisor scale = fp8_divisor(row_scale);
 #pragma unroll
     for (int n = 0; n < RMS_HELD; ++n) {
-      const int c = at.thread + n * at.threads;
+      const int c = threadIdx.x + n * blockDim.x;
       if (c < chunks) store8_e4m3(q_row + c * VEC, held[n], scale);
     }
-    for (int c = at.thread + RMS_HELD * at.threads; c < chunks; c += at.threads) {
+    for (int c = threadIdx.x + RMS_HELD * blockDim.x; c < chunks; c += blockDim.x) {
       const Pack8<T> h = load8(residual_out + row + (size_t)c * VEC);
       store8_e4m3(q_row + c * VEC, rms_normed8(h, weight, c * VEC, inv_rms), scale);
     }
   } else {
-    const float inv_rms = rms_first_pass1(x, residual, residual_out, row, hidden, eps, at);
-    for (int i = at.thread; i < hidden; i += at.threads)
+    const float inv_rms = rms_first_pass1(x, residual, residual_out, row, hidden, eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
       amax = nan_max(amax, fabsf(rms_normed1(residual_out[row + i], weight[i], inv_rms)));
-    const float row_scale = fp8_row_scale(row_amax<SPLIT>(amax), static_scale);
-    if (at.thread == 0) x_scale[at.row] = row_scale;
+    const float row_scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = row_scale;
     const Fp8Divisor scale = fp8_divisor(row_scale);
-    for (int i = at.thread; i < hidden; i += at.threads)
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
       q_row[i] = (unsigned char)float_to_e4m3(scale(rms_normed1(residual_out[row + i], weight[i], inv_rms)));
   }
-  zero_padding(q_row, hidden, padded_width, at.thread, at.threads);
+  zero_padding(q_row, hidden, padded_width);
 }
 
 // silu_mul's output chunks a thread keeps in registers between its amax and its quantize pass (later ones are
 // computed twice).
 constexpr int SILU_HELD = 4;
 
-// x: the row's gate_up (RowOf16 or RowOfFp8Product); SPLIT CTAs a row (SplitRow).
-template <typename T, int SPLIT, typename X>
+// x: the block's gate_up row (RowOf16 or RowOfFp8Product).
+template <typename T, typename X>
 __device__ void silu_mul_fp8_impl(const X& x, unsigned char* xq, float* x_scale, int inter, int padded_width,
                                   float static_scale) {
-  const SplitRow<SPLIT> at;
-  unsigned char* q_row = xq + (size_t)at.row * padded_width;
+  unsigned char* q_row = xq + (size_t)blockIdx.x * padded_width;
   const bool vec = inter % VEC == 0 && x.aligned() && aligned16(xq) && padded_width % 16 == 0;
   float amax = 0.f;
   if (vec) {
@@ -863,36 +792,36 @@ __device__ void silu_mul_fp8_impl(const X& x, unsigned char* xq, float* x_scale,
     Pack8<T> held[SILU_HELD];
 #pragma unroll
     for (int n = 0; n < SILU_HELD; ++n) {
-      const int c = at.thread + n * at.threads;
+      const int c = threadIdx.x + n * blockDim.x;
       if (c < chunks) {
         held[n] = silu_mul8<T>(x, inter, c * VEC);
         amax = amax8(held[n], amax);
       }
     }
-    for (int c = at.thread + SILU_HELD * at.threads; c < chunks; c += at.threads)
+    for (int c = threadIdx.x + SILU_HELD * blockDim.x; c < chunks; c += blockDim.x)
       amax = amax8(silu_mul8<T>(x, inter, c * VEC), amax);
-    const float row_scale = fp8_row_scale(row_amax<SPLIT>(amax), static_scale);
-    if (at.thread == 0) x_scale[at.row] = row_scale;
+    const float row_scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = row_scale;
     const Fp8Divisor scale = fp8_divisor(row_scale);
 #pragma unroll
     for (int n = 0; n < SILU_HELD; ++n) {
-      const int c = at.thread + n * at.threads;
+      const int c = threadIdx.x + n * blockDim.x;
       if (c < chunks) store8_e4m3(q_row + c * VEC, held[n], scale);
     }
-    for (int c = at.thread + SILU_HELD * at.threads; c < chunks; c += at.threads)
+    for (int c = threadIdx.x + SILU_HELD * blockDim.x; c < chunks; c += blockDim.x)
       store8_e4m3(q_row + c * VEC, silu_mul8<T>(x, inter, c * VEC), scale);
   } else {
-    for (int i = at.thread; i < inter; i += at.threads)
+    for (int i = threadIdx.x; i < inter; i += blockDim.x)
       amax = nan_max(amax, fabsf(to_float(from_float<T>(silu_times(to_float(x.one(i)), to_float(x.one(inter + i)))))));
-    const float row_scale = fp8_row_scale(row_amax<SPLIT>(amax), static_scale);
-    if (at.thread == 0) x_scale[at.row] = row_scale;
+    const float row_scale = fp8_row_scale(block_amax(amax), static_scale);
+    if (threadIdx.x == 0) x_scale[blockIdx.x] = row_scale;
     const Fp8Divisor scale = fp8_divisor(row_scale);
-    for (int i = at.thread; i < inter; i += at.threads) {
+    for (int i = threadIdx.x; i < inter; i += blockDim.x) {
       const float y = to_float(from_float<T>(silu_times(to_float(x.one(i)), to_float(x.one(inter + i)))));
       q_row[i] = (unsigned char)float_to_e4m3(scale(y));
     }
   }
-  zero_padding(q_row, inter, padded_width, at.thread, at.threads);
+  zero_padding(q_row, inter, padded_width);
 }
 
 template <typename T>
@@ -969,35 +898,15 @@ __device__ void add_bias_impl(T* x, const T* bias, long long total, int width) {
   extern "C" __global__ void __launch_bounds__(1024)                                                        \
       rms_norm_fp8_##SUFFIX(const T* x, const T* residual, const T* weight, unsigned char* xq, float* x_scale, \
                             T* residual_out, int hidden, int padded_width, float eps, float static_scale) {  \
-    rms_norm_fp8_impl<T, 1>(RowOf16<T>{x + (size_t)blockIdx.x * hidden}, residual, weight, xq, x_scale,      \
+    rms_norm_fp8_impl<T>(RowOf16<T>{x + (size_t)blockIdx.x * hidden}, residual, weight, xq, x_scale,         \
                          residual_out, hidden, padded_width, eps, static_scale);                            \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(1024)                                                        \
       silu_mul_fp8_##SUFFIX(const T* gate_up, unsigned char* xq, float* x_scale, int inter, int padded_width, \
                             float static_scale) {                                                           \
-    silu_mul_fp8_impl<T, 1>(RowOf16<T>{gate_up + (size_t)blockIdx.x * 2 * inter}, xq, x_scale, inter,        \
-                            padded_width, static_scale);                                                    \
+    silu_mul_fp8_impl<T>(RowOf16<T>{gate_up + (size_t)blockIdx.x * 2 * inter}, xq, x_scale, inter,           \
+                         padded_width, static_scale);                                                       \
   }
-
-namespace {
-template <typename T, typename A, int SPLIT>
-__device__ __forceinline__ void silu_mul_fp8_product(const A* acc, const float* acc_x_scale, const float* acc_w_scale,
-                                                     int acc_width, unsigned char* xq, float* x_scale, int inter,
-                                                     int padded_width, float static_scale) {
-  const int row = blockIdx.x / SPLIT;
-  const RowOfFp8Product<T, A> x{acc + (size_t)row * acc_width, acc_x_scale[row], acc_w_scale};
-  silu_mul_fp8_impl<T, SPLIT>(x, xq, x_scale, inter, padded_width, static_scale);
-}
-template <typename T, typename A, int SPLIT>
-__device__ __forceinline__ void rms_norm_fp8_product(const A* acc, const float* acc_x_scale, const float* acc_w_scale,
-                                                     int acc_width, const T* residual, const T* weight,
-                                                     unsigned char* xq, float* x_scale, T* residual_out, int hidden,
-                                                     int padded_width, float eps, float static_scale) {
-  const int row = blockIdx.x / SPLIT;
-  const RowOfFp8Product<T, A> x{acc + (size_t)row * acc_width, acc_x_scale[row], acc_w_scale};
-  rms_norm_fp8_impl<T, SPLIT>(x, residual, weight, xq, x_scale, residual_out, hidden, padded_width, eps, static_scale);
-}
-}  // namespace
 
 // The product-reading forms of rms_norm_fp8 and silu_mul_fp8, for an accumulator of A (TAG: nothing for float32,
 // _bf16acc for bfloat16).
@@ -1006,8 +915,9 @@ __device__ __forceinline__ void rms_norm_fp8_product(const A* acc, const float* 
       const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const T* residual,     \
       const T* weight, unsigned char* xq, float* x_scale, T* residual_out, int hidden, int padded_width,      \
       float eps, float static_scale) {                                                                        \
-    rms_norm_fp8_product<T, A, 1>(acc, acc_x_scale, acc_w_scale, acc_width, residual, weight, xq, x_scale,    \
-                                  residual_out, hidden, padded_width, eps, static_scale);                     \
+    const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
+    rms_norm_fp8_impl<T>(x, residual, weight, xq, x_scale, residual_out, hidden, padded_width, eps,            \
+                         static_scale);                                                                       \
   }                                                                                                           \
   extern "C" __global__ void rope_write_kv_product##TAG##_##SUFFIX(                                            \
       const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const int* positions,  \
@@ -1028,8 +938,8 @@ __device__ __forceinline__ void rms_norm_fp8_product(const A* acc, const float* 
   extern "C" __global__ void __launch_bounds__(1024) silu_mul_fp8_product##TAG##_##SUFFIX(                    \
       const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, unsigned char* xq,     \
       float* x_scale, int inter, int padded_width, float static_scale) {                                      \
-    silu_mul_fp8_product<T, A, 1>(acc, acc_x_scale, acc_w_scale, acc_width, xq, x_scale, inter, padded_width, \
-                                  static_scale);                                                              \
+    const RowOfFp8Product<T, A> x{acc + (size_t)blockIdx.x * acc_width, acc_x_scale[blockIdx.x], acc_w_scale}; \
+    silu_mul_fp8_impl<T>(x, xq, x_scale, inter, padded_width, static_scale);                                  \
   }
 DEFINE_LAYER_KERNELS(__half, f16)
 DEFINE_LAYER_KERNELS(bf16_t, bf16)
@@ -1037,38 +947,3 @@ DEFINE_PRODUCT_KERNELS(__half, f16, float, )
 DEFINE_PRODUCT_KERNELS(bf16_t, bf16, float, )
 DEFINE_PRODUCT_KERNELS(__half, f16, bf16_t, _bf16acc)
 DEFINE_PRODUCT_KERNELS(bf16_t, bf16, bf16_t, _bf16acc)
-
-// silu_mul_fp8_product and rms_norm_fp8_product split over clusters of SPLIT CTAs a row (sm_90 only; the grid is rows
-// x SPLIT blocks): {silu_mul,rms_norm}_fp8_product{,_bf16acc}_x{2,4}_{f16,bf16}, the same arguments and bytes
-// (rms_norm_fp8's only where its row's threads, rms_norm's, are SPLIT x blockDim.x: the same sum in the same order).
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // (the host pass declares them for nvcc's stubs)
-#define DEFINE_SPLIT_SILU_KERNEL(T, SUFFIX, A, TAG, SPLIT)                                                     \
-  extern "C" __global__ void __cluster_dims__(SPLIT, 1, 1) __launch_bounds__(1024)                            \
-      silu_mul_fp8_product##TAG##_x##SPLIT##_##SUFFIX(const A* acc, const float* acc_x_scale,                  \
-                                                     const float* acc_w_scale, int acc_width, unsigned char* xq, \
-                                                     float* x_scale, int inter, int padded_width,             \
-                                                     float static_scale) {                                    \
-    silu_mul_fp8_product<T, A, SPLIT>(acc, acc_x_scale, acc_w_scale, acc_width, xq, x_scale, inter,           \
-                                      padded_width, static_scale);                                            \
-  }
-#define DEFINE_SPLIT_NORM_KERNEL(T, SUFFIX, A, TAG, SPLIT)                                                     \
-  extern "C" __global__ void __cluster_dims__(SPLIT, 1, 1) __launch_bounds__(1024)                            \
-      rms_norm_fp8_product##TAG##_x##SPLIT##_##SUFFIX(                                                        \
-          const A* acc, const float* acc_x_scale, const float* acc_w_scale, int acc_width, const T* residual, \
-          const T* weight, unsigned char* xq, float* x_scale, T* residual_out, int hidden, int padded_width,  \
-          float eps, float static_scale) {                                                                    \
-    rms_norm_fp8_product<T, A, SPLIT>(acc, acc_x_scale, acc_w_scale, acc_width, residual, weight, xq, x_scale, \
-                                      residual_out, hidden, padded_width, eps, static_scale);                 \
-  }
-#define DEFINE_SPLIT_KERNELS(SPLIT)                               \
-  DEFINE_SPLIT_SILU_KERNEL(__half, f16, float, , SPLIT)           \
-  DEFINE_SPLIT_SILU_KERNEL(bf16_t, bf16, float, , SPLIT)          \
-  DEFINE_SPLIT_SILU_KERNEL(__half, f16, bf16_t, _bf16acc, SPLIT)  \
-  DEFINE_SPLIT_SILU_KERNEL(bf16_t, bf16, bf16_t, _bf16acc, SPLIT) \
-  DEFINE_SPLIT_NORM_KERNEL(__half, f16, float, , SPLIT)           \
-  DEFINE_SPLIT_NORM_KERNEL(bf16_t, bf16, float, , SPLIT)          \
-  DEFINE_SPLIT_NORM_KERNEL(__half, f16, bf16_t, _bf16acc, SPLIT)  \
-  DEFINE_SPLIT_NORM_KERNEL(bf16_t, bf16, bf16_t, _bf16acc, SPLIT)
-DEFINE_SPLIT_KERNELS(2)
-DEFINE_SPLIT_KERNELS(4)
-#endif

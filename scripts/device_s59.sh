@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Session 59's device calls (~9.5 min each on an H100 or H200; carry .whl):
 #   COMMIT=<hash> OUT=$OUT [PART=1|2] scripts/device_s59.sh
-# PART=1: rms_norm_fp8 / silu_mul_fp8's rows split over clusters: their tests, planted bugs (no peer's amax; every
-# CTA's warp sums read from rank 0) that must fail them, their kernel bench at 256-16 rows; the 8B FP8 w + KV bench
-# with the split and without (two pairs) and the 8B bf16 bench (issue 25's ratio in this call); the engine GPU tests
-# (the CLI generate on the GPU, graphs, bench with graphs on and off) and the FP8 engine tests.
-# PART=2: the FP8 kernel test files, the other kernel files, 64 cuBLASLt candidates against 16, the kernel profile
-# with its launch gaps, then the rest of the GPU files until the time runs out.
+# PART=1 (branch s59-row-split, f6b5862): rms_norm_fp8 / silu_mul_fp8's rows split over clusters: their tests,
+# planted bugs (no peer's amax; every CTA's warp sums read from rank 0) that must fail them, their kernel bench at
+# 256-16 rows; the 8B FP8 w + KV bench with the split and without (two pairs) and the 8B bf16 bench (issue 25's ratio
+# in this call); the engine GPU tests (the CLI generate on the GPU, graphs, bench with graphs on and off) and the FP8
+# engine tests. (On main, without the split, PART=1 fails at its first step.)
+# PART=2 (main): the FP8 kernel test files, the other kernel files, 64 cuBLASLt candidates against 16 and a bf16 run
+# (issue 25's ratio), the kernel profile with its launch gaps, then the rest of the GPU files until the time runs out.
 set -u
 export PYTHONUNBUFFERED=1 OFFLINE_PAGED_GIT_COMMIT=${COMMIT:?}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; START=$(date +%s)
@@ -71,7 +72,7 @@ elif [ "${PART}" = 2 ]; then
 run_tests fp8 200 tests/test_ops_cuda_fp8_fused.py tests/test_ops_cuda_fp8.py tests/test_ops_cuda_fp8_linear.py
 run_tests kernels 200 tests/test_launchers.py tests/test_attention_quantize.py tests/test_ops_cuda.py \
   tests/test_prefill_attention.py tests/test_step_inputs_launcher.py tests/test_sampling_launcher.py
-bench fp8_c64 $C64 -- $F8; bench fp8_c16 $NOKNOB -- $F8
+bench fp8_c64 $C64 -- $F8; bench fp8_c16 $NOKNOB -- $F8; bench bf16 $NOKNOB -- $B16
 profile fp8 $F8
 run_tests rest 300 tests/test_mixed_graphs.py tests/test_cuda_graph_runner.py tests/test_gpu_async.py tests/test_gc_pacing.py \
   tests/test_gpu_structured.py tests/test_gpu_sampler.py tests/test_graph_sampling.py tests/test_swap.py \

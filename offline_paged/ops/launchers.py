@@ -23,7 +23,6 @@ import numpy as np
 
 from offline_paged.ops.kernel_modules import kernel
 from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA as FP8_STORAGE  # an FP8 pool's element type (uint8)
-from offline_paged.ops.row_split import SPLITS, row_split, split_threads
 
 try:
     import ml_dtypes
@@ -76,15 +75,6 @@ KERNELS = (
     ("layer.cu", "silu_mul_fp8_product_f16"), ("layer.cu", "silu_mul_fp8_product_bf16"),
     ("layer.cu", "rms_norm_fp8_product_bf16acc_f16"), ("layer.cu", "rms_norm_fp8_product_bf16acc_bf16"),
     ("layer.cu", "silu_mul_fp8_product_bf16acc_f16"), ("layer.cu", "silu_mul_fp8_product_bf16acc_bf16"),
-    # ... split over clusters of 2 or 4 CTAs a row (sm_90; ops/row_split.py):
-    ("layer.cu", "silu_mul_fp8_product_x2_f16"), ("layer.cu", "silu_mul_fp8_product_x2_bf16"),
-    ("layer.cu", "silu_mul_fp8_product_bf16acc_x2_f16"), ("layer.cu", "silu_mul_fp8_product_bf16acc_x2_bf16"),
-    ("layer.cu", "silu_mul_fp8_product_x4_f16"), ("layer.cu", "silu_mul_fp8_product_x4_bf16"),
-    ("layer.cu", "silu_mul_fp8_product_bf16acc_x4_f16"), ("layer.cu", "silu_mul_fp8_product_bf16acc_x4_bf16"),
-    ("layer.cu", "rms_norm_fp8_product_x2_f16"), ("layer.cu", "rms_norm_fp8_product_x2_bf16"),
-    ("layer.cu", "rms_norm_fp8_product_bf16acc_x2_f16"), ("layer.cu", "rms_norm_fp8_product_bf16acc_x2_bf16"),
-    ("layer.cu", "rms_norm_fp8_product_x4_f16"), ("layer.cu", "rms_norm_fp8_product_x4_bf16"),
-    ("layer.cu", "rms_norm_fp8_product_bf16acc_x4_f16"), ("layer.cu", "rms_norm_fp8_product_bf16acc_x4_bf16"),
     # rope_write_kv reading the qkv projection's FP8 product (its scale epilogue folded in), 16-bit and FP8 caches:
     ("layer.cu", "rope_write_kv_product_f16"), ("layer.cu", "rope_write_kv_product_bf16"),
     ("layer.cu", "rope_write_kv_product_bf16acc_f16"), ("layer.cu", "rope_write_kv_product_bf16acc_bf16"),
@@ -188,11 +178,6 @@ def _block_threads(units: int, cap: int) -> int:
 @functools.cache
 def _num_sms() -> int:
     return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-
-
-@functools.cache
-def _compute_capability() -> int:
-    return int(cupy.cuda.Device().compute_capability)
 
 
 def _kernel(filename: str, name: str):
@@ -677,14 +662,8 @@ def rms_norm_fp8(x, weight, eps: float, residual=None, padded_width: int | None 
     residual_out = cupy.empty((num_tokens, hidden), dtype=weight.dtype)
     if num_tokens:
         units = hidden // VECTOR_WIDTH if _vector_path(hidden, residual, weight, residual_out, xq) else hidden
-        threads = fp8_input_threads(units, num_tokens, _num_sms(), sums=True)  # the row's, rms_norm's
-        split = fp8_split(num_tokens) if product is not None else 1
-        if threads % (32 * split):  # each CTA whole warps of the row's: its sum then adds up in rms_norm's order
-            split = 1
-        if split > 1:
-            name = f"rms_norm_fp8_product{acc_tag}_x{split}_{suffix}"
         _kernel("layer.cu", name)(
-            (num_tokens * split,), (threads // split,),
+            (num_tokens,), (fp8_input_threads(units, num_tokens, _num_sms(), sums=True),),
             (*x_args, residual if residual is not None else np.uint64(0), weight, xq, scales, residual_out,
              np.int32(hidden), np.int32(padded_width), np.float32(eps), np.float32(static_scale or 0.0)))
     return xq, scales, residual_out
@@ -850,8 +829,7 @@ def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float |
                  dtype=None):
     """silu_mul whose output goes straight into an FP8 linear: (xq [T, Kp] uint8 e4m3 bits, scales [T] float32),
     byte for byte silu_mul then fp8_launcher.quantize_rows_fp8(out, padded_width, static_scale). Kp =
-    padded_width (default: I rounded up to 16); columns I..Kp-1 of xq are 0. One block per token row, or (product
-    form, sm_90) a cluster of fp8_split(T) blocks.
+    padded_width (default: I rounded up to 16); columns I..Kp-1 of xq are 0. One block per token row.
     product = (acc [T, Np] float32 / bfloat16, acc_x_scale [T], acc_w_scale [Np], 2I) with gate_up None and `dtype`
     (float16 / bfloat16): gate_up is an FP8 GEMM's product before its epilogue, read in (rms_norm_fp8's `product`)."""
     if product is None:
@@ -870,32 +848,10 @@ def silu_mul_fp8(gate_up, padded_width: int | None = None, static_scale: float |
     padded_width = xq.shape[1]
     if num_tokens:
         units = inter // VECTOR_WIDTH if (inter % VECTOR_WIDTH == 0 and xq.data.ptr % 16 == 0) else inter
-        split = fp8_split(num_tokens) if product is not None else 1
-        if split == 1:
-            threads = fp8_input_threads(units, num_tokens, _num_sms())
-        else:
-            name = f"silu_mul_fp8_product{acc_tag}_x{split}_{suffix}"
-            threads = split_threads(units, num_tokens, split, _num_sms())
         _kernel("layer.cu", name)(
-            (num_tokens * split,), (threads,),
+            (num_tokens,), (fp8_input_threads(units, num_tokens, _num_sms()),),
             (*x_args, xq, scales, np.int32(inter), np.int32(padded_width), np.float32(static_scale or 0.0)))
     return xq, scales
-
-
-# The product-reading rms_norm_fp8 / silu_mul_fp8 split a row over a cluster of FP8_SPLITS CTAs where that leaves the
-# busiest SM less work (ops/row_split.py); clusters need sm_90. A number forces that split (tests and A/Bs); (1,):
-# never.
-FP8_SPLITS: tuple[int, ...] = SPLITS
-FP8_FORCE_SPLIT: int | None = None
-
-
-def fp8_split(num_rows: int) -> int:
-    """CTAs a row for rms_norm_fp8_product / silu_mul_fp8_product over `num_rows` rows on this GPU (1 before sm_90)."""
-    if _compute_capability() < 90:
-        return 1
-    if FP8_FORCE_SPLIT is not None:
-        return FP8_FORCE_SPLIT
-    return row_split(num_rows, _num_sms(), FP8_SPLITS)
 
 
 def add_bias(x, bias):
