@@ -6,8 +6,8 @@
 # 256-16 rows; the 8B FP8 w + KV bench with the split and without (two pairs) and the 8B bf16 bench (issue 25's ratio
 # in this call); the engine GPU tests (the CLI generate on the GPU, graphs, bench with graphs on and off) and the FP8
 # engine tests. (On main, without the split, PART=1 fails at its first step.)
-# PART=2 (main): the FP8 kernel test files, the other kernel files, 64 cuBLASLt candidates against 16 and a bf16 run
-# (issue 25's ratio), the kernel profile with its launch gaps, then the rest of the GPU files until the time runs out.
+# PART=2 (main): 64 cuBLASLt candidates against 16 and a bf16 run (issue 25's ratio), the kernel test files, the FP8
+# kernel files, the rest of the GPU files and the kernel profile with its launch gaps, until BUDGET runs out.
 set -u
 export PYTHONUNBUFFERED=1 OFFLINE_PAGED_GIT_COMMIT=${COMMIT:?}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; START=$(date +%s)
@@ -69,13 +69,13 @@ bench fp8_split_b $NOKNOB -- $F8; bench fp8_nosplit_b $NOSPLIT -- $F8
 run_tests quick 140 tests/test_gpu_engine.py tests/test_graphs.py tests/test_gpu_bench.py
 run_tests fp8_engine 200 tests/test_gpu_engine_fp8_weights.py tests/test_gpu_engine_fp8.py
 elif [ "${PART}" = 2 ]; then
-run_tests fp8 200 tests/test_ops_cuda_fp8_fused.py tests/test_ops_cuda_fp8.py tests/test_ops_cuda_fp8_linear.py
+bench fp8_c64 $C64 -- $F8; bench fp8_c16 $NOKNOB -- $F8; bench bf16 $NOKNOB -- $B16
 run_tests kernels 200 tests/test_launchers.py tests/test_attention_quantize.py tests/test_ops_cuda.py \
   tests/test_prefill_attention.py tests/test_step_inputs_launcher.py tests/test_sampling_launcher.py
-bench fp8_c64 $C64 -- $F8; bench fp8_c16 $NOKNOB -- $F8; bench bf16 $NOKNOB -- $B16
-profile fp8 $F8
+run_tests fp8 200 tests/test_ops_cuda_fp8_fused.py tests/test_ops_cuda_fp8.py tests/test_ops_cuda_fp8_linear.py
 run_tests rest 300 tests/test_mixed_graphs.py tests/test_cuda_graph_runner.py tests/test_gpu_async.py tests/test_gc_pacing.py \
   tests/test_gpu_structured.py tests/test_gpu_sampler.py tests/test_graph_sampling.py tests/test_swap.py \
   tests/test_weight_upload.py tests/test_embeddings.py tests/test_loader.py
+profile fp8 $F8
 fi
 echo "done [$(( $(date +%s) - START )) s]"
