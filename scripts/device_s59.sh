@@ -8,6 +8,8 @@
 # engine tests. (On main, without the split, PART=1 fails at its first step.)
 # PART=2 (main): 64 cuBLASLt candidates against 16 and a bf16 run (issue 25's ratio), the kernel test files, the FP8
 # kernel files, the rest of the GPU files and the kernel profile with its launch gaps, until BUDGET runs out.
+# PART=3 (main, ~6 min): benchmarks/bench_fp8_gemm_search.py (cuBLASLt's FP8 algorithms beyond the heuristic's 16 at
+# the 8B decode GEMMs), then the engine with 64 candidates against 16 and a bf16 run.
 set -u
 export PYTHONUNBUFFERED=1 OFFLINE_PAGED_GIT_COMMIT=${COMMIT:?}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; START=$(date +%s)
@@ -77,5 +79,8 @@ run_tests rest 300 tests/test_mixed_graphs.py tests/test_cuda_graph_runner.py te
   tests/test_gpu_structured.py tests/test_gpu_sampler.py tests/test_graph_sampling.py tests/test_swap.py \
   tests/test_weight_upload.py tests/test_embeddings.py tests/test_loader.py
 profile fp8 $F8
+elif [ "${PART}" = 3 ]; then
+PYTHONPATH=benchmarks:$PYTHONPATH timeout 300 python3 benchmarks/bench_fp8_gemm_search.py --rows 144 256 64 2>&1 | tail -20
+bench fp8_c64 $C64 -- $F8; bench fp8_c16 $NOKNOB -- $F8; bench bf16 $NOKNOB -- $B16
 fi
 echo "done [$(( $(date +%s) - START )) s]"

@@ -1,0 +1,203 @@
+"""Kernel benchmark (GPU): is there a faster cuBLASLt FP8 algorithm for the decode GEMMs than TunedGemm's pick?
+
+TunedGemm times the candidates cuBLASLt's heuristic lists (ops/cublaslt.NUM_CANDIDATES, 16) and keeps the fastest;
+at the 8B shape's decode rows those picks read their weights at ~50-64% of the copy bandwidth (NOTES, session 56),
+the largest gap left in issue 25's FP8 decode step. This script asks what a wider search would find, per projection
+and row count, in one run:
+  - "heur16" / "heur64": the fastest of the heuristic's first 16 / 64 candidates (TunedGemm's search, and the
+    NUM_CANDIDATES = 64 knob);
+  - "enum": the fastest of every configuration cuBLASLt accepts (cublasLtMatmulAlgoCheck) among its algorithm ids
+    (cublasLtMatmulAlgoGetIds) x the tiles and stages each lists (cublasLtMatmulAlgoCapGetAttribute) x split-K
+    1 / 2 / 4 / 8 where supported: timed once quickly, the best QUICK_KEEP timed again as TunedGemm does.
+Each time is the median of graph replays over enough weight copies that they miss in L2, as a decode step's
+weights do; "w of copy" is the weight bytes over that time against the device-to-device copy bandwidth.
+The products are FP8 e4m3 x e4m3 into bfloat16 sums with fast accumulation, as the FP8 model runs them.
+
+    PYTHONPATH=benchmarks python3 benchmarks/bench_fp8_gemm_search.py [--rows 144 256 64] [--presets llama-3.1-8b]
+
+Written in session 59 with no device time left: not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import statistics
+
+import cupy
+import numpy as np
+from bench_gemm import projections
+from bench_kernels import copy_bandwidth_gbs
+
+from offline_paged.ops import cublaslt
+from offline_paged.ops.cublaslt import TunedGemm, _Algo, _Heuristic, _Plan, check_fp8_args
+from offline_paged.ops.graphs import check_status
+from offline_paged.ops.launchers import BFLOAT16, fp8_padded
+
+# cublasLt.h's enums (CUDA 12 / 13)
+_CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_STAGES_ID = 1, 2, 6  # cublasLtMatmulAlgoConfigAttributes_t
+_CAP_SPLITK_SUPPORT, _CAP_TILE_IDS, _CAP_STAGES_IDS = 0, 6, 13  # cublasLtMatmulAlgoCapAttributes_t
+_CUBLAS_COMPUTE_32F, _CUDA_R_32F = 68, 0
+_CUDA_R_16BF, _CUDA_R_8F_E4M3 = 14, 28
+TYPES = (_CUDA_R_8F_E4M3, _CUDA_R_8F_E4M3, _CUDA_R_16BF, _CUDA_R_16BF)  # A, B, C, D of the plans searched
+SPLITS_K = (1, 2, 4, 8)
+QUICK_KEEP = 12  # configurations timed again after the quick pass
+L2_MISS_BYTES = 256 << 20  # weight copies cycled through per timing: several times the H100 / H200 L2
+
+
+def bind(lib) -> None:
+    """The cuBLASLt entry points ops/cublaslt.py does not declare."""
+    p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    signatures = {
+        "cublasLtMatmulAlgoGetIds": [p, i, i, i, i, i, i, i, ctypes.POINTER(i), ctypes.POINTER(i)],
+        "cublasLtMatmulAlgoInit": [p, i, i, i, i, i, i, i, ctypes.POINTER(_Algo)],
+        "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(_Algo), i, p, size, ctypes.POINTER(size)],
+        "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), i, p, size],
+        "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i, p, size, ctypes.POINTER(size)],
+        "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ctypes.POINTER(_Algo), ctypes.POINTER(_Heuristic)],
+    }
+    for name, argtypes in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = ctypes.c_int
+
+
+def capability_list(lib, algo: _Algo, attr: int) -> list[int]:
+    """A uint32 array capability of `algo` (its size asked first); [] when it lists none."""
+    written = ctypes.c_size_t(0)
+    check_status(lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(written)),
+                 "AlgoCapGetAttribute (size)")
+    count = written.value // 4
+    if not count:
+        return []
+    values = (ctypes.c_uint32 * count)()
+    check_status(lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, values, 4 * count,
+                                                       ctypes.byref(written)), "AlgoCapGetAttribute")
+    return list(values)
+
+
+def config_of(lib, algo: _Algo) -> tuple[int, int, int]:
+    """(tile id, stages id, split-K) of an algorithm, as cuBLASLt reports them."""
+    values = []
+    for attr in (_CONFIG_TILE_ID, _CONFIG_STAGES_ID, _CONFIG_SPLITK_NUM):
+        value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+        lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4,
+                                                 ctypes.byref(written))
+        values.append(value.value)
+    return tuple(values)
+
+
+def enumerated_algos(lib, handle, plan: _Plan, types: tuple[int, int, int, int], workspace_bytes: int) -> list[_Algo]:
+    """Every configuration cuBLASLt accepts for `plan` (see the module docstring)."""
+    ids, count = (ctypes.c_int * 512)(), ctypes.c_int(0)
+    check_status(lib.cublasLtMatmulAlgoGetIds(handle, _CUBLAS_COMPUTE_32F, _CUDA_R_32F, *types, 512, ids,
+                                              ctypes.byref(count)), "AlgoGetIds")
+    accepted = []
+    for algo_id in ids[:count.value]:
+        base = _Algo()
+        if lib.cublasLtMatmulAlgoInit(handle, _CUBLAS_COMPUTE_32F, _CUDA_R_32F, *types, algo_id,
+                                      ctypes.byref(base)) != 0:
+            continue
+        tiles = capability_list(lib, base, _CAP_TILE_IDS) or [0]
+        stages = capability_list(lib, base, _CAP_STAGES_IDS) or [0]
+        split_support = ctypes.c_int32(0)
+        lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(base), _CAP_SPLITK_SUPPORT, ctypes.byref(split_support),
+                                              4, ctypes.byref(ctypes.c_size_t(0)))
+        for tile, stage, split in itertools.product(tiles, stages, SPLITS_K if split_support.value else (1,)):
+            algo = _Algo()
+            ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(_Algo))
+            for attr, value in ((_CONFIG_TILE_ID, tile), (_CONFIG_STAGES_ID, stage), (_CONFIG_SPLITK_NUM, split)):
+                v = ctypes.c_uint32(value)
+                lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), 4)
+            result = _Heuristic()
+            if (lib.cublasLtMatmulAlgoCheck(handle, plan.desc, plan.a, plan.b, plan.c, plan.c, ctypes.byref(algo),
+                                            ctypes.byref(result)) == 0
+                    and result.workspace_size <= workspace_bytes):
+                accepted.append(algo)
+    return accepted
+
+
+def timed_us(gemm: TunedGemm, plan: _Plan, algo: _Algo, calls, replays: int) -> float:
+    """Median us a call of `algo` over the (xq, wq, acc) sets in `calls`, from `replays` graph replays."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for xq, wq, acc in calls[:1]:
+        gemm._run(plan, algo, xq, wq, acc, stream)  # loads the kernel
+    stream.begin_capture()
+    try:
+        for xq, wq, acc in calls:
+            gemm._run(plan, algo, xq, wq, acc, stream)
+    finally:
+        graph = stream.end_capture()
+    times = []
+    for _ in range(replays):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def quick_us(gemm: TunedGemm, plan: _Plan, algo: _Algo, calls) -> float:
+    """timed_us from one replay; inf for a configuration that AlgoCheck accepted and cublasLtMatmul refuses."""
+    try:
+        return timed_us(gemm, plan, algo, calls, 1)
+    except (RuntimeError, cupy.cuda.runtime.CUDARuntimeError):
+        return float("inf")
+
+
+def search(gemm: TunedGemm, rows: int, inner: int, out: int) -> dict:
+    """The fastest heur16 / heur64 / enum times (us) and the enum winner's config, for one product shape."""
+    kp, np_ = fp8_padded(inner), fp8_padded(out)
+    copies = max(2, -(-L2_MISS_BYTES // (kp * np_)))
+    xq = e4m3_bits((rows, kp))
+    wqs = [e4m3_bits((np_, kp)) for _ in range(copies)]
+    acc = cupy.empty((rows, np_), dtype=BFLOAT16)  # the model's bfloat16 sums
+    key = check_fp8_args(xq, wqs[0], acc, acc.dtype)
+    calls = [(xq, wq, acc) for wq in wqs]
+    results = {}
+    for name, count in (("heur16", 16), ("heur64", 64)):
+        cublaslt.NUM_CANDIDATES = count
+        plan = _Plan(gemm._lib, gemm._handle, key, gemm._workspace.nbytes, gemm.fp8_fast_accum)
+        results[name] = min(timed_us(gemm, plan, algo, calls, 5) for algo in plan.algos)
+    cublaslt.NUM_CANDIDATES = 16
+    plan = _Plan(gemm._lib, gemm._handle, key, gemm._workspace.nbytes, gemm.fp8_fast_accum)
+    algos = enumerated_algos(gemm._lib, gemm._handle, plan, TYPES, gemm._workspace.nbytes)
+    quick = sorted((quick_us(gemm, plan, algo, calls[:2]), j) for j, algo in enumerate(algos))[:QUICK_KEEP]
+    best = min((timed_us(gemm, plan, algos[j], calls, 5), j) for _, j in quick) if quick else (float("nan"), None)
+    results["enum"], results["enum_count"] = best[0], len(algos)
+    results["enum_config"] = config_of(gemm._lib, algos[best[1]]) if best[1] is not None else None
+    return results
+
+
+def e4m3_bits(shape) -> cupy.ndarray:
+    """Random finite e4m3 bytes of both signs (bit 3, the exponent's lowest, cleared: no NaN)."""
+    return cupy.random.randint(0, 256, shape, dtype=cupy.uint8) & np.uint8(0xF7)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", type=int, default=[144, 256, 64])
+    parser.add_argument("--presets", nargs="+", default=["llama-3.1-8b"])
+    args = parser.parse_args()
+    copy = copy_bandwidth_gbs()
+    gemm = TunedGemm(cupy.cuda.Stream(non_blocking=True))
+    bind(gemm._lib)
+    print(f"copy bandwidth {copy:,.0f} GB/s; FP8 e4m3 products into bfloat16, fast accumulation "
+          f"{gemm.fp8_fast_accum}")
+    print(f"{'preset':<14}{'proj':<9}{'rows':>6}{'heur16 us':>11}{'heur64 us':>11}{'enum us':>9}{'configs':>9}"
+          f"{'w of copy':>11}{'enum/heur16':>13}  enum's (tile, stages, split-K)")
+    for preset in args.presets:
+        for name, k, n in projections(preset):
+            if name == "lm_head":  # 16-bit in the FP8 model
+                continue
+            for rows in args.rows:
+                r = search(gemm, rows, k, n)
+                best = min(r["heur16"], r["heur64"], r["enum"])
+                print(f"{preset:<14}{name:<9}{rows:>6}{r['heur16']:>11.1f}{r['heur64']:>11.1f}{r['enum']:>9.1f}"
+                      f"{r['enum_count']:>9}{k * n / best / 1e3 / copy:>11.1%}{r['enum'] / r['heur16']:>13.2f}"
+                      f"  {r['enum_config']}")
+
+
+if __name__ == "__main__":
+    main()
