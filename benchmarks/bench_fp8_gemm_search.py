@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
-import statistics
 
 import cupy
 import numpy as np
 from bench_gemm import projections
-from bench_kernels import copy_bandwidth_gbs
+from bench_kernels import copy_bandwidth_gbs, graph_ms
 
 from offline_paged.ops import cublaslt
 from offline_paged.ops.cublaslt import TunedGemm, _Algo, _Heuristic, _Plan, check_fp8_args
@@ -117,25 +116,14 @@ def enumerated_algos(lib, handle, plan: _Plan, types: tuple[int, int, int, int],
 
 
 def timed_us(gemm: TunedGemm, plan: _Plan, algo: _Algo, calls, replays: int) -> float:
-    """Median us a call of `algo` over the (xq, wq, acc) sets in `calls`, from `replays` graph replays."""
+    """Median us a call of `algo` over the (xq, wq, acc) sets in `calls`, from `replays` graph replays
+    (bench_kernels.graph_ms; its warm-up call, before the capture, raises for a configuration that cannot run)."""
     stream = cupy.cuda.Stream(non_blocking=True)
-    for xq, wq, acc in calls[:1]:
-        gemm._run(plan, algo, xq, wq, acc, stream)  # loads the kernel
-    stream.begin_capture()
-    try:
+
+    def run_all():
         for xq, wq, acc in calls:
             gemm._run(plan, algo, xq, wq, acc, stream)
-    finally:
-        graph = stream.end_capture()
-    times = []
-    for _ in range(replays):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / len(calls))
-    return statistics.median(times)
+    return graph_ms(run_all, replays, stream) * 1e3 / len(calls)
 
 
 def quick_us(gemm: TunedGemm, plan: _Plan, algo: _Algo, calls) -> float:
