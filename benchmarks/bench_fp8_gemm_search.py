@@ -41,6 +41,7 @@ _CUDA_R_16BF, _CUDA_R_8F_E4M3 = 14, 28
 TYPES = (_CUDA_R_8F_E4M3, _CUDA_R_8F_E4M3, _CUDA_R_16BF, _CUDA_R_16BF)  # A, B, C, D of the plans searched
 SPLITS_K = (1, 2, 4, 8)
 QUICK_KEEP = 12  # configurations timed again after the quick pass
+MAX_CONFIGS = 4000  # accepted configurations timed per shape at most (the "configs" column shows when it binds)
 L2_MISS_BYTES = 256 << 20  # weight copies cycled through per timing: several times the H100 / H200 L2
 
 
@@ -63,14 +64,14 @@ def bind(lib) -> None:
 def capability_list(lib, algo: _Algo, attr: int) -> list[int]:
     """A uint32 array capability of `algo` (its size asked first); [] when it lists none."""
     written = ctypes.c_size_t(0)
-    check_status(lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(written)),
-                 "AlgoCapGetAttribute (size)")
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(written)) != 0:
+        return []
     count = written.value // 4
     if not count:
         return []
     values = (ctypes.c_uint32 * count)()
-    check_status(lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, values, 4 * count,
-                                                       ctypes.byref(written)), "AlgoCapGetAttribute")
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, values, 4 * count, ctypes.byref(written)):
+        return []
     return list(values)
 
 
@@ -112,6 +113,8 @@ def enumerated_algos(lib, handle, plan: _Plan, types: tuple[int, int, int, int],
                                             ctypes.byref(result)) == 0
                     and result.workspace_size <= workspace_bytes):
                 accepted.append(algo)
+                if len(accepted) >= MAX_CONFIGS:
+                    return accepted
     return accepted
 
 
