@@ -188,8 +188,8 @@ def test_each_linears_input_and_output_hooks_name_the_right_layers(tiny):
     """The forward tells the backend where each output goes (CudaOps fuses an FP8 layer's quantize and scale
     epilogue into those kernels; NumpyOps ignores it): input_norm feeds qkv, attention o_proj, post_norm gate_up,
     silu_mul down; qkv (no bias or q/k norm here: its output goes only into qkv_rope_write_kv), o_proj, gate_up and
-    every down but the last are deferred (their outputs go only into rope_write_kv / rms_norm / silu_mul; the last down's rows are
-    picked before the final norm). The final norm feeds nothing."""
+    every down but the last are deferred (their outputs go only into rope_write_kv / rms_norm / silu_mul; the last
+    down's rows are picked before the final norm). The final norm feeds nothing."""
     _, config, weights = tiny
 
     @dataclasses.dataclass(frozen=True)
