@@ -146,13 +146,13 @@ def search(gemm: TunedGemm, rows: int, inner: int, out: int) -> dict:
     acc = cupy.empty((rows, np_), dtype=BFLOAT16)  # the model's bfloat16 sums
     key = check_fp8_args(xq, wqs[0], acc, acc.dtype)
     calls = [(xq, wq, acc) for wq in wqs]
-    results = {}
+    results, plans, default = {}, {}, cublaslt.NUM_CANDIDATES
     for name, count in (("heur16", 16), ("heur64", 64)):
         cublaslt.NUM_CANDIDATES = count
-        plan = _Plan(gemm._lib, gemm._handle, key, gemm._workspace.nbytes, gemm.fp8_fast_accum)
-        results[name] = min(timed_us(gemm, plan, algo, calls, 5) for algo in plan.algos)
-    cublaslt.NUM_CANDIDATES = 16
-    plan = _Plan(gemm._lib, gemm._handle, key, gemm._workspace.nbytes, gemm.fp8_fast_accum)
+        plans[name] = _Plan(gemm._lib, gemm._handle, key, gemm._workspace.nbytes, gemm.fp8_fast_accum)
+        results[name] = min(timed_us(gemm, plans[name], algo, calls, 5) for algo in plans[name].algos)
+    cublaslt.NUM_CANDIDATES = default
+    plan = plans["heur16"]  # its descriptors serve the enumerated configurations too
     algos = enumerated_algos(gemm._lib, gemm._handle, plan, TYPES, gemm._workspace.nbytes)
     quick = sorted((quick_us(gemm, plan, algo, calls[:2]), j) for j, algo in enumerate(algos))[:QUICK_KEEP]
     best = min((timed_us(gemm, plan, algos[j], calls, 5), j) for _, j in quick) if quick else (float("nan"), None)
