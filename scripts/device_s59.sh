@@ -10,6 +10,8 @@
 # kernel files, the rest of the GPU files and the kernel profile with its launch gaps, until BUDGET runs out.
 # PART=3 (main, ~6 min): benchmarks/bench_fp8_gemm_search.py (cuBLASLt's FP8 algorithms beyond the heuristic's 16 at
 # the 8B decode GEMMs), then the engine with 64 candidates against 16 and a bf16 run.
+# PART=4 (session 60): the 1B bf16 and FP8 KV runs (two pairs) and the 8B bf16 run: issue 23's floor shares on an
+# H200, issue 25's 1B ratio.
 set -u
 export PYTHONUNBUFFERED=1 OFFLINE_PAGED_GIT_COMMIT=${COMMIT:?}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; START=$(date +%s)
@@ -27,6 +29,7 @@ bench() {  # label knobs... -- args...
 d['call_label'] = sys.argv[1]; print(json.dumps(d))" "$label" >>"$OUT/records.jsonl"
   python3 -c "import json, sys; d = json.loads(open('/tmp/bench.json').read().strip().splitlines()[-1]); r = d['runs'][0]; \
 k = r['step_kinds']; print(sys.argv[1], round(r['output_tokens_per_s']), 'tok/s', \
+f\"{r['roofline']['fraction_of_floor']:.1%} of floor\" if r.get('roofline') else '', \
 ' '.join(f\"{n}: {v['num_steps']} x {v['forward_device_ms']:.2f} ms\" for n, v in k.items()))" "$label" 2>&1 | cut -c1-300
 }
 F8="--dummy-weights llama-3.1-8b --dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8"
@@ -82,5 +85,8 @@ profile fp8 $F8
 elif [ "${PART}" = 3 ]; then
 PYTHONPATH=benchmarks:$PYTHONPATH timeout 300 python3 benchmarks/bench_fp8_gemm_search.py --rows 144 256 64 2>&1 | tail -20
 bench fp8_c64 $C64 -- $F8; bench fp8_c16 $NOKNOB -- $F8; bench bf16 $NOKNOB -- $B16
+elif [ "${PART}" = 4 ]; then  # issue 23's floor shares and issue 25's 1B ratio (on an H200 for issue 23)
+bench 1b_bf16 $NOKNOB -- $B1; bench 1b_fp8kv $NOKNOB -- $B1F8; bench 8b_bf16 $NOKNOB -- $B16
+bench 1b_bf16_b $NOKNOB -- $B1; bench 1b_fp8kv_b $NOKNOB -- $B1F8
 fi
 echo "done [$(( $(date +%s) - START )) s]"
