@@ -141,6 +141,13 @@ def max_abs_difference(reference: list[float], other: list[float]) -> float:
     return max(abs(b - a) for a, b in zip(reference, other))
 
 
+def mean_difference(reference: list[float], other: list[float]) -> float:
+    """Mean over items of other - reference: the systematic shift, where errors of both signs cancel (the other
+    reading of the issue's "mean per-item loglikelihood difference"; the verdict keeps the stricter |dLL|)."""
+    mean_abs_difference(reference, other)  # the same checks
+    return sum(b - a for a, b in zip(reference, other)) / len(reference)
+
+
 # ----------------------------------------------------------------- running a config
 def task_manager(directory: Path):
     """The local task YAMLs with absolute data paths (lm-eval resolves them against the cwd)."""
@@ -281,6 +288,7 @@ def comparison(reference: ConfigResult, result: ConfigResult) -> dict:
         "mean_abs_dll_pairs": mean_abs_difference(reference.pair_loglikelihoods, result.pair_loglikelihoods),
         "mean_abs_dll_all": mean_abs_difference(both_ref, both),
         "max_abs_dll_all": max_abs_difference(both_ref, both),
+        "mean_dll_all": mean_difference(both_ref, both),
     }
 
 
@@ -294,23 +302,25 @@ def verdict(name: str, diff: dict) -> str | None:
     limit = DLL_THRESHOLDS[name]
     dll = "met" if diff["mean_abs_dll_all"] <= limit else "NOT met"
     return (f"{name}: tasks within {POINT_THRESHOLD:g} point {points} (largest {worst:.1f}); "
-            f"mean |dLL| {diff['mean_abs_dll_all']:.3f} <= {limit} {dll}")
+            f"mean |dLL| {diff['mean_abs_dll_all']:.3f} <= {limit} {dll} (signed mean dLL "
+            f"{diff['mean_dll_all']:+.3f})")
 
 
 def table(results: list[ConfigResult], diffs: dict[str, dict]) -> str:
     headings = [h for _, _, h, _ in METRICS]
     lines = ["| config | " + " | ".join(headings) + " | mean \\|dLL\\| mc | mean \\|dLL\\| pairs | "
-             "mean \\|dLL\\| all | max \\|dLL\\| | gen = ref |",
-             "|---" * (len(headings) + 6) + "|"]
+             "mean \\|dLL\\| all | max \\|dLL\\| | mean dLL (signed) | gen = ref |",
+             "|---" * (len(headings) + 7) + "|"]
     for result in results:
         diff = diffs.get(result.config.name)
         cells = [_score_cell(result.scores[h], None if diff is None else diff["score_diff"][h], h)
                  for h in headings]
         if diff is None:
-            cells += ["-"] * 5
+            cells += ["-"] * 6
         else:
             cells += [f"{diff[k]:.3f}" for k in ("mean_abs_dll_mc", "mean_abs_dll_pairs", "mean_abs_dll_all",
                                                   "max_abs_dll_all")]
+            cells.append(f"{diff['mean_dll_all']:+.3f}")
             cells.append(f"{diff['same_generations']}/{len(result.generations)}")
         lines.append(f"| {result.config.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

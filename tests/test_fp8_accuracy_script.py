@@ -37,6 +37,7 @@ def test_mean_abs_difference_is_the_mean_of_per_item_absolute_differences():
     assert fp8_accuracy.mean_abs_difference([1.0, 2.0, -3.0], [1.5, 1.0, -3.0]) == pytest.approx(0.5)
     assert fp8_accuracy.max_abs_difference([1.0, 2.0, -3.0], [1.5, 1.0, -3.0]) == pytest.approx(1.0)
     assert fp8_accuracy.mean_abs_difference([-2.5, -0.25], [-2.5, -0.25]) == 0.0
+    assert fp8_accuracy.mean_difference([1.0, 2.0, -3.0], [1.5, 1.0, -3.0]) == pytest.approx(-0.5 / 3)
 
 
 @pytest.mark.parametrize("reference, other", [([1.0], [1.0, 2.0]), ([], [])])
@@ -90,12 +91,13 @@ def test_the_report_compares_each_config_with_the_reference():
     assert diff["score_diff"]["mc acc"] == pytest.approx(2.0) and diff["score_diff"]["gen EM"] == 0.0
     assert diff["mean_abs_dll_mc"] == pytest.approx(0.25) and diff["mean_abs_dll_pairs"] == pytest.approx(1.0)
     assert diff["mean_abs_dll_all"] == pytest.approx(0.5) and diff["max_abs_dll_all"] == pytest.approx(1.0)
-    assert diff["same_generations"] == 1
+    assert diff["mean_dll_all"] == pytest.approx(0.5 / 3) and diff["same_generations"] == 1
     verdict = fp8_accuracy.verdict("fp8_kv", diff)
     assert "1 point NOT met (largest 2.0)" in verdict and "0.500 <= 0.05 NOT met" in verdict
+    assert "signed mean dLL +0.167" in verdict
     assert fp8_accuracy.verdict("bf16", diff) is None
     text = fp8_accuracy.table([reference, other], {"fp8_kv": diff})
-    assert "| FP8 KV | 52.0 (+2.0) |" in text and "| 1/2 |" in text
+    assert "| FP8 KV | 52.0 (+2.0) |" in text and "| +0.167 | 1/2 |" in text
 
 
 def test_the_staged_run_reports_what_the_direct_run_does(tiny_dir, tmp_path):
