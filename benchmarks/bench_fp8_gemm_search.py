@@ -4,11 +4,13 @@ TunedGemm times the candidates cuBLASLt's heuristic lists (ops/cublaslt.NUM_CAND
 at the 8B shape's decode rows those picks read their weights at ~50-64% of the copy bandwidth (NOTES, session 56),
 the largest gap left in issue 25's FP8 decode step. This script asks what a wider search would find, per projection
 and row count, in one run:
+  - "first": the heuristic's first candidate (what the eager steps' untuned TunedGemm runs);
   - "heur16" / "heur64": the fastest of the heuristic's first 16 / 64 candidates (TunedGemm's search, and the
     NUM_CANDIDATES = 64 knob);
   - "enum": the fastest of every configuration cuBLASLt accepts (cublasLtMatmulAlgoCheck) among its algorithm ids
     (cublasLtMatmulAlgoGetIds) x the tiles and stages each lists (cublasLtMatmulAlgoCapGetAttribute) x split-K
-    1 / 2 / 4 / 8 where supported: timed once quickly, the best QUICK_KEEP timed again as TunedGemm does.
+    1 / 2 / 4 / 8 where supported: timed once quickly, the best QUICK_KEEP timed again as TunedGemm does (up to
+    ENUM_MAX_ROWS rows; a prefill-sized product, e.g. --rows 7554, times the heuristic's candidates only).
 Each time is the median of graph replays over enough weight copies that they miss in L2, as a decode step's
 weights do; "w of copy" is the weight bytes over that time against the device-to-device copy bandwidth.
 The products are FP8 e4m3 x e4m3 into bfloat16 sums with fast accumulation, as the FP8 model runs them.
@@ -42,6 +44,7 @@ TYPES = (_CUDA_R_8F_E4M3, _CUDA_R_8F_E4M3, _CUDA_R_16BF, _CUDA_R_16BF)  # A, B, 
 SPLITS_K = (1, 2, 4, 8)
 QUICK_KEEP = 12  # configurations timed again after the quick pass
 MAX_CONFIGS = 4000  # accepted configurations timed per shape at most (the "configs" column shows when it binds)
+ENUM_MAX_ROWS = 1024  # larger products (prefill steps) time only the heuristic's candidates
 L2_MISS_BYTES = 256 << 20  # weight copies cycled through per timing: several times the H100 / H200 L2
 
 
@@ -150,9 +153,13 @@ def search(gemm: TunedGemm, rows: int, inner: int, out: int) -> dict:
     for name, count in (("heur16", 16), ("heur64", 64)):
         cublaslt.NUM_CANDIDATES = count
         plans[name] = _Plan(gemm._lib, gemm._handle, key, gemm._workspace.nbytes, gemm.fp8_fast_accum)
-        results[name] = min(timed_us(gemm, plans[name], algo, calls, 5) for algo in plans[name].algos)
+        times = [timed_us(gemm, plans[name], algo, calls, 5) for algo in plans[name].algos]
+        results[name], results["first"] = min(times), times[0]
     cublaslt.NUM_CANDIDATES = default
     plan = plans["heur16"]  # its descriptors serve the enumerated configurations too
+    if rows > ENUM_MAX_ROWS:
+        results["enum"], results["enum_count"], results["enum_config"] = float("nan"), 0, None
+        return results
     algos = enumerated_algos(gemm._lib, gemm._handle, plan, TYPES, gemm._workspace.nbytes)
     quick = sorted((quick_us(gemm, plan, algo, calls[:2]), j) for j, algo in enumerate(algos))[:QUICK_KEEP]
     best = min((timed_us(gemm, plan, algos[j], calls, 5), j) for _, j in quick) if quick else (float("nan"), None)
@@ -176,16 +183,17 @@ def main() -> None:
     bind(gemm._lib)
     print(f"copy bandwidth {copy:,.0f} GB/s; FP8 e4m3 products into bfloat16, fast accumulation "
           f"{gemm.fp8_fast_accum}")
-    print(f"{'preset':<14}{'proj':<9}{'rows':>6}{'heur16 us':>11}{'heur64 us':>11}{'enum us':>9}{'configs':>9}"
-          f"{'w of copy':>11}{'enum/heur16':>13}  enum's (tile, stages, split-K)")
+    print(f"{'preset':<14}{'proj':<9}{'rows':>6}{'first us':>10}{'heur16 us':>11}{'heur64 us':>11}{'enum us':>9}"
+          f"{'configs':>9}{'w of copy':>11}{'enum/heur16':>13}  enum's (tile, stages, split-K)")
     for preset in args.presets:
         for name, k, n in projections(preset):
             if name == "lm_head":  # 16-bit in the FP8 model
                 continue
             for rows in args.rows:
                 r = search(gemm, rows, k, n)
-                best = min(r["heur16"], r["heur64"], r["enum"])
-                print(f"{preset:<14}{name:<9}{rows:>6}{r['heur16']:>11.1f}{r['heur64']:>11.1f}{r['enum']:>9.1f}"
+                best = min(t for t in (r["heur16"], r["heur64"], r["enum"]) if t == t)  # NaN: not enumerated
+                print(f"{preset:<14}{name:<9}{rows:>6}{r['first']:>10.1f}{r['heur16']:>11.1f}{r['heur64']:>11.1f}"
+                      f"{r['enum']:>9.1f}"
                       f"{r['enum_count']:>9}{k * n / best / 1e3 / copy:>11.1%}{r['enum'] / r['heur16']:>13.2f}"
                       f"  {r['enum_config']}")
 
