@@ -84,7 +84,8 @@ run_tests rest 300 tests/test_mixed_graphs.py tests/test_cuda_graph_runner.py te
 profile fp8 $F8
 elif [ "${PART}" = 3 ]; then
 PYTHONPATH=benchmarks:$PYTHONPATH timeout 60 python3 benchmarks/bench_fp8_gemm_search.py --rows 7554 2>&1 | tail -5
-PYTHONPATH=benchmarks:$PYTHONPATH timeout 300 python3 benchmarks/bench_fp8_gemm_search.py --rows 144 256 64 2>&1 | tail -14
+PYTHONPATH=benchmarks:$PYTHONPATH timeout ${SEARCH_S:-300} python3 benchmarks/bench_fp8_gemm_search.py --rows 144 256 64 \
+  2>&1 | tail -14
 bench fp8_c64 $C64 -- $F8; bench fp8_c16 $NOKNOB -- $F8; bench bf16 $NOKNOB -- $B16
 elif [ "${PART}" = 4 ]; then  # issue 23's floor shares and issue 25's 1B ratio (on an H200 for issue 23)
 bench 1b_bf16 $NOKNOB -- $B1; bench 1b_fp8kv $NOKNOB -- $B1F8; bench 8b_bf16 $NOKNOB -- $B16
