@@ -7,9 +7,9 @@ and row count, in one run:
   - "first": the heuristic's first candidate (what the eager steps' untuned TunedGemm runs);
   - "heur16" / "heur64": the fastest of the heuristic's first 16 / 64 candidates (TunedGemm's search, and the
     NUM_CANDIDATES = 64 knob);
-  - "enum": the fastest of every configuration cuBLASLt accepts (cublasLtMatmulAlgoCheck) among its algorithm ids
-    (cublasLtMatmulAlgoGetIds) x the tiles and stages each lists (cublasLtMatmulAlgoCapGetAttribute) x split-K
-    1 / 2 / 4 / 8 where supported: timed once quickly, the best QUICK_KEEP timed again as TunedGemm does (up to
+  - "enum": the fastest of every configuration cuBLASLt accepts (cublasLtMatmulAlgoCheck) among the heuristic's 64
+    candidates with each tile their algorithm lists (cublasLtMatmulAlgoCapGetAttribute) x split-K 1 / 2 / 4 / 8:
+    timed once quickly, the best QUICK_KEEP timed again as TunedGemm does (up to
     ENUM_MAX_ROWS rows; a prefill-sized product, e.g. --rows 7554, times the heuristic's candidates only).
 Each time is the median of graph replays over enough weight copies that they miss in L2, as a decode step's
 weights do; "w of copy" is the weight bytes over that time against the device-to-device copy bandwidth.
@@ -32,18 +32,14 @@ from bench_kernels import copy_bandwidth_gbs, graph_ms
 
 from offline_paged.ops import cublaslt
 from offline_paged.ops.cublaslt import TunedGemm, _Algo, _Heuristic, _Plan, check_fp8_args
-from offline_paged.ops.graphs import check_status
 from offline_paged.ops.launchers import BFLOAT16, fp8_padded
 
 # cublasLt.h's enums (CUDA 12 / 13)
 _CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_STAGES_ID = 1, 2, 6  # cublasLtMatmulAlgoConfigAttributes_t
-_CAP_SPLITK_SUPPORT, _CAP_TILE_IDS, _CAP_STAGES_IDS = 0, 6, 13  # cublasLtMatmulAlgoCapAttributes_t
-_CUBLAS_COMPUTE_32F, _CUDA_R_32F = 68, 0
-_CUDA_R_16BF, _CUDA_R_8F_E4M3 = 14, 28
-TYPES = (_CUDA_R_8F_E4M3, _CUDA_R_8F_E4M3, _CUDA_R_16BF, _CUDA_R_16BF)  # A, B, C, D of the plans searched
+_CAP_TILE_IDS = 6  # cublasLtMatmulAlgoCapAttributes_t
 SPLITS_K = (1, 2, 4, 8)
 QUICK_KEEP = 12  # configurations timed again after the quick pass
-MAX_CONFIGS = 4000  # accepted configurations timed per shape at most (the "configs" column shows when it binds)
+MAX_CONFIGS = 1500  # accepted configurations timed per shape at most (the "configs" column shows when it binds)
 ENUM_MAX_ROWS = 1024  # larger products (prefill steps) time only the heuristic's candidates
 L2_MISS_BYTES = 256 << 20  # weight copies cycled through per timing: several times the H100 / H200 L2
 
@@ -52,8 +48,6 @@ def bind(lib) -> None:
     """The cuBLASLt entry points ops/cublaslt.py does not declare."""
     p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     signatures = {
-        "cublasLtMatmulAlgoGetIds": [p, i, i, i, i, i, i, i, ctypes.POINTER(i), ctypes.POINTER(i)],
-        "cublasLtMatmulAlgoInit": [p, i, i, i, i, i, i, i, ctypes.POINTER(_Algo)],
         "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(_Algo), i, p, size, ctypes.POINTER(size)],
         "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), i, p, size],
         "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i, p, size, ctypes.POINTER(size)],
@@ -89,28 +83,24 @@ def config_of(lib, algo: _Algo) -> tuple[int, int, int]:
     return tuple(values)
 
 
-def enumerated_algos(lib, handle, plan: _Plan, types: tuple[int, int, int, int], workspace_bytes: int) -> list[_Algo]:
-    """Every configuration cuBLASLt accepts for `plan` (see the module docstring)."""
-    ids, count = (ctypes.c_int * 512)(), ctypes.c_int(0)
-    check_status(lib.cublasLtMatmulAlgoGetIds(handle, _CUBLAS_COMPUTE_32F, _CUDA_R_32F, *types, 512, ids,
-                                              ctypes.byref(count)), "AlgoGetIds")
-    accepted = []
-    for algo_id in ids[:count.value]:
-        base = _Algo()
-        if lib.cublasLtMatmulAlgoInit(handle, _CUBLAS_COMPUTE_32F, _CUDA_R_32F, *types, algo_id,
-                                      ctypes.byref(base)) != 0:
-            continue
-        tiles = capability_list(lib, base, _CAP_TILE_IDS) or [0]
-        stages = capability_list(lib, base, _CAP_STAGES_IDS) or [0]
-        split_support = ctypes.c_int32(0)
-        lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(base), _CAP_SPLITK_SUPPORT, ctypes.byref(split_support),
-                                              4, ctypes.byref(ctypes.c_size_t(0)))
-        for tile, stage, split in itertools.product(tiles, stages, SPLITS_K if split_support.value else (1,)):
+def enumerated_algos(lib, handle, plan: _Plan, workspace_bytes: int) -> list[_Algo]:
+    """Every configuration cuBLASLt accepts (cublasLtMatmulAlgoCheck) among the neighbours of the heuristic's
+    candidates: each candidate with any tile its algorithm lists and split-K 1 / 2 / 4 / 8, the rest of its
+    configuration (stages, cluster shape, swizzle, ...) kept. An algorithm id fresh from cublasLtMatmulAlgoInit
+    is refused whatever its tile (session 60, an H100: status 7 / 15 for each of the 12 ids), so the search
+    starts from configurations the heuristic made whole."""
+    accepted, seen = [], set()
+    for candidate in plan.algos:
+        tiles = capability_list(lib, candidate, _CAP_TILE_IDS) or [config_of(lib, candidate)[0]]
+        for tile, split in itertools.product(tiles, SPLITS_K):
             algo = _Algo()
-            ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(_Algo))
-            for attr, value in ((_CONFIG_TILE_ID, tile), (_CONFIG_STAGES_ID, stage), (_CONFIG_SPLITK_NUM, split)):
+            ctypes.memmove(ctypes.byref(algo), ctypes.byref(candidate), ctypes.sizeof(_Algo))
+            for attr, value in ((_CONFIG_TILE_ID, tile), (_CONFIG_SPLITK_NUM, split)):
                 v = ctypes.c_uint32(value)
                 lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), 4)
+            if bytes(algo) in seen:
+                continue
+            seen.add(bytes(algo))
             result = _Heuristic()
             if (lib.cublasLtMatmulAlgoCheck(handle, plan.desc, plan.a, plan.b, plan.c, plan.c, ctypes.byref(algo),
                                             ctypes.byref(result)) == 0
@@ -156,11 +146,11 @@ def search(gemm: TunedGemm, rows: int, inner: int, out: int) -> dict:
         times = [timed_us(gemm, plans[name], algo, calls, 5) for algo in plans[name].algos]
         results[name], results["first"] = min(times), times[0]
     cublaslt.NUM_CANDIDATES = default
-    plan = plans["heur16"]  # its descriptors serve the enumerated configurations too
+    plan = plans["heur64"]  # its descriptors and candidates seed the enumerated configurations
     if rows > ENUM_MAX_ROWS:
         results["enum"], results["enum_count"], results["enum_config"] = float("nan"), 0, None
         return results
-    algos = enumerated_algos(gemm._lib, gemm._handle, plan, TYPES, gemm._workspace.nbytes)
+    algos = enumerated_algos(gemm._lib, gemm._handle, plan, gemm._workspace.nbytes)
     quick = sorted((quick_us(gemm, plan, algo, calls[:2]), j) for j, algo in enumerate(algos))[:QUICK_KEEP]
     best = min((timed_us(gemm, plan, algos[j], calls, 5), j) for _, j in quick) if quick else (float("nan"), None)
     results["enum"], results["enum_count"] = best[0], len(algos)
