@@ -17,7 +17,8 @@ The products are FP8 e4m3 x e4m3 into bfloat16 sums with fast accumulation, as t
 
     PYTHONPATH=benchmarks python3 benchmarks/bench_fp8_gemm_search.py [--rows 144 256 64] [--presets llama-3.1-8b]
 
-Written in session 59 with no device time left: not yet run on a GPU.
+Ran in session 60 on an H100 (results/2026-12-08_h100_s60_fp8_gemm_search.txt): the enumeration finds down at 144
+rows 13% faster than TunedGemm's pick (tile 317), the other decode products 0-4%.
 """
 from __future__ import annotations
 
