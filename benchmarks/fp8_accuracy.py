@@ -128,24 +128,27 @@ def loglikelihoods(lm, requests: list) -> list[float]:
     return [total for total, _ in lm._loglikelihood_tokens(requests, disable_tqdm=True)]
 
 
-def mean_abs_difference(reference: list[float], other: list[float]) -> float:
-    """Mean over items of |other - reference| (the issue's per-item loglikelihood difference)."""
+def _differences(reference: list[float], other: list[float]) -> list[float]:
+    """other - reference, item by item, for two equally long, non-empty lists."""
     if len(reference) != len(other) or not reference:
         raise ValueError(f"need two equally long, non-empty lists of per-item loglikelihoods; got "
                          f"{len(reference)} and {len(other)}")
-    return sum(abs(b - a) for a, b in zip(reference, other)) / len(reference)
+    return [b - a for a, b in zip(reference, other)]
+
+
+def mean_abs_difference(reference: list[float], other: list[float]) -> float:
+    """Mean over items of |other - reference| (the issue's per-item loglikelihood difference)."""
+    return sum(abs(d) for d in _differences(reference, other)) / len(reference)
 
 
 def max_abs_difference(reference: list[float], other: list[float]) -> float:
-    mean_abs_difference(reference, other)  # the same checks
-    return max(abs(b - a) for a, b in zip(reference, other))
+    return max(abs(d) for d in _differences(reference, other))
 
 
 def mean_difference(reference: list[float], other: list[float]) -> float:
     """Mean over items of other - reference: the systematic shift, where errors of both signs cancel (the other
     reading of the issue's "mean per-item loglikelihood difference"; the verdict keeps the stricter |dLL|)."""
-    mean_abs_difference(reference, other)  # the same checks
-    return sum(b - a for a, b in zip(reference, other)) / len(reference)
+    return sum(_differences(reference, other)) / len(reference)
 
 
 # ----------------------------------------------------------------- running a config
