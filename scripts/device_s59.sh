@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 59's device calls (~9.5 min each on an H100 or H200; carry .whl):
-#   COMMIT=<hash> OUT=$OUT [PART=1|2] scripts/device_s59.sh
+#   COMMIT=<hash> OUT=$OUT [PART=1|2|3|4] [BUDGET=seconds] [SEARCH_S=seconds] scripts/device_s59.sh
 # PART=1 (branch s59-row-split, f6b5862): rms_norm_fp8 / silu_mul_fp8's rows split over clusters: their tests,
 # planted bugs (no peer's amax; every CTA's warp sums read from rank 0) that must fail them, their kernel bench at
 # 256-16 rows; the 8B FP8 w + KV bench with the split and without (two pairs) and the 8B bf16 bench (issue 25's ratio
