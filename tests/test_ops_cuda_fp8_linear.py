@@ -21,6 +21,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+import offline_paged.ops.cublaslt as cublaslt  # noqa: E402
 import offline_paged.ops.cuda_fp8_linear as cuda_fp8_linear  # noqa: E402
 import offline_paged.ops.fp8_launcher as fp8_launcher  # noqa: E402
 import offline_paged.ops.fp8_linear as fp8_linear  # noqa: E402
@@ -304,6 +305,41 @@ def test_fast_accumulation_moves_the_sums_but_keeps_them_near_exact(num_in, num_
     assert promoted.max() <= PROMOTED_ERROR, f"promoted sums {promoted.max():.2e} of sum|terms| from exact"
     assert fast.max() <= FAST_ACCUM_ERROR, f"fast-accumulated sums {fast.max():.2e} of sum|terms| from exact"
     assert (sums[True] != sums[False]).mean() > 0.01, "fast accumulation changed no sum: the flag did not reach it"
+    assert np.abs(exact).max() > 1e3  # real sums, not zeros
+
+
+@pytest.mark.parametrize("num_rows, num_in, num_out", [(144, 14336, 4096), (7, 4096, 6144)])
+def test_tile_neighbours_are_timed_and_each_computes_the_product(num_rows, num_in, num_out, monkeypatch):
+    """cublaslt.FP8_TILE_NEIGHBOUR_ROWS: a small FP8 plan also times its best candidate's tile neighbours (the plan's
+    list grows past the heuristic's), and every configuration it may keep, replayed here, writes sums within
+    PROMOTED_ERROR of the exact product: no neighbour is a wrong kernel. A plan of more rows than the knob: none."""
+    monkeypatch.setattr(cublaslt, "FP8_TILE_NEIGHBOUR_ROWS", 256)
+    rng = np.random.default_rng(num_rows)
+    layer = CudaFp8Linear.upload(shared_layer(num_in, num_out))
+    xq, _ = quantize_rows_fp8(cupy.asarray(activations(rng, num_rows, num_in, BF16)))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    gemm = TunedGemm(stream, fp8_fast_accum=False)
+    x = xq.get().view(FP8_E4M3).astype(np.float64)
+    w = layer.weight.get().view(FP8_E4M3).astype(np.float64)
+    exact, scale = x @ w.T, np.maximum(np.abs(x) @ np.abs(w).T, 1.0)
+    with stream:
+        acc = cupy.empty((num_rows, num_out), np.float32)
+        gemm.fp8(xq, layer.weight, acc)
+        (plan,) = gemm.plans.values()
+        def heuristic(key) -> int:  # how many candidates the heuristic lists for `key`
+            return len(cublaslt._Plan(gemm._lib, gemm._handle, key, gemm._workspace.nbytes, False).algos)
+
+        assert len(plan.algos) > heuristic(plan.key), "no tile neighbour was timed"
+        assert len(plan.times_ms) == len(plan.algos)
+        for algo in plan.algos:
+            acc.fill(np.nan)
+            gemm._run(plan, algo, xq, layer.weight, acc)
+            error = np.abs(acc.get().astype(np.float64) - exact) / scale
+            assert error.max() <= PROMOTED_ERROR, f"a configuration is {error.max():.2e} of sum|terms| from exact"
+        big = cupy.concatenate([xq] * 2)  # 288 / 14 rows: 14 is within the knob, 288 is not
+        gemm.fp8(big, layer.weight, cupy.empty((2 * num_rows, num_out), np.float32))
+        key = (2 * num_rows, *plan.key[1:])
+        assert (len(gemm.plans[key].algos) > heuristic(key)) == (2 * num_rows <= 256)
     assert np.abs(exact).max() > 1e3  # real sums, not zeros
 
 

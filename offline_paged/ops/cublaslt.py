@@ -54,6 +54,14 @@ NUM_CANDIDATES = 16  # heuristic candidates asked for per shape
 # (three pairs); each sum within ~2.4e-3 of the sum of its terms' magnitudes (promoted: ~2e-4;
 # benchmarks/fp8_fast_accum.py, tests/test_ops_cuda_fp8_linear.py).
 FP8_FAST_ACCUM = True
+# FP8 plans of up to this many rows (decode buckets) also time the heuristic's best candidate with each other tile
+# its algorithm lists (split-K 1, the rest of its configuration kept, as cublasLtMatmulAlgoCheck accepts): session
+# 60's search found `down` at 144 rows 13% faster that way (benchmarks/bench_fp8_gemm_search.py). 0: off.
+# NOT YET RUN ON A GPU (branch s60-tile-neighbours): off until its engine A/B.
+FP8_TILE_NEIGHBOUR_ROWS = 0
+NEIGHBOUR_KEEP = 8  # neighbours timed as the candidates are, after one quick replay each
+_CONFIG_TILE_ID, _CONFIG_SPLITK_NUM = 1, 2  # cublasLtMatmulAlgoConfigAttributes_t
+_CAP_TILE_IDS = 6  # cublasLtMatmulAlgoCapAttributes_t
 
 
 class _Algo(ctypes.Structure):  # cublasLtMatmulAlgo_t
@@ -86,11 +94,62 @@ def _liblt() -> ctypes.CDLL:
         "cublasLtMatmulPreferenceSetAttribute": [p, i, p, size],
         "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(_Heuristic), ctypes.POINTER(i)],
         "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(_Algo), p, size, p],
+        "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(_Algo), i, p, size, ctypes.POINTER(size)],
+        "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), i, p, size],
+        "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i, p, size, ctypes.POINTER(size)],
+        "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ctypes.POINTER(_Algo), ctypes.POINTER(_Heuristic)],
     }
     for name, argtypes in signatures.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = ctypes.c_int
     return lib
+
+
+def capability_list(lib, algo: _Algo, attr: int) -> list[int]:
+    """A uint32 array capability of `algo` (its size asked first); [] when it lists none."""
+    written = ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(written)) != 0:
+        return []
+    count = written.value // 4
+    if not count:
+        return []
+    values = (ctypes.c_uint32 * count)()
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, values, 4 * count, ctypes.byref(written)):
+        return []
+    return list(values)
+
+
+def config_value(lib, algo: _Algo, attr: int) -> int:
+    """One uint32 configuration attribute of `algo` (tile id, split-K, stages id, ...)."""
+    value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+    lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4, ctypes.byref(written))
+    return value.value
+
+
+def neighbours(lib, handle, plan: "_Plan", seeds, workspace_bytes: int, splits=(1,), limit: int | None = None):
+    """The configurations cuBLASLt accepts (cublasLtMatmulAlgoCheck) among `seeds` (the heuristic's candidates:
+    a configuration made whole by the heuristic; a bare cublasLtMatmulAlgoInit one is refused) with each tile their
+    algorithm lists x `splits` split-K, the rest of each seed's configuration kept; at most `limit`."""
+    accepted, seen = [], {bytes(seed) for seed in seeds}
+    for seed in seeds:
+        tiles = capability_list(lib, seed, _CAP_TILE_IDS) or [config_value(lib, seed, _CONFIG_TILE_ID)]
+        for tile in tiles:
+            for split in splits:
+                algo = _Algo()
+                ctypes.memmove(ctypes.byref(algo), ctypes.byref(seed), ctypes.sizeof(_Algo))
+                for attr, value in ((_CONFIG_TILE_ID, tile), (_CONFIG_SPLITK_NUM, split)):
+                    v = ctypes.c_uint32(value)
+                    lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), 4)
+                if bytes(algo) in seen:
+                    continue
+                seen.add(bytes(algo))
+                result = _Heuristic()
+                if (lib.cublasLtMatmulAlgoCheck(handle, plan.desc, plan.a, plan.b, plan.c, plan.c, ctypes.byref(algo),
+                                                ctypes.byref(result)) == 0 and result.workspace_size <= workspace_bytes):
+                    accepted.append(algo)
+                    if limit is not None and len(accepted) >= limit:
+                        return accepted
+    return accepted
 
 
 class NoAlgorithm(RuntimeError):
@@ -137,6 +196,7 @@ class _Plan:
         self.algos = [results[j].algo for j in range(count.value) if results[j].state == 0]
         if not self.algos:
             raise NoAlgorithm(f"cuBLASLt has no algorithm for [{num_rows}, {inner}] @ [{inner}, {num_out}]")
+        self.key = key
         self.chosen = 0
         self.times_ms: list[float] = []  # per candidate, when tuned
 
@@ -244,29 +304,45 @@ class TunedGemm:
     def _tune(self, plan: _Plan, x, w, out) -> None:
         """Time every candidate and keep the fastest. Each is captured `repeats` times into a graph on a
         private stream and the median of three replays is taken: launched one by one from Python, a call
-        of a few microseconds would time the host's launch instead."""
+        of a few microseconds would time the host's launch instead. Small FP8 plans (FP8_TILE_NEIGHBOUR_ROWS)
+        then add the best candidate's tile neighbours: one replay each, the NEIGHBOUR_KEEP fastest timed as above."""
         self.stream.synchronize()  # x and w are ready
         stream = cupy.cuda.Stream(non_blocking=True)
-        plan.times_ms = []
-        for algo in plan.algos:
-            self._run(plan, algo, x, w, out, stream)  # warm-up (loads the kernel)
-            with gc_paused():
-                stream.begin_capture()
+        plan.times_ms = [self._time(plan, algo, x, w, out, stream, 3) for algo in plan.algos]
+        best = int(np.argmin(plan.times_ms))
+        num_rows, in_type = plan.key[0], plan.key[4]
+        if in_type == _CUDA_R_8F_E4M3 and num_rows <= FP8_TILE_NEIGHBOUR_ROWS:
+            quick = []
+            for algo in neighbours(self._lib, self._handle, plan, [plan.algos[best]], self._workspace.nbytes):
                 try:
-                    for _ in range(self.repeats):
-                        self._run(plan, algo, x, w, out, stream)
-                finally:
-                    graph = stream.end_capture()
-            times = []
-            for _ in range(3):
-                start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record(stream)
-                graph.launch(stream)
-                end.record(stream)
-                end.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, end) / self.repeats)
-            plan.times_ms.append(statistics.median(times))
+                    quick.append((self._time(plan, algo, x, w, out, stream, 1), algo))
+                except RuntimeError:  # accepted by AlgoCheck, refused by cublasLtMatmul
+                    continue
+            quick.sort(key=lambda pair: pair[0])
+            for _, algo in quick[:NEIGHBOUR_KEEP]:
+                plan.algos.append(algo)
+                plan.times_ms.append(self._time(plan, algo, x, w, out, stream, 3))
         plan.chosen = int(np.argmin(plan.times_ms))
+
+    def _time(self, plan: _Plan, algo: _Algo, x, w, out, stream, replays: int) -> float:
+        """Median ms a call of `algo`: `repeats` calls captured into a graph, `replays` replays timed."""
+        self._run(plan, algo, x, w, out, stream)  # warm-up (loads the kernel; raises for a refused configuration)
+        with gc_paused():
+            stream.begin_capture()
+            try:
+                for _ in range(self.repeats):
+                    self._run(plan, algo, x, w, out, stream)
+            finally:
+                graph = stream.end_capture()
+        times = []
+        for _ in range(replays):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / self.repeats)
+        return statistics.median(times)
 
     def __del__(self) -> None:
         self.plans = {}
