@@ -10,8 +10,10 @@
 # kernel files, the rest of the GPU files and the kernel profile with its launch gaps, until BUDGET runs out.
 # PART=3 (main, ~6 min): benchmarks/bench_fp8_gemm_search.py (cuBLASLt's FP8 algorithms beyond the heuristic's 16 at
 # the 8B decode GEMMs), then the engine with 64 candidates against 16 and a bf16 run.
-# PART=5 (session 61): the FP8 GEMM tests with the tile neighbours' one, the 8B FP8 w + KV bench with
-# FP8_TILE_NEIGHBOUR_ROWS=256 and 0 (two pairs) and bf16, the prefill search at 7,554 rows, the quick engine tests.
+# PART=5 (session 61): the FP8 GEMM tests, the 8B FP8 w + KV bench without / with the eager products tuned per row
+# bucket (ops_cuda.WARM_FP8_PRODUCTS) and tile neighbours (cublaslt.FP8_TILE_NEIGHBOUR_ROWS=256), bf16 (~8 min).
+# PART=6 (session 61): the engine GPU tests (generate on the GPU, graphs, bench graphs on / off), the FP8 engine
+# tests, the prefill search at 7,554 rows.
 # PART=4 (session 60): the 1B bf16 and FP8 KV runs (two pairs) and the 8B bf16 run: issue 23's floor shares on an
 # H200, issue 25's 1B ratio.
 set -u
@@ -94,13 +96,17 @@ bench fp8_c64 $C64 -- $F8; bench fp8_c16 $NOKNOB -- $F8; bench bf16 $NOKNOB -- $
 elif [ "${PART}" = 4 ]; then  # issue 23's floor shares and issue 25's 1B ratio (on an H200 for issue 23)
 bench 1b_bf16 $NOKNOB -- $B1; bench 1b_fp8kv $NOKNOB -- $B1F8; bench 8b_bf16 $NOKNOB -- $B16
 bench 1b_bf16_b $NOKNOB -- $B1; bench 1b_fp8kv_b $NOKNOB -- $B1F8
-elif [ "${PART}" = 5 ]; then  # session 61: TunedGemm's FP8 tile neighbours (FP8_TILE_NEIGHBOUR_ROWS) A/B
+elif [ "${PART}" = 5 ]; then  # session 61: eager FP8 products tuned per row bucket (WARM), tile neighbours (NB)
 run_tests fp8_linear 150 tests/test_ops_cuda_fp8_linear.py
+W0=offline_paged.ops.ops_cuda.WARM_FP8_PRODUCTS=False; W1=offline_paged.ops.ops_cuda.WARM_FP8_PRODUCTS=True
 NB=offline_paged.ops.cublaslt.FP8_TILE_NEIGHBOUR_ROWS=256; NB0=offline_paged.ops.cublaslt.FP8_TILE_NEIGHBOUR_ROWS=0
-bench fp8_nb $NB -- $F8; bench fp8_nb0 $NB0 -- $F8; bench bf16 $NB0 -- $B16
-bench fp8_nb_b $NB -- $F8; bench fp8_nb0_b $NB0 -- $F8
+bench fp8_base $W0 $NB0 -- $F8; bench fp8_both $W1 $NB -- $F8; bench bf16 $W0 $NB0 -- $B16
+bench fp8_warm $W1 $NB0 -- $F8; bench fp8_base_b $W0 $NB0 -- $F8; bench fp8_both_b $W1 $NB -- $F8
+bench fp8_nb $W0 $NB -- $F8
+elif [ "${PART}" = 6 ]; then  # session 61, the second call: the quick engine tests, the prefill search, FP8 engines
+run_tests quick 140 tests/test_gpu_engine.py tests/test_graphs.py tests/test_gpu_bench.py
+run_tests fp8_engine 200 tests/test_gpu_engine_fp8_weights.py tests/test_gpu_engine_fp8.py
 [ $(left) -gt 80 ] && PYTHONPATH=benchmarks:$PYTHONPATH timeout 60 python3 benchmarks/bench_fp8_gemm_search.py \
   --rows 7554 2>&1 | tail -5
-run_tests quick 140 tests/test_gpu_engine.py tests/test_graphs.py tests/test_gpu_bench.py
 fi
 echo "done [$(( $(date +%s) - START )) s]"

@@ -31,6 +31,7 @@ from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output  
 from offline_paged.ops.fp8_linear import Fp8Linear, quantize_rows, quantize_static  # noqa: E402
 from offline_paged.ops.graphs import gc_paused  # noqa: E402
 from offline_paged.ops.kv_scales import FP8_E4M3, quantize_fp8  # noqa: E402
+import offline_paged.ops.ops_cuda as ops_cuda  # noqa: E402
 from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -341,6 +342,63 @@ def test_tile_neighbours_are_timed_and_each_computes_the_product(num_rows, num_i
         key = (2 * num_rows, *plan.key[1:])
         assert (len(gemm.plans[key].algos) > heuristic(key)) == (2 * num_rows <= 256)
     assert np.abs(exact).max() > 1e3  # real sums, not zeros
+
+
+def test_an_untuned_gemm_runs_the_winner_tuned_in_its_row_bucket():
+    """TunedGemm(tune=False) (the eager steps'): inside `tuning()` a plan is timed, even one made before it, and its
+    winner kept for its row bucket; a later plan of the same shape with rows in that bucket runs it first (where
+    cuBLASLt accepts it), one in another bucket the heuristic's first candidate; each product equals the exact one."""
+    rng = np.random.default_rng(5)
+    layer = CudaFp8Linear.upload(shared_layer(4096, 6144))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    gemm = TunedGemm(stream, tune=False, fp8_fast_accum=False)
+    w = layer.weight.get().view(FP8_E4M3).astype(np.float64)
+
+    def product(num_rows: int):
+        xq, _ = quantize_rows_fp8(cupy.asarray(activations(rng, num_rows, 4096, BF16)))
+        acc = gemm.fp8(xq, layer.weight, cupy.empty((num_rows, 6144), np.float32))
+        x = xq.get().view(FP8_E4M3).astype(np.float64)
+        error = np.abs(acc.get().astype(np.float64) - x @ w.T) / np.maximum(np.abs(x) @ np.abs(w).T, 1.0)
+        assert error.max() <= PROMOTED_ERROR
+        return gemm.plans[(num_rows, *next(iter(gemm.plans))[1:])]
+
+    with stream:
+        early = product(4096)  # made untuned (the engine's profiling step makes its plans so)
+        assert not early.times_ms and not gemm.winners
+        with gemm.tuning():
+            product(4096)
+        assert len(early.times_ms) == len(early.algos) and len(gemm.winners) == 1
+        (bucket_key, winner), = gemm.winners.items()
+        assert bucket_key[0] == 4096 and bytes(winner) == bytes(early.algos[early.chosen])
+        inside = product(3000)  # bucket 4096
+        assert not inside.times_ms, "an untuned gemm timed a plan outside tuning()"
+        if cublaslt.accepts(gemm._lib, gemm._handle, inside, winner, gemm._workspace.nbytes):
+            assert bytes(inside.algos[inside.chosen]) == bytes(winner)
+        outside = product(5000)  # bucket 8192: no winner there
+        fresh = cublaslt._Plan(gemm._lib, gemm._handle, outside.key, gemm._workspace.nbytes, False)
+        assert [bytes(a) for a in outside.algos] == [bytes(a) for a in fresh.algos]
+
+
+def test_warm_fp8_products_tunes_each_shape_at_each_bucket(monkeypatch):
+    """CudaOps.warm_fp8_products at engine start: one tuned winner per distinct FP8 layer shape and row bucket (16-bit
+    layers ignored), in the TunedGemm the eager steps use; with WARM_FP8_PRODUCTS off, none."""
+    rng = np.random.default_rng(6)
+    ops = CudaOps()
+    qkv, down = (ops.quantize_linear(cupy.asarray(rng.standard_normal(shape).astype(BF16))) for shape in
+                 [(640, 512), (512, 768)])
+    layers = [qkv, down, qkv, cupy.zeros((512, 512), BF16), down]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        assert ops.warm_fp8_products(layers, 300, 1500, BF16) > 0.0
+        gemm = ops.fp8_gemm()
+    products = sorted((key[0], key[2]) for key in gemm.winners if len(key) == 6)  # (bucket, Np); no scale mode
+    assert products == [(512, 512), (512, 640), (1024, 512), (1024, 640), (2048, 512), (2048, 640)]
+    assert not gemm.tune  # still the eager steps' untuned gemm
+    monkeypatch.setattr(ops_cuda, "WARM_FP8_PRODUCTS", False)
+    ops = CudaOps()
+    with stream:
+        assert ops.warm_fp8_products(layers, 300, 1500, BF16) == 0.0
+        assert not ops.fp8_gemm().winners
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,6 +6,9 @@ not always the fastest candidate it lists. So the first call of each shape, made
 capture, asks cuBLASLt for its candidates (split-K ones included), times each on the stream, and keeps
 the fastest; every later call of that shape, captured or not, runs that algorithm. A shape first seen
 inside a capture takes the heuristic's first candidate (timing there is impossible).
+An untuned TunedGemm (tune=False: the eager steps', whose row counts vary step by step) takes the heuristic's
+first candidate too, unless a plan of the same shape was tuned inside `tuning()` at rows of the same power-of-two
+bucket: then it runs that plan's winner, where cublasLtMatmulAlgoCheck accepts it for its exact rows.
 
 Layout: row-major x [T, K] @ W [K, N] -> out [T, N] is column-major out^T [N, T] = W^T [N, K] x^T [K, T],
 as in graphs.py: A = W (op N with ld N when C-contiguous, op T with ld K when F-contiguous), B = x
@@ -26,6 +29,7 @@ Legend: T rows, K inner dim, N output dim.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -37,6 +41,7 @@ import numpy as np
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear
 from offline_paged.ops.graphs import (_CUDA_R_16BF, _CUDA_R_16F, _OP_N, _OP_T, WORKSPACE_BYTES, _cuda_type,
                                       check_gemm_args, check_status, gc_paused, libcublas_paths)
+from offline_paged.ops.row_buckets import row_bucket
 from offline_paged.ops.launchers import FP8_ALIGN, accumulator_tag  # FP8_ALIGN: cuBLASLt's FP8 GEMM's width rule
 
 _CUDA_R_32F = 0
@@ -126,6 +131,14 @@ def config_value(lib, algo: _Algo, attr: int) -> int:
     return value.value
 
 
+def accepts(lib, handle, plan: "_Plan", algo: _Algo, workspace_bytes: int) -> bool:
+    """Whether cuBLASLt accepts configuration `algo` for `plan`'s exact shape (cublasLtMatmulAlgoCheck) within the
+    workspace."""
+    result = _Heuristic()
+    return (lib.cublasLtMatmulAlgoCheck(handle, plan.desc, plan.a, plan.b, plan.c, plan.c, ctypes.byref(algo),
+                                        ctypes.byref(result)) == 0 and result.workspace_size <= workspace_bytes)
+
+
 def neighbours(lib, handle, plan: "_Plan", seeds, workspace_bytes: int, splits=(1,), limit: int | None = None):
     """The configurations cuBLASLt accepts (cublasLtMatmulAlgoCheck) among `seeds` (the heuristic's candidates:
     a configuration made whole by the heuristic; a bare cublasLtMatmulAlgoInit one is refused) with each tile their
@@ -143,9 +156,7 @@ def neighbours(lib, handle, plan: "_Plan", seeds, workspace_bytes: int, splits=(
                 if bytes(algo) in seen:
                     continue
                 seen.add(bytes(algo))
-                result = _Heuristic()
-                if (lib.cublasLtMatmulAlgoCheck(handle, plan.desc, plan.a, plan.b, plan.c, plan.c, ctypes.byref(algo),
-                                                ctypes.byref(result)) == 0 and result.workspace_size <= workspace_bytes):
+                if accepts(lib, handle, plan, algo, workspace_bytes):
                     accepted.append(algo)
                     if limit is not None and len(accepted) >= limit:
                         return accepted
@@ -228,6 +239,22 @@ class TunedGemm:
         self._zero = np.zeros(1, dtype=np.float32)
         self.plans: dict[tuple, _Plan] = {}
         self.unsupported: set[tuple] = set()  # fp8_scaled keys cuBLASLt has no algorithm for
+        # (row_bucket(T), *the rest of a plan's key) -> the algorithm a tuned plan of those rows chose: an untuned
+        # plan of the same shape and bucket runs it where cuBLASLt accepts it (`tuning`, the eager FP8 products)
+        self.winners: dict[tuple, _Algo] = {}
+        self._tuning = False  # inside `tuning()`
+
+    @contextlib.contextmanager
+    def tuning(self):
+        """Time every plan called inside that was not timed yet (even with tune=False, even one made before) and
+        remember each winner for its row bucket: the plans this untuned TunedGemm makes later, of the same shape with
+        rows in that bucket, start from it (the engine tunes the eager FP8 products at each bucket once, at start:
+        CudaOps.warm_fp8_products)."""
+        tune, self.tune, self._tuning = self.tune, True, True
+        try:
+            yield self
+        finally:
+            self.tune, self._tuning = tune, False
 
     def __call__(self, x, w, out_dtype=None, out=None):
         """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous) -> out [T, N] of `out_dtype` (None: x's
@@ -290,10 +317,27 @@ class TunedGemm:
                 pointer = ctypes.c_void_p(array.data.ptr)
                 check_status(self._lib.cublasLtMatmulDescSetAttribute(plan.desc, attr, ctypes.byref(pointer), 8),
                              "MatmulDescSetAttribute (scale pointer)")
-        if fresh and self.tune and not _capturing(self.stream):
+        bucket_key = (row_bucket(key[0]), *key[1:])
+        adopted = fresh and not self.tune and self._adopt(plan, self.winners.get(bucket_key))
+        if (fresh or (self._tuning and not plan.times_ms)) and self.tune and not _capturing(self.stream):
             self._tune(plan, x, w, out)
-        self._run(plan, plan.algos[plan.chosen], x, w, out)
+            self.winners[bucket_key] = plan.algos[plan.chosen]
+        try:
+            self._run(plan, plan.algos[plan.chosen], x, w, out)
+        except RuntimeError:
+            if not adopted:
+                raise
+            del plan.algos[0]  # accepted by cublasLtMatmulAlgoCheck, refused by cublasLtMatmul: the heuristic's
+            self._run(plan, plan.algos[plan.chosen], x, w, out)
         return out
+
+    def _adopt(self, plan: _Plan, winner: _Algo | None) -> bool:
+        """Put `winner` (a tuned plan's choice at this plan's row bucket) first in `plan`'s list if cuBLASLt accepts
+        it for the exact shape; whether it did."""
+        if winner is None or not accepts(self._lib, self._handle, plan, winner, self._workspace.nbytes):
+            return False
+        plan.algos.insert(0, winner)
+        return True
 
     def _run(self, plan: _Plan, algo: _Algo, x, w, out, stream=None) -> None:
         check_status(self._lib.cublasLtMatmul(
