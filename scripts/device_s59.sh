@@ -98,9 +98,10 @@ bench 1b_bf16 $NOKNOB -- $B1; bench 1b_fp8kv $NOKNOB -- $B1F8; bench 8b_bf16 $NO
 bench 1b_bf16_b $NOKNOB -- $B1; bench 1b_fp8kv_b $NOKNOB -- $B1F8
 elif [ "${PART}" = 5 ]; then  # session 61: eager FP8 products tuned per row bucket (WARM), tile neighbours (NB)
 run_tests fp8_linear 150 tests/test_ops_cuda_fp8_linear.py
-sed -i 's/        plan.algos.insert(0, winner)/        plan.algos.append(winner)/' offline_paged/ops/cublaslt.py  # planted
+cp offline_paged/ops/cublaslt.py /tmp/cublaslt.py.keep  # planted: the winner appended, not put first
+sed -i 's/        plan.algos.insert(0, winner)/        plan.algos.append(winner)/' offline_paged/ops/cublaslt.py
 run_tests planted_adopt 60 tests/test_ops_cuda_fp8_linear.py -k untuned_gemm_runs_the_winner
-git checkout offline_paged/ops/cublaslt.py
+cp /tmp/cublaslt.py.keep offline_paged/ops/cublaslt.py
 W0=offline_paged.ops.ops_cuda.WARM_FP8_PRODUCTS=False; W1=offline_paged.ops.ops_cuda.WARM_FP8_PRODUCTS=True
 NB=offline_paged.ops.cublaslt.FP8_TILE_NEIGHBOUR_ROWS=256; NB0=offline_paged.ops.cublaslt.FP8_TILE_NEIGHBOUR_ROWS=0
 bench fp8_base $W0 $NB0 -- $F8; bench fp8_both $W1 $NB -- $F8; bench bf16 $W0 $NB0 -- $B16
