@@ -23,6 +23,8 @@ rows 13% faster than TunedGemm's pick (tile 317), the other decode products 0-4%
 from __future__ import annotations
 
 import argparse
+import ctypes
+import itertools
 
 import cupy
 import numpy as np
@@ -30,11 +32,12 @@ from bench_gemm import projections
 from bench_kernels import copy_bandwidth_gbs, graph_ms
 
 from offline_paged.ops import cublaslt
-from offline_paged.ops.cublaslt import TunedGemm, _Algo, _Plan, check_fp8_args, config_value, neighbours
+from offline_paged.ops.cublaslt import TunedGemm, _Algo, _Heuristic, _Plan, check_fp8_args
 from offline_paged.ops.launchers import BFLOAT16, fp8_padded
 
 # cublasLt.h's enums (CUDA 12 / 13)
 _CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_STAGES_ID = 1, 2, 6  # cublasLtMatmulAlgoConfigAttributes_t
+_CAP_TILE_IDS = 6  # cublasLtMatmulAlgoCapAttributes_t
 SPLITS_K = (1, 2, 4, 8)
 QUICK_KEEP = 12  # configurations timed again after the quick pass
 MAX_CONFIGS = 1500  # accepted configurations timed per shape at most (the "configs" column shows when it binds)
@@ -42,9 +45,71 @@ ENUM_MAX_ROWS = 1024  # larger products (prefill steps) time only the heuristic'
 L2_MISS_BYTES = 256 << 20  # weight copies cycled through per timing: several times the H100 / H200 L2
 
 
+def bind(lib) -> None:
+    """The cuBLASLt entry points ops/cublaslt.py does not declare."""
+    p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    signatures = {
+        "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(_Algo), i, p, size, ctypes.POINTER(size)],
+        "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), i, p, size],
+        "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i, p, size, ctypes.POINTER(size)],
+        "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ctypes.POINTER(_Algo), ctypes.POINTER(_Heuristic)],
+    }
+    for name, argtypes in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = ctypes.c_int
+
+
+def capability_list(lib, algo: _Algo, attr: int) -> list[int]:
+    """A uint32 array capability of `algo` (its size asked first); [] when it lists none."""
+    written = ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(written)) != 0:
+        return []
+    count = written.value // 4
+    if not count:
+        return []
+    values = (ctypes.c_uint32 * count)()
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, values, 4 * count, ctypes.byref(written)):
+        return []
+    return list(values)
+
+
 def config_of(lib, algo: _Algo) -> tuple[int, int, int]:
     """(tile id, stages id, split-K) of an algorithm, as cuBLASLt reports them."""
-    return tuple(config_value(lib, algo, attr) for attr in (_CONFIG_TILE_ID, _CONFIG_STAGES_ID, _CONFIG_SPLITK_NUM))
+    values = []
+    for attr in (_CONFIG_TILE_ID, _CONFIG_STAGES_ID, _CONFIG_SPLITK_NUM):
+        value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+        lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4,
+                                                 ctypes.byref(written))
+        values.append(value.value)
+    return tuple(values)
+
+
+def enumerated_algos(lib, handle, plan: _Plan, workspace_bytes: int) -> list[_Algo]:
+    """Every configuration cuBLASLt accepts (cublasLtMatmulAlgoCheck) among the neighbours of the heuristic's
+    candidates: each candidate with any tile its algorithm lists and split-K 1 / 2 / 4 / 8, the rest of its
+    configuration (stages, cluster shape, swizzle, ...) kept. An algorithm id fresh from cublasLtMatmulAlgoInit
+    is refused whatever its tile (session 60, an H100: status 7 / 15 for each of the 12 ids), so the search
+    starts from configurations the heuristic made whole."""
+    accepted, seen = [], set()
+    for candidate in plan.algos:
+        tiles = capability_list(lib, candidate, _CAP_TILE_IDS) or [config_of(lib, candidate)[0]]
+        for tile, split in itertools.product(tiles, SPLITS_K):
+            algo = _Algo()
+            ctypes.memmove(ctypes.byref(algo), ctypes.byref(candidate), ctypes.sizeof(_Algo))
+            for attr, value in ((_CONFIG_TILE_ID, tile), (_CONFIG_SPLITK_NUM, split)):
+                v = ctypes.c_uint32(value)
+                lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), 4)
+            if bytes(algo) in seen:
+                continue
+            seen.add(bytes(algo))
+            result = _Heuristic()
+            if (lib.cublasLtMatmulAlgoCheck(handle, plan.desc, plan.a, plan.b, plan.c, plan.c, ctypes.byref(algo),
+                                            ctypes.byref(result)) == 0
+                    and result.workspace_size <= workspace_bytes):
+                accepted.append(algo)
+                if len(accepted) >= MAX_CONFIGS:
+                    return accepted
+    return accepted
 
 
 def timed_us(gemm: TunedGemm, plan: _Plan, algo: _Algo, calls, replays: int) -> float:
@@ -87,7 +152,7 @@ def search(gemm: TunedGemm, rows: int, inner: int, out: int) -> dict:
     if rows > ENUM_MAX_ROWS:
         results["enum"], results["enum_count"], results["enum_config"] = float("nan"), 0, None
         return results
-    algos = neighbours(gemm._lib, gemm._handle, plan, plan.algos, gemm._workspace.nbytes, SPLITS_K, MAX_CONFIGS)
+    algos = enumerated_algos(gemm._lib, gemm._handle, plan, gemm._workspace.nbytes)
     quick = sorted((quick_us(gemm, plan, algo, calls[:2]), j) for j, algo in enumerate(algos))[:QUICK_KEEP]
     best = min((timed_us(gemm, plan, algos[j], calls, 5), j) for _, j in quick) if quick else (float("nan"), None)
     results["enum"], results["enum_count"] = best[0], len(algos)
@@ -107,6 +172,7 @@ def main() -> None:
     args = parser.parse_args()
     copy = copy_bandwidth_gbs()
     gemm = TunedGemm(cupy.cuda.Stream(non_blocking=True))
+    bind(gemm._lib)
     print(f"copy bandwidth {copy:,.0f} GB/s; FP8 e4m3 products into bfloat16, fast accumulation "
           f"{gemm.fp8_fast_accum}")
     print(f"{'preset':<14}{'proj':<9}{'rows':>6}{'first us':>10}{'heur16 us':>11}{'heur64 us':>11}{'enum us':>9}"

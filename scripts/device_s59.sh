@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 59's device calls (~9.5 min each on an H100 or H200; carry .whl):
-#   COMMIT=<hash> OUT=$OUT [PART=1|2|3|4] [BUDGET=seconds] [SEARCH_S=seconds] scripts/device_s59.sh
+#   COMMIT=<hash> OUT=$OUT [PART=1|2|3|4|5|6] [BUDGET=seconds] [SEARCH_S=seconds] scripts/device_s59.sh
 # PART=1 (branch s59-row-split, f6b5862): rms_norm_fp8 / silu_mul_fp8's rows split over clusters: their tests,
 # planted bugs (no peer's amax; every CTA's warp sums read from rank 0) that must fail them, their kernel bench at
 # 256-16 rows; the 8B FP8 w + KV bench with the split and without (two pairs) and the 8B bf16 bench (issue 25's ratio
@@ -10,6 +10,7 @@
 # kernel files, the rest of the GPU files and the kernel profile with its launch gaps, until BUDGET runs out.
 # PART=3 (main, ~6 min): benchmarks/bench_fp8_gemm_search.py (cuBLASLt's FP8 algorithms beyond the heuristic's 16 at
 # the 8B decode GEMMs), then the engine with 64 candidates against 16 and a bf16 run.
+# PARTs 5 and 6 apply benchmarks/pending/s61-fp8-buckets.patch first (session 61's work, not yet run on a device).
 # PART=5 (session 61): the FP8 GEMM tests, the 8B FP8 w + KV bench without / with the eager products tuned per row
 # bucket (ops_cuda.WARM_FP8_PRODUCTS) and tile neighbours (cublaslt.FP8_TILE_NEIGHBOUR_ROWS=256), bf16 (~8 min).
 # PART=6 (session 61): the engine GPU tests (generate on the GPU, graphs, bench graphs on / off), the FP8 engine
@@ -19,6 +20,10 @@
 set -u
 export PYTHONUNBUFFERED=1 OFFLINE_PAGED_GIT_COMMIT=${COMMIT:?}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; START=$(date +%s)
+if [ "${PART:-1}" -ge 5 ]; then  # session 61's work, parked as a patch on main (it did not run on a device)
+  git apply benchmarks/pending/s61-fp8-buckets.patch 2>/dev/null || patch -p1 -s < benchmarks/pending/s61-fp8-buckets.patch \
+    || { echo "s61-fp8-buckets.patch does not apply"; exit 1; }
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || tail /tmp/pip.log
 export PYTHONPATH=/tmp/site

@@ -21,7 +21,6 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-import offline_paged.ops.cublaslt as cublaslt  # noqa: E402
 import offline_paged.ops.cuda_fp8_linear as cuda_fp8_linear  # noqa: E402
 import offline_paged.ops.fp8_launcher as fp8_launcher  # noqa: E402
 import offline_paged.ops.fp8_linear as fp8_linear  # noqa: E402
@@ -31,7 +30,6 @@ from offline_paged.ops.fp8_launcher import quantize_rows_fp8, scale_fp8_output  
 from offline_paged.ops.fp8_linear import Fp8Linear, quantize_rows, quantize_static  # noqa: E402
 from offline_paged.ops.graphs import gc_paused  # noqa: E402
 from offline_paged.ops.kv_scales import FP8_E4M3, quantize_fp8  # noqa: E402
-import offline_paged.ops.ops_cuda as ops_cuda  # noqa: E402
 from offline_paged.ops.ops_cuda import CudaOps  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -307,98 +305,6 @@ def test_fast_accumulation_moves_the_sums_but_keeps_them_near_exact(num_in, num_
     assert fast.max() <= FAST_ACCUM_ERROR, f"fast-accumulated sums {fast.max():.2e} of sum|terms| from exact"
     assert (sums[True] != sums[False]).mean() > 0.01, "fast accumulation changed no sum: the flag did not reach it"
     assert np.abs(exact).max() > 1e3  # real sums, not zeros
-
-
-@pytest.mark.parametrize("num_rows, num_in, num_out", [(144, 14336, 4096), (7, 4096, 6144)])
-def test_tile_neighbours_are_timed_and_each_computes_the_product(num_rows, num_in, num_out, monkeypatch):
-    """cublaslt.FP8_TILE_NEIGHBOUR_ROWS: a small FP8 plan also times its best candidate's tile neighbours (the plan's
-    list grows past the heuristic's), and every configuration it may keep, replayed here, writes sums within
-    PROMOTED_ERROR of the exact product: no neighbour is a wrong kernel. A plan of more rows than the knob: none."""
-    monkeypatch.setattr(cublaslt, "FP8_TILE_NEIGHBOUR_ROWS", 256)
-    rng = np.random.default_rng(num_rows)
-    layer = CudaFp8Linear.upload(shared_layer(num_in, num_out))
-    xq, _ = quantize_rows_fp8(cupy.asarray(activations(rng, num_rows, num_in, BF16)))
-    stream = cupy.cuda.Stream(non_blocking=True)
-    gemm = TunedGemm(stream, fp8_fast_accum=False)
-    x = xq.get().view(FP8_E4M3).astype(np.float64)
-    w = layer.weight.get().view(FP8_E4M3).astype(np.float64)
-    exact, scale = x @ w.T, np.maximum(np.abs(x) @ np.abs(w).T, 1.0)
-    with stream:
-        acc = cupy.empty((num_rows, num_out), np.float32)
-        gemm.fp8(xq, layer.weight, acc)
-        (plan,) = gemm.plans.values()
-        def heuristic(key) -> int:  # how many candidates the heuristic lists for `key`
-            return len(cublaslt._Plan(gemm._lib, gemm._handle, key, gemm._workspace.nbytes, False).algos)
-
-        assert len(plan.algos) > heuristic(plan.key), "no tile neighbour was timed"
-        assert len(plan.times_ms) == len(plan.algos)
-        for algo in plan.algos:
-            acc.fill(np.nan)
-            gemm._run(plan, algo, xq, layer.weight, acc)
-            error = np.abs(acc.get().astype(np.float64) - exact) / scale
-            assert error.max() <= PROMOTED_ERROR, f"a configuration is {error.max():.2e} of sum|terms| from exact"
-        big = cupy.concatenate([xq] * 2)  # 288 / 14 rows: 14 is within the knob, 288 is not
-        gemm.fp8(big, layer.weight, cupy.empty((2 * num_rows, num_out), np.float32))
-        key = (2 * num_rows, *plan.key[1:])
-        assert (len(gemm.plans[key].algos) > heuristic(key)) == (2 * num_rows <= 256)
-    assert np.abs(exact).max() > 1e3  # real sums, not zeros
-
-
-def test_an_untuned_gemm_runs_the_winner_tuned_in_its_row_bucket():
-    """TunedGemm(tune=False) (the eager steps'): inside `tuning()` a plan is timed, even one made before it, and its
-    winner kept for its row bucket; a later plan of the same shape with rows in that bucket runs it first (cuBLASLt
-    accepts it there: if not, the mechanism is idle and this fails), one in another bucket the heuristic's first
-    candidate; each product equals the exact one."""
-    rng = np.random.default_rng(5)
-    layer = CudaFp8Linear.upload(shared_layer(4096, 6144))
-    stream = cupy.cuda.Stream(non_blocking=True)
-    gemm = TunedGemm(stream, tune=False, fp8_fast_accum=False)
-    w = layer.weight.get().view(FP8_E4M3).astype(np.float64)
-
-    def product(num_rows: int):
-        xq, _ = quantize_rows_fp8(cupy.asarray(activations(rng, num_rows, 4096, BF16)))
-        acc = gemm.fp8(xq, layer.weight, cupy.empty((num_rows, 6144), np.float32))
-        x = xq.get().view(FP8_E4M3).astype(np.float64)
-        error = np.abs(acc.get().astype(np.float64) - x @ w.T) / np.maximum(np.abs(x) @ np.abs(w).T, 1.0)
-        assert error.max() <= PROMOTED_ERROR
-        return gemm.plans[(num_rows, *next(iter(gemm.plans))[1:])]
-
-    with stream:
-        early = product(4096)  # made untuned (the engine's profiling step makes its plans so)
-        assert not early.times_ms and not gemm.winners
-        with gemm.tuning():
-            product(4096)
-        assert len(early.times_ms) == len(early.algos) and len(gemm.winners) == 1
-        (bucket_key, winner), = gemm.winners.items()
-        assert bucket_key[0] == 4096 and bytes(winner) == bytes(early.algos[early.chosen])
-        inside = product(3000)  # bucket 4096
-        assert not inside.times_ms, "an untuned gemm timed a plan outside tuning()"
-        assert bytes(inside.algos[inside.chosen]) == bytes(winner), "the bucket's winner did not run"
-        outside = product(5000)  # bucket 8192: no winner there
-        fresh = cublaslt._Plan(gemm._lib, gemm._handle, outside.key, gemm._workspace.nbytes, False)
-        assert [bytes(a) for a in outside.algos] == [bytes(a) for a in fresh.algos]
-
-
-def test_warm_fp8_products_tunes_each_shape_at_each_bucket(monkeypatch):
-    """CudaOps.warm_fp8_products at engine start: one tuned winner per distinct FP8 layer shape and row bucket (16-bit
-    layers ignored), in the TunedGemm the eager steps use; with WARM_FP8_PRODUCTS off, none."""
-    rng = np.random.default_rng(6)
-    ops = CudaOps()
-    qkv, down = (ops.quantize_linear(cupy.asarray(rng.standard_normal(shape).astype(BF16))) for shape in
-                 [(640, 512), (512, 768)])
-    layers = [qkv, down, qkv, cupy.zeros((512, 512), BF16), down]
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        assert ops.warm_fp8_products(layers, 300, 1500, BF16) > 0.0
-        gemm = ops.fp8_gemm()
-    products = sorted((key[0], key[2]) for key in gemm.winners if len(key) == 6)  # (bucket, Np); no scale mode
-    assert products == [(512, 512), (512, 640), (1024, 512), (1024, 640), (2048, 512), (2048, 640)]
-    assert not gemm.tune  # still the eager steps' untuned gemm
-    monkeypatch.setattr(ops_cuda, "WARM_FP8_PRODUCTS", False)
-    ops = CudaOps()
-    with stream:
-        assert ops.warm_fp8_products(layers, 300, 1500, BF16) == 0.0
-        assert not ops.fp8_gemm().winners
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

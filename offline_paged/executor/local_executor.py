@@ -35,9 +35,7 @@ class LocalExecutor(Executor):
     def init_runner(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int,
                     sampler: Sampler, max_num_seqs: int) -> ModelRunner:
         """The runner, its decode and mixed-step graphs (if any) captured now, before the first step, and on
-        CUDA the eager LM head's kernels loaded (CudaOps.warm_logits) and the eager FP8 products tuned for the
-        token counts the eager steps can have: above the largest mixed-step graph, or any without mixed graphs
-        (CudaOps.warm_fp8_products)."""
+        CUDA the eager LM head's kernels loaded (CudaOps.warm_logits)."""
         runner = super().init_runner(num_gpu_blocks, num_cpu_blocks, max_model_len, sampler, max_num_seqs)
         if runner.decode_graphs is not None:
             runner.decode_graphs.capture_all(runner.sampling_rows)
@@ -45,9 +43,4 @@ class LocalExecutor(Executor):
             runner.mixed_graphs.capture_all()
         if self.backend.name == "cuda":
             self.model.ops.warm_logits(self.model.lm_head, max_num_seqs)
-            min_rows = 1 if runner.mixed_graphs is None else max(runner.mixed_graphs.buckets) + 1
-            linears = [getattr(layer, name) for layer in self.model.layers
-                       for name in ("qkv", "o_proj", "gate_up", "down")]
-            self.model.ops.warm_fp8_products(linears, min_rows, self.config.max_num_batched_tokens,
-                                             self.backend.dtype)
         return runner

@@ -6,9 +6,6 @@ not always the fastest candidate it lists. So the first call of each shape, made
 capture, asks cuBLASLt for its candidates (split-K ones included), times each on the stream, and keeps
 the fastest; every later call of that shape, captured or not, runs that algorithm. A shape first seen
 inside a capture takes the heuristic's first candidate (timing there is impossible).
-An untuned TunedGemm (tune=False: the eager steps', whose row counts vary step by step) takes the heuristic's
-first candidate too, unless a plan of the same shape was tuned inside `tuning()` at rows of the same power-of-two
-bucket: then it runs that plan's winner, where cublasLtMatmulAlgoCheck accepts it for its exact rows.
 
 Layout: row-major x [T, K] @ W [K, N] -> out [T, N] is column-major out^T [N, T] = W^T [N, K] x^T [K, T],
 as in graphs.py: A = W (op N with ld N when C-contiguous, op T with ld K when F-contiguous), B = x
@@ -29,7 +26,6 @@ Legend: T rows, K inner dim, N output dim.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import glob
 import os
@@ -41,7 +37,6 @@ import numpy as np
 from offline_paged.ops.cuda_fp8_linear import CudaFp8Linear
 from offline_paged.ops.graphs import (_CUDA_R_16BF, _CUDA_R_16F, _OP_N, _OP_T, WORKSPACE_BYTES, _cuda_type,
                                       check_gemm_args, check_status, gc_paused, libcublas_paths)
-from offline_paged.ops.row_buckets import row_bucket
 from offline_paged.ops.launchers import FP8_ALIGN, accumulator_tag  # FP8_ALIGN: cuBLASLt's FP8 GEMM's width rule
 
 _CUDA_R_32F = 0
@@ -59,14 +54,6 @@ NUM_CANDIDATES = 16  # heuristic candidates asked for per shape
 # (three pairs); each sum within ~2.4e-3 of the sum of its terms' magnitudes (promoted: ~2e-4;
 # benchmarks/fp8_fast_accum.py, tests/test_ops_cuda_fp8_linear.py).
 FP8_FAST_ACCUM = True
-# FP8 plans of up to this many rows (decode buckets) also time the heuristic's best candidate with each other tile
-# its algorithm lists (split-K 1, the rest of its configuration kept, as cublasLtMatmulAlgoCheck accepts): session
-# 60's search found `down` at 144 rows 13% faster that way (benchmarks/bench_fp8_gemm_search.py). 0: off.
-# NOT YET RUN ON A GPU (branch s60-tile-neighbours): off until its engine A/B.
-FP8_TILE_NEIGHBOUR_ROWS = 0
-NEIGHBOUR_KEEP = 8  # neighbours timed as the candidates are, after one quick replay each
-_CONFIG_TILE_ID, _CONFIG_SPLITK_NUM = 1, 2  # cublasLtMatmulAlgoConfigAttributes_t
-_CAP_TILE_IDS = 6  # cublasLtMatmulAlgoCapAttributes_t
 
 
 class _Algo(ctypes.Structure):  # cublasLtMatmulAlgo_t
@@ -99,68 +86,11 @@ def _liblt() -> ctypes.CDLL:
         "cublasLtMatmulPreferenceSetAttribute": [p, i, p, size],
         "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(_Heuristic), ctypes.POINTER(i)],
         "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(_Algo), p, size, p],
-        "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(_Algo), i, p, size, ctypes.POINTER(size)],
-        "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), i, p, size],
-        "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i, p, size, ctypes.POINTER(size)],
-        "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ctypes.POINTER(_Algo), ctypes.POINTER(_Heuristic)],
     }
     for name, argtypes in signatures.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = ctypes.c_int
     return lib
-
-
-def capability_list(lib, algo: _Algo, attr: int) -> list[int]:
-    """A uint32 array capability of `algo` (its size asked first); [] when it lists none."""
-    written = ctypes.c_size_t(0)
-    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(written)) != 0:
-        return []
-    count = written.value // 4
-    if not count:
-        return []
-    values = (ctypes.c_uint32 * count)()
-    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, values, 4 * count, ctypes.byref(written)):
-        return []
-    return list(values)
-
-
-def config_value(lib, algo: _Algo, attr: int) -> int:
-    """One uint32 configuration attribute of `algo` (tile id, split-K, stages id, ...)."""
-    value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
-    lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4, ctypes.byref(written))
-    return value.value
-
-
-def accepts(lib, handle, plan: "_Plan", algo: _Algo, workspace_bytes: int) -> bool:
-    """Whether cuBLASLt accepts configuration `algo` for `plan`'s exact shape (cublasLtMatmulAlgoCheck) within the
-    workspace."""
-    result = _Heuristic()
-    return (lib.cublasLtMatmulAlgoCheck(handle, plan.desc, plan.a, plan.b, plan.c, plan.c, ctypes.byref(algo),
-                                        ctypes.byref(result)) == 0 and result.workspace_size <= workspace_bytes)
-
-
-def neighbours(lib, handle, plan: "_Plan", seeds, workspace_bytes: int, splits=(1,), limit: int | None = None):
-    """The configurations cuBLASLt accepts (cublasLtMatmulAlgoCheck) among `seeds` (the heuristic's candidates:
-    a configuration made whole by the heuristic; a bare cublasLtMatmulAlgoInit one is refused) with each tile their
-    algorithm lists x `splits` split-K, the rest of each seed's configuration kept; at most `limit`."""
-    accepted, seen = [], {bytes(seed) for seed in seeds}
-    for seed in seeds:
-        tiles = capability_list(lib, seed, _CAP_TILE_IDS) or [config_value(lib, seed, _CONFIG_TILE_ID)]
-        for tile in tiles:
-            for split in splits:
-                algo = _Algo()
-                ctypes.memmove(ctypes.byref(algo), ctypes.byref(seed), ctypes.sizeof(_Algo))
-                for attr, value in ((_CONFIG_TILE_ID, tile), (_CONFIG_SPLITK_NUM, split)):
-                    v = ctypes.c_uint32(value)
-                    lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), 4)
-                if bytes(algo) in seen:
-                    continue
-                seen.add(bytes(algo))
-                if accepts(lib, handle, plan, algo, workspace_bytes):
-                    accepted.append(algo)
-                    if limit is not None and len(accepted) >= limit:
-                        return accepted
-    return accepted
 
 
 class NoAlgorithm(RuntimeError):
@@ -207,7 +137,6 @@ class _Plan:
         self.algos = [results[j].algo for j in range(count.value) if results[j].state == 0]
         if not self.algos:
             raise NoAlgorithm(f"cuBLASLt has no algorithm for [{num_rows}, {inner}] @ [{inner}, {num_out}]")
-        self.key = key
         self.chosen = 0
         self.times_ms: list[float] = []  # per candidate, when tuned
 
@@ -239,22 +168,6 @@ class TunedGemm:
         self._zero = np.zeros(1, dtype=np.float32)
         self.plans: dict[tuple, _Plan] = {}
         self.unsupported: set[tuple] = set()  # fp8_scaled keys cuBLASLt has no algorithm for
-        # (row_bucket(T), *the rest of a plan's key) -> the algorithm a tuned plan of those rows chose: an untuned
-        # plan of the same shape and bucket runs it where cuBLASLt accepts it (`tuning`, the eager FP8 products)
-        self.winners: dict[tuple, _Algo] = {}
-        self._tuning = False  # inside `tuning()`
-
-    @contextlib.contextmanager
-    def tuning(self):
-        """Time every plan called inside that was not timed yet (even with tune=False, even one made before) and
-        remember each winner for its row bucket: the plans this untuned TunedGemm makes later, of the same shape with
-        rows in that bucket, start from it (the engine tunes the eager FP8 products at each bucket once, at start:
-        CudaOps.warm_fp8_products)."""
-        tune, self.tune, self._tuning = self.tune, True, True
-        try:
-            yield self
-        finally:
-            self.tune, self._tuning = tune, False
 
     def __call__(self, x, w, out_dtype=None, out=None):
         """x [T, K] (C-contiguous) @ w [K, N] (C- or F-contiguous) -> out [T, N] of `out_dtype` (None: x's
@@ -317,27 +230,10 @@ class TunedGemm:
                 pointer = ctypes.c_void_p(array.data.ptr)
                 check_status(self._lib.cublasLtMatmulDescSetAttribute(plan.desc, attr, ctypes.byref(pointer), 8),
                              "MatmulDescSetAttribute (scale pointer)")
-        bucket_key = (row_bucket(key[0]), *key[1:])
-        adopted = fresh and not self.tune and self._adopt(plan, self.winners.get(bucket_key))
-        if (fresh or (self._tuning and not plan.times_ms)) and self.tune and not _capturing(self.stream):
+        if fresh and self.tune and not _capturing(self.stream):
             self._tune(plan, x, w, out)
-            self.winners[bucket_key] = plan.algos[plan.chosen]
-        try:
-            self._run(plan, plan.algos[plan.chosen], x, w, out)
-        except RuntimeError:
-            if not adopted:
-                raise
-            del plan.algos[0]  # accepted by cublasLtMatmulAlgoCheck, refused by cublasLtMatmul: the heuristic's
-            self._run(plan, plan.algos[plan.chosen], x, w, out)
+        self._run(plan, plan.algos[plan.chosen], x, w, out)
         return out
-
-    def _adopt(self, plan: _Plan, winner: _Algo | None) -> bool:
-        """Put `winner` (a tuned plan's choice at this plan's row bucket) first in `plan`'s list if cuBLASLt accepts
-        it for the exact shape; whether it did."""
-        if winner is None or not accepts(self._lib, self._handle, plan, winner, self._workspace.nbytes):
-            return False
-        plan.algos.insert(0, winner)
-        return True
 
     def _run(self, plan: _Plan, algo: _Algo, x, w, out, stream=None) -> None:
         check_status(self._lib.cublasLtMatmul(
@@ -348,45 +244,29 @@ class TunedGemm:
     def _tune(self, plan: _Plan, x, w, out) -> None:
         """Time every candidate and keep the fastest. Each is captured `repeats` times into a graph on a
         private stream and the median of three replays is taken: launched one by one from Python, a call
-        of a few microseconds would time the host's launch instead. Small FP8 plans (FP8_TILE_NEIGHBOUR_ROWS)
-        then add the best candidate's tile neighbours: one replay each, the NEIGHBOUR_KEEP fastest timed as above."""
+        of a few microseconds would time the host's launch instead."""
         self.stream.synchronize()  # x and w are ready
         stream = cupy.cuda.Stream(non_blocking=True)
-        plan.times_ms = [self._time(plan, algo, x, w, out, stream, 3) for algo in plan.algos]
-        best = int(np.argmin(plan.times_ms))
-        num_rows, in_type = plan.key[0], plan.key[4]
-        if in_type == _CUDA_R_8F_E4M3 and num_rows <= FP8_TILE_NEIGHBOUR_ROWS:
-            quick = []
-            for algo in neighbours(self._lib, self._handle, plan, [plan.algos[best]], self._workspace.nbytes):
+        plan.times_ms = []
+        for algo in plan.algos:
+            self._run(plan, algo, x, w, out, stream)  # warm-up (loads the kernel)
+            with gc_paused():
+                stream.begin_capture()
                 try:
-                    quick.append((self._time(plan, algo, x, w, out, stream, 1), algo))
-                except RuntimeError:  # accepted by AlgoCheck, refused by cublasLtMatmul
-                    continue
-            quick.sort(key=lambda pair: pair[0])
-            for _, algo in quick[:NEIGHBOUR_KEEP]:
-                plan.algos.append(algo)
-                plan.times_ms.append(self._time(plan, algo, x, w, out, stream, 3))
+                    for _ in range(self.repeats):
+                        self._run(plan, algo, x, w, out, stream)
+                finally:
+                    graph = stream.end_capture()
+            times = []
+            for _ in range(3):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
+                graph.launch(stream)
+                end.record(stream)
+                end.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(start, end) / self.repeats)
+            plan.times_ms.append(statistics.median(times))
         plan.chosen = int(np.argmin(plan.times_ms))
-
-    def _time(self, plan: _Plan, algo: _Algo, x, w, out, stream, replays: int) -> float:
-        """Median ms a call of `algo`: `repeats` calls captured into a graph, `replays` replays timed."""
-        self._run(plan, algo, x, w, out, stream)  # warm-up (loads the kernel; raises for a refused configuration)
-        with gc_paused():
-            stream.begin_capture()
-            try:
-                for _ in range(self.repeats):
-                    self._run(plan, algo, x, w, out, stream)
-            finally:
-                graph = stream.end_capture()
-        times = []
-        for _ in range(replays):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) / self.repeats)
-        return statistics.median(times)
 
     def __del__(self) -> None:
         self.plans = {}

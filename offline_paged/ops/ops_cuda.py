@@ -17,7 +17,6 @@ FP8 weights: `quantize_linear` / `upload_fp8_linear` build CudaFp8Linear layers 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import cupy
 import numpy as np
@@ -30,12 +29,7 @@ from offline_paged.ops.kv_scales import FP8_STORAGE_CUDA, KvScales, is_fp8
 from offline_paged.ops.logits_rows import logits_buckets, logits_rows
 
 from offline_paged.ops import launchers
-from offline_paged.ops.row_buckets import bucket_rows
 from offline_paged.ops.swap import BlockSwapper
-
-# Engine start tunes the eager FP8 products at each row bucket the eager steps can see (warm_fp8_products); False:
-# they run cuBLASLt's first candidate per shape, as before session 61.
-WARM_FP8_PRODUCTS = True
 
 # An FP8 qkv projection's product goes into rope_write_kv before its scale epilogue (CudaOps.qkv_rope_write_kv: one
 # launch and the [T, (H + 2 Hkv) D] 16-bit output's trip through memory fewer a layer); False: the epilogue, then
@@ -74,8 +68,7 @@ class CudaOps:
     def fp8_gemm(self):
         """The TunedGemm of the current stream (eager FP8 products), made on first use outside any capture. It
         takes cuBLASLt's first candidate per shape (tune=False): eager steps see many row counts, and timing
-        each would cost more than it saves; the decode graphs' own TunedGemm times its few bucket shapes. The shapes
-        `warm_fp8_products` tuned at engine start lend their winners to the rows of their power-of-two bucket."""
+        each would cost more than it saves; the decode graphs' own TunedGemm times its few bucket shapes."""
         stream = cupy.cuda.get_current_stream()
         gemm = self._fp8_gemms.get(stream.ptr)
         if gemm is None:
@@ -83,26 +76,6 @@ class CudaOps:
 
             gemm = self._fp8_gemms[stream.ptr] = TunedGemm(stream, tune=False)
         return gemm
-
-    def warm_fp8_products(self, layers, min_rows: int, max_rows: int, dtype) -> float:
-        """Tune the eager FP8 product of each distinct FP8 layer shape among `layers` once per power-of-two row
-        bucket (row_buckets.bucket_rows(min_rows, max_rows)) on random `dtype` rows: engine start, for the row counts
-        of the eager steps (see `fp8_gemm`). Returns the seconds it took; 0.0 where no layer is FP8 or
-        WARM_FP8_PRODUCTS is off."""
-        shapes = {(layer.in_features, layer.out_features): layer for layer in layers
-                  if isinstance(layer, CudaFp8Linear)}
-        if not WARM_FP8_PRODUCTS or not shapes:
-            return 0.0
-        start = time.perf_counter()
-        gemm = self.fp8_gemm()
-        rng = cupy.random.default_rng(0)
-        with gemm.tuning():
-            for layer in shapes.values():
-                for rows in bucket_rows(min_rows, max_rows):
-                    x = rng.standard_normal((rows, layer.in_features), dtype=np.float32).astype(dtype)
-                    layer.apply(x, gemm)
-        gemm.stream.synchronize()
-        return time.perf_counter() - start
 
     def kv_storage_dtype(self, dtype) -> np.dtype:
         """The element type a KV pool of `dtype` is allocated with here: uint8 for FP8 (CuPy has no float8)."""
