@@ -110,10 +110,10 @@ run_tests planted_adopt 60 tests/test_ops_cuda_fp8_linear.py -k untuned_gemm_run
 cp /tmp/cublaslt.py.keep offline_paged/ops/cublaslt.py
 W0=offline_paged.ops.ops_cuda.WARM_FP8_PRODUCTS=False; W1=offline_paged.ops.ops_cuda.WARM_FP8_PRODUCTS=True
 NB=offline_paged.ops.cublaslt.FP8_TILE_NEIGHBOUR_ROWS=256; NB0=offline_paged.ops.cublaslt.FP8_TILE_NEIGHBOUR_ROWS=0
-C64=offline_paged.ops.ops_cuda.WARM_CANDIDATES=64
+WC64=offline_paged.ops.ops_cuda.WARM_CANDIDATES=64
 bench fp8_base $W0 $NB0 -- $F8; bench fp8_warm $W1 $NB0 -- $F8; bench bf16 $W0 $NB0 -- $B16
 bench fp8_nb $W0 $NB -- $F8; bench fp8_base_b $W0 $NB0 -- $F8; bench fp8_warm_b $W1 $NB0 -- $F8
-bench fp8_warm64 $W1 $NB0 $C64 -- $F8; bench fp8_both $W1 $NB -- $F8
+bench fp8_warm64 $W1 $NB0 $WC64 -- $F8; bench fp8_both $W1 $NB -- $F8
 elif [ "${PART}" = 6 ]; then  # session 61, the second call: the quick engine tests, the prefill search, FP8 engines
 run_tests quick 140 tests/test_gpu_engine.py tests/test_graphs.py tests/test_gpu_bench.py
 run_tests fp8_engine 200 tests/test_gpu_engine_fp8_weights.py tests/test_gpu_engine_fp8.py
